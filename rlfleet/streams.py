@@ -1,0 +1,171 @@
+"""Stream protocol: every Redis key of a run, and the versioned messages on its streams.
+
+Streams (keys built only by `RunKeys`):
+  rollouts  inbox: one message per group from the workers (untrusted)
+  verified  groups the verifier accepted, with trusted rewards (consumed by the trainer)
+  rejected  groups refused, with the reason (audit)
+  policy    one message per published policy version
+A message is one Redis field `m` holding compact JSON; token ids, logprobs and proofs travel as
+base64 of little-endian int32 / float32 / raw bytes. `SCHEMA_VERSION` changes with any
+incompatible change; a consumer dead-letters what it cannot decode and keeps running.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+MESSAGE_FIELD = b"m"
+
+
+class RunKeys:
+    """The Redis keys of one run; the only place they are spelled."""
+
+    def __init__(self, run: str):
+        self.run = run
+        prefix = f"rlfleet:{run}"
+        self.rollouts = f"{prefix}:rollouts"
+        self.verified = f"{prefix}:verified"
+        self.rejected = f"{prefix}:rejected"
+        self.policy = f"{prefix}:policy"
+        self.stats = f"{prefix}:stats"
+        self.seen = f"{prefix}:seen"
+        self.verifier_group = "verifiers"
+        self.trainer_group = "trainer"
+
+    def all(self) -> list[str]:
+        return [self.rollouts, self.verified, self.rejected, self.policy, self.stats, self.seen]
+
+
+class MessageError(ValueError):
+    """A message that cannot be decoded; it is dead-lettered with this text as the reason."""
+
+
+def encode_ints(values) -> str:
+    return base64.b64encode(np.asarray(values, dtype="<i4").tobytes()).decode()
+
+
+def decode_ints(text: str) -> list[int]:
+    return np.frombuffer(base64.b64decode(text), dtype="<i4").tolist()
+
+
+def encode_floats(values) -> str:
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+
+
+def decode_floats(text: str) -> list[float]:
+    return np.frombuffer(base64.b64decode(text), dtype="<f4").tolist()
+
+
+@dataclass
+class Sample:
+    """One completion of a group."""
+
+    completion_ids: list[int]
+    logprobs: list[float]  # (T,) logprob of each sampled token under the sampling distribution
+    proofs: list[bytes]  # TOPLOC proofs: prompt chunk first, then one per decode chunk
+    reward: float = 0.0  # claimed by the worker; replaced by the verifier's own
+    finish_reason: str = "length"
+
+    def to_wire(self) -> dict:
+        return {
+            "c": encode_ints(self.completion_ids),
+            "l": encode_floats(self.logprobs),
+            "p": [base64.b64encode(p).decode() for p in self.proofs],
+            "r": self.reward,
+            "f": self.finish_reason,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict) -> Sample:
+        return cls(
+            completion_ids=decode_ints(d["c"]),
+            logprobs=decode_floats(d["l"]),
+            proofs=[base64.b64decode(p) for p in d["p"]],
+            reward=float(d["r"]),
+            finish_reason=str(d["f"]),
+        )
+
+
+@dataclass
+class SamplingParams:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int
+
+
+@dataclass
+class RolloutGroup:
+    """G completions of one prompt, produced by one worker with one policy version."""
+
+    task_id: str
+    worker_id: str
+    policy_version: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    samples: list[Sample]
+    rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    schema: int = SCHEMA_VERSION
+
+    def encode(self) -> dict[bytes, bytes]:
+        body = {
+            "schema": self.schema,
+            "rollout_id": self.rollout_id,
+            "task_id": self.task_id,
+            "worker_id": self.worker_id,
+            "policy_version": self.policy_version,
+            "prompt": encode_ints(self.prompt_ids),
+            "sampling": asdict(self.sampling),
+            "samples": [s.to_wire() for s in self.samples],
+        }
+        return {MESSAGE_FIELD: json.dumps(body, separators=(",", ":")).encode()}
+
+    @classmethod
+    def decode(cls, fields: dict) -> RolloutGroup:
+        """Decode a stream entry; raise MessageError naming what is wrong."""
+        raw = fields.get(MESSAGE_FIELD) or fields.get(MESSAGE_FIELD.decode())
+        if raw is None:
+            raise MessageError(f"no '{MESSAGE_FIELD.decode()}' field in message")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MessageError(f"body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise MessageError("body is not a JSON object")
+        if body.get("schema") != SCHEMA_VERSION:
+            raise MessageError(f"schema {body.get('schema')!r} is not the supported {SCHEMA_VERSION}")
+        try:
+            group = cls(
+                task_id=str(body["task_id"]),
+                worker_id=str(body["worker_id"]),
+                policy_version=int(body["policy_version"]),
+                prompt_ids=decode_ints(body["prompt"]),
+                sampling=SamplingParams(**body["sampling"]),
+                samples=[Sample.from_wire(s) for s in body["samples"]],
+                rollout_id=str(body["rollout_id"]),
+                schema=body["schema"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MessageError(f"malformed field: {exc!r}") from None
+        for i, s in enumerate(group.samples):
+            if len(s.completion_ids) != len(s.logprobs):
+                raise MessageError(f"samples[{i}]: {len(s.completion_ids)} tokens but {len(s.logprobs)} logprobs")
+        return group
+
+
+def encode_json(payload: dict) -> dict[bytes, bytes]:
+    """A small JSON stream message (policy announcements, rejections)."""
+    return {MESSAGE_FIELD: json.dumps(payload, separators=(",", ":")).encode()}
+
+
+def decode_json(fields: dict) -> dict:
+    raw = fields.get(MESSAGE_FIELD) or fields.get(MESSAGE_FIELD.decode())
+    if raw is None:
+        raise MessageError("no message field")
+    return json.loads(raw)
