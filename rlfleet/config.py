@@ -74,7 +74,7 @@ class TrainerSpec(Spec):
 class ToplocSpec(Spec):
     topk: int = Field(default=128, ge=1, le=4096, description="Top-k values per proof chunk (258 bytes per chunk at k=128).")
     decode_batching_size: int = Field(default=32, ge=1, description="Generated tokens per proof chunk.")
-    max_exp_mismatches: int = Field(default=90, ge=0, description="Reject a chunk with more exponent mismatches than this (TOPLOC authors' default).")
+    max_exp_mismatches: int = Field(default=38, ge=0, description="Reject a chunk with more exponent mismatches than this among its top-k (128 - 90 matches, TOPLOC authors' experiments).")
     max_mant_err_mean: float = Field(default=10.0, ge=0.0, description="Reject a chunk whose mean mantissa error exceeds this (TOPLOC authors' default).")
     max_mant_err_median: float = Field(default=8.0, ge=0.0, description="Reject a chunk whose median mantissa error exceeds this (TOPLOC authors' default).")
 

@@ -1,0 +1,100 @@
+"""Built-in models, made in code so nothing is downloaded: `builtin://tiny-arithmetic`.
+
+A Qwen2-architecture causal LM (2 layers, hidden 64) with a character-level tokenizer built with
+`tokenizers`, saved in HF format (config.json, tokenizer.json, model.safetensors). It gets a short
+supervised warm start on the run's task so that RL starts with signal: the warm-started policy
+solves some problems when sampled at temperature 1 and RL sharpens it.
+
+Building is deterministic for a given (task spec, seed, steps, BUILD_VERSION); the result is
+cached under $RLFLEET_CACHE (default ~/.cache/rlfleet) and written atomically, so concurrent
+builders never see a half-written model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILD_VERSION = 2
+BUILTIN_PREFIX = "builtin://"
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
+CHARS = "0123456789+-= "
+BUILTINS = {"tiny-arithmetic": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "warm_start_steps": 1500, "label_noise": 0.5}}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLFLEET_CACHE", Path.home() / ".cache" / "rlfleet"))
+
+
+def build_tokenizer():
+    """Character-level tokenizer: one token per character, `<bos>` prepended, `<eos>` ends completions."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *CHARS])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def _spec_key(name: str, task_spec, steps: int, seed: int) -> str:
+    blob = json.dumps({"name": name, "task": task_spec.model_dump(mode="json"), "steps": steps, "seed": seed,
+                       "build": BUILD_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def resolve_model_path(model_spec, task_spec, seed: int = 0) -> Path:
+    """A local HF directory for `model.path`, building (and caching) a builtin model if needed."""
+    path = model_spec.path
+    if not path.startswith(BUILTIN_PREFIX):
+        local = Path(path)
+        if not (local / "config.json").exists():
+            raise FileNotFoundError(f"spec.model.path: {path!r} is not an HF model directory (no config.json); "
+                                    f"use a local HF directory or one of {[BUILTIN_PREFIX + n for n in BUILTINS]}")
+        return local
+    name = path[len(BUILTIN_PREFIX):]
+    if name not in BUILTINS:
+        raise ValueError(f"spec.model.path: unknown builtin model {name!r}; known: {sorted(BUILTINS)}")
+    steps = model_spec.warm_start_steps or BUILTINS[name]["warm_start_steps"]
+    dest = cache_root() / "builtin" / f"{name}-{_spec_key(name, task_spec, steps, seed)}"
+    if (dest / "config.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
+    try:
+        build_builtin(name, task_spec, steps, seed, tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process finished first; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def build_builtin(name: str, task_spec, steps: int, seed: int, dest: Path) -> None:
+    """Initialize the model from `seed`, warm-start it on the task for `steps`, save to `dest`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlfleet.models.warm_start import supervised_warm_start
+    from rlfleet.tasks.base import make_task
+
+    tokenizer = build_tokenizer()
+    arch = {k: v for k, v in BUILTINS[name].items() if k not in ("warm_start_steps", "label_noise")}
+    config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=64, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **arch)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    supervised_warm_start(model, tokenizer, make_task(task_spec), steps=steps, seed=seed,
+                          label_noise=BUILTINS[name]["label_noise"])
+    model.save_pretrained(dest, safe_serialization=True)
+    tokenizer.save_pretrained(dest)

@@ -1,0 +1,67 @@
+"""Loading a policy version and scoring sequences by prefill.
+
+One scoring function serves the trainer (with gradients) and the verifier (without), so both
+compute token logprobs exactly the same way: `log_softmax(logits / temperature)` over the full
+vocabulary, the logits at position t scoring the token at t+1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_policy(model_dir: str | Path, dtype: str = "float32"):
+    """(model, tokenizer) from an HF directory, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return model, tokenizer
+
+
+def load_weights_in_place(model, model_dir: str | Path) -> None:
+    """Hot-swap: copy every safetensors tensor of `model_dir` into the live model's parameters."""
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+@dataclass
+class Scored:
+    hidden: list[torch.Tensor]  # per sequence (L_i, H): final hidden state (after the last norm) of every position
+    logprobs: list[torch.Tensor]  # per sequence (L_i - 1,): logprob of token t+1 given tokens <= t
+
+
+def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) ids and attention mask for right-padded rows."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def score(model, rows: list[list[int]], temperature: float, pad_id: int, want_hidden: bool = False) -> Scored:
+    """Prefill right-padded `rows` in one batch; gradients flow if enabled by the caller."""
+    ids, mask = pad_right(rows, pad_id)
+    out = model.model(input_ids=ids, attention_mask=mask)
+    hidden = out.last_hidden_state  # (B, L, H)
+    logits = model.lm_head(hidden[:, :-1]).float() / temperature  # (B, L-1, V)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    lengths = [len(r) for r in rows]
+    return Scored(
+        hidden=[hidden[i, :n] for i, n in enumerate(lengths)] if want_hidden else [],
+        logprobs=[logp[i, : n - 1] for i, n in enumerate(lengths)],
+    )
