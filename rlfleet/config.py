@@ -46,6 +46,7 @@ class ArithmeticTaskSpec(Spec):
 
 
 TaskSpec = Annotated[Union[ArithmeticTaskSpec], Field(discriminator="type")]
+TASK_TYPES = {"arithmetic"}
 
 
 class SamplingSpec(Spec):
@@ -91,12 +92,12 @@ class RedisSpec(Spec):
 
 
 class StoreSpec(Spec):
-    uri: str = Field(default="file://./runs/store", description="Checkpoint store: `file:///abs/dir`, `file://./relative/dir` or `s3://bucket/prefix`.")
+    uri: str | None = Field(default=None, description="Checkpoint store: `file:///abs/dir`, `file://./relative/dir` or `s3://bucket/prefix`. Empty: `rlfleet run` uses RUN_DIR/store; the operator requires it.")
     endpoint_url: str | None = Field(default=None, description="S3 API endpoint (for MinIO, Ceph or a test server); empty = AWS default.")
 
     @model_validator(mode="after")
     def _scheme(self) -> StoreSpec:
-        if not (self.uri.startswith("file://") or self.uri.startswith("s3://")):
+        if self.uri is not None and not (self.uri.startswith("file://") or self.uri.startswith("s3://")):
             raise ValueError(f"uri {self.uri!r} must start with file:// or s3://")
         return self
 
@@ -180,7 +181,9 @@ class ConfigError(Exception):
 
 
 def _field_path(loc: tuple) -> str:
-    return ".".join(str(part) for part in loc) or "(document)"
+    # A discriminated union puts its tag in the path (spec.task.arithmetic.x); users wrote spec.task.x.
+    parts = [str(p) for i, p in enumerate(loc) if not (i > 0 and loc[i - 1] == "task" and p in TASK_TYPES)]
+    return ".".join(parts) or "(document)"
 
 
 def _parse_document(index: int, doc: object, problems: list[str]) -> Spec | None:
