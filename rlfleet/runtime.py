@@ -54,3 +54,40 @@ def component_context(args, component: str) -> Context:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop)
+
+
+def open_run_store(ctx: Context, source: str = "config"):
+    """The run's checkpoint store: env RLFLEET_STORE_URI (set by the local launcher) or spec.store.uri."""
+    from rlfleet.store import open_store
+
+    spec = ctx.bundle.run.spec.store
+    uri = os.environ.get("RLFLEET_STORE_URI") or spec.uri
+    if not uri:
+        raise ConfigError(source, ["spec.store.uri: required outside `rlfleet run` (file:///dir or s3://bucket/prefix)"])
+    return open_store(uri, spec.endpoint_url)
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
+    """Create a consumer group reading the stream from its start; an existing group is kept."""
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def latest_announced_version(client: redis.Redis, keys: RunKeys) -> int | None:
+    """The newest version on the policy stream, or None before the first publish."""
+    from rlfleet.streams import decode_json
+
+    entries = client.xrevrange(keys.policy, count=1)
+    return int(decode_json(entries[0][1])["version"]) if entries else None
+
+
+def configure_torch_threads() -> None:
+    """Intra-op threads from RLFLEET_TORCH_THREADS (the local launcher sets 1: many processes share few cores)."""
+    threads = os.environ.get("RLFLEET_TORCH_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))

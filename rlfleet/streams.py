@@ -33,12 +33,19 @@ class RunKeys:
         self.rejected = f"{prefix}:rejected"
         self.policy = f"{prefix}:policy"
         self.stats = f"{prefix}:stats"
-        self.seen = f"{prefix}:seen"
+        self.trained = f"{prefix}:trained"  # sorted set: rollout id -> policy version it trained
+        self.workers = f"{prefix}:workers"  # hash: "{worker}:{verdict}" -> count (reputation)
+        self._seen_prefix = f"{prefix}:seen:"
         self.verifier_group = "verifiers"
         self.trainer_group = "trainer"
 
+    def seen(self, rollout_id: str) -> str:
+        """Replay guard of one rollout id (a key with a TTL, so the guard stays bounded)."""
+        return f"{self._seen_prefix}{rollout_id}"
+
     def all(self) -> list[str]:
-        return [self.rollouts, self.verified, self.rejected, self.policy, self.stats, self.seen]
+        """Fixed keys of the run (the per-rollout replay guards expire by themselves)."""
+        return [self.rollouts, self.verified, self.rejected, self.policy, self.stats, self.trained, self.workers]
 
 
 class MessageError(ValueError):

@@ -66,11 +66,9 @@ def make_app(store: CheckpointStore, run: str) -> web.Application:
 
 def main(args) -> int:
     """`rlfleet origin`: serve the store of the config's run on args.host:args.port until SIGTERM."""
-    from rlfleet.runtime import component_context
-    from rlfleet.store import open_store
+    from rlfleet.runtime import component_context, open_run_store
 
     ctx = component_context(args, "origin")
-    spec = ctx.bundle.run.spec.store
-    store = open_store(spec.uri, spec.endpoint_url)
+    store = open_run_store(ctx, args.config)
     asyncio.run(serve_until(make_app(store, ctx.run_name), args.host, args.port, ctx.stop))
     return 0

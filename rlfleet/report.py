@@ -1,0 +1,73 @@
+"""Run reports: `summary.json` and a picture of reward and accuracy against step, both computed
+from the trainer's `metrics.jsonl` (never written in by hand)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(records: list[dict], wall_seconds: float) -> dict:
+    """Means over the first and last tenth of steps (at least one step each)."""
+    if not records:
+        return {"steps": 0, "reward_first": None, "reward_last": None, "accepted": 0, "rejected": 0,
+                "wall_seconds": wall_seconds}
+    tenth = max(1, len(records) // 10)
+
+    def mean(rows: list[dict], key: str) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    first, last = records[:tenth], records[-tenth:]
+    return {
+        "steps": len(records),
+        "policy_version": records[-1]["policy_version"],
+        "reward_first": mean(first, "reward_mean"),
+        "reward_last": mean(last, "reward_mean"),
+        "accuracy_first": mean(first, "accuracy"),
+        "accuracy_last": mean(last, "accuracy"),
+        "samples": sum(r["samples"] for r in records),
+        "accepted": records[-1]["accepted"],
+        "rejected": records[-1]["rejected"],
+        "staleness_mean": mean(records, "staleness_mean"),
+        "wall_seconds": wall_seconds,
+    }
+
+
+def plot(records: list[dict], dest: Path, title: str) -> None:
+    """PNG of reward and accuracy per step, with a 10-step moving average of the reward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    reward = [r["reward_mean"] for r in records]
+    window = 10
+    smooth = [sum(reward[max(0, i - window + 1): i + 1]) / len(reward[max(0, i - window + 1): i + 1]) for i in range(len(reward))]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    ax.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward (batch mean)")
+    ax.plot(steps, smooth, color="tab:blue", label=f"reward ({window}-step mean)")
+    ax.plot(steps, [r["accuracy"] for r in records], color="tab:green", alpha=0.6, linestyle=":", label="accuracy")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(dest)
+    plt.close(fig)
+
+
+def write_reports(run_dir: Path, wall_seconds: float, title: str) -> dict:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    summary = summarize(records, wall_seconds)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if records:
+        plot(records, run_dir / "reward.png", title)
+    return summary

@@ -1,0 +1,183 @@
+"""`rlfleet rollout`: a worker of an InferencePool.
+
+Loop: draw a task id, sample G completions with the current policy version, build TOPLOC proofs of
+their final hidden states, XADD the group to the inbox. A background thread follows the `policy`
+stream and downloads each announced version through the relays (checking every file's sha256)
+while generation goes on with the old weights; the main loop swaps weights between groups, so a
+group is always produced by exactly one version, which it records.
+
+Backpressure: the worker pauses while the inbox holds more than `maxPending` groups (the verifier
+deletes what it has handled, so XLEN is the backlog) or while its weights lag the newest
+announced version by more than `maxAsyncLevel`; it resumes by itself.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import Counter, Gauge
+
+from rlfleet.checkpoint import parse_version_dir
+from rlfleet.runtime import Context, component_context, configure_torch_threads, latest_announced_version
+from rlfleet.services.rollout.engine import Engine, make_engine
+from rlfleet.services.shardcast.client import fetch_version
+from rlfleet.services.toploc.proof import build_proofs
+from rlfleet.streams import RolloutGroup, Sample, SamplingParams, decode_json
+from rlfleet.tasks.base import make_task
+
+log = logging.getLogger("rlfleet.rollout")
+
+GROUPS = Counter("rlfleet_rollout_groups_total", "Groups sent to the inbox")
+TOKENS = Counter("rlfleet_rollout_tokens_total", "Completion tokens generated")
+VERSION = Gauge("rlfleet_rollout_policy_version", "Policy version of the loaded weights")
+LAG = Gauge("rlfleet_rollout_version_lag", "Newest announced version minus loaded version")
+PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by backpressure", ["reason"])
+SWAP_SECONDS = Gauge("rlfleet_rollout_weight_swap_seconds", "Duration of the last in-place weight load")
+
+
+class VersionFollower(threading.Thread):
+    """Follows the policy stream and downloads each new version; `ready` holds the newest local one."""
+
+    def __init__(self, ctx: Context, relay_urls: list[str], cache_dir: Path, keep: int):
+        super().__init__(daemon=True, name="version-follower")
+        self.ctx, self.relay_urls, self.cache_dir, self.keep = ctx, relay_urls, cache_dir, keep
+        self.announced = -1
+        self.ready: tuple[int, Path] | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        try:
+            self._follow()
+        except BaseException as exc:  # surfaced to the main loop, which exits non-zero
+            self.error = exc
+
+    def _follow(self) -> None:
+        last_id = "0-0"
+        keys = self.ctx.keys
+        while not self.ctx.stop.is_set():
+            resp = self.ctx.redis.xread({keys.policy: last_id}, block=500)
+            newest = None
+            for _, entries in resp or []:
+                for msg_id, fields in entries:
+                    last_id = msg_id
+                    newest = max(newest or -1, int(decode_json(fields)["version"]))
+            if newest is None or newest <= self.announced:
+                continue
+            self.announced = newest
+            path = fetch_version(self.relay_urls, self.ctx.run_name, newest, self.cache_dir, stop=self.ctx.stop)
+            with self._lock:
+                self.ready = (newest, path)
+            self._prune(newest)
+
+    def take(self, newer_than: int) -> tuple[int, Path] | None:
+        with self._lock:
+            if self.ready and self.ready[0] > newer_than:
+                return self.ready
+        return None
+
+    def _prune(self, newest: int) -> None:
+        for child in self.cache_dir.iterdir():
+            version = parse_version_dir(child.name)
+            if version is not None and version <= newest - self.keep:
+                shutil.rmtree(child, ignore_errors=True)
+
+
+class Worker:
+    def __init__(self, ctx: Context, args):
+        self.ctx = ctx
+        self.spec = ctx.bundle.run.spec
+        pools = ctx.bundle.pools
+        pool = next((p for p in pools if p.metadata.name == args.pool), pools[0] if pools else None)
+        self.engine_kind = pool.spec.engine if pool else "torch"
+        self.max_pending = pool.spec.max_pending if pool else 64
+        self.worker_id = args.worker_id
+        self.task = make_task(self.spec.task)
+        seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
+        self.rng = np.random.default_rng(seed)
+        self.follower = VersionFollower(ctx, args.relay_url, Path(args.cache_dir), self.spec.shardcast.keep_versions)
+        self.engine: Engine | None = None
+
+    def wait_first_version(self) -> bool:
+        self.follower.start()
+        while not self.ctx.stop.is_set():
+            self._raise_follower_error()
+            ready = self.follower.take(-1)
+            if ready:
+                version, path = ready
+                self.engine = make_engine(self.engine_kind, path, version, self.spec.model.dtype)
+                VERSION.set(version)
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _raise_follower_error(self) -> None:
+        if self.follower.error is not None:
+            raise RuntimeError(f"downloading policy versions failed: {self.follower.error}") from self.follower.error
+
+    def maybe_swap(self) -> None:
+        ready = self.follower.take(self.engine.version)
+        if ready:
+            t0 = time.monotonic()
+            self.engine.load_weights(ready[1], ready[0])
+            SWAP_SECONDS.set(time.monotonic() - t0)
+            VERSION.set(ready[0])
+            log.info("now generating with version %d", ready[0])
+
+    def paused(self) -> str | None:
+        """Why generation should wait now, or None."""
+        newest = latest_announced_version(self.ctx.redis, self.ctx.keys)
+        lag = (newest or 0) - self.engine.version
+        LAG.set(lag)
+        if lag > self.spec.trainer.max_async_level:
+            return "version_lag"
+        if self.ctx.redis.xlen(self.ctx.keys.rollouts) > self.max_pending:
+            return "backlog"
+        return None
+
+    def make_group(self) -> RolloutGroup:
+        s, toploc = self.spec.sampling, self.spec.verifier.toploc
+        problem = self.task.problem(self.task.sample_id(self.rng))
+        prompt_ids = self.engine.tokenizer(problem.prompt)["input_ids"]
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                                seed=int(self.rng.integers(0, 2**31)))
+        samples = []
+        for gen in self.engine.generate(prompt_ids, params, s.group_size):
+            proofs = build_proofs(gen.hidden, prompt_len=len(prompt_ids),
+                                  decode_batching_size=toploc.decode_batching_size, topk=toploc.topk)
+            text = self.engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
+            samples.append(Sample(completion_ids=gen.completion_ids, logprobs=gen.logprobs, proofs=proofs,
+                                  reward=self.task.reward(problem, text), finish_reason=gen.finish_reason))
+            TOKENS.inc(len(gen.completion_ids))
+        return RolloutGroup(task_id=problem.task_id, worker_id=self.worker_id, policy_version=self.engine.version,
+                            prompt_ids=prompt_ids, sampling=params, samples=samples)
+
+    def run(self) -> None:
+        if not self.wait_first_version():
+            return
+        maxlen = self.spec.redis.stream_max_len
+        while not self.ctx.stop.is_set():
+            self._raise_follower_error()
+            self.maybe_swap()
+            reason = self.paused()
+            if reason:
+                PAUSED.labels(reason).inc(0.02)
+                time.sleep(0.02)
+                continue
+            group = self.make_group()
+            self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode(), maxlen=maxlen, approximate=True)
+            GROUPS.inc()
+
+
+def main(args) -> int:
+    ctx = component_context(args, "rollout")
+    configure_torch_threads()
+    if not args.relay_url:
+        raise SystemExit("rlfleet rollout: at least one --relay-url is required")
+    Worker(ctx, args).run()
+    return 0

@@ -1,0 +1,184 @@
+"""`rlfleet trainer`: consume verified groups, take GRPO steps, publish policy versions.
+
+One step:
+  1. read verified groups (consumer group `trainer`) until `batchSize` fresh groups are held;
+     a group is fresh while (current version - its policy version) <= maxAsyncLevel, older ones are
+     dropped and acknowledged; a rollout id trained before is acknowledged and skipped
+     (at-least-once delivery made exactly-once);
+  2. group-normalized advantages, GRPO loss with two-sided clipping (loss.py), grad-norm clip, AdamW;
+  3. publish version v+1 to the store (manifest last), announce it on the `policy` stream;
+  4. only then record the rollout ids as trained and XACK their messages, so a crash before the
+     commit redelivers them and a crash after it never trains them twice.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from rlfleet.checkpoint import publish_version, save_model_dir
+from rlfleet.policy import load_policy, score
+from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
+from rlfleet.services.trainer.loss import group_advantages, grpo_loss
+from rlfleet.streams import MessageError, RolloutGroup, encode_json
+
+log = logging.getLogger("rlfleet.trainer")
+TRAINED_IDS_KEPT = 200_000
+
+STEP = Gauge("rlfleet_trainer_step", "Optimizer steps taken")
+VERSION = Gauge("rlfleet_trainer_policy_version", "Latest published policy version")
+REWARD = Gauge("rlfleet_trainer_reward_mean", "Mean verified reward of the last batch")
+STALENESS = Gauge("rlfleet_trainer_staleness_mean", "Mean policy lag of the last batch, in versions")
+SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
+DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
+STEP_SECONDS = Histogram("rlfleet_trainer_step_seconds", "Step time by phase", ["phase"])
+
+
+class Trainer:
+    def __init__(self, ctx: Context, output_dir: Path | None):
+        self.ctx = ctx
+        self.spec = ctx.bundle.run.spec
+        self.store = open_run_store(ctx)
+        self.consumer = "trainer-0"
+        self.metrics_file = output_dir / "metrics.jsonl" if output_dir else None
+        from rlfleet.models.builtin import resolve_model_path
+
+        base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
+        self.model, self.tokenizer = load_policy(base, self.spec.model.dtype)
+        t = self.spec.trainer
+        torch.manual_seed(t.seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.version = 0
+        self.started = time.monotonic()
+        ensure_group(ctx.redis, ctx.keys.verified, ctx.keys.trainer_group)
+
+    def publish(self) -> None:
+        """Write the current weights as `self.version` to the store, then announce it."""
+        with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
+            save_model_dir(self.model, self.tokenizer, Path(tmp))
+            publish_version(self.store, self.ctx.run_name, self.version, Path(tmp))
+        self.ctx.redis.xadd(self.ctx.keys.policy, encode_json({"version": self.version, "time": time.time()}),
+                            maxlen=1000, approximate=True)
+        VERSION.set(self.version)
+
+    def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
+        """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
+        keys, r = self.ctx.keys, self.ctx.redis
+        want, max_lag = self.spec.trainer.batch_size, self.spec.trainer.max_async_level
+        batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0}
+        while len(batch) < want and not self.ctx.stop.is_set():
+            resp = r.xreadgroup(keys.trainer_group, self.consumer, {keys.verified: ">"}, count=want - len(batch), block=500)
+            for _, entries in resp or []:
+                for msg_id, fields in entries:
+                    ack.append(msg_id)
+                    try:
+                        group = RolloutGroup.decode(fields)
+                    except MessageError as exc:
+                        log.error("undecodable verified message %s: %s", msg_id, exc)
+                        drops["malformed"] += 1
+                        continue
+                    if r.zscore(keys.trained, group.rollout_id) is not None or any(g.rollout_id == group.rollout_id for g in batch):
+                        drops["duplicate"] += 1
+                    elif self.version - group.policy_version > max_lag:
+                        drops["stale"] += 1
+                    else:
+                        batch.append(group)
+        for reason, n in drops.items():
+            if n:
+                DROPPED.labels(reason).inc(n)
+        return batch, ack, drops
+
+    def step(self, groups: list[RolloutGroup]) -> dict:
+        """One GRPO update on `groups`; returns its statistics."""
+        t = self.spec.trainer
+        temperature = self.spec.sampling.temperature
+        rows, old, advantages, starts, rewards = [], [], [], [], []
+        for g in groups:
+            group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
+            rewards.extend(group_rewards.tolist())
+            for s, a in zip(g.samples, group_advantages(group_rewards)):
+                rows.append(g.prompt_ids + s.completion_ids)
+                old.append(s.logprobs)
+                advantages.append(a)
+                starts.append(len(g.prompt_ids) - 1)  # index in the (L-1,) logprob row of the first completion token
+        self.model.train()
+        scored = score(self.model, rows, temperature, self.tokenizer.pad_token_id)
+        width = max(len(r) for r in rows) - 1
+        new_lp = torch.zeros(len(rows), width)
+        old_lp = torch.zeros(len(rows), width)
+        mask = torch.zeros(len(rows), width)
+        for i, (lp, start) in enumerate(zip(scored.logprobs, starts)):  # (B, T) completion-aligned tensors
+            n = len(old[i])
+            new_lp[i, start : start + n] = lp[start : start + n]
+            old_lp[i, start : start + n] = torch.tensor(old[i])
+            mask[i, start : start + n] = 1.0
+        loss, stats = grpo_loss(new_lp, old_lp, torch.stack(advantages), mask, t.eps_low, t.eps_high, t.delta)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        rewards_arr = np.array(rewards)
+        return {"loss": float(loss), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
+                "accuracy": float((rewards_arr >= 1.0).mean()), "samples": len(rows),
+                "completion_tokens_mean": float(mask.sum() / len(rows)), **stats}
+
+    def commit(self, groups: list[RolloutGroup], ack: list[bytes], version: int) -> None:
+        keys, r = self.ctx.keys, self.ctx.redis
+        with r.pipeline(transaction=True) as pipe:
+            if groups:
+                pipe.zadd(keys.trained, {g.rollout_id: version for g in groups})
+                pipe.zremrangebyrank(keys.trained, 0, -TRAINED_IDS_KEPT - 1)
+            if ack:
+                pipe.xack(keys.verified, keys.trainer_group, *ack)
+                pipe.xdel(keys.verified, *ack)
+            pipe.execute()
+
+    def run(self, steps: int) -> None:
+        self.publish()  # version 0: the starting policy
+        for step in range(1, steps + 1):
+            t0 = time.monotonic()
+            groups, ack, drops = self.collect()
+            if self.ctx.stop.is_set():
+                log.info("stopping before step %d; %d unacknowledged groups will be redelivered", step, len(groups))
+                return
+            t1 = time.monotonic()
+            stats = self.step(groups)
+            t2 = time.monotonic()
+            staleness = float(np.mean([self.version - g.policy_version for g in groups]))
+            self.version += 1
+            self.publish()
+            self.commit(groups, ack, self.version)
+            t3 = time.monotonic()
+            counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}
+            record = {"step": step, "policy_version": self.version, **stats, "staleness_mean": staleness,
+                      "dropped_stale": drops["stale"], "dropped_duplicate": drops["duplicate"],
+                      "accepted": counts.get("accepted", 0), "rejected": counts.get("rejected", 0),
+                      "wait_seconds": t1 - t0, "compute_seconds": t2 - t1, "publish_seconds": t3 - t2,
+                      "wall_seconds": time.monotonic() - self.started}
+            for phase, seconds in (("wait", t1 - t0), ("compute", t2 - t1), ("publish", t3 - t2)):
+                STEP_SECONDS.labels(phase).observe(seconds)
+            STEP.set(step)
+            REWARD.set(stats["reward_mean"])
+            STALENESS.set(staleness)
+            SAMPLES.inc(stats["samples"])
+            if self.metrics_file:
+                with open(self.metrics_file, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            log.info("step %d version %d reward %.3f staleness %.2f", step, self.version, stats["reward_mean"], staleness)
+
+
+def main(args) -> int:
+    ctx = component_context(args, "trainer")
+    configure_torch_threads()
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    if output_dir:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    Trainer(ctx, output_dir).run(args.steps or ctx.bundle.run.spec.trainer.steps)
+    return 0
