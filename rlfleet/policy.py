@@ -26,14 +26,22 @@ def load_policy(model_dir: str | Path, dtype: str = "float32"):
 
 
 def load_weights_in_place(model, model_dir: str | Path) -> None:
-    """Hot-swap: copy every safetensors tensor of `model_dir` into the live model's parameters."""
+    """Hot-swap: copy every safetensors tensor of `model_dir` into the live model's parameters.
+
+    Names and shapes are checked before anything is copied, so a rejected checkpoint leaves the
+    live weights untouched."""
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(Path(model_dir).glob("*.safetensors")):
         state.update(load_file(str(shard)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    live = model.state_dict()
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(live) - set(state) - tied)
+    unexpected = sorted(set(state) - set(live))
+    reshaped = sorted(k for k in set(state) & set(live) if state[k].shape != live[k].shape)
+    if missing or unexpected or reshaped:
+        raise ValueError(f"{model_dir}: weights do not match the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}, other shape {reshaped[:3]})")
+    model.load_state_dict(state, strict=False)
 
 
 @dataclass

@@ -26,31 +26,9 @@ from rlfleet.services.shardcast.protocol import file_path, healthz as origin_hea
 from rlfleet.store import open_store
 from rlfleet.streams import RunKeys, encode_json
 
+from support import serving
+
 RUN = "demo"
-
-
-@contextmanager
-def serving(app: web.Application):
-    """Serve `app` on a free loopback port in a background thread; yield its base URL."""
-    port, stop = free_port(), threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, "127.0.0.1", port, stop)), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if requests.get(url + "/healthz", timeout=1).ok:
-                break
-        except requests.ConnectionError:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"server on {url} did not start") from None
-            time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        stop.set()
-        thread.join(15)
-        assert not thread.is_alive(), "server thread did not stop"
 
 
 def proxy_app(upstream: str, mangle) -> web.Application:

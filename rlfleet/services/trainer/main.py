@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from rlfleet.checkpoint import publish_version, save_model_dir
+from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
 from rlfleet.policy import load_policy, score
 from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
 from rlfleet.services.trainer.loss import group_advantages, grpo_loss
@@ -63,6 +63,9 @@ class Trainer:
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
             save_model_dir(self.model, self.tokenizer, Path(tmp))
             publish_version(self.store, self.ctx.run_name, self.version, Path(tmp))
+        # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
+        keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
+        prune_versions(self.store, self.ctx.run_name, keep)
         self.ctx.redis.xadd(self.ctx.keys.policy, encode_json({"version": self.version, "time": time.time()}),
                             maxlen=1000, approximate=True)
         VERSION.set(self.version)

@@ -1,0 +1,56 @@
+"""Helpers shared by tests: real HTTP servers on loopback and small real models."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+from aiohttp import web
+
+from rlfleet.redis_server import free_port
+from rlfleet.services.shardcast.protocol import serve_until
+
+
+@contextmanager
+def serving(app: web.Application):
+    """Serve `app` on a free loopback port in a background thread; yield its base URL."""
+    port, stop = free_port(), threading.Event()
+    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, "127.0.0.1", port, stop)), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if requests.get(url + "/healthz", timeout=1).ok:
+                break
+        except requests.ConnectionError:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"server on {url} did not start") from None
+            time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        stop.set()
+        thread.join(15)
+        assert not thread.is_alive(), "server thread did not stop"
+
+
+
+def tiny_policy_dir(dest: Path, seed: int) -> Path:
+    """A randomly initialised Qwen2 policy with the builtin tokenizer, saved in HF format."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlfleet.checkpoint import save_model_dir
+    from rlfleet.models.builtin import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    save_model_dir(Qwen2ForCausalLM(config), tokenizer, dest)
+    return dest

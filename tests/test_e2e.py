@@ -1,0 +1,88 @@
+"""The whole system as a user runs it: `rlfleet run examples/arithmetic/rlrun.yaml`, real processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arithmetic" / "rlrun.yaml"
+
+
+def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir),
+                             "--no-progress", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"no {steps} steps within {seconds}s"
+        time.sleep(0.5)
+
+
+def component_pids(run_dir: Path) -> list[int]:
+    """Processes started for this run (their command line names its config copy)."""
+    out = subprocess.run(["pgrep", "-f", str(run_dir / "rlrun.yaml")], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_example_learns_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir)
+    out, _ = proc.communicate(timeout=1500)
+    assert proc.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == len(records) == 150
+    for key in ("step", "policy_version", "reward_mean", "samples", "accepted", "rejected", "staleness_mean"):
+        assert key in records[0], key
+    assert [r["policy_version"] for r in records] == list(range(1, 151))
+    assert all(0 <= r["staleness_mean"] <= 2 for r in records), "maxAsyncLevel 2 bounds the policy lag"
+    assert summary["rejected"] == 0, "honest workers are never rejected"
+    assert summary["accepted"] >= 150 * 16
+    # The learned policy is clearly better than the warm start (means over the first/last tenth).
+    assert summary["reward_last"] >= 0.8, summary
+    assert summary["reward_last"] - summary["reward_first"] >= 0.3, summary
+    assert (run_dir / "reward.png").stat().st_size > 10_000
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())
+    assert {"trainer.log", "origin.log", "verifier-0.log", "rollout-arithmetic-cpu-0.log",
+            "rollout-arithmetic-cpu-1.log", "relay-arithmetic-tier0-0.log"} <= set(logs)
+    assert component_pids(run_dir) == [], "every component stopped"
+
+
+@pytest.mark.slow
+def test_a_dying_component_stops_the_run_and_is_named(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "1000")
+    wait_for_steps(run_dir, proc, 2, seconds=600)
+    worker = subprocess.run(["pgrep", "-f", f"{run_dir / 'rlrun.yaml'} --worker-id arithmetic-cpu-1"],
+                            capture_output=True, text=True).stdout.split()
+    assert len(worker) == 1
+    os.kill(int(worker[0]), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "rollout/arithmetic-cpu-1" in out and str(run_dir / "logs" / "rollout-arithmetic-cpu-1.log") in out
+    assert component_pids(run_dir) == []
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 2
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "1000")
+    wait_for_steps(run_dir, proc, 1, seconds=600)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    assert component_pids(run_dir) == []
+    assert not list((run_dir / "redis").glob("*.pid"))
