@@ -127,6 +127,8 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     model_dir = resolve_model_path(bundle.run.spec.model, bundle.run.spec.task, seed=bundle.run.spec.trainer.seed)
     print(f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)", file=sys.stderr)
 
+    # SIGTERM (a supervisor, `kill`) stops the run the same way Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     comps = plan(bundle, config, run_path)
     if steps:
         comps[-1].argv += ["--steps", str(steps)]

@@ -28,10 +28,18 @@ def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, seconds: f
         time.sleep(0.5)
 
 
-def component_pids(run_dir: Path) -> list[int]:
-    """Processes started for this run (their command line names its config copy)."""
-    out = subprocess.run(["pgrep", "-f", str(run_dir / "rlrun.yaml")], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def component_pids(run_dir: Path, *words: str) -> list[int]:
+    """Live processes started for this run (their command line names its config copy), read from /proc."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+            state = (cmdline.parent / "stat").read_text().split(") ", 1)[1][0]
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        if str(run_dir / "rlrun.yaml") in argv and state != "Z" and all(w in argv for w in words):
+            pids.append(int(cmdline.parent.name))
+    return pids
 
 
 @pytest.mark.slow
@@ -64,10 +72,9 @@ def test_a_dying_component_stops_the_run_and_is_named(tmp_path):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--steps", "1000")
     wait_for_steps(run_dir, proc, 2, seconds=600)
-    worker = subprocess.run(["pgrep", "-f", f"{run_dir / 'rlrun.yaml'} --worker-id arithmetic-cpu-1"],
-                            capture_output=True, text=True).stdout.split()
+    worker = component_pids(run_dir, "--worker-id", "arithmetic-cpu-1")
     assert len(worker) == 1
-    os.kill(int(worker[0]), signal.SIGKILL)
+    os.kill(worker[0], signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "rollout/arithmetic-cpu-1" in out and str(run_dir / "logs" / "rollout-arithmetic-cpu-1.log") in out

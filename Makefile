@@ -1,0 +1,28 @@
+# One command sets up and runs the example, one sets up and runs the tests.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: setup run test test-fast clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/rlfleet run examples/arithmetic/rlrun.yaml
+
+# The whole suite, end-to-end runs included (about 10 minutes on 2 cores).
+test: setup
+	$(BIN)/python -m pytest -ra
+
+# Everything except the end-to-end runs marked slow.
+test-fast: setup
+	$(BIN)/python -m pytest -ra -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
