@@ -33,6 +33,7 @@ def summarize(records: list[dict], wall_seconds: float) -> dict:
         "samples": sum(r["samples"] for r in records),
         "accepted": records[-1]["accepted"],
         "rejected": records[-1]["rejected"],
+        "rejected_by_reason": records[-1].get("rejected_by_reason", {}),
         "staleness_mean": mean(records, "staleness_mean"),
         "wall_seconds": wall_seconds,
     }

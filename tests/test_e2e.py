@@ -55,7 +55,10 @@ def test_example_learns_end_to_end(tmp_path):
         assert key in records[0], key
     assert [r["policy_version"] for r in records] == list(range(1, 151))
     assert all(0 <= r["staleness_mean"] <= 2 for r in records), "maxAsyncLevel 2 bounds the policy lag"
-    assert summary["rejected"] == 0, "honest workers are never rejected"
+    # Honest workers are never rejected for their content; a group can only outlive the staleness
+    # window while the verifier starts up.
+    assert set(summary["rejected_by_reason"]) <= {"stale_version"}, summary
+    assert summary["rejected"] <= 32, summary
     assert summary["accepted"] >= 150 * 16
     # The learned policy is clearly better than the warm start (means over the first/last tenth).
     assert summary["reward_last"] >= 0.8, summary

@@ -163,6 +163,7 @@ class Trainer:
             record = {"step": step, "policy_version": self.version, **stats, "staleness_mean": staleness,
                       "dropped_stale": drops["stale"], "dropped_duplicate": drops["duplicate"],
                       "accepted": counts.get("accepted", 0), "rejected": counts.get("rejected", 0),
+                      "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
                       "wait_seconds": t1 - t0, "compute_seconds": t2 - t1, "publish_seconds": t3 - t2,
                       "wall_seconds": time.monotonic() - self.started}
             for phase, seconds in (("wait", t1 - t0), ("compute", t2 - t1), ("publish", t3 - t2)):
