@@ -92,9 +92,14 @@ def build_builtin(name: str, task_spec, steps: int, seed: int, dest: Path) -> No
     config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=64, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, **arch)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    supervised_warm_start(model, tokenizer, make_task(task_spec), steps=steps, seed=seed,
-                          label_noise=BUILTINS[name]["label_noise"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU kernels may sum in another order with more threads; one keeps builds identical
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        supervised_warm_start(model, tokenizer, make_task(task_spec), steps=steps, seed=seed,
+                              label_noise=BUILTINS[name]["label_noise"])
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)
