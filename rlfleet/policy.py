@@ -48,6 +48,7 @@ def load_weights_in_place(model, model_dir: str | Path) -> None:
 class Scored:
     hidden: list[torch.Tensor]  # per sequence (L_i, H): final hidden state (after the last norm) of every position
     logprobs: list[torch.Tensor]  # per sequence (L_i - 1,): logprob of token t+1 given tokens <= t
+    entropy: list[torch.Tensor]  # per sequence (L_i - 1,): entropy of the next-token distribution (if asked)
 
 
 def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,15 +62,19 @@ def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def score(model, rows: list[list[int]], temperature: float, pad_id: int, want_hidden: bool = False) -> Scored:
+def score(model, rows: list[list[int]], temperature: float, pad_id: int, want_hidden: bool = False,
+          want_entropy: bool = False) -> Scored:
     """Prefill right-padded `rows` in one batch; gradients flow if enabled by the caller."""
     ids, mask = pad_right(rows, pad_id)
     out = model.model(input_ids=ids, attention_mask=mask)
     hidden = out.last_hidden_state  # (B, L, H)
     logits = model.lm_head(hidden[:, :-1]).float() / temperature  # (B, L-1, V)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
+    logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else None  # (B, L-1)
     lengths = [len(r) for r in rows]
     return Scored(
         hidden=[hidden[i, :n] for i, n in enumerate(lengths)] if want_hidden else [],
         logprobs=[logp[i, : n - 1] for i, n in enumerate(lengths)],
+        entropy=[ent[i, : n - 1] for i, n in enumerate(lengths)] if want_entropy else [],
     )

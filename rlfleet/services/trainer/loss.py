@@ -8,11 +8,17 @@ Per token with ratio r = exp(logp_new - logp_old) and advantage A (one per compl
   if A < 0: objective = max(objective, delta * A)        # ratio capped at delta (INTELLECT-2 §3.1)
 Without the cap a negative-advantage token with a huge ratio gives an unbounded loss and the
 gradient spikes INTELLECT-2 reports; with it the loss per token is bounded by delta * |A|.
-Loss = -sum(objective * mask) / sum(mask): token-level normalization over the whole batch (DAPO),
-so long and short completions weigh by their tokens.
+Per-token loss = -objective - entropy_coef * H_t + kl_coef * k3_t, where H_t is the policy's entropy
+at the token and k3_t = exp(ref - logp) - (ref - logp) - 1 (Schulman's unbiased, non-negative KL
+estimator against a frozen reference policy), clamped to [0, 10] so one outlier token cannot
+dominate.
+Normalization: `token` = sum over tokens / number of completion tokens of the batch (DAPO: long and
+short completions weigh by their tokens); `sequence` = mean over completions of each completion's
+token mean (original GRPO).
 
 References: DeepSeekMath (GRPO), INTELLECT-2 technical report (two-sided clipping, delta = 4),
-DAPO (token-level normalization, decoupled eps_low / eps_high).
+DAPO (token-level normalization, decoupled eps_low / eps_high), J. Schulman "Approximating KL
+divergence" (k3).
 """
 from __future__ import annotations
 
@@ -32,16 +38,40 @@ def grpo_loss(
     eps_low: float,
     eps_high: float,
     delta: float,
+    normalization: str = "token",
+    entropy: torch.Tensor | None = None,  # (B, T) policy entropy per position, when entropy_coef > 0
+    entropy_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,  # (B, T) under the frozen reference, when kl_coef > 0
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages[:, None].expand_as(ratio)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
     objective = torch.where(adv < 0, torch.maximum(objective, delta * adv), objective)
-    mask = mask.to(objective.dtype)
+    per_token = -objective
+    stats: dict[str, float] = {}
+    if entropy_coef > 0:
+        per_token = per_token - entropy_coef * entropy
+    if kl_coef > 0:
+        log_ratio = ref_logprobs - logprobs
+        k3 = torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, 0.0, 10.0)
+        per_token = per_token + kl_coef * k3
+    mask = mask.to(per_token.dtype)
     tokens = mask.sum().clamp(min=1.0)
-    loss = -(objective * mask).sum() / tokens
+    if normalization == "token":
+        loss = (per_token * mask).sum() / tokens
+    elif normalization == "sequence":
+        per_seq = mask.sum(-1)
+        has = per_seq > 0
+        loss = ((per_token * mask).sum(-1)[has] / per_seq[has]).sum() / has.sum().clamp(min=1)
+    else:
+        raise ValueError(f"spec.trainer.normalization: {normalization!r} is not token or sequence")
     with torch.no_grad():
         clipped_frac = (((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).to(mask.dtype) * mask).sum() / tokens
-        stats = {"ratio_mean": float((ratio * mask).sum() / tokens), "clip_fraction": float(clipped_frac)}
+        stats.update(ratio_mean=float((ratio * mask).sum() / tokens), clip_fraction=float(clipped_frac))
+        if entropy is not None:
+            stats["entropy_mean"] = float((entropy * mask).sum() / tokens)
+        if kl_coef > 0:
+            stats["kl_mean"] = float((k3 * mask).sum() / tokens)
     return loss, stats

@@ -7,13 +7,15 @@ One step:
      (at-least-once delivery made exactly-once);
   2. group-normalized advantages, GRPO loss with two-sided clipping (loss.py), grad-norm clip, AdamW;
   3. publish version v+1 to the store (manifest last), announce it on the `policy` stream;
-  4. only then record the rollout ids as trained and XACK their messages, so a crash before the
-     commit redelivers them and a crash after it never trains them twice.
+  4. save the resume state, then record the rollout ids as trained and XACK their messages, so a
+     crash before the state is saved redelivers them and a crash after it never trains them twice
+     (state.py has the whole protocol).
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +28,8 @@ from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
 from rlfleet.policy import load_policy, score
 from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
 from rlfleet.services.trainer.loss import group_advantages, grpo_loss
+from rlfleet.services.trainer.state import load_state, save_state
+from rlfleet.signing import run_signer
 from rlfleet.streams import MessageError, RolloutGroup, encode_json
 
 log = logging.getLogger("rlfleet.trainer")
@@ -38,6 +42,18 @@ STALENESS = Gauge("rlfleet_trainer_staleness_mean", "Mean policy lag of the last
 SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
 DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
 STEP_SECONDS = Histogram("rlfleet_trainer_step_seconds", "Step time by phase", ["phase"])
+
+
+def lr_factor(warmup: int, schedule: str, total: int):
+    """Multiplier of the base learning rate at step s (0-based): linear warmup, then the schedule."""
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
 
 
 class Trainer:
@@ -54,15 +70,22 @@ class Trainer:
         t = self.spec.trainer
         torch.manual_seed(t.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(t.warmup_steps, t.lr_schedule, t.steps))
+        # The KL reference is the starting policy, frozen; kept only when the penalty is on.
+        self.reference = load_policy(base, self.spec.model.dtype)[0] if t.kl_coef > 0 else None
         self.version = 0
         self.started = time.monotonic()
+        self._pending_first = True
+        self._signer = None  # resolved at the first publish (a missing key fails that publish)
         ensure_group(ctx.redis, ctx.keys.verified, ctx.keys.trainer_group)
 
     def publish(self) -> None:
         """Write the current weights as `self.version` to the store, then announce it."""
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
             save_model_dir(self.model, self.tokenizer, Path(tmp))
-            publish_version(self.store, self.ctx.run_name, self.version, Path(tmp))
+            self._signer = self._signer or run_signer(self.spec.shardcast)
+            publish_version(self.store, self.ctx.run_name, self.version, Path(tmp), signer=self._signer,
+                            shard_size=self.spec.shardcast.shard_size_bytes)
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)
@@ -74,9 +97,14 @@ class Trainer:
         """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
         keys, r = self.ctx.keys, self.ctx.redis
         want, max_lag = self.spec.trainer.batch_size, self.spec.trainer.max_async_level
-        batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0}
+        skip_flat = self.spec.trainer.skip_zero_advantage_groups
+        batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
         while len(batch) < want and not self.ctx.stop.is_set():
-            resp = r.xreadgroup(keys.trainer_group, self.consumer, {keys.verified: ">"}, count=want - len(batch), block=500)
+            # After a restart, first the messages this consumer read but never acknowledged.
+            start = "0" if self._pending_first else ">"
+            resp = r.xreadgroup(keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500)
+            if start == "0" and not any(entries for _, entries in resp or []):
+                self._pending_first = False
             for _, entries in resp or []:
                 for msg_id, fields in entries:
                     ack.append(msg_id)
@@ -90,6 +118,8 @@ class Trainer:
                         drops["duplicate"] += 1
                     elif self.version - group.policy_version > max_lag:
                         drops["stale"] += 1
+                    elif skip_flat and len({s.reward for s in group.samples}) == 1:
+                        drops["zero_advantage"] += 1
                     else:
                         batch.append(group)
         for reason, n in drops.items():
@@ -111,41 +141,68 @@ class Trainer:
                 advantages.append(a)
                 starts.append(len(g.prompt_ids) - 1)  # index in the (L-1,) logprob row of the first completion token
         self.model.train()
-        scored = score(self.model, rows, temperature, self.tokenizer.pad_token_id)
+        scored = score(self.model, rows, temperature, self.tokenizer.pad_token_id, want_entropy=t.entropy_coef > 0)
         width = max(len(r) for r in rows) - 1
-        new_lp = torch.zeros(len(rows), width)
-        old_lp = torch.zeros(len(rows), width)
-        mask = torch.zeros(len(rows), width)
-        for i, (lp, start) in enumerate(zip(scored.logprobs, starts)):  # (B, T) completion-aligned tensors
-            n = len(old[i])
-            new_lp[i, start : start + n] = lp[start : start + n]
-            old_lp[i, start : start + n] = torch.tensor(old[i])
-            mask[i, start : start + n] = 1.0
-        loss, stats = grpo_loss(new_lp, old_lp, torch.stack(advantages), mask, t.eps_low, t.eps_high, t.delta)
+
+        def aligned(per_row: list[torch.Tensor]) -> torch.Tensor:
+            """(B, T) tensor of each row's completion-token values, from per-row (L_i - 1,) tensors."""
+            out = torch.zeros(len(rows), width)
+            for i, (values, start) in enumerate(zip(per_row, starts)):
+                out[i, start : start + len(old[i])] = values[start : start + len(old[i])]
+            return out
+
+        mask = aligned([torch.ones(len(r) - 1) for r in rows])
+        new_lp = aligned(scored.logprobs)
+        old_lp = aligned([torch.tensor([0.0] * start + o) for start, o in zip(starts, old)])
+        entropy = aligned(scored.entropy) if scored.entropy else None
+        ref_lp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_lp = aligned(score(self.reference, rows, temperature, self.tokenizer.pad_token_id).logprobs)
+        loss, stats = grpo_loss(new_lp, old_lp, torch.stack(advantages), mask, t.eps_low, t.eps_high, t.delta,
+                                normalization=t.normalization, entropy=entropy, entropy_coef=t.entropy_coef,
+                                ref_logprobs=ref_lp, kl_coef=t.kl_coef)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
         self.optimizer.step()
+        stats["learning_rate"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         self.model.eval()
         rewards_arr = np.array(rewards)
-        return {"loss": float(loss), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
+        return {"loss": loss.item(), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
                 "accuracy": float((rewards_arr >= 1.0).mean()), "samples": len(rows),
                 "completion_tokens_mean": float(mask.sum() / len(rows)), **stats}
 
-    def commit(self, groups: list[RolloutGroup], ack: list[bytes], version: int) -> None:
+    def commit(self, rollout_ids: list[str], ack: list, version: int) -> None:
+        """Record the step's rollouts as trained and acknowledge its messages (idempotent)."""
         keys, r = self.ctx.keys, self.ctx.redis
         with r.pipeline(transaction=True) as pipe:
-            if groups:
-                pipe.zadd(keys.trained, {g.rollout_id: version for g in groups})
+            if rollout_ids:
+                pipe.zadd(keys.trained, {rid: version for rid in rollout_ids})
                 pipe.zremrangebyrank(keys.trained, 0, -TRAINED_IDS_KEPT - 1)
             if ack:
                 pipe.xack(keys.verified, keys.trainer_group, *ack)
                 pipe.xdel(keys.verified, *ack)
             pipe.execute()
 
+    def resume(self) -> int:
+        """Restore the saved state if there is one (see state.py); return the next step to take."""
+        state = load_state(self.store, self.ctx.run_name)
+        if state is not None:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.version = state["version"]
+        self.publish()  # idempotent for a version already in the store; announces it again
+        if state is None:
+            return 1
+        self.commit(state["commit"]["rollout_ids"], state["commit"]["message_ids"], self.version)
+        log.info("resumed after step %d at version %d", state["step"], self.version)
+        return state["step"] + 1
+
     def run(self, steps: int) -> None:
-        self.publish()  # version 0: the starting policy
-        for step in range(1, steps + 1):
+        for step in range(self.resume(), steps + 1):
             t0 = time.monotonic()
             groups, ack, drops = self.collect()
             if self.ctx.stop.is_set():
@@ -156,16 +213,20 @@ class Trainer:
             t2 = time.monotonic()
             staleness = float(np.mean([self.version - g.policy_version for g in groups]))
             self.version += 1
+            rollout_ids = [g.rollout_id for g in groups]
+            save_state(self.store, self.ctx.run_name, step=step, version=self.version, model=self.model,
+                       optimizer=self.optimizer, scheduler=self.scheduler, rollout_ids=rollout_ids, message_ids=ack)
             self.publish()
-            self.commit(groups, ack, self.version)
+            self.commit(rollout_ids, ack, self.version)
             t3 = time.monotonic()
             counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}
             record = {"step": step, "policy_version": self.version, **stats, "staleness_mean": staleness,
                       "dropped_stale": drops["stale"], "dropped_duplicate": drops["duplicate"],
+                      "dropped_zero_advantage": drops["zero_advantage"],
                       "accepted": counts.get("accepted", 0), "rejected": counts.get("rejected", 0),
                       "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
                       "wait_seconds": t1 - t0, "compute_seconds": t2 - t1, "publish_seconds": t3 - t2,
-                      "wall_seconds": time.monotonic() - self.started}
+                      "wall_seconds": time.monotonic() - self.started, "rollout_ids": rollout_ids}
             for phase, seconds in (("wait", t1 - t0), ("compute", t2 - t1), ("publish", t3 - t2)):
                 STEP_SECONDS.labels(phase).observe(seconds)
             STEP.set(step)
