@@ -14,7 +14,8 @@ estimator against a frozen reference policy), clamped to [0, 10] so one outlier 
 dominate.
 Normalization: `token` = sum over tokens / number of completion tokens of the batch (DAPO: long and
 short completions weigh by their tokens); `sequence` = mean over completions of each completion's
-token mean (original GRPO).
+token mean (original GRPO). With data parallelism every rank divides by the *whole* batch's count
+(`denominator`), so the gradients summed over ranks equal the single-process gradient.
 
 References: DeepSeekMath (GRPO), INTELLECT-2 technical report (two-sided clipping, delta = 4),
 DAPO (token-level normalization, decoupled eps_low / eps_high), J. Schulman "Approximating KL
@@ -43,6 +44,7 @@ def grpo_loss(
     entropy_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,  # (B, T) under the frozen reference, when kl_coef > 0
     kl_coef: float = 0.0,
+    denominator: float | None = None,  # data parallel: the whole batch's tokens (token) or completions (sequence)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages[:, None].expand_as(ratio)
@@ -60,11 +62,11 @@ def grpo_loss(
     mask = mask.to(per_token.dtype)
     tokens = mask.sum().clamp(min=1.0)
     if normalization == "token":
-        loss = (per_token * mask).sum() / tokens
+        loss = (per_token * mask).sum() / (denominator or tokens)
     elif normalization == "sequence":
         per_seq = mask.sum(-1)
         has = per_seq > 0
-        loss = ((per_token * mask).sum(-1)[has] / per_seq[has]).sum() / has.sum().clamp(min=1)
+        loss = ((per_token * mask).sum(-1)[has] / per_seq[has]).sum() / (denominator or has.sum().clamp(min=1))
     else:
         raise ValueError(f"spec.trainer.normalization: {normalization!r} is not token or sequence")
     with torch.no_grad():

@@ -25,9 +25,9 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
-from rlfleet.policy import load_policy, score
+from rlfleet.policy import load_policy
 from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
-from rlfleet.services.trainer.loss import group_advantages, grpo_loss
+from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed
 from rlfleet.services.trainer.state import load_state, save_state
 from rlfleet.signing import run_signer
 from rlfleet.streams import MessageError, RolloutGroup, encode_json
@@ -62,6 +62,7 @@ class Trainer:
         self.spec = ctx.bundle.run.spec
         self.store = open_run_store(ctx)
         self.consumer = "trainer-0"
+        self.rank, self.world = init_distributed()  # only rank 0 reads streams, publishes and commits
         self.metrics_file = output_dir / "metrics.jsonl" if output_dir else None
         from rlfleet.models.builtin import resolve_model_path
 
@@ -128,51 +129,12 @@ class Trainer:
         return batch, ack, drops
 
     def step(self, groups: list[RolloutGroup]) -> dict:
-        """One GRPO update on `groups`; returns its statistics."""
-        t = self.spec.trainer
-        temperature = self.spec.sampling.temperature
-        rows, old, advantages, starts, rewards = [], [], [], [], []
-        for g in groups:
-            group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
-            rewards.extend(group_rewards.tolist())
-            for s, a in zip(g.samples, group_advantages(group_rewards)):
-                rows.append(g.prompt_ids + s.completion_ids)
-                old.append(s.logprobs)
-                advantages.append(a)
-                starts.append(len(g.prompt_ids) - 1)  # index in the (L-1,) logprob row of the first completion token
-        self.model.train()
-        scored = score(self.model, rows, temperature, self.tokenizer.pad_token_id, want_entropy=t.entropy_coef > 0)
-        width = max(len(r) for r in rows) - 1
-
-        def aligned(per_row: list[torch.Tensor]) -> torch.Tensor:
-            """(B, T) tensor of each row's completion-token values, from per-row (L_i - 1,) tensors."""
-            out = torch.zeros(len(rows), width)
-            for i, (values, start) in enumerate(zip(per_row, starts)):
-                out[i, start : start + len(old[i])] = values[start : start + len(old[i])]
-            return out
-
-        mask = aligned([torch.ones(len(r) - 1) for r in rows])
-        new_lp = aligned(scored.logprobs)
-        old_lp = aligned([torch.tensor([0.0] * start + o) for start, o in zip(starts, old)])
-        entropy = aligned(scored.entropy) if scored.entropy else None
-        ref_lp = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_lp = aligned(score(self.reference, rows, temperature, self.tokenizer.pad_token_id).logprobs)
-        loss, stats = grpo_loss(new_lp, old_lp, torch.stack(advantages), mask, t.eps_low, t.eps_high, t.delta,
-                                normalization=t.normalization, entropy=entropy, entropy_coef=t.entropy_coef,
-                                ref_logprobs=ref_lp, kl_coef=t.kl_coef)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-        self.optimizer.step()
+        """One GRPO update on `groups` (on every rank); returns its statistics."""
+        stats = grpo_update(self.model, self.optimizer, groups, self.spec.trainer, self.spec.sampling.temperature,
+                            self.tokenizer.pad_token_id, self.reference, self.rank, self.world)
         stats["learning_rate"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        self.model.eval()
-        rewards_arr = np.array(rewards)
-        return {"loss": loss.item(), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
-                "accuracy": float((rewards_arr >= 1.0).mean()), "samples": len(rows),
-                "completion_tokens_mean": float(mask.sum() / len(rows)), **stats}
+        return stats
 
     def commit(self, rollout_ids: list[str], ack: list, version: int) -> None:
         """Record the step's rollouts as trained and acknowledge its messages (idempotent)."""
@@ -194,25 +156,31 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.version = state["version"]
-        self.publish()  # idempotent for a version already in the store; announces it again
+        if self.rank == 0:
+            self.publish()  # idempotent for a version already in the store; announces it again
         if state is None:
             return 1
-        self.commit(state["commit"]["rollout_ids"], state["commit"]["message_ids"], self.version)
+        if self.rank == 0:
+            self.commit(state["commit"]["rollout_ids"], state["commit"]["message_ids"], self.version)
         log.info("resumed after step %d at version %d", state["step"], self.version)
         return state["step"] + 1
 
     def run(self, steps: int) -> None:
         for step in range(self.resume(), steps + 1):
             t0 = time.monotonic()
-            groups, ack, drops = self.collect()
-            if self.ctx.stop.is_set():
+            groups, ack, drops = self.collect() if self.rank == 0 else ([], [], {})
+            stopping = broadcast(self.ctx.stop.is_set(), self.rank, self.world)
+            if stopping:
                 log.info("stopping before step %d; %d unacknowledged groups will be redelivered", step, len(groups))
                 return
+            groups = broadcast(groups, self.rank, self.world)
             t1 = time.monotonic()
             stats = self.step(groups)
             t2 = time.monotonic()
             staleness = float(np.mean([self.version - g.policy_version for g in groups]))
             self.version += 1
+            if self.rank != 0:
+                continue
             rollout_ids = [g.rollout_id for g in groups]
             save_state(self.store, self.ctx.run_name, step=step, version=self.version, model=self.model,
                        optimizer=self.optimizer, scheduler=self.scheduler, rollout_ids=rollout_ids, message_ids=ack)

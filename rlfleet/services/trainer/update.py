@@ -1,0 +1,99 @@
+"""One GRPO update, single-process or data-parallel over `torch.distributed`.
+
+Every rank holds the whole batch (rank 0 reads it from the stream and broadcasts it); rank r
+computes the loss of completions r, r + W, r + 2W, ... divided by the whole batch's token (or
+completion) count, gradients are summed with all-reduce, then clipped and applied identically on
+every rank, so all ranks keep the same weights and the update equals the single-process one up
+to float summation order. Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+(gloo on CPU, NCCL on GPU), which is how the operator starts trainer pods.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlfleet.policy import score
+from rlfleet.services.trainer.loss import group_advantages, grpo_loss
+from rlfleet.streams import RolloutGroup
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size) from the torchrun-style environment; joins the process group when world > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
+    return rank, world
+
+
+def broadcast(obj, rank: int, world: int):
+    """Rank 0's `obj` on every rank."""
+    if world == 1:
+        return obj
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: float, pad_id: int,
+                reference=None, rank: int = 0, world: int = 1) -> dict:
+    """Apply one update for `groups` with TrainerSpec `t`; return batch statistics (same on every rank)."""
+    rows, old, advantages, starts, rewards = [], [], [], [], []
+    for g in groups:
+        group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
+        rewards.extend(group_rewards.tolist())
+        for s, a in zip(g.samples, group_advantages(group_rewards)):
+            rows.append(g.prompt_ids + s.completion_ids)
+            old.append(s.logprobs)
+            advantages.append(a)
+            starts.append(len(g.prompt_ids) - 1)  # index in the (L-1,) logprob row of the first completion token
+    total_tokens = sum(len(o) for o in old)
+    denominator = float(total_tokens) if t.normalization == "token" else float(len(rows))
+    mine = list(range(rank, len(rows), world))
+    rows, old, starts = [rows[i] for i in mine], [old[i] for i in mine], [starts[i] for i in mine]
+    advantages = torch.stack([advantages[i] for i in mine]) if mine else torch.zeros(0)
+
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    stats: dict[str, float] = {}
+    loss = torch.zeros(())
+    if rows:
+        scored = score(model, rows, temperature, pad_id, want_entropy=t.entropy_coef > 0)
+        width = max(len(r) for r in rows) - 1
+
+        def aligned(per_row: list[torch.Tensor]) -> torch.Tensor:
+            """(B, T) tensor of each row's completion-token values, from per-row (L_i - 1,) tensors."""
+            out = torch.zeros(len(rows), width)
+            for i, (values, start) in enumerate(zip(per_row, starts)):
+                out[i, start : start + len(old[i])] = values[start : start + len(old[i])]
+            return out
+
+        mask = aligned([torch.ones(len(r) - 1) for r in rows])
+        ref_lp = None
+        if reference is not None:
+            with torch.no_grad():
+                ref_lp = aligned(score(reference, rows, temperature, pad_id).logprobs)
+        loss, stats = grpo_loss(
+            aligned(scored.logprobs), aligned([torch.tensor([0.0] * s + o) for s, o in zip(starts, old)]),
+            advantages, mask, t.eps_low, t.eps_high, t.delta, normalization=t.normalization,
+            entropy=aligned(scored.entropy) if scored.entropy else None, entropy_coef=t.entropy_coef,
+            ref_logprobs=ref_lp, kl_coef=t.kl_coef, denominator=denominator)
+        loss.backward()
+    if world > 1:
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        total = torch.tensor([loss.item()])
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        loss = total[0]
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+    optimizer.step()
+    model.eval()
+    rewards_arr = np.array(rewards)
+    return {"loss": float(loss), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
+            "accuracy": float((rewards_arr >= 1.0).mean()), "samples": len(rewards),
+            "completion_tokens_mean": total_tokens / len(rewards), **stats}  # ratio/clip/entropy stats: this rank's share
