@@ -11,7 +11,8 @@ import pytest
 from rlfleet.config import ConfigError, load_bundle, parse_bundle
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((ROOT / "examples").glob("**/*.yaml"))
+# RLRun bundles (Helm values files under examples/ are checked by tests/test_chart.py).
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("**/*.yaml") if "apiVersion: rlfleet.io/" in p.read_text())
 
 RUN = """\
 apiVersion: rlfleet.io/v1alpha1
