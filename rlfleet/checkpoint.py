@@ -8,11 +8,14 @@ Invariants:
     manifest exists; the manifest is written after every file it lists;
   - a visible version is immutable: re-publishing it with identical files returns the stored
     manifest, with different files raises VersionExistsError; pruning deletes the manifest first;
-  - the manifest lists each file's name, size and sha256; every downloader checks all three
-    (`verify_dir`, the Shardcast client) before it uses a byte.
-Manifest: {"run", "version", "files": [{"name", "size", "sha256"}], "created"[, "signature"]}.
-Signing hook: `publish_version(..., signer=f)` stores f(manifest_signing_bytes(manifest)) under
-"signature"; the bytes are canonical JSON of the manifest without that field.
+  - the manifest lists each file's name, size and sha256, and splits each file into shards: byte
+    ranges of `shard_size` (the last one shorter) with their own sha256. Every downloader checks
+    what it uses before it uses a byte (`verify_dir` whole files; the Shardcast client per shard).
+Manifest: {"run", "version", "created", "shard_size", "files": [{"name", "size", "sha256",
+  "shards": [{"offset", "size", "sha256"}]}][, "signature"]}.
+Signing: `publish_version(..., signer=f)` stores f(manifest_signing_bytes(manifest)) under
+"signature"; the bytes are canonical JSON of the manifest without that field (rlfleet.signing).
+`parse_manifest` checks the signature first, then the shape; nothing of an unchecked manifest is used.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ COMPLETE_MARKER = ".complete"  # written last into a downloaded version director
 SIGNATURE_FIELD = "signature"
 _VERSION_DIR = re.compile(r"^v(0|[1-9][0-9]*)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+DEFAULT_SHARD_SIZE = 16 * 1024 * 1024
 
 
 class ChecksumError(ValueError):
@@ -94,7 +98,18 @@ def encode_manifest(manifest: dict) -> bytes:
     return json.dumps(manifest, indent=1, sort_keys=True).encode()
 
 
-def _local_files(local_dir: Path) -> list[dict]:
+def _file_entry(path: Path, name: str, shard_size: int) -> dict:
+    """name, size, sha256 and the shards of one file, in one pass over it."""
+    whole, shards, offset = hashlib.sha256(), [], 0
+    with open(path, "rb") as f:
+        while data := f.read(shard_size):
+            whole.update(data)
+            shards.append({"offset": offset, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+            offset += len(data)
+    return {"name": name, "size": offset, "sha256": whole.hexdigest(), "shards": shards}
+
+
+def _local_files(local_dir: Path, shard_size: int) -> list[dict]:
     if not local_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory {local_dir} does not exist")
     entries = []
@@ -102,17 +117,19 @@ def _local_files(local_dir: Path) -> list[dict]:
         name = path.relative_to(local_dir).as_posix()
         if name in (MANIFEST_NAME, COMPLETE_MARKER):
             continue
-        entries.append({"name": check_key(name), "size": path.stat().st_size, "sha256": sha256_file(path)})
+        entries.append(_file_entry(path, check_key(name), shard_size))
     if not entries:
         raise FileNotFoundError(f"checkpoint directory {local_dir} holds no files")
     return entries
 
 
 def publish_version(store: CheckpointStore, run: str, version: int, local_dir: Path,
-                    signer: Callable[[bytes], str] | None = None) -> dict:
+                    signer: Callable[[bytes], str] | None = None, shard_size: int = DEFAULT_SHARD_SIZE) -> dict:
     """Upload every file of `local_dir` to `{run}/policy/v{N}/`, then manifest.json; return the manifest."""
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     local_dir = Path(local_dir)
-    files = _local_files(local_dir)
+    files = _local_files(local_dir, shard_size)
     existing = read_manifest(store, run, version)
     if existing is not None:
         if existing["files"] == files:
@@ -121,7 +138,7 @@ def publish_version(store: CheckpointStore, run: str, version: int, local_dir: P
                                  "published versions are immutable, publish a new version number")
     for entry in files:
         store.put_file(version_key(run, version, entry["name"]), local_dir / entry["name"])
-    manifest = {"run": run, "version": version, "files": files,
+    manifest = {"run": run, "version": version, "files": files, "shard_size": shard_size,
                 "created": datetime.now(timezone.utc).isoformat()}
     if signer is not None:
         manifest[SIGNATURE_FIELD] = signer(manifest_signing_bytes(manifest))
@@ -137,6 +154,9 @@ def check_manifest(manifest: object, run: str, version: int) -> dict:
         raise ManifestError(f"{where}: not a JSON object")
     if manifest.get("run") != run or manifest.get("version") != version:
         raise ManifestError(f"{where}: describes run {manifest.get('run')!r} v{manifest.get('version')!r}")
+    shard_size = manifest.get("shard_size")
+    if not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1:
+        raise ManifestError(f"{where}: 'shard_size' must be an int >= 1")
     files = manifest.get("files")
     if not isinstance(files, list) or not files:
         raise ManifestError(f"{where}: 'files' must be a non-empty list")
@@ -154,7 +174,41 @@ def check_manifest(manifest: object, run: str, version: int) -> dict:
         if entry["name"] in (MANIFEST_NAME, COMPLETE_MARKER) or entry["name"] in names:
             raise ManifestError(f"{where}: files[{i}]: name {entry['name']!r} is reserved or repeated")
         names.add(entry["name"])
+        _check_shards(f"{where}: files[{i}] ({entry['name']})", entry, shard_size)
     return manifest
+
+
+def _check_shards(where: str, entry: dict, shard_size: int) -> None:
+    """Shards must tile the file in order, each 1..shard_size bytes with a sha256."""
+    shards = entry.get("shards")
+    if not isinstance(shards, list):
+        raise ManifestError(f"{where}: 'shards' must be a list")
+    offset = 0
+    for j, shard in enumerate(shards):
+        ok = (isinstance(shard, dict) and shard.get("offset") == offset and isinstance(shard.get("size"), int)
+              and 1 <= shard["size"] <= shard_size and isinstance(shard.get("sha256"), str) and _SHA256.match(shard["sha256"]))
+        if not ok:
+            raise ManifestError(f"{where}: shards[{j}] needs offset {offset}, size 1..{shard_size} and sha256 (64 hex)")
+        offset += shard["size"]
+    if offset != entry["size"]:
+        raise ManifestError(f"{where}: shards cover {offset} bytes, the file has {entry['size']}")
+
+
+def parse_manifest(raw: bytes, run: str, version: int, public_key=None) -> dict:
+    """The manifest in `raw` if its signature verifies with `public_key` (an ed25519 public key;
+    None = signatures not required) and it is well formed for run/version. Raises
+    rlfleet.signing.SignatureError or ManifestError; the signature is checked before anything else."""
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"manifest of {run!r} v{version}: not JSON ({exc})") from None
+    if public_key is not None:
+        from rlfleet.signing import SignatureError, verify_signature
+
+        if not isinstance(manifest, dict):
+            raise SignatureError(f"manifest of {run!r} v{version}: not a JSON object, so not signed")
+        verify_signature(public_key, manifest_signing_bytes(manifest), manifest.get(SIGNATURE_FIELD))
+    return check_manifest(manifest, run, version)
 
 
 def read_manifest(store: CheckpointStore, run: str, version: int) -> dict | None:

@@ -7,6 +7,9 @@ from tier k-1), the verifier replicas, each InferencePool's workers and the trai
 metrics.jsonl, ends when the trainer finishes its steps, and stops everything on Ctrl-C. If any
 component dies, every other one is stopped and the run exits non-zero naming the component and
 its log file.
+Manifests are signed: a run key pair is generated in RUN_DIR/keys (unless RLFLEET_SIGNING_KEY_FILE
+is set); only the trainer gets the private key file, every component gets the public key
+(env RLFLEET_PUBLIC_KEY).
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
     relay_urls = tiers[max(tiers)] if tiers else [origin_url]
     for i in range(spec.verifier.replicas):
         comps.append(Component(f"verifier/{i}", [*cli, "verifier", *common, "--consumer", f"verifier-{i}", "--origin-url", origin_url,
-                                                 "--cache-dir", str(cache / f"verifier-{i}")], logs / f"verifier-{i}.log"))
+                                                 "--cache-dir", str(cache / f"verifier-{i}"), "--api-port", str(free_port())],
+                               logs / f"verifier-{i}.log"))
     relay_args = sum((["--relay-url", u] for u in relay_urls), [])
     # Without an InferencePool document the run still gets two CPU workers.
     pools = [(p.metadata.name, p.spec.replicas, ["--pool", p.metadata.name]) for p in bundle.pools] or [("local", 2, [])]
@@ -67,6 +71,20 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
                                                          "--cache-dir", str(cache / worker)], logs / f"rollout-{worker}.log"))
     comps.append(Component("trainer", [*cli, "trainer", *common, "--output-dir", str(run_dir)], logs / "trainer.log"))
     return comps
+
+
+def run_keys(env: dict, key_dir: Path) -> dict:
+    """Set env's RLFLEET_PUBLIC_KEY for every component; return the trainer-only env naming the
+    private key (a fresh pair in `key_dir` unless RLFLEET_SIGNING_KEY_FILE was given)."""
+    from rlfleet.signing import ENV_PUBLIC_KEY, ENV_SIGNING_KEY_FILE, generate_keypair, load_private_key, public_key_text
+
+    given = env.pop(ENV_SIGNING_KEY_FILE, None)
+    if given:
+        private, public = Path(given).resolve(), public_key_text(load_private_key(Path(given)))
+    else:
+        private, public = generate_keypair(key_dir)
+    env[ENV_PUBLIC_KEY] = public
+    return {ENV_SIGNING_KEY_FILE: str(private)}
 
 
 def stop_all(comps: list[Component]) -> None:
@@ -144,11 +162,13 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
                "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         if not bundle.run.spec.store.uri:
             env["RLFLEET_STORE_URI"] = f"file://{run_path / 'store'}"
+        signing_env = run_keys(env, run_path / "keys")
         bar = Progress(total, progress and sys.stderr.isatty())
         try:
             for c in comps:
                 with open(c.log, "ab") as log:
-                    c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                    c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                              env={**env, **signing_env} if c.name == "trainer" else env)
             trainer = comps[-1]
             while True:
                 bar.update(read_metrics(run_path / "metrics.jsonl"), client.xlen(RunKeys(name).rollouts))

@@ -11,7 +11,7 @@ import boto3
 import pytest
 
 from rlfleet.checkpoint import (
-    ChecksumError, VersionExistsError, latest_version, list_versions, manifest_key, prune_versions,
+    ChecksumError, ManifestError, VersionExistsError, check_manifest, latest_version, list_versions, manifest_key, prune_versions,
     publish_version, read_manifest, verify_dir, version_key, version_prefix,
 )
 from rlfleet.store import CheckpointStore, FileStore, S3Store, open_store
@@ -171,8 +171,30 @@ def test_publish_writes_manifest_last(store, tmp_path):
     by_name = {f["name"]: f for f in manifest["files"]}
     blob = (src / "model.safetensors").read_bytes()
     assert by_name["model.safetensors"] == {"name": "model.safetensors", "size": len(blob),
-                                            "sha256": hashlib.sha256(blob).hexdigest()}
+                                            "sha256": hashlib.sha256(blob).hexdigest(),
+                                            "shards": [{"offset": 0, "size": len(blob),
+                                                        "sha256": hashlib.sha256(blob).hexdigest()}]}
     assert read_manifest(store, "run1", 1) == manifest
+
+
+def test_files_are_split_into_hashed_shards(store, tmp_path):
+    src = make_version_dir(tmp_path / "v1", seed=1, big=10_000)  # model.safetensors: 11_001 bytes
+    manifest = publish_version(store, "run1", 1, src, shard_size=4096)
+    assert manifest["shard_size"] == 4096
+    entry = next(f for f in manifest["files"] if f["name"] == "model.safetensors")
+    blob = (src / "model.safetensors").read_bytes()
+    assert [(s["offset"], s["size"]) for s in entry["shards"]] == [(0, 4096), (4096, 4096), (8192, 2809)]
+    for s in entry["shards"]:
+        assert s["sha256"] == hashlib.sha256(blob[s["offset"]:s["offset"] + s["size"]]).hexdigest()
+    check_manifest(manifest, "run1", 1)
+    broken = json.loads(json.dumps(manifest))
+    broken["files"][1]["shards"][1]["offset"] = 4000  # a gap/overlap in the tiling
+    with pytest.raises(ManifestError, match="shards\\[1\\] needs offset 4096"):
+        check_manifest(broken, "run1", 1)
+    broken = json.loads(json.dumps(manifest))
+    broken["files"][1]["shards"].pop()
+    with pytest.raises(ManifestError, match="cover 8192 bytes"):
+        check_manifest(broken, "run1", 1)
 
 
 def test_latest_version_sees_only_complete_versions(store, tmp_path):

@@ -25,7 +25,8 @@ from prometheus_client import Counter, Gauge
 from rlfleet.checkpoint import parse_version_dir
 from rlfleet.runtime import Context, component_context, configure_torch_threads, latest_announced_version
 from rlfleet.services.rollout.engine import Engine, make_engine
-from rlfleet.services.shardcast.client import fetch_version
+from rlfleet.services.shardcast.client import Sources, fetch_version
+from rlfleet.signing import run_public_key
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.streams import RolloutGroup, Sample, SamplingParams, decode_json
 from rlfleet.tasks.base import make_task
@@ -46,6 +47,8 @@ class VersionFollower(threading.Thread):
     def __init__(self, ctx: Context, relay_urls: list[str], cache_dir: Path, keep: int):
         super().__init__(daemon=True, name="version-follower")
         self.ctx, self.relay_urls, self.cache_dir, self.keep = ctx, relay_urls, cache_dir, keep
+        self.public_key = run_public_key(ctx.bundle.run.spec.shardcast)  # manifests must verify with it
+        self.sources = Sources(relay_urls) if relay_urls else None  # relay measurements kept across versions
         self.announced = -1
         self.ready: tuple[int, Path] | None = None
         self.error: BaseException | None = None
@@ -70,7 +73,8 @@ class VersionFollower(threading.Thread):
             if newest is None or newest <= self.announced:
                 continue
             self.announced = newest
-            path = fetch_version(self.relay_urls, self.ctx.run_name, newest, self.cache_dir, stop=self.ctx.stop)
+            path = fetch_version(self.relay_urls, self.ctx.run_name, newest, self.cache_dir, stop=self.ctx.stop,
+                                 public_key=self.public_key, sources=self.sources)
             with self._lock:
                 self.ready = (newest, path)
             self._prune(newest)

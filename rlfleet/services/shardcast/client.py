@@ -2,42 +2,54 @@
 
 Algorithm (`fetch_version`):
   1. `dest_root/v{N}/.complete` exists -> return at once (idempotent; nothing is contacted).
-  2. Get manifest.json from the first URL that has it and check its shape, run and version.
-  3. Download each listed file into a fresh temp dir under dest_root; check size and sha256. A bad
-     file is deleted and fetched again from the next URL; a broken connection keeps the partial
-     file and resumes it with a Range request. After every full round over the URLs, back off
-     (0.1 s doubling to 5 s). 404, 5xx and connection errors are "not there yet": retry.
-  4. When every file passes, write manifest.json (the bytes received) and `.complete` (last) into
-     the temp dir and rename it to dest_root/v{N} in one step: v{N} exists only complete.
-  5. At `timeout` seconds, delete the temp dir and raise FetchError with the last error seen.
-The retry loop is our own (not urllib3's Retry): a sha256 mismatch must rotate URLs, and a 404
-for a brand-new version must be retried until a deadline. The manifest signature check goes in
-`_Fetcher.manifest` once manifests are signed.
+  2. Get manifest.json from a source; with the run's public key, its ed25519 signature is checked
+     before anything else in it is read, then its shape, run and version (a forged or stale manifest
+     from a bad relay is rejected and another source is asked).
+  3. Download the shards (byte ranges of the files, listed with sha256 in the manifest) with
+     `parallel` threads into `dest_root/.v{N}.partial/`, each shard from a source picked by
+     `Sources` (weighted by measured bandwidth x success, with some exploration). A shard is hashed
+     in memory and written only if it matches; a mismatch or an oversized body drops it and asks
+     another source; a broken connection keeps the bytes received and resumes with a Range request
+     (from whichever source is picked next). A journal `.shards` records written shards, so a fetch
+     interrupted by `stop` or a crash resumes after re-hashing only those shards.
+  4. When every shard is in, write `.complete` (last) and rename the partial dir to dest_root/v{N}:
+     v{N} exists only complete. The whole-file sha256 is not recomputed: the signed manifest binds
+     every shard's hash, and the shards tile the file (checkpoint.check_manifest).
+  5. At `timeout` seconds, delete the partial dir and raise FetchError with the last error seen.
+404, 5xx and connection errors mean "not there yet": retry, backing off (0.1 s doubling to 5 s)
+after every source failed once. The retry loop is our own (not urllib3's Retry): a sha256
+mismatch must rotate sources, and a 404 for a brand-new version is retried until the deadline.
+The relay reuses `Fetcher` for its own pulls (relay.py).
 """
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import os
+import random
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
 
 from rlfleet.checkpoint import (
-    COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, ManifestError, check_manifest, version_dir_name, verify_file,
+    COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, ManifestError, parse_manifest, version_dir_name,
 )
 from rlfleet.services.shardcast.protocol import file_path, latest_path
+from rlfleet.signing import SignatureError
 
 log = logging.getLogger("rlfleet.shardcast.client")
 
 BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
 CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 60.0
-RECV_CHUNK = 1 << 16
+RECV_CHUNK = 1 << 16  # small: a broken read loses at most this much
+PARALLEL = 4
+EXPLORE = 0.1  # probability of picking a source uniformly instead of by weight
+JOURNAL = ".shards"
 
 
 class FetchError(TimeoutError):
@@ -45,40 +57,291 @@ class FetchError(TimeoutError):
 
 
 class HTTPStatusError(RuntimeError):
-    """A server answered something other than the expected status."""
+    """A server answered something other than the expected status or length."""
 
 
-_RETRYABLE = (requests.RequestException, HTTPStatusError, ChecksumError, ManifestError, ValueError, OSError)
+_RETRYABLE = (requests.RequestException, HTTPStatusError, ChecksumError, ManifestError, SignatureError,
+              ValueError, OSError)
+
+
+class Sources:
+    """Base URLs with measured bandwidth (EWMA, bytes/s) and success counts; thread-safe.
+    Weight = bandwidth x ((ok + 1) / (ok + fail + 2))^2; untried sources get the best bandwidth seen
+    (optimism), and with probability EXPLORE the pick is uniform. Keep one across fetches to learn."""
+
+    def __init__(self, urls: list[str], explore: float = EXPLORE, rng: random.Random | None = None):
+        if not urls:
+            raise ValueError("Shardcast needs at least one base URL (origin or relay)")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.explore = explore
+        self.rng = rng or random.Random()
+        self.bandwidth: dict[str, float] = {}
+        self.ok = dict.fromkeys(self.urls, 0)
+        self.fail = dict.fromkeys(self.urls, 0)
+        self._lock = threading.Lock()
+
+    def weight(self, url: str) -> float:
+        best = max(self.bandwidth.values(), default=1.0)
+        success = (self.ok[url] + 1) / (self.ok[url] + self.fail[url] + 2)
+        return self.bandwidth.get(url, best) * success * success
+
+    def pick(self, avoid: set[str] = frozenset()) -> str:
+        with self._lock:
+            candidates = [u for u in self.urls if u not in avoid] or self.urls
+            if len(candidates) == 1:
+                return candidates[0]
+            if self.rng.random() < self.explore:
+                return self.rng.choice(candidates)
+            return self.rng.choices(candidates, weights=[self.weight(u) + 1e-9 for u in candidates])[0]
+
+    def success(self, url: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.ok[url] += 1
+            if nbytes >= 1 << 16:  # tiny bodies measure latency, not bandwidth
+                rate = nbytes / max(seconds, 1e-6)
+                old = self.bandwidth.get(url)
+                self.bandwidth[url] = rate if old is None else 0.7 * old + 0.3 * rate
+
+    def failure(self, url: str) -> None:
+        with self._lock:
+            self.fail[url] += 1
+
+
+class Fetcher:
+    """The retrying HTTP side of one version's download: its manifest, then its shards."""
+
+    def __init__(self, sources: Sources, run: str, version: int, timeout: float, *,
+                 on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
+                 public_key=None, parallel: int = PARALLEL):
+        self.sources, self.run, self.version, self.timeout = sources, run, version, timeout
+        self.deadline = time.monotonic() + timeout
+        self.on_bytes, self.stop, self.public_key = on_bytes, stop, public_key
+        self.parallel = max(1, parallel)
+        self.last_error = "none"
+        self._abort = threading.Event()  # one shard worker failed for good: the others stop too
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._lock = threading.Lock()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def session(self) -> requests.Session:
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = self._local.session = requests.Session()
+            with self._lock:
+                self._sessions.append(s)
+        return s
+
+    def close(self) -> None:
+        for s in self._sessions:
+            s.close()
+
+    def _check(self) -> None:
+        if self.stopped or self._abort.is_set():
+            raise FetchError(f"run {self.run!r} v{self.version}: fetch stopped")
+        if time.monotonic() > self.deadline:
+            raise FetchError(f"run {self.run!r} v{self.version}: not fetched and verified within "
+                             f"{self.timeout:g} s from {self.sources.urls}; last error: {self.last_error}")
+
+    def _request_timeout(self) -> tuple[float, float]:
+        left = max(1.0, self.deadline - time.monotonic())
+        return min(CONNECT_TIMEOUT, left), min(READ_TIMEOUT, left)
+
+    def _retry(self, what: str, attempt: Callable[[str], object]):
+        """attempt(url) until it returns, rotating sources; back off after each full round of failures."""
+        tried: set[str] = set()
+        delay = BACKOFF_START
+        while True:
+            self._check()
+            url = self.sources.pick(tried)
+            try:
+                return attempt(url)
+            except FetchError:  # stopped or out of time (a TimeoutError, so an OSError too)
+                raise
+            except _RETRYABLE as exc:
+                self.last_error = f"{what} from {url}: {exc}"
+                log.debug("retrying: %s", self.last_error)
+                self.sources.failure(url)
+                tried.add(url)
+            if len(tried) >= len(self.sources.urls):
+                tried.clear()
+                pause = max(0.0, min(delay, self.deadline - time.monotonic()))
+                (self.stop or self._abort).wait(pause)
+                delay = min(delay * 2, BACKOFF_MAX)
+
+    def manifest(self) -> tuple[bytes, dict]:
+        """(raw bytes, parsed manifest) from the first source whose manifest verifies."""
+        def attempt(base: str) -> tuple[bytes, dict]:
+            started = time.monotonic()
+            r = self.session().get(base + file_path(self.run, self.version, MANIFEST_NAME),
+                                   timeout=self._request_timeout())
+            if r.status_code != 200:
+                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
+            manifest = parse_manifest(r.content, self.run, self.version, self.public_key)
+            self.sources.success(base, len(r.content), time.monotonic() - started)
+            return r.content, manifest
+
+        return self._retry(MANIFEST_NAME, attempt)
+
+    def shards(self, manifest: dict, dest: Path, skip: set[tuple[int, int]],
+               on_shard: Callable[[int, int], None] | None = None) -> None:
+        """Download every shard not in `skip` into the files under `dest` (created at full size)."""
+        fds = []
+        try:
+            for entry in manifest["files"]:
+                path = dest / entry["name"]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                fds.append(fd)
+                os.ftruncate(fd, entry["size"])
+            todo = [(i, j) for i, entry in enumerate(manifest["files"])
+                    for j in range(len(entry["shards"])) if (i, j) not in skip]
+            todo.reverse()  # pop() from the end: shards go in file order
+
+            def worker() -> None:
+                while True:
+                    with self._lock:
+                        if not todo:
+                            return
+                        i, j = todo.pop()
+                    entry = manifest["files"][i]
+                    self._shard(entry, entry["shards"][j], fds[i])
+                    if on_shard is not None:
+                        on_shard(i, j)
+
+            with ThreadPoolExecutor(self.parallel, thread_name_prefix="shardcast-fetch") as pool:
+                futures = [pool.submit(worker) for _ in range(min(self.parallel, len(todo)))]
+                errors = []
+                for f in futures:
+                    try:
+                        f.result()
+                    except BaseException as exc:
+                        self._abort.set()
+                        errors.append(exc)
+                if errors:  # the first real cause, not the "stopped" of the workers it aborted
+                    raise next((e for e in errors if "fetch stopped" not in str(e)), errors[0])
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _shard(self, entry: dict, shard: dict, fd: int) -> None:
+        buf = bytearray()  # bytes of this shard received so far (kept across a broken connection)
+        where = f"{entry['name']}[{shard['offset']}:+{shard['size']}]"
+
+        def attempt(base: str) -> None:
+            started, had = time.monotonic(), len(buf)
+            try:
+                self._get_range(base, entry, shard, buf)
+            finally:
+                if len(buf) > had and self.on_bytes is not None:
+                    self.on_bytes(len(buf) - had)
+            digest = hashlib.sha256(buf).hexdigest()
+            if digest != shard["sha256"]:
+                buf.clear()  # never resume from bytes that failed the check
+                raise ChecksumError(where, f"sha256 {digest} != manifest sha256 {shard['sha256']}")
+            self.sources.success(base, len(buf) - had, time.monotonic() - started)
+            os.pwrite(fd, buf, shard["offset"])
+
+        self._retry(where, attempt)
+
+    def _get_range(self, base: str, entry: dict, shard: dict, buf: bytearray) -> None:
+        """Append the missing bytes of `shard` to `buf` (a ranged GET)."""
+        start, end, size = shard["offset"] + len(buf), shard["offset"] + shard["size"], entry["size"]
+        if start == 0 and end == size:
+            headers = {}
+        else:  # open-ended when the shard runs to the end of the file
+            headers = {"Range": f"bytes={start}-" if end == size else f"bytes={start}-{end - 1}"}
+        url = base + file_path(self.run, self.version, entry["name"])
+        with self.session().get(url, headers=headers, stream=True, timeout=self._request_timeout()) as r:
+            if r.status_code == 200 and not headers:
+                pass
+            elif not (r.status_code == 206 and r.headers.get("Content-Range", "").startswith(f"bytes {start}-{end - 1}/")):
+                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip() if not r.ok else 'bad range'}")
+            for chunk in r.iter_content(RECV_CHUNK):
+                buf += chunk
+                if len(buf) > shard["size"]:
+                    buf.clear()
+                    raise ChecksumError(entry["name"], f"server sent more than the shard size {shard['size']}")
+                self._check()
+        if len(buf) < shard["size"]:
+            raise HTTPStatusError(f"truncated body: {len(buf)} of {shard['size']} shard bytes")
 
 
 def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path, timeout: float = 300, *,
-                  on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None) -> Path:
+                  on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
+                  public_key=None, sources: Sources | None = None, parallel: int = PARALLEL) -> Path:
     """Download and verify `run` v`version` into dest_root/v{N}; return that directory.
-    `on_bytes(n)` is called per received chunk (metrics); setting `stop` aborts with FetchError."""
-    if not base_urls:
-        raise ValueError("fetch_version needs at least one base URL (origin or relay)")
+    `public_key` (ed25519) makes the manifest signature mandatory; `sources` carries relay
+    measurements across calls (default: fresh ones over `base_urls`). `on_bytes(n)` is called per
+    received chunk (metrics); setting `stop` aborts with FetchError and keeps the partial download."""
+    sources = sources or Sources(base_urls)
     dest_root = Path(dest_root)
     final = dest_root / version_dir_name(version)
     if (final / COMPLETE_MARKER).exists():
         return final
     dest_root.mkdir(parents=True, exist_ok=True)
-    fetcher = _Fetcher(base_urls, run, version, timeout, on_bytes, stop)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=dest_root))
+    fetcher = Fetcher(sources, run, version, timeout, on_bytes=on_bytes, stop=stop, public_key=public_key,
+                      parallel=parallel)
+    partial = dest_root / f".{final.name}.partial"
     try:
-        raw = fetcher.manifest()
-        for entry in json.loads(raw)["files"]:
-            fetcher.file(entry, tmp / entry["name"])
-        (tmp / MANIFEST_NAME).write_bytes(raw)
-        (tmp / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, all files verified\n")
-        return _install(tmp, final)
+        raw, manifest = fetcher.manifest()
+        done = _resume(partial, raw, manifest)
+        journal = open(partial / JOURNAL, "a")
+        lock = threading.Lock()
+
+        def record(i: int, j: int) -> None:
+            with lock:
+                journal.write(f"{i} {j}\n")
+                journal.flush()
+
+        with journal:
+            fetcher.shards(manifest, partial, done, record)
+        (partial / JOURNAL).unlink()
+        (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, all shards verified\n")
+        return _install(partial, final)
+    except FetchError:
+        if not fetcher.stopped:  # a timeout: leave nothing behind; a stop keeps it to resume
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     finally:
-        fetcher.session.close()
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        fetcher.close()
+
+
+def _resume(partial: Path, raw: bytes, manifest: dict) -> set[tuple[int, int]]:
+    """Prepare `partial` for `raw`; return the shards already there that still verify."""
+    if partial.exists() and _read(partial / MANIFEST_NAME) != raw:
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    (partial / MANIFEST_NAME).write_bytes(raw)
+    done = set()
+    for line in (_read(partial / JOURNAL) or b"").decode(errors="replace").splitlines():
+        try:
+            i, j = (int(x) for x in line.split())
+            entry = manifest["files"][i]
+            shard = entry["shards"][j]
+            with open(partial / entry["name"], "rb") as f:
+                f.seek(shard["offset"])
+                if hashlib.sha256(f.read(shard["size"])).hexdigest() == shard["sha256"]:
+                    done.add((i, j))
+        except (ValueError, IndexError, OSError):
+            continue  # a torn journal line or a missing file: fetch that shard again
+    if done:
+        log.info("resuming %s: %d shards already verified", partial, len(done))
+    return done
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def _install(tmp: Path, final: Path) -> Path:
-    """Rename the verified temp dir to `final`; another fetcher that got there first wins."""
+    """Rename the verified dir to `final`; another fetcher that got there first wins."""
     if final.exists() and not (final / COMPLETE_MARKER).exists():  # leftover of something interrupted
         trash = final.with_name(f".{final.name}.trash-{os.getpid()}-{time.monotonic_ns()}")
         os.rename(final, trash)
@@ -90,95 +353,6 @@ def _install(tmp: Path, final: Path) -> Path:
             return final
         raise
     return final
-
-
-class _Fetcher:
-    def __init__(self, base_urls, run, version, timeout, on_bytes, stop):
-        self.urls = [u.rstrip("/") for u in base_urls]
-        self.run, self.version, self.timeout = run, version, timeout
-        self.deadline = time.monotonic() + timeout
-        self.on_bytes, self.stop = on_bytes, stop
-        self.session = requests.Session()
-        self.cursor = 0  # index of the URL to try next; stays on a URL while it works
-        self.last_error = "none"
-
-    def _request_timeout(self) -> tuple[float, float]:
-        left = max(1.0, self.deadline - time.monotonic())
-        return min(CONNECT_TIMEOUT, left), min(READ_TIMEOUT, left)
-
-    def _retry(self, what: str, attempt: Callable[[str], object]):
-        delay, failures = BACKOFF_START, 0
-        while True:
-            if self.stop is not None and self.stop.is_set():
-                raise FetchError(f"run {self.run!r} v{self.version}: fetch stopped")
-            base = self.urls[self.cursor % len(self.urls)]
-            try:
-                return attempt(base)
-            except _RETRYABLE as exc:
-                self.last_error = f"{what} from {base}: {exc}"
-                log.debug("retrying: %s", self.last_error)
-            self.cursor += 1
-            failures += 1
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise FetchError(f"run {self.run!r} v{self.version}: not fetched and verified within "
-                                 f"{self.timeout:g} s from {self.urls}; last error: {self.last_error}")
-            if failures % len(self.urls) == 0:
-                pause = min(delay, left)
-                if self.stop is not None:
-                    self.stop.wait(pause)
-                else:
-                    time.sleep(pause)
-                delay = min(delay * 2, BACKOFF_MAX)
-
-    def manifest(self) -> bytes:
-        def attempt(base: str) -> bytes:
-            r = self.session.get(base + file_path(self.run, self.version, MANIFEST_NAME),
-                                 timeout=self._request_timeout())
-            if r.status_code != 200:
-                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
-            check_manifest(json.loads(r.content), self.run, self.version)
-            return r.content
-
-        return self._retry(MANIFEST_NAME, attempt)
-
-    def file(self, entry: dict, path: Path) -> None:
-        name, size = entry["name"], entry["size"]
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-        def attempt(base: str) -> None:
-            have = path.stat().st_size if path.exists() else 0
-            if have > size:
-                path.unlink()
-                have = 0
-            if not path.exists() or have < size:
-                self._download(base + file_path(self.run, self.version, name), path, have, size)
-            try:
-                verify_file(path, entry)
-            except ChecksumError:
-                path.unlink(missing_ok=True)  # never resume from bytes that failed the check
-                raise
-
-        self._retry(name, attempt)
-
-    def _download(self, url: str, path: Path, have: int, size: int) -> None:
-        headers = {"Range": f"bytes={have}-"} if have else {}
-        with self.session.get(url, headers=headers, stream=True, timeout=self._request_timeout()) as r:
-            if r.status_code == 206 and have and r.headers.get("Content-Range", "").startswith(f"bytes {have}-"):
-                mode = "ab"
-            elif r.status_code == 200:
-                mode = "wb"
-            else:
-                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip() if not r.ok else 'bad range'}")
-            with open(path, mode) as f:
-                for chunk in r.iter_content(RECV_CHUNK):  # small: a broken read loses at most this much
-                    f.write(chunk)
-                    if self.on_bytes is not None:
-                        self.on_bytes(len(chunk))
-                    if f.tell() > size:
-                        raise ChecksumError(path.name, f"server sent more than the manifest size {size}")
-                    if self.stop is not None and self.stop.is_set():
-                        raise FetchError(f"run {self.run!r} v{self.version}: fetch stopped")
 
 
 def latest_version_http(base_url: str, run: str, timeout: float = 10.0) -> int | None:

@@ -20,7 +20,8 @@ from prometheus_client import Counter
 
 from rlfleet.checkpoint import MANIFEST_NAME, latest_version, manifest_key, version_key
 from rlfleet.services.shardcast.protocol import (
-    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, check_run, healthz, request_version, send_range, serve_until,
+    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, check_run, healthz, metrics, request_version, send_range,
+    serve_until,
 )
 from rlfleet.store import CheckpointStore
 
@@ -59,6 +60,7 @@ def make_app(store: CheckpointStore, run: str) -> web.Application:
 
     app = web.Application()
     app.router.add_get(ROUTE_HEALTH, healthz)
+    app.router.add_get(ROUTE_METRICS, metrics)
     app.router.add_get(ROUTE_LATEST, latest)
     app.router.add_get(ROUTE_FILE, serve_file)
     return app

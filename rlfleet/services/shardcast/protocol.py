@@ -4,6 +4,7 @@ they share (ranged streaming, serving an app until a stop event).
 Routes (the origin and every relay serve the same ones):
   GET /healthz                  200 "ok"
   GET /v1/{run}/latest          200 {"version": N}; 404 while the run has no published version
+  GET /metrics                  Prometheus text (rlfleet_relay_* / rlfleet_origin_*)
   GET /v1/{run}/v{N}/{file}     the file: `manifest.json` or a name listed in it. 404 while vN has no
                                 manifest (a partial version is never served). One `Range: bytes=a-b`
                                 (or `a-`, `-n`) gives 206 + Content-Range; an unsatisfiable one 416.
@@ -16,7 +17,7 @@ import asyncio
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from aiohttp import web
@@ -26,6 +27,7 @@ log = logging.getLogger("rlfleet.shardcast")
 CHUNK = 1 << 20
 _IO = ThreadPoolExecutor(max_workers=32, thread_name_prefix="shardcast-io")  # blocking chunk reads
 ROUTE_HEALTH = "/healthz"
+ROUTE_METRICS = "/metrics"
 ROUTE_LATEST = "/v1/{run}/latest"
 ROUTE_FILE = r"/v1/{run}/v{version:\d+}/{name:.+}"
 
@@ -51,6 +53,12 @@ async def healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
+async def metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def read_file_range(path: Path, start: int, end: int) -> Iterator[bytes]:
     """Chunks of bytes [start, end) of a local file; opened eagerly (FileNotFoundError here)."""
     f = open(path, "rb")
@@ -68,9 +76,11 @@ def read_file_range(path: Path, start: int, end: int) -> Iterator[bytes]:
 
 async def send_range(request: web.Request, size: int, read: Callable[[int, int], Iterator[bytes]],
                      content_type: str = "application/octet-stream",
-                     on_bytes: Callable[[int], None] | None = None) -> web.StreamResponse:
+                     on_bytes: Callable[[int], None] | None = None,
+                     ready: Callable[[int, int], Awaitable[None]] | None = None) -> web.StreamResponse:
     """Stream `read(start, end)` (a blocking chunk iterator, run in the thread pool) honouring Range.
-    Exceptions from `read` itself (e.g. KeyError) propagate before any header is sent."""
+    `await ready(start, end)` runs first (a relay waits there for the shards that cover the range).
+    Exceptions from `ready` and `read` themselves (e.g. KeyError) propagate before any header is sent."""
     unsatisfiable = web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
     status, start, end = 200, 0, size
     if "Range" in request.headers:
@@ -85,6 +95,8 @@ async def send_range(request: web.Request, size: int, read: Callable[[int, int],
         if start >= size:
             raise unsatisfiable
         status = 206
+    if ready is not None:
+        await ready(start, end)
     chunks = await asyncio.to_thread(read, start, end)
     resp = web.StreamResponse(status=status, headers={"Accept-Ranges": "bytes"})
     if status == 206:

@@ -1,20 +1,26 @@
-"""Shardcast relay: a pull-through, verifying cache of one run's policy versions.
+"""Shardcast relay: a pull-through, verifying, cut-through cache of one run's policy versions.
 
-It serves the origin's routes (protocol.py) from {cache_dir}/{run}/v{N}/. Such a directory is
-built only by the Shardcast client (`fetch_version`: every file's size and sha256 checked against
-the manifest, then one rename with `.complete` inside), so a byte that failed its check is never
-under v{N} and never served.
-  pull-through  a request for a version it lacks asks upstream for the manifest (404 there -> 404
-                here), then pulls the version; one pull per version at a time, concurrent requests
-                await the same pull; a failed pull answers 502 (the client retries)
-  prefetch      a thread does blocking XREAD on the run's `policy` stream (first the newest entry,
-                then each new one) and pulls every announced version before anyone asks
+It serves the origin's routes (protocol.py) for {cache_dir}/{run}/v{N}/. Invariants:
+  - nothing is served before the version's manifest has verified: its ed25519 signature with the
+    run's public key first, then shape, run and version (client.Fetcher.manifest);
+  - a byte is served only once the shard that holds it has matched its sha256 (client.Fetcher
+    hashes each shard in memory and writes it only then), so a poisoned upstream is never relayed;
+  - v{N} exists only complete (`.complete` inside): shards land in `.v{N}.partial/`, renamed
+    to v{N} after the last one, before the last shard is announced as ready.
+  pull          one pull per version at a time (a thread running client.Fetcher against the
+                upstream, `parallel` shards at once); concurrent requests share it
+  cut-through   a file request waits (in `send_range`'s `ready` hook) only for the shards its
+                byte range covers, then streams them while later shards are still arriving, so
+                tier k+1 pulls shard s while tier k pulls shard s+1; a failed pull answers 502
+  prefetch      a thread does blocking XREAD on the run's `policy` stream (the newest entry first,
+                then each new one) and pulls every announced version before anyone asks; a
+                restarted relay catches up the same way
   latest        upstream's latest (and starts pulling it); the newest held version if upstream is down
-  retention     after each pull, all but the newest `keep_versions` are deleted (renamed away first,
-                so a half-deleted version is never visible); a request for an older one is 404
-Not done: cut-through per shard (serving a file before its whole version is verified).
+  retention     at most `keep_versions` complete versions, and (with `max_disk_bytes`) their bytes
+                plus the pulls in flight stay under the bound: older versions are dropped (renamed
+                away first) before a pull starts, and a version larger than the bound is refused
 Metrics: rlfleet_relay_bytes_in_total, rlfleet_relay_bytes_out_total, rlfleet_relay_versions_held,
-rlfleet_relay_fetch_seconds.
+rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds, rlfleet_relay_fetch_seconds.
 """
 from __future__ import annotations
 
@@ -33,10 +39,10 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
-from rlfleet.services.shardcast.client import FetchError, fetch_version, latest_version_http
+from rlfleet.services.shardcast.client import PARALLEL, FetchError, Fetcher, Sources, latest_version_http
 from rlfleet.services.shardcast.protocol import (
-    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, check_run, file_path, healthz, read_file_range, request_version,
-    send_range, serve_until,
+    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, check_run, file_path, healthz, metrics,
+    read_file_range, request_version, send_range, serve_until,
 )
 from rlfleet.streams import MessageError, RunKeys, decode_json
 
@@ -45,6 +51,10 @@ log = logging.getLogger("rlfleet.shardcast.relay")
 BYTES_IN = Counter("rlfleet_relay_bytes_in", "Checkpoint bytes the relay received from upstream")
 BYTES_OUT = Counter("rlfleet_relay_bytes_out", "Checkpoint bytes the relay sent to clients")
 VERSIONS_HELD = Gauge("rlfleet_relay_versions_held", "Verified policy versions on the relay's disk")
+DISK_BYTES = Gauge("rlfleet_relay_disk_bytes", "Bytes of complete versions and pulls in flight on the relay's disk")
+CLIENTS = Gauge("rlfleet_relay_clients", "Requests for checkpoint files being served right now")
+SHARD_SECONDS = Histogram("rlfleet_relay_shard_seconds", "Seconds from a pull's start until each shard verified",
+                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
 FETCH_SECONDS = Histogram("rlfleet_relay_fetch_seconds", "Seconds to pull and verify one version from upstream",
                           buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
 
@@ -57,10 +67,55 @@ class NotUpstream(LookupError):
     """Upstream has no such version (yet)."""
 
 
-class Relay:
-    """The cache, the pulls in flight and the retention rule of one relay process."""
+class DiskBoundError(RuntimeError):
+    """A version that does not fit under the relay's disk bound."""
 
-    def __init__(self, upstream: str, cache_dir: Path, run: str, keep_versions: int, fetch_timeout: float = 120.0):
+
+class Pull:
+    """One version being pulled: its verified manifest, then the shards verified so far.
+    Written by the pull thread; read and awaited on the event loop."""
+
+    def __init__(self, version: int, loop: asyncio.AbstractEventLoop):
+        self.version, self.loop = version, loop
+        self.raw: bytes | None = None
+        self.manifest: dict | None = None
+        self.ready: set[tuple[int, int]] = set()
+        self.complete = False
+        self.error: BaseException | None = None
+        self.size = 0
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        """Wake every waiter (from any thread)."""
+        self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait(self, predicate) -> None:
+        while True:
+            changed = self._changed
+            if predicate():
+                return
+            if self.error is not None:
+                raise self.error
+            await changed.wait()
+
+    def covers(self, index: int, start: int, end: int) -> bool:
+        """All shards of file `index` overlapping bytes [start, end) are verified."""
+        if self.complete:
+            return True
+        shards = self.manifest["files"][index]["shards"]
+        return all((index, j) in self.ready for j, s in enumerate(shards)
+                   if s["offset"] < end and s["offset"] + s["size"] > start)
+
+
+class Relay:
+    """The cache, the pulls in flight and the retention rules of one relay process."""
+
+    def __init__(self, upstream: str, cache_dir: Path, run: str, keep_versions: int, fetch_timeout: float = 120.0,
+                 public_key=None, max_disk_bytes: int | None = None, parallel: int = PARALLEL):
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         self.upstream = upstream.rstrip("/")
@@ -68,12 +123,17 @@ class Relay:
         self.root = Path(cache_dir) / run
         self.keep = keep_versions
         self.fetch_timeout = fetch_timeout
+        self.public_key, self.max_disk, self.parallel = public_key, max_disk_bytes, parallel
         self.closing = threading.Event()  # aborts pulls in flight at shutdown
-        self._pulls: dict[int, asyncio.Task] = {}
-        self._background: set[asyncio.Task] = set()
+        self._pulls: dict[int, Pull] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._disk_lock = threading.Lock()  # retention and disk accounting run in pull threads
 
     def version_dir(self, version: int) -> Path:
         return self.root / version_dir_name(version)
+
+    def partial_dir(self, version: int) -> Path:
+        return self.root / f".{version_dir_name(version)}.partial"
 
     def has(self, version: int) -> bool:
         return (self.version_dir(version) / COMPLETE_MARKER).exists()
@@ -90,20 +150,35 @@ class Relay:
         return sum(v > version for v in self.held()) >= self.keep
 
     def clean_start(self) -> None:
-        """Drop temp dirs and incomplete versions left by a previous process; apply retention."""
+        """Drop partial pulls and temp dirs left by a previous process; apply retention."""
         self.root.mkdir(parents=True, exist_ok=True)
         for p in self.root.iterdir():
             if p.is_dir() and not (p / COMPLETE_MARKER).exists():
                 shutil.rmtree(p)
         self.prune()
 
-    def prune(self) -> None:
-        for version in self.held()[:-self.keep]:
-            trash = self.root / f".trash-{version_dir_name(version)}-{uuid.uuid4().hex}"
-            self.version_dir(version).rename(trash)  # invisible at once, then deleted
-            shutil.rmtree(trash)
-            log.info("dropped v%d (keeping the newest %d)", version, self.keep)
-        VERSIONS_HELD.set(len(self.held()))
+    def _drop(self, version: int) -> None:
+        trash = self.root / f".trash-{version_dir_name(version)}-{uuid.uuid4().hex}"
+        self.version_dir(version).rename(trash)  # invisible at once, then deleted
+        shutil.rmtree(trash)
+        log.info("dropped v%d", version)
+
+    def _disk_used(self) -> int:
+        held = sum(f.stat().st_size for v in self.held() for f in self.version_dir(v).rglob("*") if f.is_file())
+        return held + sum(p.size for p in self._pulls.values() if not p.complete)
+
+    def prune(self, room_for: int = 0) -> None:
+        """Keep at most `keep` complete versions (`keep - 1` when `room_for` bytes are about to
+        arrive) and, with a disk bound, room for those bytes."""
+        with self._disk_lock:
+            keep = max(self.keep - 1, 1) if room_for else self.keep
+            for version in self.held()[:len(self.held()) - keep] if len(self.held()) > keep else []:
+                self._drop(version)
+            if self.max_disk is not None:
+                while self.held() and self._disk_used() + room_for > self.max_disk:
+                    self._drop(self.held()[0])
+            VERSIONS_HELD.set(len(self.held()))
+            DISK_BYTES.set(self._disk_used() + room_for)
 
     def _upstream_has(self, version: int) -> bool:
         r = requests.get(self.upstream + file_path(self.run, version, MANIFEST_NAME), timeout=(5, 60))
@@ -112,51 +187,103 @@ class Relay:
         r.raise_for_status()
         return True
 
-    async def ensure(self, version: int, probe: bool) -> Path:
-        """The verified directory of `version`, pulling it first if needed. With `probe`, a version
-        upstream does not have raises NotUpstream at once instead of being waited for."""
+    async def locate(self, version: int, probe: bool) -> Path | Pull:
+        """The complete directory of `version`, or the pull that is bringing it. With `probe`, a
+        version upstream does not have raises NotUpstream at once instead of being waited for."""
         if self.has(version):
             return self.version_dir(version)
         if self.too_old(version):
             raise VersionGone(f"v{version} is older than the newest {self.keep} versions this relay keeps")
         if version not in self._pulls and probe and not await asyncio.to_thread(self._upstream_has, version):
             raise NotUpstream(f"upstream {self.upstream} has no v{version} (yet)")
-        task = self._pulls.get(version)
-        if task is None:
-            task = asyncio.create_task(self._pull(version))
-            self._pulls[version] = task
-            task.add_done_callback(lambda t: self._pull_done(version, t))
-        return await asyncio.shield(task)  # a client hanging up does not cancel the shared pull
+        if self.has(version):  # finished while we probed
+            return self.version_dir(version)
+        pull = self._pulls.get(version)
+        if pull is None:
+            pull = self._pulls[version] = Pull(version, asyncio.get_running_loop())
+            task = asyncio.create_task(asyncio.to_thread(self._pull, pull))
+            self._tasks.add(task)
+            task.add_done_callback(lambda t: self._pull_done(pull, t))
+        return pull
 
-    def _pull_done(self, version: int, task: asyncio.Task) -> None:
-        if self._pulls.get(version) is task:
-            del self._pulls[version]
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("pull of v%d failed: %s", version, task.exception())
+    def _pull_done(self, pull: Pull, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if self._pulls.get(pull.version) is pull:
+            del self._pulls[pull.version]
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            pull.error = error
+            pull._wake()
+            log.warning("pull of v%d failed: %s", pull.version, error)
 
-    async def _pull(self, version: int) -> Path:
-        start = time.monotonic()
-        path = await asyncio.to_thread(fetch_version, [self.upstream], self.run, version, self.root,
-                                       self.fetch_timeout, on_bytes=BYTES_IN.inc, stop=self.closing)
-        FETCH_SECONDS.observe(time.monotonic() - start)
-        log.info("v%d pulled and verified in %.2f s", version, time.monotonic() - start)
-        await asyncio.to_thread(self.prune)
-        return path
+    def _pull(self, pull: Pull) -> None:
+        """Blocking: verified manifest, then shards into the partial dir, then rename (pull thread)."""
+        started = time.monotonic()
+        version, partial = pull.version, self.partial_dir(pull.version)
+        fetcher = Fetcher(Sources([self.upstream]), self.run, version, self.fetch_timeout, on_bytes=BYTES_IN.inc,
+                          stop=self.closing, public_key=self.public_key, parallel=self.parallel)
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            raw, manifest = fetcher.manifest()
+            size = sum(f["size"] for f in manifest["files"])
+            if self.max_disk is not None and size > self.max_disk:
+                raise DiskBoundError(f"v{version} has {size} bytes, more than the relay's disk bound {self.max_disk}")
+            self.prune(room_for=size)
+            partial.mkdir(parents=True)
+            (partial / MANIFEST_NAME).write_bytes(raw)
+            pull.size = size
+            pull.raw, pull.manifest = raw, manifest
+            pull.notify()
+            total = sum(len(f["shards"]) for f in manifest["files"])
+            lock = threading.Lock()
+
+            def on_shard(i: int, j: int) -> None:
+                SHARD_SECONDS.observe(time.monotonic() - started)
+                with lock:
+                    pull.ready.add((i, j))
+                    last = len(pull.ready) == total
+                if last:
+                    self._finish(pull)
+                pull.notify()
+
+            fetcher.shards(manifest, partial, set(), on_shard)
+            if total == 0:  # only empty files
+                self._finish(pull)
+                pull.notify()
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        finally:
+            fetcher.close()
+        FETCH_SECONDS.observe(time.monotonic() - started)
+        log.info("v%d pulled and verified in %.2f s", version, time.monotonic() - started)
+
+    def _finish(self, pull: Pull) -> None:
+        """Mark complete (marker last), make v{N} visible, apply retention."""
+        partial = self.partial_dir(pull.version)
+        (partial / COMPLETE_MARKER).write_text("all shards verified\n")
+        partial.rename(self.version_dir(pull.version))
+        pull.complete = True
+        self.prune()
+
+    def open_range(self, version: int, name: str, start: int, end: int):
+        """Chunks of bytes [start, end) of `name` in v{N}, wherever it lies now (the partial dir is
+        renamed to v{N} when the pull ends; an open file survives that)."""
+        for _ in range(2):
+            for base in (self.version_dir(version), self.partial_dir(version)):
+                try:
+                    return read_file_range(base / name, start, end)
+                except FileNotFoundError:
+                    continue
+        raise FileNotFoundError(name)
 
     def prefetch(self, version: int) -> None:
         """Start pulling `version` in the background (event-loop thread only)."""
         if self.has(version) or version in self._pulls or self.too_old(version):
             return
-
-        async def run() -> None:
-            try:
-                await self.ensure(version, probe=False)
-            except (FetchError, VersionGone) as exc:  # logged by _pull_done / nothing to do
-                log.debug("prefetch of v%d: %s", version, exc)
-
-        task = asyncio.create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task = asyncio.create_task(self.locate(version, probe=False))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def listen(self, client: redis.Redis, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
         """Blocking XREAD on the policy stream; each announced version is prefetched."""
@@ -191,10 +318,12 @@ RELAY = web.AppKey("relay", Relay)
 
 
 def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
-             redis_client: redis.Redis | None = None, fetch_timeout: float = 120.0) -> web.Application:
+             redis_client: redis.Redis | None = None, fetch_timeout: float = 120.0, *,
+             public_key=None, max_disk_bytes: int | None = None, parallel: int = PARALLEL) -> web.Application:
     """The relay's aiohttp application; `app[RELAY]` is its Relay. With `redis_client`, it
-    prefetches every version announced on the run's policy stream."""
-    relay = Relay(upstream, cache_dir, run, keep_versions, fetch_timeout)
+    prefetches every version announced on the run's policy stream. With `public_key`, manifests
+    must carry a valid signature."""
+    relay = Relay(upstream, cache_dir, run, keep_versions, fetch_timeout, public_key, max_disk_bytes, parallel)
 
     async def latest(request: web.Request) -> web.Response:
         check_run(request, run)
@@ -214,26 +343,43 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
     async def serve_file(request: web.Request) -> web.StreamResponse:
         check_run(request, run)
         version, name = request_version(request)
+        bad_gateway = f"could not pull v{version} from {relay.upstream}"
         try:
-            path = await relay.ensure(version, probe=True)
+            where = await relay.locate(version, probe=True)
+            if isinstance(where, Pull):
+                await where.wait(lambda: where.raw is not None)
+                raw, manifest = where.raw, where.manifest
+            else:
+                raw = (where / MANIFEST_NAME).read_bytes()
+                manifest = json.loads(raw)
         except (VersionGone, NotUpstream) as exc:
             raise web.HTTPNotFound(text=f"{exc}\n") from None
-        except (FetchError, requests.RequestException) as exc:
-            raise web.HTTPBadGateway(text=f"could not pull v{version} from {relay.upstream}: {exc}\n") from None
+        except (FetchError, DiskBoundError, requests.RequestException) as exc:
+            raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
+        except FileNotFoundError:  # pruned between the check and the read
+            raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
+        if name == MANIFEST_NAME:
+            return await send_range(request, len(raw), lambda s, e: iter([raw[s:e]]), "application/json", BYTES_OUT.inc)
+        index = next((i for i, f in enumerate(manifest["files"]) if f["name"] == name), None)
+        if index is None:
+            raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
+
+        async def ready(start: int, end: int) -> None:
+            if isinstance(where, Pull):
+                try:
+                    await where.wait(lambda: where.covers(index, start, end))
+                except (FetchError, DiskBoundError, requests.RequestException, OSError) as exc:
+                    raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
+
+        CLIENTS.inc()
         try:
-            if name == MANIFEST_NAME:
-                target = path / MANIFEST_NAME
-            else:
-                files = json.loads((path / MANIFEST_NAME).read_bytes())["files"]
-                if name not in {f["name"] for f in files}:
-                    raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
-                target = path / name
-            size = target.stat().st_size
-            return await send_range(request, size, lambda s, e: read_file_range(target, s, e),
-                                    "application/json" if name == MANIFEST_NAME else "application/octet-stream",
-                                    BYTES_OUT.inc)
+            return await send_range(request, manifest["files"][index]["size"],
+                                    lambda s, e: relay.open_range(version, name, s, e),
+                                    on_bytes=BYTES_OUT.inc, ready=ready)
         except FileNotFoundError:  # pruned between the check and the open
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
+        finally:
+            CLIENTS.dec()
 
     async def lifecycle(app: web.Application):
         await asyncio.to_thread(relay.clean_start)
@@ -248,13 +394,14 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
         relay.closing.set()
         if listener is not None:
             await asyncio.to_thread(listener.join, 5)
-        for task in list(relay._background):
+        for task in list(relay._tasks):
             task.cancel()
 
     app = web.Application()
     app[RELAY] = relay
     app.cleanup_ctx.append(lifecycle)
     app.router.add_get(ROUTE_HEALTH, healthz)
+    app.router.add_get(ROUTE_METRICS, metrics)
     app.router.add_get(ROUTE_LATEST, latest)
     app.router.add_get(ROUTE_FILE, serve_file)
     return app
@@ -263,9 +410,13 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
 def main(args) -> int:
     """`rlfleet relay`: pull from args.upstream into args.cache_dir, serve on args.host:args.port."""
     from rlfleet.runtime import component_context
+    from rlfleet.signing import run_public_key
 
     ctx = component_context(args, "relay")
-    keep = args.keep_versions or ctx.bundle.run.spec.shardcast.keep_versions
-    app = make_app(args.upstream, Path(args.cache_dir), ctx.run_name, keep, redis_client=ctx.redis)
+    shardcast = ctx.bundle.run.spec.shardcast
+    keep = args.keep_versions or shardcast.keep_versions
+    app = make_app(args.upstream, Path(args.cache_dir), ctx.run_name, keep, redis_client=ctx.redis,
+                   public_key=run_public_key(shardcast),
+                   max_disk_bytes=args.max_disk_bytes or shardcast.relay_max_disk_bytes)
     asyncio.run(serve_until(app, args.host, args.port, ctx.stop))
     return 0
