@@ -34,7 +34,8 @@ class RunKeys:
         self.policy = f"{prefix}:policy"
         self.stats = f"{prefix}:stats"
         self.trained = f"{prefix}:trained"  # sorted set: rollout id -> policy version it trained
-        self.workers = f"{prefix}:workers"  # hash: "{worker}:{verdict}" -> count (reputation)
+        self.workers = f"{prefix}:workers"  # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
+        self.banned = f"{prefix}:banned"  # hash: worker id -> JSON ban record (why, when)
         self._seen_prefix = f"{prefix}:seen:"
         self.verifier_group = "verifiers"
         self.trainer_group = "trainer"
@@ -45,7 +46,7 @@ class RunKeys:
 
     def all(self) -> list[str]:
         """Fixed keys of the run (the per-rollout replay guards expire by themselves)."""
-        return [self.rollouts, self.verified, self.rejected, self.policy, self.stats, self.trained, self.workers]
+        return [self.rollouts, self.verified, self.rejected, self.policy, self.stats, self.trained, self.workers, self.banned]
 
 
 class MessageError(ValueError):

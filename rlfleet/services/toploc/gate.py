@@ -1,176 +1,177 @@
 """`rlfleet verifier`: the gate between untrusted workers and the trainer.
 
-Each inbox group goes through these checks in order; the first failure rejects the whole group
-with that reason (the `REASONS` below):
-  1. envelope: decodable, current schema, G samples, the run's sampling parameters, a completion
-     no longer than maxTokens, token ids inside the vocabulary, a policy version that was published
-     and is inside the staleness window, a rollout id never seen before (replay);
-  2. prompt: rebuilt from the task id by the trusted task source, compared token by token;
-  3. TOPLOC: one prefill of prompt + completion with the claimed version, every proof chunk checked
-     against the configured thresholds;
-  4. logprobs: the claimed token logprobs match the recomputed ones within `logprobTolerance`;
-  5. reward: recomputed by the trusted task verifier; the claimed one is only compared and counted.
-Accepted groups go to `verified` with the trusted rewards, rejected ones to `rejected` with the
-reason; forwarding, the ack and the deletion from the inbox happen in one MULTI transaction, so
-a crash never forwards a group twice. Pending messages of a dead replica are claimed with
-XAUTOCLAIM after `CLAIM_IDLE_MS`.
+Each inbox group goes through the checks of checks.py in order (envelope, prompt, TOPLOC,
+sampling, reward); the first failure rejects the whole group with that check's reason. A
+`spotCheckFraction` of the groups, drawn unpredictably, gets the prefill checks (TOPLOC, logprobs,
+sampling); every group gets the others. Accepted groups go to `verified` with the trusted rewards,
+rejected ones to `rejected` with the reason and the original message (audit).
+
+Exactly once: the verdict is committed by one Lua script that XACKs the entry first and does
+nothing more if the XACK acknowledged nothing (another replica committed it); otherwise it
+forwards, deletes the inbox entry, counts the verdict (run stats, worker reputation) and applies
+the ban policy, atomically. Replicas share one consumer group; an entry left pending by a dead
+(or stalled) replica for `claimIdleMs` is taken over with XAUTOCLAIM, and a stalled replica that
+wakes up later commits nothing. A Lua script rather than MULTI because the forward must depend on
+the XACK's answer.
 """
 from __future__ import annotations
 
+import json
 import logging
+import random
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
 
-import torch
 from prometheus_client import Counter
 
-from rlfleet.policy import load_policy, score
-from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, latest_announced_version
+from rlfleet.policy import load_policy
+from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group
 from rlfleet.services.shardcast.client import fetch_version
-from rlfleet.services.toploc.proof import ProofFormatError, Thresholds, verify_proofs
-from rlfleet.streams import MessageError, RolloutGroup, encode_json
-from rlfleet.tasks.base import make_task
+from rlfleet.signing import run_public_key
+from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
+from rlfleet.services.toploc.reputation import ban_plan, field
+from rlfleet.streams import RolloutGroup, encode_json
+
+__all__ = ["REASONS", "Gate", "Rejection", "main"]
 
 log = logging.getLogger("rlfleet.verifier")
 
-REASONS = ("malformed", "sampling_params", "unknown_version", "stale_version", "replay", "prompt_mismatch",
-           "toploc", "logprob_mismatch")
-CLAIM_IDLE_MS = 30_000
-SEEN_TTL_S = 7 * 24 * 3600
-
 VERDICTS = Counter("rlfleet_verifier_groups_total", "Groups verified", ["verdict", "reason"])
 REWARD_MISMATCH = Counter("rlfleet_verifier_reward_mismatch_total", "Samples whose claimed reward differed from the trusted one")
+UNCHECKED = Counter("rlfleet_verifier_unchecked_groups_total", "Accepted groups that skipped the prefill checks (spot-checking)")
+TOKENS = Counter("rlfleet_verifier_tokens_total", "Completion tokens of handled groups", ["prefill"])
+BANS = Counter("rlfleet_verifier_bans_total", "Workers banned by this replica", ["reason"])
+DUPLICATES = Counter("rlfleet_verifier_already_committed_total", "Verdicts dropped because another replica committed the entry first")
 
-
-class Rejection(Exception):
-    def __init__(self, reason: str, detail: str):
-        assert reason in REASONS, reason
-        super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail
+# KEYS: inbox, out stream, stats, workers, banned.
+# ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?}, then the out fields.
+_COMMIT = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local out = {}
+for i = 5, #ARGV do out[#out + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
+redis.call('XDEL', KEYS[1], ARGV[2])
+local plan = cjson.decode(ARGV[4])
+for f, n in pairs(plan.stats) do redis.call('HINCRBY', KEYS[3], f, n) end
+for f, n in pairs(plan.workers) do redis.call('HINCRBY', KEYS[4], f, n) end
+local ban = plan.ban
+if ban then
+  local count = tonumber(redis.call('HGET', KEYS[4], ban.count_field) or '0')
+  if ban.now or (ban.max > 0 and count >= ban.max) then
+    if redis.call('HSETNX', KEYS[5], ban.worker, ban.record) == 1 then return 2 end
+  end
+end
+return 1
+"""
 
 
 class Gate:
     def __init__(self, ctx: Context, consumer: str, origin_url: str, cache_dir: Path):
         self.ctx, self.consumer, self.origin_url, self.cache_dir = ctx, consumer, origin_url, cache_dir
         self.spec = ctx.bundle.run.spec
-        self.task = make_task(self.spec.task)
-        t = self.spec.verifier.toploc
-        self.thresholds = Thresholds(t.max_exp_mismatches, t.max_mant_err_mean, t.max_mant_err_median)
         self.models: OrderedDict[int, tuple] = OrderedDict()
+        self._models_lock = threading.Lock()  # the HTTP API verifies from another thread
+        self.checker = Checker(self.spec, ctx.redis, ctx.keys, self.policy)
+        self._commit = ctx.redis.register_script(_COMMIT)
+        self._draw = random.SystemRandom()  # workers must not predict which groups get the prefill
+        self.public_key = run_public_key(self.spec.shardcast)  # manifests are checked even from the origin
         ensure_group(ctx.redis, ctx.keys.rollouts, ctx.keys.verifier_group)
 
     def policy(self, version: int):
         """(model, tokenizer) of `version`, fetched from the trusted origin; the last few are kept."""
-        if version not in self.models:
-            path = fetch_version([self.origin_url], self.ctx.run_name, version, self.cache_dir, timeout=120, stop=self.ctx.stop)
-            self.models[version] = load_policy(path, self.spec.model.dtype)
-            while len(self.models) > self.spec.trainer.max_async_level + 2:
-                self.models.popitem(last=False)
-        self.models.move_to_end(version)
-        return self.models[version]
+        with self._models_lock:
+            if version not in self.models:
+                path = fetch_version([self.origin_url], self.ctx.run_name, version, self.cache_dir, timeout=120,
+                                     stop=self.ctx.stop, public_key=self.public_key)
+                self.models[version] = load_policy(path, self.spec.model.dtype)
+                while len(self.models) > self.spec.trainer.max_async_level + 2:
+                    self.models.popitem(last=False)
+            self.models.move_to_end(version)
+            return self.models[version]
 
-    def check_envelope(self, group: RolloutGroup, msg_id: bytes) -> None:
-        s = self.spec.sampling
-        if len(group.samples) != s.group_size:
-            raise Rejection("malformed", f"{len(group.samples)} samples, the run uses groupSize {s.group_size}")
-        claimed = group.sampling
-        if (claimed.temperature, claimed.top_p, claimed.top_k, claimed.max_tokens) != (s.temperature, s.top_p, s.top_k, s.max_tokens):
-            raise Rejection("sampling_params", f"{claimed} differs from the run's sampling spec")
-        for i, sample in enumerate(group.samples):
-            if not 1 <= len(sample.completion_ids) <= s.max_tokens:
-                raise Rejection("malformed", f"samples[{i}] has {len(sample.completion_ids)} tokens (1..{s.max_tokens} allowed)")
-        newest = latest_announced_version(self.ctx.redis, self.ctx.keys)
-        if newest is None or not 0 <= group.policy_version <= newest:
-            raise Rejection("unknown_version", f"version {group.policy_version} was never published (newest {newest})")
-        if newest - group.policy_version > self.spec.trainer.max_async_level:
-            raise Rejection("stale_version", f"version {group.policy_version} is {newest - group.policy_version} behind {newest}")
-        # The guard stores the inbox entry id, so a redelivery of the same entry is not a replay.
-        key = self.ctx.keys.seen(group.rollout_id)
-        if not self.ctx.redis.set(key, msg_id, nx=True, ex=SEEN_TTL_S) and self.ctx.redis.get(key) != msg_id:
-            raise Rejection("replay", f"rollout id {group.rollout_id} was already submitted")
-
-    def check(self, group: RolloutGroup, msg_id: bytes) -> list[float]:
-        """Run every check; return the trusted rewards or raise Rejection."""
-        self.check_envelope(group, msg_id)
+    def verify(self, fields: dict) -> tuple[RolloutGroup | None, Outcome | Rejection]:
+        """Out-of-band verification of one message (every check but the replay guard; nothing written)."""
         try:
-            problem = self.task.problem(group.task_id)
-        except KeyError as exc:
-            raise Rejection("prompt_mismatch", str(exc)) from None
-        model, tokenizer = self.policy(group.policy_version)
-        if tokenizer(problem.prompt)["input_ids"] != group.prompt_ids:
-            raise Rejection("prompt_mismatch", f"prompt tokens differ from task {group.task_id}")
-        vocab = model.config.vocab_size
-        if any(not 0 <= t < vocab for s in group.samples for t in s.completion_ids):
-            raise Rejection("malformed", "token id outside the vocabulary")
-        rows = [group.prompt_ids + s.completion_ids for s in group.samples]
-        with torch.inference_mode():
-            scored = score(model, rows, group.sampling.temperature, tokenizer.pad_token_id, want_hidden=True)
-        toploc, prompt_len = self.spec.verifier.toploc, len(group.prompt_ids)
-        for i, sample in enumerate(group.samples):
-            try:
-                results = verify_proofs(scored.hidden[i], sample.proofs, prompt_len=prompt_len,
-                                        decode_batching_size=toploc.decode_batching_size, topk=toploc.topk)
-            except ProofFormatError as exc:
-                raise Rejection("toploc", f"samples[{i}]: malformed proof: {exc}") from None
-            bad = [(c, r) for c, r in enumerate(results) if not self.thresholds.accepts(r)]
-            if bad:
-                c, r = bad[0]
-                raise Rejection("toploc", f"samples[{i}] chunk {c}: {r}")
-            recomputed = scored.logprobs[i][prompt_len - 1:]
-            err = (recomputed - torch.tensor(sample.logprobs)).abs().max().item()
-            if err > self.spec.verifier.logprob_tolerance:
-                raise Rejection("logprob_mismatch", f"samples[{i}]: max |claimed - recomputed| = {err:.4f}")
-        rewards = []
-        for sample in group.samples:
-            text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
-            rewards.append(self.task.reward(problem, text))
-            if rewards[-1] != sample.reward:
-                REWARD_MISMATCH.inc()
-        return rewards
+            group = decode_group(fields, self.spec.verifier.max_message_bytes)
+        except Rejection as exc:
+            return None, exc
+        try:
+            return group, self.checker.check(group, None, prefill=True)
+        except Rejection as exc:
+            return group, exc
 
-    def handle(self, msg_id: bytes, fields: dict) -> None:
-        keys, maxlen = self.ctx.keys, self.spec.redis.stream_max_len
+    def handle(self, msg_id: bytes, fields: dict) -> int:
+        """Check one inbox entry and commit the verdict; the commit script's answer (0 = already committed)."""
+        keys, v = self.ctx.keys, self.spec.verifier
         group = None
         try:
-            group = RolloutGroup.decode(fields)
-            rewards = self.check(group, msg_id)
-        except (Rejection, MessageError) as exc:
-            reason = exc.reason if isinstance(exc, Rejection) else "malformed"
-            detail = exc.detail if isinstance(exc, Rejection) else str(exc)
-            worker = group.worker_id if group else "unknown"
-            log.warning("rejected %s from %s: %s: %s", msg_id.decode(), worker, reason, detail)
-            record = {"reason": reason, "detail": detail, "worker_id": worker, "inbox_id": msg_id.decode(),
-                      "rollout_id": group.rollout_id if group else None}
-            out = {**encode_json(record), b"original": next(iter(fields.values()), b"")}
-            stream, verdict = keys.rejected, "rejected"
+            group = decode_group(fields, v.max_message_bytes)
+            prefill = self._draw.random() < v.spot_check_fraction
+            outcome = self.checker.check(group, msg_id, prefill)
+        except Rejection as exc:
+            worker = exc.worker_id
+            log.warning("rejected %s from %s: %s: %s", msg_id.decode(), worker, exc.reason, exc.detail)
+            record = {"reason": exc.reason, "detail": exc.detail, "worker_id": worker, "inbox_id": msg_id.decode(),
+                      "rollout_id": group.rollout_id if group else None, "verifier": self.consumer}
+            original = next(iter(fields.values()), b"")[: v.max_message_bytes]  # an oversize one is cut
+            out = {**encode_json(record), b"original": original}
+            plan = {"stats": {"rejected": 1, f"rejected:{exc.reason}": 1}, "workers": {}}
+            if worker is not None:
+                plan["workers"] = {field(worker, "rejected"): 1, field(worker, f"rejected:{exc.reason}"): 1}
+                plan["ban"] = ban_plan(v.ban, worker, exc.reason, exc.detail, record["rollout_id"])
+            stream, verdict, reason = keys.rejected, "rejected", exc.reason
         else:
-            for sample, reward in zip(group.samples, rewards):
+            for sample, reward in zip(group.samples, outcome.rewards):
                 sample.reward = reward
-            out, stream, verdict, reason, worker = group.encode(), keys.verified, "accepted", "", group.worker_id
-        with self.ctx.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(stream, out, maxlen=maxlen, approximate=True)
-            pipe.hincrby(keys.stats, verdict, 1)
-            if reason:
-                pipe.hincrby(keys.stats, f"rejected:{reason}", 1)
-            pipe.hincrby(keys.workers, f"{worker}:{verdict}", 1)
-            pipe.xack(keys.rollouts, keys.verifier_group, msg_id)
-            pipe.xdel(keys.rollouts, msg_id)
-            pipe.execute()
+            w = group.worker_id
+            plan = {"stats": {"accepted": 1}, "workers": {field(w, "accepted"): 1}}
+            if outcome.reward_mismatches:
+                plan["stats"]["reward_mismatch"] = plan["workers"][field(w, "reward_mismatch")] = outcome.reward_mismatches
+            if not outcome.prefill_checked:
+                plan["stats"]["unchecked"] = plan["workers"][field(w, "unchecked")] = 1
+            out, stream, verdict, reason, worker = group.encode(), keys.verified, "accepted", "", w
+        flat = [x for kv in out.items() for x in kv]
+        result = self._commit(keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned],
+                              args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(plan), *flat])
+        if result == 0:
+            DUPLICATES.inc()
+            log.info("entry %s was committed by another replica; dropped this verdict", msg_id.decode())
+            return 0
         VERDICTS.labels(verdict, reason).inc()
+        if verdict == "accepted":
+            REWARD_MISMATCH.inc(outcome.reward_mismatches)
+            UNCHECKED.inc(0 if outcome.prefill_checked else 1)
+            TOKENS.labels(str(outcome.prefill_checked).lower()).inc(outcome.tokens)
+        if result == 2:
+            BANS.labels(reason).inc()
+            log.warning("banned worker %s (%s)", worker, reason)
+        return int(result)
+
+    def read(self, count: int = 4, block_ms: int = 500) -> list[tuple[bytes, dict]]:
+        """New entries for this consumer (they stay pending here until committed)."""
+        resp = self.ctx.redis.xreadgroup(self.ctx.keys.verifier_group, self.consumer, {self.ctx.keys.rollouts: ">"},
+                                         count=count, block=block_ms)
+        return [e for _, batch in resp or [] for e in batch]
+
+    def claim(self, count: int = 16) -> list[tuple[bytes, dict]]:
+        """Entries pending at any consumer for longer than claimIdleMs, now pending here."""
+        keys = self.ctx.keys
+        # Redis 6.2 answers [cursor, entries], 7.x adds the deleted ids.
+        return self.ctx.redis.xautoclaim(keys.rollouts, keys.verifier_group, self.consumer,
+                                         self.spec.verifier.claim_idle_ms, count=count)[1]
 
     def run(self) -> None:
-        keys, r = self.ctx.keys, self.ctx.redis
+        idle_s = self.spec.verifier.claim_idle_ms / 1000
         next_claim = 0.0
         while not self.ctx.stop.is_set():
             entries = []
             if time.monotonic() >= next_claim:
-                # Redis 6.2 answers [cursor, entries], 7.x adds the deleted ids.
-                entries = r.xautoclaim(keys.rollouts, keys.verifier_group, self.consumer, CLAIM_IDLE_MS, count=16)[1]
-                next_claim = time.monotonic() + CLAIM_IDLE_MS / 3000
+                entries = self.claim()
+                next_claim = time.monotonic() + idle_s / 3
             if not entries:
-                resp = r.xreadgroup(keys.verifier_group, self.consumer, {keys.rollouts: ">"}, count=4, block=500)
-                entries = [e for _, batch in resp or [] for e in batch]
+                entries = self.read(block_ms=int(min(500, max(10, idle_s * 1000 / 3))))
             for msg_id, fields in entries:
                 if fields:  # a claimed entry trimmed meanwhile has no fields
                     self.handle(msg_id, fields)
@@ -179,5 +180,10 @@ class Gate:
 def main(args) -> int:
     ctx = component_context(args, "verifier")
     configure_torch_threads()
-    Gate(ctx, args.consumer, args.origin_url, Path(args.cache_dir)).run()
+    gate = Gate(ctx, args.consumer, args.origin_url, Path(args.cache_dir))
+    if getattr(args, "api_port", 0):
+        from rlfleet.services.toploc.api import serve_in_thread
+
+        serve_in_thread(gate, args.api_host, args.api_port)
+    gate.run()
     return 0

@@ -1,0 +1,107 @@
+"""The verifier's HTTP API (FastAPI; OpenAPI at /openapi.json, docs at /docs).
+
+  POST /verify             verify one rollout group out of band: the inbox message body (the JSON of
+                           field `m`); every check but the replay guard, nothing forwarded or counted
+  GET  /workers            reputation of every worker seen: counters and ban record
+  GET  /workers/{id}       one worker's counters and ban record
+  GET  /healthz            Redis reachable, inbox backlog, versions loaded
+  GET  /metrics            Prometheus metrics of this process (rlfleet_verifier_*)
+It shares the gate's loaded models; it runs in a thread of the verifier process (`--api-port`).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import Body, FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+
+from rlfleet.services.toploc.checks import Rejection
+from rlfleet.services.toploc.reputation import one_worker_stats, worker_stats
+from rlfleet.streams import MESSAGE_FIELD
+
+
+class Verdict(BaseModel):
+    accepted: bool = Field(description="Whether the group passed every check.")
+    reason: str | None = Field(default=None, description="Rejection reason (one per check), when rejected.")
+    detail: str | None = Field(default=None, description="What the failing check found.")
+    rollout_id: str | None = Field(default=None, description="The group's rollout id, when it could be decoded.")
+    worker_id: str | None = Field(default=None, description="The worker that claims the group, when known.")
+    rewards: list[float] | None = Field(default=None, description="Trusted rewards, when accepted.")
+    reward_mismatches: int | None = Field(default=None, description="Samples whose claimed reward differed from the trusted one.")
+
+
+class WorkerStats(BaseModel):
+    counters: dict[str, int] = Field(description="accepted, rejected, rejected:{reason}, reward_mismatch, unchecked.")
+    banned: dict[str, Any] | None = Field(description="Ban record (reason, detail, rollout_id, rule, at) or null.")
+
+
+class Health(BaseModel):
+    status: str = Field(description="`ok` when Redis answers.")
+    consumer: str = Field(description="This replica's consumer name.")
+    inbox: int = Field(description="Unhandled groups in the inbox stream.")
+    loaded_versions: list[int] = Field(description="Policy versions held in memory.")
+
+
+def make_api(gate) -> FastAPI:
+    """The API of one gate replica (`gate`: rlfleet.services.toploc.gate.Gate)."""
+    app = FastAPI(title="rlfleet verifier", version="1",
+                  description="TOPLOC verification gate: out-of-band verification, worker reputation, health, metrics.")
+    r, keys = gate.ctx.redis, gate.ctx.keys
+
+    @app.post("/verify", response_model=Verdict, summary="Verify one rollout group out of band")
+    def verify(message: dict[str, Any] = Body(description="An inbox message body: the JSON object of field `m`.")) -> Verdict:
+        group, result = gate.verify({MESSAGE_FIELD: json.dumps(message).encode()})
+        ids = {"rollout_id": group.rollout_id, "worker_id": group.worker_id} if group else {}
+        if isinstance(result, Rejection):
+            return Verdict(accepted=False, reason=result.reason, detail=result.detail, **ids)
+        return Verdict(accepted=True, rewards=result.rewards, reward_mismatches=result.reward_mismatches, **ids)
+
+    @app.get("/workers", response_model=dict[str, WorkerStats], summary="Reputation of every worker")
+    def workers() -> dict:
+        return worker_stats(r, keys)
+
+    @app.get("/workers/{worker_id}", response_model=WorkerStats, summary="Reputation of one worker")
+    def worker(worker_id: str) -> dict:
+        return one_worker_stats(r, keys, worker_id)
+
+    @app.get("/healthz", response_model=Health, summary="Liveness and backlog")
+    def healthz() -> Health:
+        r.ping()
+        return Health(status="ok", consumer=gate.consumer, inbox=r.xlen(keys.rollouts), loaded_versions=list(gate.models))
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class ApiServer:
+    """uvicorn serving `make_api(gate)` in a daemon thread; `stop()` shuts it down."""
+
+    def __init__(self, gate, host: str, port: int):
+        config = uvicorn.Config(make_api(gate), host=host, port=port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="verifier-api")
+
+    def start(self, timeout: float = 10.0) -> ApiServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"verifier API did not start on {self.server.config.host}:{self.server.config.port}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def serve_in_thread(gate, host: str, port: int) -> ApiServer:
+    return ApiServer(gate, host, port).start()

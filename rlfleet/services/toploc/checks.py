@@ -1,0 +1,213 @@
+"""The gate's checks on one rollout group, in order; the first failure is a `Rejection` whose
+reason names the check (the reasons are spelled once, `RejectionReason` in rlfleet/config.py).
+
+  1. envelope   size (message bytes, G samples, 1..maxTokens tokens), schema_version, malformed
+                (undecodable, token ids outside the vocabulary), sampling_params (not the run's),
+                unknown_version (never published), stale_version (older than maxAsyncLevel),
+                banned (worker banned), replay (rollout id already submitted in another entry);
+  2. prompt     prompt_mismatch: the prompt rebuilt from the task id by the trusted task source
+                differs token by token (or the task id is not the source's);
+  3. TOPLOC     toploc: proofs of the wrong count or length (always checked), or a chunk whose
+                recomputed top-k is too far from the proof (one prefill of prompt + completion with
+                the claimed version; thresholds `spec.verifier.toploc`);
+  4. sampling   logprob_mismatch: a claimed token logprob differs from the recomputed one by more
+                than `logprobTolerance`; impossible_token: a token that top-k / top-p would have
+                excluded, by a margin of twice that tolerance (so honest rounding never trips it);
+  5. reward     recomputed by the trusted verifier; the claimed one is ignored but counted when wrong.
+Checks 3 and 4 (the prefill) run on the spot-checked fraction of groups; 1, 2, 5 on every group.
+Out-of-band verification (`msg_id=None`) skips only the replay guard and writes nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import get_args
+
+import redis
+import torch
+
+from rlfleet.config import RejectionReason, RLRunSpec
+from rlfleet.policy import score
+from rlfleet.runtime import latest_announced_version
+from rlfleet.services.toploc.proof import ProofFormatError, Thresholds, chunk_rows, verify_proofs
+from rlfleet.services.toploc.reputation import is_banned
+from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys
+from rlfleet.tasks.base import make_task
+
+REASONS: tuple[str, ...] = get_args(RejectionReason)
+SEEN_TTL_S = 7 * 24 * 3600
+
+
+class Rejection(Exception):
+    def __init__(self, reason: str, detail: str, worker_id: str | None = None):
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail, self.worker_id = reason, detail, worker_id
+
+
+@dataclass
+class Outcome:
+    rewards: list[float]  # (G,) trusted rewards
+    reward_mismatches: int  # samples whose claimed reward differed
+    prefill_checked: bool  # checks 3 and 4 ran (spot-checking)
+    tokens: int  # completion tokens in the group
+
+
+def decode_group(fields: dict, max_bytes: int) -> RolloutGroup:
+    """Decode an inbox entry or raise Rejection (size, schema_version or malformed)."""
+    size = sum(len(k) + len(v) for k, v in fields.items())
+    if size > max_bytes:
+        raise Rejection("size", f"message is {size} bytes, more than maxMessageBytes {max_bytes}")
+    try:
+        return RolloutGroup.decode(fields)
+    except MessageError as exc:
+        body = _peek(fields)
+        worker = body.get("worker_id") if isinstance(body.get("worker_id"), str) else None
+        if body and body.get("schema") != SCHEMA_VERSION:
+            raise Rejection("schema_version", str(exc), worker) from None
+        raise Rejection("malformed", str(exc), worker) from None
+
+
+def _peek(fields: dict) -> dict:
+    """The JSON body of an undecodable entry when it is at least a JSON object, else {}."""
+    raw = fields.get(MESSAGE_FIELD) or fields.get(MESSAGE_FIELD.decode())
+    try:
+        body = json.loads(raw) if raw is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def possible_tokens(logp: torch.Tensor, tokens: torch.Tensor, top_p: float, top_k: int, slack: float) -> torch.Tensor:
+    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (engine.filter_logits).
+
+    logp (T, V) is log_softmax(logits / temperature) recomputed by the verifier; it may differ from the
+    worker's by about `slack` per entry, so only tokens more likely than the sampled one by 2*slack count
+    as certainly ranked above it. A token is impossible when top_k or more tokens are certainly above
+    it, or when their mass (renormalised over an upper bound of the top-k mass) exceeds top_p.
+    """
+    tok = logp.gather(-1, tokens[:, None])  # (T, 1)
+    above = logp > tok + 2 * slack  # (T, V)
+    ok = torch.ones(tokens.shape[0], dtype=torch.bool)
+    if top_k > 0:
+        ok &= above.sum(-1) < top_k
+    if top_p < 1.0:
+        probs = logp.exp()  # (T, V)
+        if 0 < top_k < logp.shape[-1]:
+            kth = logp.topk(top_k, dim=-1).values[:, -1:]  # (T, 1)
+            z = probs.masked_fill(logp < kth - 2 * slack, 0.0).sum(-1)  # >= the worker's kept mass
+        else:
+            z = torch.ones(tokens.shape[0])
+        mass = (probs * above).sum(-1) / z  # (T,) mass certainly before the token in the nucleus order
+        ok &= mass * math.exp(-2 * slack) <= top_p
+    return ok
+
+
+class Checker:
+    """Runs the checks against one run's spec; `policy(version)` returns (model, tokenizer)."""
+
+    def __init__(self, spec: RLRunSpec, client: redis.Redis, keys: RunKeys, policy: Callable[[int], tuple]):
+        self.spec, self.redis, self.keys, self.policy = spec, client, keys, policy
+        self.task = make_task(spec.task)
+        t = spec.verifier.toploc
+        self.thresholds = Thresholds(t.max_exp_mismatches, t.max_mant_err_mean, t.max_mant_err_median)
+
+    def check(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool = True) -> Outcome:
+        """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band."""
+        try:
+            self.envelope(group, msg_id)
+            try:
+                problem = self.task.problem(group.task_id)
+            except KeyError as exc:
+                raise Rejection("prompt_mismatch", str(exc)) from None
+            model, tokenizer = self.policy(group.policy_version)
+            if tokenizer(problem.prompt)["input_ids"] != group.prompt_ids:
+                raise Rejection("prompt_mismatch", f"prompt tokens differ from those of task {group.task_id}")
+            vocab = model.config.vocab_size
+            if any(not 0 <= t < vocab for s in group.samples for t in s.completion_ids):
+                raise Rejection("malformed", f"a completion token id is outside the vocabulary [0, {vocab})")
+            self.proof_shapes(group, model.config.hidden_size)
+            if prefill:
+                self.prefill_checks(group, model, tokenizer)
+            rewards, mismatches = [], 0
+            for sample in group.samples:
+                text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
+                rewards.append(self.task.reward(problem, text))
+                mismatches += rewards[-1] != sample.reward
+        except Rejection as exc:
+            exc.worker_id = group.worker_id
+            raise
+        return Outcome(rewards, mismatches, prefill, sum(len(s.completion_ids) for s in group.samples))
+
+    def envelope(self, group: RolloutGroup, msg_id: bytes | None) -> None:
+        s = self.spec.sampling
+        if len(group.samples) != s.group_size:
+            raise Rejection("size", f"{len(group.samples)} samples, the run uses groupSize {s.group_size}")
+        if not group.prompt_ids:
+            raise Rejection("size", "empty prompt")
+        for i, sample in enumerate(group.samples):
+            if not 1 <= len(sample.completion_ids) <= s.max_tokens:
+                raise Rejection("size", f"samples[{i}] has {len(sample.completion_ids)} tokens (1..{s.max_tokens} allowed)")
+        claimed = group.sampling
+        if (claimed.temperature, claimed.top_p, claimed.top_k, claimed.max_tokens) != (s.temperature, s.top_p, s.top_k, s.max_tokens):
+            raise Rejection("sampling_params", f"{claimed} differs from the run's sampling spec")
+        newest = latest_announced_version(self.redis, self.keys)
+        if newest is None or not 0 <= group.policy_version <= newest:
+            raise Rejection("unknown_version", f"version {group.policy_version} was never published (newest {newest})")
+        if newest - group.policy_version > self.spec.trainer.max_async_level:
+            raise Rejection("stale_version", f"version {group.policy_version} is {newest - group.policy_version} behind {newest}")
+        if is_banned(self.redis, self.keys, group.worker_id):
+            raise Rejection("banned", f"worker {group.worker_id!r} is banned")
+        if msg_id is None:
+            return
+        # The guard stores the inbox entry id, so a redelivery of the same entry is not a replay.
+        key = self.keys.seen(group.rollout_id)
+        if not self.redis.set(key, msg_id, nx=True, ex=SEEN_TTL_S) and self.redis.get(key) != msg_id:
+            raise Rejection("replay", f"rollout id {group.rollout_id} was already submitted")
+
+    def proof_shapes(self, group: RolloutGroup, hidden_size: int) -> None:
+        """Proof count and lengths; cheap, so checked on every group (a lazy worker cannot skip proofs)."""
+        t, prompt_len = self.spec.verifier.toploc, len(group.prompt_ids)
+        for i, sample in enumerate(group.samples):
+            ranges = chunk_rows(prompt_len + len(sample.completion_ids), prompt_len, t.decode_batching_size)
+            if len(sample.proofs) != len(ranges):
+                raise Rejection("toploc", f"samples[{i}]: {len(sample.proofs)} proofs for {len(ranges)} chunks")
+            for c, ((start, end), proof) in enumerate(zip(ranges, sample.proofs)):
+                want = 2 + 2 * min(t.topk, (end - start) * hidden_size)
+                if len(proof) != want:
+                    raise Rejection("toploc", f"samples[{i}] proof {c} is {len(proof)} bytes, expected {want}")
+
+    def prefill_checks(self, group: RolloutGroup, model, tokenizer) -> None:
+        """Checks 3 (TOPLOC) then 4 (logprobs, possible tokens), from one batched prefill."""
+        t, v, sp = self.spec.verifier.toploc, self.spec.verifier, group.sampling
+        prompt_len = len(group.prompt_ids)
+        rows = [group.prompt_ids + s.completion_ids for s in group.samples]
+        with torch.inference_mode():
+            scored = score(model, rows, sp.temperature, tokenizer.pad_token_id, want_hidden=True)
+        for i, sample in enumerate(group.samples):
+            try:
+                results = verify_proofs(scored.hidden[i], sample.proofs, prompt_len=prompt_len,
+                                        decode_batching_size=t.decode_batching_size, topk=t.topk)
+            except ProofFormatError as exc:
+                raise Rejection("toploc", f"samples[{i}]: malformed proof: {exc}") from None
+            bad = [(c, r) for c, r in enumerate(results) if not self.thresholds.accepts(r)]
+            if bad:
+                raise Rejection("toploc", f"samples[{i}] chunk {bad[0][0]}: {bad[0][1]}")
+        for i, sample in enumerate(group.samples):
+            recomputed = scored.logprobs[i][prompt_len - 1:]  # (T,)
+            err = (recomputed - torch.tensor(sample.logprobs)).abs().max().item()
+            if not err <= v.logprob_tolerance:  # NaN claims fail too
+                raise Rejection("logprob_mismatch", f"samples[{i}]: max |claimed - recomputed| = {err:.3g} > {v.logprob_tolerance}")
+        if sp.top_p >= 1.0 and sp.top_k == 0:
+            return
+        with torch.inference_mode():
+            for i, sample in enumerate(group.samples):
+                logits = model.lm_head(scored.hidden[i][prompt_len - 1:-1]).float() / sp.temperature  # (T, V)
+                tokens = torch.tensor(sample.completion_ids)
+                ok = possible_tokens(torch.log_softmax(logits, -1), tokens, sp.top_p, sp.top_k, v.logprob_tolerance)
+                if not bool(ok.all()):
+                    pos = int((~ok).nonzero()[0])
+                    raise Rejection("impossible_token", f"samples[{i}] token {pos} ({int(tokens[pos])}) is outside "
+                                                        f"top-k {sp.top_k} / top-p {sp.top_p}")

@@ -1,0 +1,67 @@
+"""Worker reputation and bans, kept in Redis so every verifier replica and the ingest share them.
+
+Counters live in one hash (`RunKeys.workers`), field `"{worker}|{counter}"`, counters:
+  accepted, rejected, rejected:{reason}, reward_mismatch (samples whose claimed reward was wrong),
+  unchecked (accepted groups that skipped the prefill checks by spot-checking).
+Worker ids come from untrusted messages and may hold any character; counters never hold `|`, so
+a field splits at its last `|`. Bans live in `RunKeys.banned`: worker id -> JSON record of the
+rejection that triggered it. The gate writes both inside its commit script (gate.py), so a
+verdict, its counters and a ban are applied together, once.
+
+`is_banned` is the check the ingest calls before accepting a submission; the gate repeats it.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from rlfleet.config import BanPolicySpec
+from rlfleet.streams import RunKeys
+
+
+def field(worker_id: str, counter: str) -> str:
+    """The reputation hash field of one worker's counter (the only place it is spelled)."""
+    return f"{worker_id}|{counter}"
+
+
+def is_banned(client: redis.Redis, keys: RunKeys, worker_id: str) -> bool:
+    """Whether `worker_id` is banned from the run (called by the ingest and by the gate)."""
+    return bool(client.hexists(keys.banned, worker_id))
+
+
+def ban_record(client: redis.Redis, keys: RunKeys, worker_id: str) -> dict | None:
+    raw = client.hget(keys.banned, worker_id)
+    return json.loads(raw) if raw else None
+
+
+def ban_plan(policy: BanPolicySpec, worker_id: str, reason: str, detail: str, rollout_id: str | None) -> dict:
+    """What the commit script needs to apply the ban policy after counting a rejection."""
+    rule = "banOn" if reason in policy.ban_on else "maxRejections"
+    record = {"reason": reason, "detail": detail, "rollout_id": rollout_id, "rule": rule, "at": time.time()}
+    return {"worker": worker_id, "now": reason in policy.ban_on, "max": policy.max_rejections,
+            "count_field": field(worker_id, "rejected"), "record": json.dumps(record)}
+
+
+def worker_stats(client: redis.Redis, keys: RunKeys) -> dict[str, dict]:
+    """Every worker seen: `{worker: {"counters": {counter: n}, "banned": record or None}}`."""
+    stats: dict[str, dict] = {}
+    for raw, value in client.hgetall(keys.workers).items():
+        worker, _, counter = raw.decode().rpartition("|")
+        stats.setdefault(worker, {"counters": {}, "banned": None})["counters"][counter] = int(value)
+    for raw, record in client.hgetall(keys.banned).items():
+        stats.setdefault(raw.decode(), {"counters": {}, "banned": None})["banned"] = json.loads(record)
+    return stats
+
+
+def one_worker_stats(client: redis.Redis, keys: RunKeys, worker_id: str) -> dict:
+    """Counters and ban record of one worker (zeros when never seen)."""
+    counters = {}
+    # HSCAN with a pattern reads only this worker's fields; glob characters in the id are escaped.
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in worker_id) + "|*"
+    for raw, value in client.hscan_iter(keys.workers, match=pattern):
+        worker, _, counter = raw.decode().rpartition("|")
+        if worker == worker_id:  # "a|*" also matches the fields of a worker called "a|b"
+            counters[counter] = int(value)
+    return {"counters": counters, "banned": ban_record(client, keys, worker_id)}
