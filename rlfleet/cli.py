@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--consumer", required=True, help="consumer name in the verifier group")
     p.add_argument("--origin-url", required=True, help="trusted checkpoint source (origin or relay base URL)")
     p.add_argument("--cache-dir", required=True)
+    p.add_argument("--api-port", type=int, default=0, help="HTTP API port: /verify, /workers, /healthz, /metrics, /docs (0 = none)")
+    p.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address (0.0.0.0 in a pod)")
 
     p = sub.add_parser("origin", help="Shardcast origin: serves policy versions from the store over HTTP")
     _add_component_args(p)
@@ -58,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream", required=True, help="upstream base URL (origin or a lower-tier relay)")
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--keep-versions", type=int, default=None)
+    p.add_argument("--max-disk-bytes", type=int, default=None,
+                   help="disk bound of the cache (default spec.shardcast.relayMaxDiskBytes; none: keep-versions only)")
+
+    p = sub.add_parser("operator", help="Kubernetes operator (kopf): reconciles RLRun, InferencePool and RelayTier")
+    p.add_argument("--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable; default: all)")
+    p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--verbose", action="store_true")
+
+    p = sub.add_parser("crds", help="write the CustomResourceDefinitions generated from the config models")
+    p.add_argument("--out", default=None, help="directory to write one YAML file per CRD into (default: print to stdout)")
 
     p = sub.add_parser("toploc", help="TOPLOC tools")
     tsub = p.add_subparsers(dest="toploc_command", required=True)
@@ -89,6 +101,19 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlfleet.launcher import run_local
 
         return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)
+    if args.command == "operator":
+        from rlfleet.k8s.operator import run_operator
+
+        return run_operator(namespaces=args.namespace, liveness=args.liveness, verbose=args.verbose)
+    if args.command == "crds":
+        from rlfleet.k8s.crd import crd_files, write_crds
+
+        if args.out:
+            for path in write_crds(args.out):
+                print(path)
+        else:
+            print("---\n".join(crd_files().values()), end="")
+        return 0
     if args.command == "toploc":
         from rlfleet.services.toploc.conformance import run_conformance_cli
 

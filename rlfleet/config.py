@@ -45,8 +45,55 @@ class ArithmeticTaskSpec(Spec):
     operations: list[Literal["+", "-"]] = Field(default_factory=lambda: ["+"], min_length=1, description="Operators to draw from.")
 
 
-TaskSpec = Annotated[Union[ArithmeticTaskSpec], Field(discriminator="type")]
-TASK_TYPES = {"arithmetic"}
+class DatasetSpec(Spec):
+    path: str = Field(min_length=1, description="JSONL or Parquet file of task rows: a local path (relative to the working directory) or `s3://bucket/key`.")
+    format: Literal["auto", "jsonl", "parquet"] = Field(default="auto", description="File format; `auto` tells it from the extension (.jsonl/.ndjson/.json or .parquet/.pq).")
+    endpoint_url: str | None = Field(default=None, description="S3 API endpoint for an s3:// path (MinIO, Ceph, a test server); empty = env AWS_ENDPOINT_URL, else AWS.")
+    name: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=50, description="Dataset name: task ids are `{name}-{rowIndex}` (unless a row has its own `id`); default: the file name without extension.")
+
+    @model_validator(mode="after")
+    def _format_known(self) -> DatasetSpec:
+        suffix = Path(self.path.split("?", 1)[0]).suffix.lower()
+        if self.format == "auto" and suffix not in (".jsonl", ".ndjson", ".json", ".parquet", ".pq"):
+            raise ValueError(f"format: cannot tell the format of {self.path!r} from its extension; set format: jsonl or parquet")
+        return self
+
+
+class DatasetTaskFields(Spec):
+    """Fields shared by the dataset-backed task types (math, code)."""
+
+    dataset: DatasetSpec = Field(description="Where the task rows are; workers and the verifier load the same file.")
+    seed: int = Field(default=0, description="Seeds each worker's draw of task ids (a task id names its row, so the verifier rebuilds it).")
+    solve_rate_field: str = Field(default="solve_rate", min_length=1, description="Row field holding a recorded solve rate in [0, 1], used by solveRateMin/solveRateMax.")
+    solve_rate_min: float | None = Field(default=None, ge=0.0, le=1.0, description="Offline filter: keep rows whose solve rate is at least this (rows without one are dropped when a bound is set).")
+    solve_rate_max: float | None = Field(default=None, ge=0.0, le=1.0, description="Offline filter: keep rows whose solve rate is at most this (rows without one are dropped when a bound is set).")
+
+    @model_validator(mode="after")
+    def _band(self) -> DatasetTaskFields:
+        if self.solve_rate_min is not None and self.solve_rate_max is not None and self.solve_rate_min > self.solve_rate_max:
+            raise ValueError(f"solveRateMin {self.solve_rate_min} is above solveRateMax {self.solve_rate_max}")
+        return self
+
+
+class MathTaskSpec(DatasetTaskFields):
+    type: Literal["math"] = Field(description="Math word problems with a final answer; binary reward by numeric/symbolic equivalence (sympy) of the extracted answer.")
+    prompt_template: str = Field(default="{problem}\n\nPut your final answer within \\boxed{{}}.", description="Python format string over the row's fields, e.g. `{problem}`; write a literal brace as `{{` or `}}`.")
+    answer_field: str = Field(default="answer", min_length=1, description="Row field holding the reference final answer.")
+
+
+class CodeTaskSpec(DatasetTaskFields):
+    type: Literal["code"] = Field(description="Programming problems; binary reward: the completion's last ```python block (else the whole text) passes every test in a sandboxed process.")
+    prompt_template: str = Field(default="{prompt}", description="Python format string over the row's fields, e.g. `{prompt}`; write a literal brace as `{{` or `}}`.")
+    tests_field: str = Field(default="tests", min_length=1, description="Row field holding the tests: a list of {input, output} stdin/stdout pairs, {inputs: [...], outputs: [...]}, or a string of assert statements run after the program.")
+    timeout_seconds: float = Field(default=10.0, gt=0.0, le=600.0, description="Wall-clock limit of each test run (a stdin/stdout pair or the assert block); over it scores 0.")
+    memory_mb: int = Field(default=1024, ge=64, le=1 << 20, description="Address-space limit of the program (RLIMIT_AS), in MiB.")
+    max_output_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30, description="Largest stdout (and any file) the program may write (RLIMIT_FSIZE); more scores 0.")
+    max_processes: int = Field(default=16, ge=1, le=4096, description="Processes and threads the program may add (RLIMIT_NPROC); a fork bomb fails fast.")
+    network_isolation: Literal["auto", "namespace", "audit-hook"] = Field(default="auto", description="How the program is kept off the network: `namespace` runs it in new network and PID namespaces (`unshare`); `audit-hook` makes socket creation and process spawning raise inside Python (weaker: ctypes can bypass it); `auto` = namespace when unshare works, else audit-hook.")
+
+
+TaskSpec = Annotated[Union[ArithmeticTaskSpec, MathTaskSpec, CodeTaskSpec], Field(discriminator="type")]
+TASK_TYPES = {"arithmetic", "math", "code"}
 
 
 class SamplingSpec(Spec):
@@ -67,6 +114,12 @@ class TrainerSpec(Spec):
     delta: float = Field(default=4.0, gt=1.0, description="INTELLECT-2 two-sided clipping: for negative advantages the ratio is capped at delta.")
     max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient-norm clip.")
     max_async_level: int = Field(default=2, ge=0, description="Groups generated by a policy older than (current - maxAsyncLevel) are dropped; workers pause past this lag.")
+    normalization: Literal["token", "sequence"] = Field(default="token", description="`token`: the loss is a mean over all completion tokens of the batch (DAPO); `sequence`: a mean over completions of each completion's token mean (original GRPO).")
+    entropy_coef: float = Field(default=0.0, ge=0.0, description="Weight of the entropy bonus (mean token entropy of the policy) subtracted from the loss.")
+    kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of the KL penalty to the frozen starting policy (k3 estimator, clamped to [0, 10] per token); 0 keeps no reference model.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warmup from 0 over this many steps.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(default="constant", description="Learning rate after warmup: constant, or decaying to 0 at the last step.")
+    skip_zero_advantage_groups: bool = Field(default=False, description="Online filtering: drop groups whose rewards are all equal (zero advantage, no gradient) and keep reading until the batch is full of groups that teach something.")
     seed: int = Field(default=0, description="Trainer seed.")
     replicas: int = Field(default=1, ge=1, description="Data-parallel trainer processes.")
     gpus: int = Field(default=0, ge=0, description="GPUs per trainer replica (cluster only).")
@@ -75,25 +128,46 @@ class TrainerSpec(Spec):
 class ToplocSpec(Spec):
     topk: int = Field(default=128, ge=1, le=4096, description="Top-k values per proof chunk (258 bytes per chunk at k=128).")
     decode_batching_size: int = Field(default=32, ge=1, description="Generated tokens per proof chunk.")
-    max_exp_mismatches: int = Field(default=38, ge=0, description="Reject a chunk with more exponent mismatches than this among its top-k (128 - 90 matches, TOPLOC authors' experiments).")
-    max_mant_err_mean: float = Field(default=10.0, ge=0.0, description="Reject a chunk whose mean mantissa error exceeds this (TOPLOC authors' default).")
-    max_mant_err_median: float = Field(default=8.0, ge=0.0, description="Reject a chunk whose median mantissa error exceeds this (TOPLOC authors' default).")
+    max_exp_mismatches: int = Field(default=38, ge=0, description="Reject a chunk with more exponent mismatches than this among its top-k: 38 = 128 - TEXP (TEXP = 90 matches; Ong et al., arXiv:2501.16007; toploc-experiments `vllm_validate_poly.py`). Calibrated for bf16 GPU non-determinism; an fp32 CPU run can use 2 (see tests/test_gate_tamper.py).")
+    max_mant_err_mean: float = Field(default=10.0, ge=0.0, description="Reject a chunk whose mean mantissa error (over exponent-matched values) exceeds this: TMEAN = 10 (Ong et al., arXiv:2501.16007; toploc-experiments `vllm_validate_poly.py`).")
+    max_mant_err_median: float = Field(default=8.0, ge=0.0, description="Reject a chunk whose median mantissa error exceeds this: TMEDIAN = 8 (Ong et al., arXiv:2501.16007; toploc-experiments `vllm_validate_poly.py`).")
+
+
+# Why the gate refuses a group; each check of the gate has its own (rlfleet/services/toploc/checks.py).
+RejectionReason = Literal[
+    "malformed", "schema_version", "size", "sampling_params", "unknown_version", "stale_version", "banned",
+    "replay", "prompt_mismatch", "toploc", "logprob_mismatch", "impossible_token",
+]
+
+
+class BanPolicySpec(Spec):
+    ban_on: list[RejectionReason] = Field(
+        default_factory=lambda: ["toploc", "logprob_mismatch", "impossible_token"],
+        description="Reasons that ban a worker at their first occurrence (default: the checks an honest worker "
+                    "with the claimed weights cannot fail: proof, logprob and sampling).")
+    max_rejections: int = Field(default=0, ge=0, description="Ban a worker once it has this many rejections of any reason (0 = never).")
 
 
 class VerifierSpec(Spec):
     replicas: int = Field(default=1, ge=1, description="Verifier replicas in one consumer group.")
     toploc: ToplocSpec = Field(default_factory=ToplocSpec, description="TOPLOC proof parameters and acceptance thresholds.")
-    logprob_tolerance: float = Field(default=0.05, gt=0.0, description="Largest accepted |claimed - recomputed| token logprob.")
+    logprob_tolerance: float = Field(default=0.05, gt=0.0, description="Largest accepted |claimed - recomputed| token logprob; also the slack of the top-p/top-k possibility check.")
+    spot_check_fraction: float = Field(default=1.0, ge=0.0, le=1.0, description="Fraction of groups (drawn at random, unpredictably) that get the prefill checks (TOPLOC, logprobs, sampling); the others still get the envelope, prompt and reward checks.")
+    claim_idle_ms: int = Field(default=30_000, ge=10, description="An inbox message pending this long at a replica is taken over by another (XAUTOCLAIM); longer than the slowest group's verification.")
+    max_message_bytes: int = Field(default=32 * 2**20, ge=1024, description="Inbox messages larger than this are rejected with reason `size` before decoding.")
+    ban: BanPolicySpec = Field(default_factory=BanPolicySpec, description="When a worker is banned; bans are enforced by the gate (reason `banned`) and the ingest.")
 
 
 class RedisSpec(Spec):
-    url: str | None = Field(default=None, description="redis:// URL. Empty: `rlfleet run` starts an embedded redis-server; the operator requires it.")
+    url: str | None = Field(default=None, description="redis:// URL. Empty: `rlfleet run` starts an embedded redis-server; the operator requires it (or urlSecret).")
+    url_secret: str | None = Field(default=None, pattern=NAME_PATTERN, description="Cluster only: name of a Secret whose key `url` holds the redis:// URL (keeps a password out of the spec); wins over url.")
     stream_max_len: int = Field(default=10000, ge=100, description="Approximate MAXLEN of every stream; nothing grows without bound.")
 
 
 class StoreSpec(Spec):
     uri: str | None = Field(default=None, description="Checkpoint store: `file:///abs/dir`, `file://./relative/dir` or `s3://bucket/prefix`. Empty: `rlfleet run` uses RUN_DIR/store; the operator requires it.")
     endpoint_url: str | None = Field(default=None, description="S3 API endpoint (for MinIO, Ceph or a test server); empty = AWS default.")
+    credentials_secret: str | None = Field(default=None, pattern=NAME_PATTERN, description="Cluster only: name of a Secret whose keys (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) become environment variables of the pods that read or write the store.")
 
     @model_validator(mode="after")
     def _scheme(self) -> StoreSpec:
@@ -104,6 +178,11 @@ class StoreSpec(Spec):
 
 class ShardcastSpec(Spec):
     keep_versions: int = Field(default=3, ge=1, description="Versions a relay and a worker keep on disk.")
+    signing_key_secret: str | None = Field(default=None, pattern=NAME_PATTERN, description="Cluster only: name of a Secret with keys `signing-key` (PEM ed25519 private key, mounted read-only into the trainer pods only; env RLFLEET_SIGNING_KEY_FILE) and `public-key` (`ed25519:<base64>`, given to every other pod as env RLFLEET_PUBLIC_KEY unless publicKey is set). Required when requireSignatures is true.")
+    require_signatures: bool = Field(default=True, description="Every policy manifest must be signed (ed25519) by the trainer; relays, workers and the verifier refuse unsigned or forged ones. `rlfleet run` generates a key pair per run. False: publish and accept unsigned manifests.")
+    public_key: str | None = Field(default=None, pattern=r"^ed25519:[A-Za-z0-9+/]{43}=$", description="The run's manifest verification key, `ed25519:<base64 of 32 bytes>` (the public half of the signing key; not a secret). Env RLFLEET_PUBLIC_KEY overrides it; `rlfleet run` sets that env.")
+    shard_size_bytes: int = Field(default=16 * 1024 * 1024, ge=4096, le=1 << 30, description="Checkpoint files are split into byte ranges of this size, each with its sha256 in the manifest; the unit of parallel download, retry and cut-through relaying.")
+    relay_max_disk_bytes: int | None = Field(default=None, ge=1, description="Disk bound of each relay's cache: older versions are dropped to stay under it, and a version larger than it is refused. Empty: bounded by keepVersions only.")
 
 
 class RLRunSpec(Spec):
@@ -116,6 +195,7 @@ class RLRunSpec(Spec):
     store: StoreSpec = Field(default_factory=StoreSpec, description="Checkpoint store.")
     shardcast: ShardcastSpec = Field(default_factory=ShardcastSpec, description="Checkpoint broadcast.")
     suspend: bool = Field(default=False, description="Cluster only: scale the run's workloads to zero.")
+    image: str | None = Field(default=None, description="Cluster only: container image of every component of the run (default: the operator's RLFLEET_IMAGE).")
 
 
 class InferencePoolSpec(Spec):
@@ -125,6 +205,7 @@ class InferencePoolSpec(Spec):
     max_pending: int = Field(default=64, ge=1, description="A worker pauses while the inbox holds more than this many unverified groups.")
     relay: str | None = Field(default=None, description="RelayTier to download checkpoints from (default: the highest tier of the run).")
     gpus: int = Field(default=0, ge=0, description="GPUs per worker (cluster only).")
+    image: str | None = Field(default=None, description="Cluster only: container image of this pool's workers, e.g. one with vLLM (default: the run's image).")
 
 
 class RelayTierSpec(Spec):

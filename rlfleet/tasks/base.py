@@ -39,4 +39,12 @@ def make_task(spec) -> TaskSource:
         from rlfleet.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(seed=spec.seed, max_operand=spec.max_operand, operations=tuple(spec.operations))
+    if spec.type == "math":
+        from rlfleet.tasks.math import from_spec
+
+        return from_spec(spec)
+    if spec.type == "code":
+        from rlfleet.tasks.code import from_spec
+
+        return from_spec(spec)
     raise ValueError(f"task.type: unknown task type {spec.type!r}")
