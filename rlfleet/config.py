@@ -96,6 +96,20 @@ TaskSpec = Annotated[Union[ArithmeticTaskSpec, MathTaskSpec, CodeTaskSpec], Fiel
 TASK_TYPES = {"arithmetic", "math", "code"}
 
 
+class LengthPenaltySpec(Spec):
+    targets: list[int] = Field(min_length=1, description="Target completion lengths in tokens; one is drawn per prompt (e.g. INTELLECT-2's TARGET-SHORT set).")
+    coef: float = Field(default=0.5, ge=0.0, description="Penalty weight: reward -= coef * min(1, |tokens - target| / target).")
+    prompt_template: str = Field(default="{prompt}\nThink for {target} tokens before you answer.", description="How the target is written into the prompt; must contain {prompt} and {target}.")
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> LengthPenaltySpec:
+        if "{prompt}" not in self.prompt_template or "{target}" not in self.prompt_template:
+            raise ValueError("promptTemplate must contain {prompt} and {target}")
+        if any(t < 1 for t in self.targets):
+            raise ValueError("targets must be positive token counts")
+        return self
+
+
 class SamplingSpec(Spec):
     group_size: int = Field(default=8, ge=2, le=256, description="G: completions sampled per prompt; advantages are normalized within the group.")
     max_tokens: int = Field(default=16, ge=1, le=32768, description="Maximum completion tokens.")
@@ -188,6 +202,7 @@ class ShardcastSpec(Spec):
 class RLRunSpec(Spec):
     model: ModelSpec = Field(description="The policy model.")
     task: TaskSpec = Field(description="Task source and its trusted reward.")
+    length_penalty: LengthPenaltySpec | None = Field(default=None, description="Optional target lengths written into the prompt, with a reward penalty for missing them (INTELLECT-2).")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How workers sample completions.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="GRPO trainer.")
     verifier: VerifierSpec = Field(default_factory=VerifierSpec, description="TOPLOC verification gate.")

@@ -32,6 +32,21 @@ class TaskSource(ABC):
     def reward(self, problem: Problem, completion: str) -> float:
         """Trusted reward of a completion (decoded text, without the end-of-sequence token)."""
 
+    def score(self, problem: Problem, completion: str, completion_tokens: int) -> float:
+        """The reward trained on: the task reward, plus whatever depends on the token count (length.py)."""
+        return self.reward(problem, completion)
+
+
+def make_run_task(run_spec) -> TaskSource:
+    """The run's task source: `spec.task`, wrapped with length targets when `spec.lengthPenalty` is set."""
+    task = make_task(run_spec.task)
+    lp = run_spec.length_penalty
+    if lp is not None:
+        from rlfleet.tasks.length import LengthTargetTask
+
+        task = LengthTargetTask(task, lp.targets, lp.coef, lp.prompt_template)
+    return task
+
 
 def make_task(spec) -> TaskSource:
     """Factory keyed by `spec.type`."""

@@ -29,7 +29,7 @@ from rlfleet.services.shardcast.client import Sources, fetch_version
 from rlfleet.signing import run_public_key
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.streams import RolloutGroup, Sample, SamplingParams, decode_json
-from rlfleet.tasks.base import make_task
+from rlfleet.tasks.base import make_run_task
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -101,7 +101,7 @@ class Worker:
         self.engine_kind = pool.spec.engine if pool else "torch"
         self.max_pending = pool.spec.max_pending if pool else 64
         self.worker_id = args.worker_id
-        self.task = make_task(self.spec.task)
+        self.task = make_run_task(self.spec)
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
         self.rng = np.random.default_rng(seed)
         self.follower = VersionFollower(ctx, args.relay_url, Path(args.cache_dir), self.spec.shardcast.keep_versions)
@@ -156,7 +156,7 @@ class Worker:
                                   decode_batching_size=toploc.decode_batching_size, topk=toploc.topk)
             text = self.engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
             samples.append(Sample(completion_ids=gen.completion_ids, logprobs=gen.logprobs, proofs=proofs,
-                                  reward=self.task.reward(problem, text), finish_reason=gen.finish_reason))
+                                  reward=self.task.score(problem, text, len(gen.completion_ids)), finish_reason=gen.finish_reason))
             TOKENS.inc(len(gen.completion_ids))
         return RolloutGroup(task_id=problem.task_id, worker_id=self.worker_id, policy_version=self.engine.version,
                             prompt_ids=prompt_ids, sampling=params, samples=samples)

@@ -34,7 +34,7 @@ from rlfleet.runtime import latest_announced_version
 from rlfleet.services.toploc.proof import ProofFormatError, Thresholds, chunk_rows, verify_proofs
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys
-from rlfleet.tasks.base import make_task
+from rlfleet.tasks.base import make_run_task
 
 REASONS: tuple[str, ...] = get_args(RejectionReason)
 SEEN_TTL_S = 7 * 24 * 3600
@@ -110,7 +110,7 @@ class Checker:
 
     def __init__(self, spec: RLRunSpec, client: redis.Redis, keys: RunKeys, policy: Callable[[int], tuple]):
         self.spec, self.redis, self.keys, self.policy = spec, client, keys, policy
-        self.task = make_task(spec.task)
+        self.task = make_run_task(spec)
         t = spec.verifier.toploc
         self.thresholds = Thresholds(t.max_exp_mismatches, t.max_mant_err_mean, t.max_mant_err_median)
 
@@ -134,7 +134,7 @@ class Checker:
             rewards, mismatches = [], 0
             for sample in group.samples:
                 text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
-                rewards.append(self.task.reward(problem, text))
+                rewards.append(self.task.score(problem, text, len(sample.completion_ids)))
                 mismatches += rewards[-1] != sample.reward
         except Rejection as exc:
             exc.worker_id = group.worker_id

@@ -77,6 +77,7 @@ class Trainer:
         self.version = 0
         self.started = time.monotonic()
         self._pending_first = True
+        self.last_reward: float | None = None
         self._signer = None  # resolved at the first publish (a missing key fails that publish)
         ensure_group(ctx.redis, ctx.keys.verified, ctx.keys.trainer_group)
 
@@ -90,7 +91,10 @@ class Trainer:
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)
-        self.ctx.redis.xadd(self.ctx.keys.policy, encode_json({"version": self.version, "time": time.time()}),
+        announcement = {"version": self.version, "time": time.time()}
+        if self.last_reward is not None:  # shown by the operator's status and printer columns
+            announcement["reward"] = self.last_reward
+        self.ctx.redis.xadd(self.ctx.keys.policy, encode_json(announcement),
                             maxlen=1000, approximate=True)
         VERSION.set(self.version)
 
@@ -179,6 +183,7 @@ class Trainer:
             t2 = time.monotonic()
             staleness = float(np.mean([self.version - g.policy_version for g in groups]))
             self.version += 1
+            self.last_reward = stats["reward_mean"]
             if self.rank != 0:
                 continue
             rollout_ids = [g.rollout_id for g in groups]

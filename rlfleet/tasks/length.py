@@ -1,0 +1,43 @@
+"""Length targets: a binary task reward plus a penalty for missing a target length.
+
+INTELLECT-2 trained with a target length written into the prompt ("think for N tokens") and drawn
+per prompt from a set (TARGET-SHORT, TARGET-LONG), so one model learns to follow a thinking budget.
+Here a task id carries its target (`{inner id}@len{N}`), so the verifier rebuilds the very prompt
+the worker saw, and
+    reward = task reward - coef * min(1, |completion tokens - N| / N).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from rlfleet.tasks.base import Problem, TaskSource
+
+SEPARATOR = "@len"
+
+
+class LengthTargetTask(TaskSource):
+    def __init__(self, inner: TaskSource, targets: list[int], coef: float, template: str):
+        self.inner, self.targets, self.coef, self.template = inner, list(targets), coef, template
+
+    def split(self, task_id: str) -> tuple[str, int]:
+        base, sep, target = task_id.rpartition(SEPARATOR)
+        if not sep or not target.isdigit() or int(target) not in self.targets:
+            raise KeyError(f"task id {task_id!r} carries no target length of {self.targets} (expected <id>{SEPARATOR}<N>)")
+        return base, int(target)
+
+    def problem(self, task_id: str) -> Problem:
+        base, target = self.split(task_id)
+        inner = self.inner.problem(base)
+        return Problem(task_id=task_id, prompt=self.template.format(prompt=inner.prompt, target=target), answer=inner.answer)
+
+    def sample_id(self, rng: np.random.Generator) -> str:
+        return f"{self.inner.sample_id(rng)}{SEPARATOR}{self.targets[int(rng.integers(len(self.targets)))]}"
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        base, _ = self.split(problem.task_id)
+        return self.inner.reward(self.inner.problem(base), completion)
+
+    def score(self, problem: Problem, completion: str, completion_tokens: int) -> float:
+        _, target = self.split(problem.task_id)
+        miss = min(1.0, abs(completion_tokens - target) / target)
+        return self.reward(problem, completion) - self.coef * miss
