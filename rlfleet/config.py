@@ -210,6 +210,7 @@ class RLRunSpec(Spec):
     store: StoreSpec = Field(default_factory=StoreSpec, description="Checkpoint store.")
     shardcast: ShardcastSpec = Field(default_factory=ShardcastSpec, description="Checkpoint broadcast.")
     suspend: bool = Field(default=False, description="Cluster only: scale the run's workloads to zero.")
+    remote: bool = Field(default=False, description="Cluster only: the run is trained in another cluster; this one hosts only its InferencePools and RelayTiers (no trainer, verifier or origin, and no store access).")
     image: str | None = Field(default=None, description="Cluster only: container image of every component of the run (default: the operator's RLFLEET_IMAGE).")
 
 
@@ -228,6 +229,7 @@ class RelayTierSpec(Spec):
     tier: int = Field(default=0, ge=0, description="Tier 0 pulls from the origin; tier k from tier k-1.")
     replicas: int = Field(default=1, ge=1, description="Relay pods in this tier.")
     upstream: str | None = Field(default=None, description="Explicit upstream RelayTier name (default: tier-1 of the same run, or the origin for tier 0).")
+    upstream_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$", description="Base URL of an upstream relay outside this cluster (e.g. another cluster's exposed relay tier); wins over upstream and tier.")
     keep_versions: int = Field(default=3, ge=1, description="Versions this relay keeps on disk.")
 
 

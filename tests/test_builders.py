@@ -181,3 +181,15 @@ def test_conditions_keep_transition_time_while_status_holds():
     c3 = b.build_condition("Ready", False, "InvalidSpec", "bad", 3, "2025-01-03T00:00:00Z", [c2])
     assert c2["lastTransitionTime"] == "2025-01-01T00:00:00Z" and c3["lastTransitionTime"] == "2025-01-03T00:00:00Z"
     assert b.merge_conditions([c1, {"type": "Suspended", "status": "False"}], c3) == [{"type": "Suspended", "status": "False"}, c3]
+
+
+def test_a_remote_run_gets_only_its_config_and_relays_reach_outside_upstreams():
+    bundle = _bundle(remote=True, store={})
+    children = b.build_run_children(bundle.run, NS)
+    assert [c["kind"] for c in children] == ["ConfigMap"], "no trainer, verifier or origin for a run trained elsewhere"
+    tier = bundle.relays[0]
+    outside = tier.model_copy(update={"spec": tier.spec.model_copy(update={"upstream_url": "http://relay.cluster-a.example.com:8080/"})})
+    assert b.resolve_upstream(outside, [outside], NS) == "http://relay.cluster-a.example.com:8080"
+    deployment = b.build_relay_children(bundle.run, outside, [outside], NS)[-1]
+    args = _container(deployment)["args"]
+    assert args[args.index("--upstream") + 1] == "http://relay.cluster-a.example.com:8080"

@@ -24,7 +24,7 @@ KUBE_FLOOR = re.search(r"kubeVersion: \">=([0-9.]+)", (CHART / "Chart.yaml").rea
 KUBE_VERSIONS = [KUBE_FLOOR, kubernetes_validate.latest_version()]
 RELEASE, NAMESPACE = "rl", "rlfleet"
 # Fields the multi-cluster example needs that the config tree does not have yet (see cluster-b-values.yaml).
-PROPOSED_FIELDS = {"RLRun spec.remote", "RelayTier spec.upstreamUrl"}
+PROPOSED_FIELDS: set[str] = set()  # fields an example may use before the config tree has them
 
 VALUE_SETS = {
     "default": {},

@@ -71,7 +71,9 @@ def check_cluster_run(run: RLRun) -> None:
     spec, problems = run.spec, []
     if not spec.redis.url and not spec.redis.url_secret:
         problems.append("spec.redis.url: required on a cluster: set a redis:// URL or spec.redis.urlSecret (a Secret with key `url`)")
-    if not spec.store.uri:
+    if spec.remote:
+        pass  # trained elsewhere: pools and relays here never touch the store
+    elif not spec.store.uri:
         problems.append("spec.store.uri: required on a cluster: set s3://bucket/prefix (every pod must reach the store)")
     elif spec.store.uri.startswith("file://"):
         problems.append(f"spec.store.uri: {spec.store.uri!r} is a local directory that pods on different nodes cannot share; use s3://bucket/prefix")
@@ -262,6 +264,8 @@ def build_verifier_deployment(run: RLRun, namespace: str, owner: Owner | None = 
 def build_run_children(run: RLRun, namespace: str, owner: Owner | None = None, default_image: str = names.DEFAULT_IMAGE) -> list[dict]:
     """Every child of an RLRun, in apply order (config first, so pods find it)."""
     check_cluster_run(run)
+    if run.spec.remote:  # trained in another cluster: only the config its pools and relays read
+        return [build_run_config_map(run, namespace, owner)]
     return [build_run_config_map(run, namespace, owner),
             build_origin_service(run, namespace, owner), build_origin_deployment(run, namespace, owner, default_image),
             build_trainer_service(run, namespace, owner), build_trainer_statefulset(run, namespace, owner, default_image),
@@ -271,8 +275,10 @@ def build_run_children(run: RLRun, namespace: str, owner: Owner | None = None, d
 # ---- relay tree --------------------------------------------------------------------------------
 
 def resolve_upstream(tier: RelayTier, tiers: list[RelayTier], namespace: str) -> str:
-    """Upstream URL of a tier: spec.upstream's Service, else tier-1 of the same run, else the origin."""
+    """Upstream URL of a tier: spec.upstreamUrl, spec.upstream's Service, else tier-1 of the same run, else the origin."""
     spec = tier.spec
+    if spec.upstream_url:
+        return spec.upstream_url.rstrip("/")
     if spec.upstream:
         if not any(t.metadata.name == spec.upstream for t in tiers):
             raise SpecError([f"spec.upstream: RelayTier {spec.upstream!r} does not exist in namespace {namespace!r}"])
