@@ -302,14 +302,21 @@ def _parse_document(index: int, doc: object, problems: list[str]) -> Spec | None
     try:
         return KINDS[kind].model_validate(doc)
     except ValidationError as exc:
-        for err in exc.errors():
-            msg = err["msg"]
-            if err["type"] == "extra_forbidden":
-                msg = "unknown field (check the spelling; fields are camelCase)"
-            elif err["type"] == "missing":
-                msg = "required field is missing"
-            problems.append(f"{where}: {_field_path(err['loc'])}: {msg}")
+        problems.extend(f"{where}: {p}" for p in validation_problems(exc))
         return None
+
+
+def validation_problems(exc: ValidationError) -> list[str]:
+    """One `field.path: message` line per error, in the words a YAML author needs."""
+    problems = []
+    for err in exc.errors():
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; fields are camelCase)"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        problems.append(f"{_field_path(err['loc'])}: {msg}")
+    return problems
 
 
 def parse_bundle(text: str, source: str = "<config>") -> Bundle:

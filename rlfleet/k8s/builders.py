@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlfleet.config import API_VERSION, KINDS, InferencePool, RelayTier, RLRun, _field_path
+from rlfleet.config import API_VERSION, KINDS, InferencePool, RelayTier, RLRun, validation_problems
 from rlfleet.k8s import names
 
 
@@ -55,15 +55,7 @@ def parse_resource(body: dict) -> BaseModel:
     try:
         return KINDS[kind].model_validate(doc)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            msg = err["msg"]
-            if err["type"] == "extra_forbidden":
-                msg = "unknown field (check the spelling; fields are camelCase)"
-            elif err["type"] == "missing":
-                msg = "required field is missing"
-            problems.append(f"{_field_path(err['loc'])}: {msg}")
-        raise SpecError(problems) from None
+        raise SpecError(validation_problems(exc)) from None
 
 
 def check_cluster_run(run: RLRun) -> None:
