@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# End-to-end check of rlfleet on a real Kubernetes cluster (kind by default).
+#
+#   scripts/cluster-e2e.sh            # creates a kind cluster "rlfleet-e2e", runs the check, deletes it
+#   KEEP=1 scripts/cluster-e2e.sh     # keep the cluster afterwards
+#   CLUSTER=existing scripts/cluster-e2e.sh   # use the current kubectl context instead of kind
+#
+# Needs: docker, kind (unless CLUSTER=existing), kubectl, helm, python3 with rlfleet installed.
+# It builds the CPU image, installs the chart with its in-chart Redis and a MinIO store, applies
+# the arithmetic example as an RLRun (20 steps), waits for status.phase Succeeded, scales the
+# InferencePool through the scale subresource, deletes the run and checks its children are gone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NS=${NS:-rlfleet-e2e}
+CLUSTER=${CLUSTER:-kind}
+STEPS=${STEPS:-20}
+TIMEOUT=${TIMEOUT:-1800}
+VERSION=$(python3 -c 'import tomllib;print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])')
+IMAGE=ghcr.io/rlfleet/rlfleet:${VERSION}
+WORK=$(mktemp -d)
+
+cleanup() {
+  kubectl -n "$NS" get rlfleet,pods -o wide || true
+  if [ "$CLUSTER" = kind ] && [ -z "${KEEP:-}" ]; then kind delete cluster --name rlfleet-e2e; fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+step() { printf '\n== %s\n' "$*"; }
+
+if [ "$CLUSTER" = kind ]; then
+  step "kind cluster"
+  kind get clusters | grep -qx rlfleet-e2e || kind create cluster --name rlfleet-e2e --wait 120s
+fi
+
+step "image $IMAGE"
+docker build -f docker/Dockerfile.cpu -t "$IMAGE" .
+[ "$CLUSTER" = kind ] && kind load docker-image "$IMAGE" --name rlfleet-e2e
+
+step "chart (operator, CRDs, in-chart Redis)"
+kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f -
+helm upgrade --install rlfleet charts/rlfleet -n "$NS" --set fullnameOverride=rlfleet \
+  --set redis.enabled=true --set "operator.watchNamespaces={$NS}" --wait --timeout 5m
+
+step "MinIO as the S3 checkpoint store"
+kubectl -n "$NS" apply -f - <<'EOF'
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: minio}
+spec:
+  selector: {matchLabels: {app: minio}}
+  template:
+    metadata: {labels: {app: minio}}
+    spec:
+      containers:
+        - name: minio
+          image: quay.io/minio/minio:latest
+          args: ["server", "/data"]
+          env: [{name: MINIO_ROOT_USER, value: rlfleet}, {name: MINIO_ROOT_PASSWORD, value: rlfleet-secret}]
+          ports: [{containerPort: 9000}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: minio}
+spec: {selector: {app: minio}, ports: [{port: 9000}]}
+EOF
+kubectl -n "$NS" rollout status deploy/minio --timeout=5m
+kubectl -n "$NS" run mkbucket --rm -i --restart=Never --image=quay.io/minio/mc:latest --command -- \
+  sh -c 'mc alias set s3 http://minio:9000 rlfleet rlfleet-secret && mc mb --ignore-existing s3/rlfleet'
+kubectl -n "$NS" create secret generic s3-creds --dry-run=client -o yaml \
+  --from-literal=AWS_ACCESS_KEY_ID=rlfleet --from-literal=AWS_SECRET_ACCESS_KEY=rlfleet-secret | kubectl apply -f -
+
+step "signing key"
+python3 -c "from rlfleet.signing import generate_keypair; import sys; generate_keypair(sys.argv[1])" "$WORK/keys"
+kubectl -n "$NS" create secret generic arithmetic-signing --dry-run=client -o yaml \
+  --from-file=signing-key="$WORK/keys/signing-key" --from-literal=public-key="$(cat "$WORK/keys/public-key")" | kubectl apply -f -
+
+step "RLRun ($STEPS steps)"
+python3 - "$STEPS" "$NS" > "$WORK/rlrun.yaml" <<'EOF'
+import sys, yaml
+steps, ns = int(sys.argv[1]), sys.argv[2]
+docs = [d for d in yaml.safe_load_all(open("examples/arithmetic/rlrun.yaml")) if d]
+spec = docs[0]["spec"]
+spec["trainer"]["steps"] = steps
+spec["redis"] = {"url": f"redis://rlfleet-redis.{ns}.svc:6379/0"}
+spec["store"] = {"uri": "s3://rlfleet/runs", "endpointUrl": f"http://minio.{ns}.svc:9000", "credentialsSecret": "s3-creds"}
+spec["shardcast"] = {"signingKeySecret": "arithmetic-signing"}
+print(yaml.safe_dump_all(docs))
+EOF
+rlfleet validate "$WORK/rlrun.yaml"
+kubectl -n "$NS" apply -f "$WORK/rlrun.yaml"
+
+step "waiting for phase Succeeded"
+deadline=$((SECONDS + TIMEOUT))
+until [ "$(kubectl -n "$NS" get rlrun arithmetic -o jsonpath='{.status.phase}')" = Succeeded ]; do
+  phase=$(kubectl -n "$NS" get rlrun arithmetic -o jsonpath='{.status.phase} step={.status.step}')
+  [ "${phase%% *}" = Failed ] && { kubectl -n "$NS" describe rlrun arithmetic; exit 1; }
+  [ $SECONDS -lt $deadline ] || { echo "timed out at $phase"; exit 1; }
+  sleep 10
+done
+kubectl -n "$NS" get rlrun arithmetic -o wide
+
+step "scale subresource"
+kubectl -n "$NS" scale inferencepool.rlfleet.io/arithmetic-cpu --replicas=3
+kubectl -n "$NS" wait --for=jsonpath='{.spec.replicas}'=3 deploy/arithmetic-cpu-rollout --timeout=120s
+
+step "delete and clean up"
+kubectl -n "$NS" delete -f "$WORK/rlrun.yaml" --wait --timeout=5m
+for child in statefulset/arithmetic-trainer deploy/arithmetic-verifier deploy/arithmetic-origin; do
+  kubectl -n "$NS" wait --for=delete "$child" --timeout=120s
+done
+echo "cluster end-to-end check passed"
