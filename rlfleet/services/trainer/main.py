@@ -42,6 +42,11 @@ STALENESS = Gauge("rlfleet_trainer_staleness_mean", "Mean policy lag of the last
 SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
 DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
 STEP_SECONDS = Histogram("rlfleet_trainer_step_seconds", "Step time by phase", ["phase"])
+# Every per-step statistic of metrics.jsonl, by name (loss, grad_norm, accuracy, learning_rate, ...).
+BATCH_STATS = ("loss", "grad_norm", "accuracy", "learning_rate", "clip_fraction", "ratio_mean", "entropy_mean",
+               "kl_mean", "completion_tokens_mean")
+STAT = Gauge("rlfleet_trainer_batch_stat", "Statistic of the last optimizer step (the fields of metrics.jsonl)", ["stat"])
+GROUPS = Gauge("rlfleet_trainer_verifier_groups", "Groups the verifier accepted / rejected so far, by reason", ["verdict", "reason"])
 
 
 def lr_factor(warmup: int, schedule: str, total: int):
@@ -206,6 +211,12 @@ class Trainer:
             REWARD.set(stats["reward_mean"])
             STALENESS.set(staleness)
             SAMPLES.inc(stats["samples"])
+            for name in BATCH_STATS:
+                if name in stats:
+                    STAT.labels(name).set(stats[name])
+            GROUPS.labels("accepted", "").set(record["accepted"])
+            for reason, n in record["rejected_by_reason"].items():
+                GROUPS.labels("rejected", reason).set(n)
             if self.metrics_file:
                 with open(self.metrics_file, "a") as f:
                     f.write(json.dumps(record) + "\n")
