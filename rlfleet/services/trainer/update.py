@@ -94,6 +94,6 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
     optimizer.step()
     model.eval()
     rewards_arr = np.array(rewards)
-    return {"loss": float(loss), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
+    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
             "accuracy": float((rewards_arr >= 1.0).mean()), "samples": len(rewards),
             "completion_tokens_mean": total_tokens / len(rewards), **stats}  # ratio/clip/entropy stats: this rank's share
