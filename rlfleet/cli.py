@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-port", type=int, default=0, help="HTTP API port: /verify, /workers, /healthz, /metrics, /docs (0 = none)")
     p.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address (0.0.0.0 in a pod)")
 
+    p = sub.add_parser("ingest", help="authenticated HTTP ingest of rollout groups from workers outside the cluster")
+    _add_component_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tokens-file", default=None, help="YAML/JSON {workerId: token} file (overrides spec.ingest.tokensFile)")
+
     p = sub.add_parser("origin", help="Shardcast origin: serves policy versions from the store over HTTP")
     _add_component_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -124,6 +130,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlfleet.services.rollout.main import main as component_main
     elif args.command == "verifier":
         from rlfleet.services.toploc.gate import main as component_main
+    elif args.command == "ingest":
+        from rlfleet.services.ingest.app import main as component_main
     elif args.command == "origin":
         from rlfleet.services.shardcast.origin import main as component_main
     elif args.command == "relay":

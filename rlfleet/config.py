@@ -199,6 +199,16 @@ class ShardcastSpec(Spec):
     relay_max_disk_bytes: int | None = Field(default=None, ge=1, description="Disk bound of each relay's cache: older versions are dropped to stay under it, and a version larger than it is refused. Empty: bounded by keepVersions only.")
 
 
+class IngestSpec(Spec):
+    """The authenticated HTTP front of the inbox for workers outside the cluster (`rlfleet ingest`)."""
+
+    tokens: str | None = Field(default=None, pattern=NAME_PATTERN, description="Cluster only: name of a Secret whose key `tokens.yaml` holds the worker tokens as a YAML/JSON map `{workerId: token}`.")
+    tokens_file: str | None = Field(default=None, description="Local: path of a YAML/JSON file `{workerId: token}` (`rlfleet ingest --tokens-file` overrides it). A worker sends its token as `Authorization: Bearer <token>`.")
+    max_body_bytes: int = Field(default=32 * 2**20, ge=1024, description="Largest accepted group message in bytes (checked from Content-Length and while reading); larger ones get 413. Keep it at or below verifier.maxMessageBytes.")
+    rate_per_minute: int = Field(default=600, ge=1, description="Groups each worker may submit per minute (token bucket per ingest replica, bursts up to this many); over it gets 429 with Retry-After.")
+    max_backlog: int = Field(default=1000, ge=1, description="While the inbox holds more than this many unverified groups, submissions get 503 with Retry-After (the workers wait and resend).")
+
+
 class RLRunSpec(Spec):
     model: ModelSpec = Field(description="The policy model.")
     task: TaskSpec = Field(description="Task source and its trusted reward.")
@@ -209,6 +219,7 @@ class RLRunSpec(Spec):
     redis: RedisSpec = Field(default_factory=RedisSpec, description="Redis holding the run's streams.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Checkpoint store.")
     shardcast: ShardcastSpec = Field(default_factory=ShardcastSpec, description="Checkpoint broadcast.")
+    ingest: IngestSpec = Field(default_factory=IngestSpec, description="HTTP ingest of groups from workers outside the cluster.")
     suspend: bool = Field(default=False, description="Cluster only: scale the run's workloads to zero.")
     remote: bool = Field(default=False, description="Cluster only: the run is trained in another cluster; this one hosts only its InferencePools and RelayTiers (no trainer, verifier or origin, and no store access).")
     image: str | None = Field(default=None, description="Cluster only: container image of every component of the run (default: the operator's RLFLEET_IMAGE).")
@@ -222,6 +233,7 @@ class InferencePoolSpec(Spec):
     relay: str | None = Field(default=None, description="RelayTier to download checkpoints from (default: the highest tier of the run).")
     gpus: int = Field(default=0, ge=0, description="GPUs per worker (cluster only).")
     image: str | None = Field(default=None, description="Cluster only: container image of this pool's workers, e.g. one with vLLM (default: the run's image).")
+    ingest_url: str | None = Field(default=None, pattern=r"^https?://[^\s]+$", description="Base URL of the run's ingest (`rlfleet ingest`): workers POST their groups there with the token in env RLFLEET_WORKER_TOKEN instead of writing to Redis. Empty: workers XADD to the inbox directly.")
 
 
 class RelayTierSpec(Spec):

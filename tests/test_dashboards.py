@@ -19,6 +19,7 @@ SERVICE_MODULES = [
     "rlfleet.services.toploc.gate",
     "rlfleet.services.shardcast.relay",
     "rlfleet.services.shardcast.origin",
+    "rlfleet.services.ingest.app",
 ]
 # Labels Prometheus attaches when it scrapes a pod (PodMonitor/ServiceMonitor target labels).
 TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint", "service"}

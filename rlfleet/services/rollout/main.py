@@ -1,34 +1,39 @@
 """`rlfleet rollout`: a worker of an InferencePool.
 
 Loop: draw a task id, sample G completions with the current policy version, build TOPLOC proofs of
-their final hidden states, XADD the group to the inbox. A background thread follows the `policy`
+their final hidden states, XADD the group to the inbox (or, when the pool has `ingestUrl`, POST it
+to the run's ingest with the token in env RLFLEET_WORKER_TOKEN; rlfleet/services/ingest/app.py). A background thread follows the `policy`
 stream and downloads each announced version through the relays (checking every file's sha256)
 while generation goes on with the old weights; the main loop swaps weights between groups, so a
 group is always produced by exactly one version, which it records.
 
 Backpressure: the worker pauses while the inbox holds more than `maxPending` groups (the verifier
 deletes what it has handled, so XLEN is the backlog) or while its weights lag the newest
-announced version by more than `maxAsyncLevel`; it resumes by itself.
+announced version by more than `maxAsyncLevel`; it resumes by itself. An ingest answering 429 or
+503 makes the worker wait (Retry-After) and resend the same group; a group is never dropped.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import requests
 from prometheus_client import Counter, Gauge
 
 from rlfleet.checkpoint import parse_version_dir
 from rlfleet.runtime import Context, component_context, configure_torch_threads, latest_announced_version
+from rlfleet.services.ingest.app import rollouts_url
 from rlfleet.services.rollout.engine import Engine, make_engine
 from rlfleet.services.shardcast.client import Sources, fetch_version
 from rlfleet.signing import run_public_key
 from rlfleet.services.toploc.proof import build_proofs
-from rlfleet.streams import RolloutGroup, Sample, SamplingParams, decode_json
+from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
 from rlfleet.tasks.base import make_run_task
 
 log = logging.getLogger("rlfleet.rollout")
@@ -39,6 +44,38 @@ VERSION = Gauge("rlfleet_rollout_policy_version", "Policy version of the loaded 
 LAG = Gauge("rlfleet_rollout_version_lag", "Newest announced version minus loaded version")
 PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by backpressure", ["reason"])
 SWAP_SECONDS = Gauge("rlfleet_rollout_weight_swap_seconds", "Duration of the last in-place weight load")
+
+TOKEN_ENV = "RLFLEET_WORKER_TOKEN"
+RETRY_STATUSES = (429, 503)  # the ingest's backpressure: wait and resend the same group
+
+
+def post_group(session: requests.Session, url: str, token: str, body: bytes, stop: threading.Event,
+               max_wait: float = 30.0) -> str | None:
+    """POST one group message to the ingest until it is accepted; its stream id (None if `stop` was set).
+
+    429/503 wait Retry-After and resend; a connection error waits and resends too (backoff up to
+    `max_wait`). Any other refusal (401, 403 banned, 413, 422) raises: resending cannot help.
+    """
+    backoff = 0.5
+    while not stop.is_set():
+        try:
+            resp = session.post(url, data=body, timeout=60,
+                                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        except requests.ConnectionError as exc:
+            log.warning("ingest %s unreachable (%s); resending in %.1fs", url, exc, backoff)
+            PAUSED.labels("ingest").inc(backoff)
+            stop.wait(backoff)
+            backoff = min(max_wait, backoff * 2)
+            continue
+        if resp.status_code == 202:
+            return resp.json()["id"]
+        if resp.status_code in RETRY_STATUSES:
+            wait = min(max_wait, float(resp.headers.get("Retry-After") or 1))
+            PAUSED.labels("ingest").inc(wait)
+            stop.wait(wait)
+            continue
+        raise RuntimeError(f"ingest {url} refused the group: HTTP {resp.status_code} {resp.text}")
+    return None
 
 
 class VersionFollower(threading.Thread):
@@ -100,6 +137,11 @@ class Worker:
         pool = next((p for p in pools if p.metadata.name == args.pool), pools[0] if pools else None)
         self.engine_kind = pool.spec.engine if pool else "torch"
         self.max_pending = pool.spec.max_pending if pool else 64
+        self.ingest_url = rollouts_url(pool.spec.ingest_url, ctx.run_name) if pool and pool.spec.ingest_url else None
+        self.token = os.environ.get(TOKEN_ENV, "")
+        if self.ingest_url and not self.token:
+            raise SystemExit(f"rlfleet rollout: pool {pool.metadata.name} has spec.ingestUrl; set env {TOKEN_ENV} to this worker's token")
+        self.session = requests.Session() if self.ingest_url else None
         self.worker_id = args.worker_id
         self.task = make_run_task(self.spec)
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
@@ -174,7 +216,11 @@ class Worker:
                 time.sleep(0.02)
                 continue
             group = self.make_group()
-            self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode(), maxlen=maxlen, approximate=True)
+            if self.ingest_url:
+                if post_group(self.session, self.ingest_url, self.token, group.encode()[MESSAGE_FIELD], self.ctx.stop) is None:
+                    return  # stopped while the ingest held it back
+            else:
+                self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode(), maxlen=maxlen, approximate=True)
             GROUPS.inc()
 
 

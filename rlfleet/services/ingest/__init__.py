@@ -1,0 +1,1 @@
+"""`rlfleet ingest`: authenticated HTTP front of the rollout inbox for workers outside the cluster."""
