@@ -18,7 +18,8 @@ import requests
 
 from rlfleet.config import ConfigError, IngestSpec, parse_bundle
 from rlfleet.redis_server import free_port
-from rlfleet.services.ingest.app import IngestServer, load_tokens, make_app, rollouts_url
+from rlfleet.asgi import BackgroundServer
+from rlfleet.services.ingest.app import load_tokens, make_app, rollouts_url
 from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, RunKeys, Sample, SamplingParams
 
 RUN = "demo"
@@ -38,7 +39,7 @@ def group_bytes(worker_id: str = "w1") -> bytes:
 def ingest(redis_url: str, **spec):
     client = redis.Redis.from_url(redis_url)
     settings = {"maxBodyBytes": 4096, "ratePerMinute": 1000, "maxBacklog": 5, **spec}
-    server = IngestServer(make_app(RUN, IngestSpec.model_validate(settings), client, TOKENS), "127.0.0.1", free_port()).start()
+    server = BackgroundServer(make_app(RUN, IngestSpec.model_validate(settings), client, TOKENS), "127.0.0.1", free_port(), "ingest").start()
     try:
         yield f"http://127.0.0.1:{server.server.config.port}", client
     finally:

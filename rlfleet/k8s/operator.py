@@ -300,8 +300,8 @@ async def reconcile_pool(body, meta, status, patch, namespace, memo, logger, **_
 
 @kopf.timer(G, V, names.INFERENCE_POOL.plural, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
 async def resync_pool(body, meta, status, patch, namespace, memo, logger, **_) -> None:
-    settings = memo.settings
     """Re-apply, so a change of the parent RLRun (suspend, image, config) reaches this pool's pods."""
+    settings = memo.settings
     await _reconcile_scalable(body, meta, status, patch, namespace, settings, logger, _build_pool(namespace), timer=True)
 
 
@@ -315,8 +315,8 @@ async def reconcile_tier(body, meta, status, patch, namespace, memo, logger, **_
 
 @kopf.timer(G, V, names.RELAY_TIER.plural, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
 async def resync_tier(body, meta, status, patch, namespace, memo, logger, **_) -> None:
-    settings = memo.settings
     """Re-apply, so a change of the parent RLRun (suspend, image, config) reaches this tier's pods."""
+    settings = memo.settings
     await _reconcile_scalable(body, meta, status, patch, namespace, settings, logger, _build_tier(namespace), timer=True)
 
 

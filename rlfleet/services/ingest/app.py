@@ -171,27 +171,6 @@ def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, 
     return app
 
 
-class IngestServer:
-    """uvicorn serving an ingest app in a daemon thread; `stop()` shuts it down."""
-
-    def __init__(self, app: FastAPI, host: str, port: int):
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="ingest")
-
-    def start(self, timeout: float = 10.0) -> IngestServer:
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"ingest did not start on {self.server.config.host}:{self.server.config.port}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 def main(args) -> int:
     from rlfleet.runtime import component_context
 

@@ -11,15 +11,13 @@ It shares the gate's loaded models; it runs in a thread of the verifier process 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from typing import Any
 
-import uvicorn
 from fastapi import Body, FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from rlfleet.asgi import BackgroundServer
 from rlfleet.services.toploc.checks import Rejection
 from rlfleet.services.toploc.reputation import one_worker_stats, worker_stats
 from rlfleet.streams import MESSAGE_FIELD
@@ -81,27 +79,5 @@ def make_api(gate) -> FastAPI:
     return app
 
 
-class ApiServer:
-    """uvicorn serving `make_api(gate)` in a daemon thread; `stop()` shuts it down."""
-
-    def __init__(self, gate, host: str, port: int):
-        config = uvicorn.Config(make_api(gate), host=host, port=port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="verifier-api")
-
-    def start(self, timeout: float = 10.0) -> ApiServer:
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"verifier API did not start on {self.server.config.host}:{self.server.config.port}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def serve_in_thread(gate, host: str, port: int) -> ApiServer:
-    return ApiServer(gate, host, port).start()
+def serve_in_thread(gate, host: str, port: int) -> BackgroundServer:
+    return BackgroundServer(make_api(gate), host, port, "verifier API").start()
