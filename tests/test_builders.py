@@ -193,3 +193,21 @@ def test_a_remote_run_gets_only_its_config_and_relays_reach_outside_upstreams():
     deployment = b.build_relay_children(bundle.run, outside, [outside], NS)[-1]
     args = _container(deployment)["args"]
     assert args[args.index("--upstream") + 1] == "http://relay.cluster-a.example.com:8080"
+
+
+def test_the_ingest_is_deployed_with_its_tokens_only_when_configured():
+    assert not [c for c in b.build_run_children(_bundle().run, NS) if "ingest" in c["metadata"]["name"]]
+    children = b.build_run_children(_bundle(ingest={"tokens": "worker-tokens"}).run, NS)
+    service, deployment = [c for c in children if c["metadata"]["name"] == "arithmetic-ingest"]
+    assert service["kind"] == "Service" and deployment["kind"] == "Deployment"
+    container = _container(deployment)
+    args = container["args"]
+    assert container["command"] == ["rlfleet", "ingest"]
+    assert args[args.index("--tokens-file") + 1] == "/var/run/rlfleet/ingest/tokens.yaml"
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "ingest-tokens", "secret": {"secretName": "worker-tokens",
+                                                "items": [{"key": "tokens.yaml", "path": "tokens.yaml"}]}} in volumes
+    others = [c for c in children if c["kind"] in ("Deployment", "StatefulSet") and c is not deployment]
+    assert all("ingest-tokens" not in str(c) for c in others), "only the ingest pod sees the worker tokens"
+    for child in (service, deployment):
+        kubernetes_validate.validate(child, "1.30", strict=True)

@@ -148,6 +148,8 @@ def _container(run: RLRun, component: str, args: list[str], image: str, gpus: in
         c["envFrom"] = [{"secretRef": {"name": run.spec.store.credentials_secret}}]
     if run.spec.shardcast.signing_key_secret and component == names.TRAINER:
         c["volumeMounts"].append({"name": "signing", "mountPath": names.SIGNING_DIR, "readOnly": True})
+    if component == names.INGEST:
+        c["volumeMounts"].append({"name": "ingest-tokens", "mountPath": names.INGEST_DIR, "readOnly": True})
     if gpus > 0:
         c["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
     if ports:
@@ -160,6 +162,9 @@ def _pod_template(run: RLRun, labels: dict, container: dict, config_map: str, co
     if any(m["name"] == "signing" for m in container["volumeMounts"]):
         volumes.append({"name": "signing", "secret": {"secretName": run.spec.shardcast.signing_key_secret,
                                                       "items": [{"key": names.SIGNING_KEY, "path": names.SIGNING_KEY}]}})
+    if any(m["name"] == "ingest-tokens" for m in container["volumeMounts"]):
+        volumes.append({"name": "ingest-tokens", "secret": {"secretName": run.spec.ingest.tokens,
+                                                            "items": [{"key": names.INGEST_TOKENS_KEY, "path": names.INGEST_TOKENS_KEY}]}})
     return {
         "metadata": {"labels": labels, "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(config)}},
         "spec": {"containers": [container], "volumes": volumes, "enableServiceLinks": False},
@@ -240,6 +245,25 @@ def build_origin_service(run: RLRun, namespace: str, owner: Owner | None = None)
                     names.selector("RLRun", r, names.ORIGIN, r), names.SHARDCAST_PORT, owner)
 
 
+def build_ingest_deployment(run: RLRun, namespace: str, owner: Owner | None = None,
+                            default_image: str = names.DEFAULT_IMAGE) -> dict:
+    """Only when spec.ingest.tokens names the Secret of worker tokens (mounted into this pod only)."""
+    r = run.metadata.name
+    labels = names.labels("RLRun", r, names.INGEST, r)
+    port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
+    args = ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT),
+            "--tokens-file", f"{names.INGEST_DIR}/{names.INGEST_TOKENS_KEY}"]
+    container = _container(run, names.INGEST, args, _image(run, default_image), ports=[port])
+    return _deployment(names.ingest(r), namespace, labels, names.selector("RLRun", r, names.INGEST, r),
+                       0 if run.spec.suspend else 1, _pod_template(run, labels, container, names.run_config(r), config_text(run)), owner)
+
+
+def build_ingest_service(run: RLRun, namespace: str, owner: Owner | None = None) -> dict:
+    r = run.metadata.name
+    return _service(names.ingest(r), namespace, names.labels("RLRun", r, names.INGEST, r),
+                    names.selector("RLRun", r, names.INGEST, r), names.SHARDCAST_PORT, owner)
+
+
 def build_verifier_deployment(run: RLRun, namespace: str, owner: Owner | None = None,
                               default_image: str = names.DEFAULT_IMAGE) -> dict:
     """The verifier reads checkpoints from the trusted origin, never from relays."""
@@ -261,7 +285,9 @@ def build_run_children(run: RLRun, namespace: str, owner: Owner | None = None, d
     return [build_run_config_map(run, namespace, owner),
             build_origin_service(run, namespace, owner), build_origin_deployment(run, namespace, owner, default_image),
             build_trainer_service(run, namespace, owner), build_trainer_statefulset(run, namespace, owner, default_image),
-            build_verifier_deployment(run, namespace, owner, default_image)]
+            build_verifier_deployment(run, namespace, owner, default_image),
+            *([build_ingest_service(run, namespace, owner), build_ingest_deployment(run, namespace, owner, default_image)]
+              if run.spec.ingest.tokens else [])]
 
 
 # ---- relay tree --------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ SIGNING_DIR = "/var/run/rlfleet/signing"
 SIGNING_KEY = "signing-key"  # key inside the signing Secret (private; trainer only)
 PUBLIC_KEY = "public-key"  # key inside the signing Secret (public; every other pod)
 REDIS_URL_KEY = "url"  # key inside the Redis URL Secret
+INGEST_DIR = "/var/run/rlfleet/ingest"
+INGEST_TOKENS_KEY = "tokens.yaml"  # key inside the ingest tokens Secret
 
 # Environment variable names the components read.
 ENV_REDIS_URL = "RLFLEET_REDIS_URL"
@@ -56,7 +58,7 @@ ENV_POD_NAME = "POD_NAME"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"  # on pod templates: a changed config rolls the pods
 
 # Components (the `rlfleet <component>` subcommands that run in pods).
-TRAINER, VERIFIER, ORIGIN, ROLLOUT, RELAY = "trainer", "verifier", "origin", "rollout", "relay"
+TRAINER, VERIFIER, ORIGIN, ROLLOUT, RELAY, INGEST = "trainer", "verifier", "origin", "rollout", "relay", "ingest"
 
 # A StatefulSet's pods get a `controller-revision-hash` label `<name>-<10 chars>` (at most 63), so
 # its name is at most 52 characters.
@@ -70,6 +72,11 @@ def trainer(run: str) -> str:
 
 def verifier(run: str) -> str:
     return f"{run}-verifier"
+
+
+def ingest(run: str) -> str:
+    """Ingest Deployment and Service (HTTP front of the inbox for outside workers)."""
+    return f"{run}-ingest"
 
 
 def origin(run: str) -> str:
