@@ -7,7 +7,6 @@ import os
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
@@ -19,10 +18,9 @@ from prometheus_client import REGISTRY
 from rlfleet.checkpoint import (
     COMPLETE_MARKER, MANIFEST_NAME, publish_version, save_model_dir, verify_dir, version_key,
 )
-from rlfleet.redis_server import free_port
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchError, fetch_version, latest_version_http
-from rlfleet.services.shardcast.protocol import file_path, healthz as origin_healthz, serve_until
+from rlfleet.services.shardcast.protocol import file_path, healthz as origin_healthz
 from rlfleet.store import open_store
 from rlfleet.streams import RunKeys, encode_json
 

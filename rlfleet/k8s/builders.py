@@ -228,40 +228,45 @@ def build_trainer_statefulset(run: RLRun, namespace: str, owner: Owner | None = 
                      "template": template}}
 
 
+def _run_server_deployment(run: RLRun, component: str, name: str, extra_args: list[str], namespace: str,
+                           owner: Owner | None, default_image: str, store_access: bool = False) -> dict:
+    """A one-replica HTTP server of a run (origin, ingest) on the Shardcast port."""
+    r = run.metadata.name
+    labels = names.labels("RLRun", r, component, r)
+    port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
+    args = ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT), *extra_args]
+    container = _container(run, component, args, _image(run, default_image), store_access=store_access, ports=[port])
+    return _deployment(name, namespace, labels, names.selector("RLRun", r, component, r), 0 if run.spec.suspend else 1,
+                       _pod_template(run, labels, container, names.run_config(r), config_text(run)), owner)
+
+
+def _run_server_service(run: RLRun, component: str, name: str, namespace: str, owner: Owner | None) -> dict:
+    r = run.metadata.name
+    return _service(name, namespace, names.labels("RLRun", r, component, r), names.selector("RLRun", r, component, r),
+                    names.SHARDCAST_PORT, owner)
+
+
 def build_origin_deployment(run: RLRun, namespace: str, owner: Owner | None = None,
                             default_image: str = names.DEFAULT_IMAGE) -> dict:
-    r = run.metadata.name
-    labels = names.labels("RLRun", r, names.ORIGIN, r)
-    port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
-    container = _container(run, names.ORIGIN, ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT)],
-                           _image(run, default_image), store_access=True, ports=[port])
-    return _deployment(names.origin(r), namespace, labels, names.selector("RLRun", r, names.ORIGIN, r),
-                       0 if run.spec.suspend else 1, _pod_template(run, labels, container, names.run_config(r), config_text(run)), owner)
+    """The origin serves the store: the only pod besides the trainer with store credentials."""
+    return _run_server_deployment(run, names.ORIGIN, names.origin(run.metadata.name), [], namespace, owner,
+                                  default_image, store_access=True)
 
 
 def build_origin_service(run: RLRun, namespace: str, owner: Owner | None = None) -> dict:
-    r = run.metadata.name
-    return _service(names.origin(r), namespace, names.labels("RLRun", r, names.ORIGIN, r),
-                    names.selector("RLRun", r, names.ORIGIN, r), names.SHARDCAST_PORT, owner)
+    return _run_server_service(run, names.ORIGIN, names.origin(run.metadata.name), namespace, owner)
 
 
 def build_ingest_deployment(run: RLRun, namespace: str, owner: Owner | None = None,
                             default_image: str = names.DEFAULT_IMAGE) -> dict:
     """Only when spec.ingest.tokens names the Secret of worker tokens (mounted into this pod only)."""
-    r = run.metadata.name
-    labels = names.labels("RLRun", r, names.INGEST, r)
-    port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
-    args = ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT),
-            "--tokens-file", f"{names.INGEST_DIR}/{names.INGEST_TOKENS_KEY}"]
-    container = _container(run, names.INGEST, args, _image(run, default_image), ports=[port])
-    return _deployment(names.ingest(r), namespace, labels, names.selector("RLRun", r, names.INGEST, r),
-                       0 if run.spec.suspend else 1, _pod_template(run, labels, container, names.run_config(r), config_text(run)), owner)
+    return _run_server_deployment(run, names.INGEST, names.ingest(run.metadata.name),
+                                  ["--tokens-file", f"{names.INGEST_DIR}/{names.INGEST_TOKENS_KEY}"],
+                                  namespace, owner, default_image)
 
 
 def build_ingest_service(run: RLRun, namespace: str, owner: Owner | None = None) -> dict:
-    r = run.metadata.name
-    return _service(names.ingest(r), namespace, names.labels("RLRun", r, names.INGEST, r),
-                    names.selector("RLRun", r, names.INGEST, r), names.SHARDCAST_PORT, owner)
+    return _run_server_service(run, names.INGEST, names.ingest(run.metadata.name), namespace, owner)
 
 
 def build_verifier_deployment(run: RLRun, namespace: str, owner: Owner | None = None,
