@@ -159,7 +159,12 @@ class BanPolicySpec(Spec):
         default_factory=lambda: ["toploc", "logprob_mismatch", "impossible_token"],
         description="Reasons that ban a worker at their first occurrence (default: the checks an honest worker "
                     "with the claimed weights cannot fail: proof, logprob and sampling).")
-    max_rejections: int = Field(default=0, ge=0, description="Ban a worker once it has this many rejections of any reason (0 = never).")
+    max_rejections: int = Field(default=0, ge=0, description="Ban a worker once it has this many rejections, not counting the "
+                                "forgiven reasons (0 = never).")
+    forgiven: list[RejectionReason] = Field(
+        default_factory=lambda: ["stale_version"],
+        description="Reasons that never count toward maxRejections (default: stale_version, which an honest worker "
+                    "behind a slow link hits when its group outlives maxAsyncLevel). banOn still applies to them.")
 
 
 class VerifierSpec(Spec):

@@ -242,6 +242,32 @@ def test_max_rejections_bans_a_worker_and_the_gate_enforces_it(tmp_path, redis_u
         assert stats["counters"] == {"rejected": 3, "rejected:prompt_mismatch": 2, "rejected:banned": 1}
 
 
+@pytest.mark.parametrize("forgiven", [None, "[]"])
+def test_stale_rejections_are_forgiven_by_max_rejections(tmp_path, redis_url, forgiven):
+    """An honest worker behind a slow link outlives maxAsyncLevel; by default that alone must not ban it."""
+    ban = "{banOn: [], maxRejections: 2" + (f", forgiven: {forgiven}" if forgiven else "") + "}"
+    with gate_system(tmp_path, redis_url, verifier="{ban: " + ban + "}") as (ctx, policy, origin_url, tmp):
+        r, keys = ctx.redis, ctx.keys
+        engine = TorchEngine(policy, 0)
+        wrong = honest_group(engine, ctx, 0, worker="w-slow")
+        wrong.task_id = "arith-0-999"
+        r.xadd(keys.rollouts, wrong.encode())
+        run_gate(ctx, origin_url, tmp / "cache", expected=1)
+        for v in (1, 2):
+            r.xadd(keys.policy, encode_json({"version": v}))
+        stale = [honest_group(engine, ctx, i, worker="w-slow") for i in range(1, 4)]  # version 0, two behind
+        for g in stale:
+            r.xadd(keys.rollouts, g.encode())
+        run_gate(ctx, origin_url, tmp / "cache", expected=4)
+        reasons = rejections(ctx)
+        assert reasons[wrong.rollout_id] == "prompt_mismatch"
+        assert [reasons[g.rollout_id] for g in stale] == ["stale_version"] * 3
+        if forgiven is None:
+            assert not is_banned(r, keys, "w-slow")
+        else:  # counted: the first stale group is the second rejection and bans the worker
+            assert one_worker_stats(r, keys, "w-slow")["banned"]["rollout_id"] == stale[0].rollout_id
+
+
 def test_bad_verifier_config_names_the_field(tmp_path):
     def problems(verifier: str) -> str:
         with pytest.raises(ConfigError) as info:

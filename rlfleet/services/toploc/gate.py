@@ -59,6 +59,7 @@ for f, n in pairs(plan.workers) do redis.call('HINCRBY', KEYS[4], f, n) end
 local ban = plan.ban
 if ban then
   local count = tonumber(redis.call('HGET', KEYS[4], ban.count_field) or '0')
+  for _, f in ipairs(ban.forgiven_fields) do count = count - tonumber(redis.call('HGET', KEYS[4], f) or '0') end
   if ban.now or (ban.max > 0 and count >= ban.max) then
     if redis.call('HSETNX', KEYS[5], ban.worker, ban.record) == 1 then return 2 end
   end

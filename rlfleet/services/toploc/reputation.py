@@ -41,7 +41,9 @@ def ban_plan(policy: BanPolicySpec, worker_id: str, reason: str, detail: str, ro
     rule = "banOn" if reason in policy.ban_on else "maxRejections"
     record = {"reason": reason, "detail": detail, "rollout_id": rollout_id, "rule": rule, "at": time.time()}
     return {"worker": worker_id, "now": reason in policy.ban_on, "max": policy.max_rejections,
-            "count_field": field(worker_id, "rejected"), "record": json.dumps(record)}
+            "count_field": field(worker_id, "rejected"),
+            "forgiven_fields": [field(worker_id, f"rejected:{r}") for r in policy.forgiven],
+            "record": json.dumps(record)}
 
 
 def worker_stats(client: redis.Redis, keys: RunKeys) -> dict[str, dict]:
