@@ -247,11 +247,12 @@ def prune_versions(store: CheckpointStore, run: str, keep: int) -> None:
         store.delete_prefix(version_prefix(run, version))
 
 
-def save_model_dir(model, tokenizer, dest: Path) -> None:
-    """Save an HF model (safetensors) and, if given, its tokenizer into `dest`."""
+def save_model_dir(model, tokenizer, dest: Path, state_dict: dict | None = None) -> None:
+    """Save an HF model (safetensors) and, if given, its tokenizer into `dest`; `state_dict`, if
+    given, holds the weights to write (e.g. gathered from a sharded model) instead of `model`'s."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dest, safe_serialization=True)
+    model.save_pretrained(dest, safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(dest)
 

@@ -136,6 +136,7 @@ class TrainerSpec(Spec):
     skip_zero_advantage_groups: bool = Field(default=False, description="Online filtering: drop groups whose rewards are all equal (zero advantage, no gradient) and keep reading until the batch is full of groups that teach something.")
     seed: int = Field(default=0, description="Trainer seed.")
     replicas: int = Field(default=1, ge=1, description="Data-parallel trainer processes.")
+    sharding: Literal["none", "fsdp"] = Field(default="none", description="How data-parallel replicas hold the model. `none`: every replica keeps the whole model, its gradients and optimizer state, and gradients are all-reduced (for models whose training state fits one device). `fsdp`: PyTorch FSDP2 (`fully_shard`, one unit per decoder layer plus the root) shards parameters, gradients and optimizer state over the replicas, for models whose training state does not fit one device; the published checkpoint is still the whole model. Has no effect with replicas: 1.")
     gpus: int = Field(default=0, ge=0, description="GPUs per trainer replica (cluster only).")
 
 

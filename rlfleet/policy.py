@@ -62,13 +62,28 @@ def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+class Prefill(torch.nn.Module):
+    """The part of a causal LM's forward that scoring uses: final hidden states (after the last
+    norm) and the logits of every position but the last. One module, so that FSDP can make it the
+    root unit: the embedding, final norm and (tied) output head are then gathered around exactly
+    this computation (rlfleet/services/trainer/sharding.py)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.lm.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, L, H)
+        return hidden, self.lm.lm_head(hidden[:, :-1])  # (B, L, H), (B, L-1, V)
+
+
 def score(model, rows: list[list[int]], temperature: float, pad_id: int, want_hidden: bool = False,
           want_entropy: bool = False) -> Scored:
-    """Prefill right-padded `rows` in one batch; gradients flow if enabled by the caller."""
+    """Prefill right-padded `rows` in one batch; gradients flow if enabled by the caller.
+    `model` is a causal LM or its `Prefill` (the trainer's, possibly sharded)."""
     ids, mask = pad_right(rows, pad_id)
-    out = model.model(input_ids=ids, attention_mask=mask)
-    hidden = out.last_hidden_state  # (B, L, H)
-    logits = model.lm_head(hidden[:, :-1]).float() / temperature  # (B, L-1, V)
+    hidden, logits = (model if isinstance(model, Prefill) else Prefill(model))(ids, mask)
+    logits = logits.float() / temperature  # (B, L-1, V)
     logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
     logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
     ent = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else None  # (B, L-1)

@@ -25,8 +25,10 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
-from rlfleet.policy import load_policy
+from rlfleet.policy import Prefill, load_policy
 from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
+from rlfleet.services.trainer.sharding import (full_model_state, full_optimizer_state, load_full_state,
+                                               publishable_weights, shard_policy)
 from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed
 from rlfleet.services.trainer.state import load_state, save_state
 from rlfleet.signing import run_signer
@@ -75,10 +77,16 @@ class Trainer:
         self.model, self.tokenizer = load_policy(base, self.spec.model.dtype)
         t = self.spec.trainer
         torch.manual_seed(t.seed)
+        self.sharded = t.sharding == "fsdp" and self.world > 1
+        # What the loss scores through: the whole policy, or its shard of it under FSDP (sharding.py).
+        self.prefill = shard_policy(self.model, self.world) if self.sharded else Prefill(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(t.warmup_steps, t.lr_schedule, t.steps))
-        # The KL reference is the starting policy, frozen; kept only when the penalty is on.
-        self.reference = load_policy(base, self.spec.model.dtype)[0] if t.kl_coef > 0 else None
+        # The KL reference is the starting policy, frozen (sharded like the policy); kept only when the penalty is on.
+        self.reference = None
+        if t.kl_coef > 0:
+            reference = load_policy(base, self.spec.model.dtype)[0]
+            self.reference = shard_policy(reference, self.world) if self.sharded else reference
         self.version = 0
         self.started = time.monotonic()
         self._pending_first = True
@@ -86,10 +94,10 @@ class Trainer:
         self._signer = None  # resolved at the first publish (a missing key fails that publish)
         ensure_group(ctx.redis, ctx.keys.verified, ctx.keys.trainer_group)
 
-    def publish(self) -> None:
-        """Write the current weights as `self.version` to the store, then announce it."""
+    def publish(self, model_state: dict) -> None:
+        """Write the whole weights `model_state` (full_model_state) as `self.version` to the store, then announce it."""
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
-            save_model_dir(self.model, self.tokenizer, Path(tmp))
+            save_model_dir(self.model, self.tokenizer, Path(tmp), state_dict=publishable_weights(self.model, model_state))
             self._signer = self._signer or run_signer(self.spec.shardcast)
             publish_version(self.store, self.ctx.run_name, self.version, Path(tmp), signer=self._signer,
                             shard_size=self.spec.shardcast.shard_size_bytes)
@@ -139,7 +147,7 @@ class Trainer:
 
     def step(self, groups: list[RolloutGroup]) -> dict:
         """One GRPO update on `groups` (on every rank); returns its statistics."""
-        stats = grpo_update(self.model, self.optimizer, groups, self.spec.trainer, self.spec.sampling.temperature,
+        stats = grpo_update(self.prefill, self.optimizer, groups, self.spec.trainer, self.spec.sampling.temperature,
                             self.tokenizer.pad_token_id, self.reference, self.rank, self.world)
         stats["learning_rate"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -159,14 +167,14 @@ class Trainer:
 
     def resume(self) -> int:
         """Restore the saved state if there is one (see state.py); return the next step to take."""
-        state = load_state(self.store, self.ctx.run_name)
+        state = load_state(self.store, self.ctx.run_name)  # every rank reads it
         if state is not None:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.version = state["version"]
+        weights = full_model_state(self.model)  # every rank: a collective under FSDP
         if self.rank == 0:
-            self.publish()  # idempotent for a version already in the store; announces it again
+            self.publish(weights)  # idempotent for a version already in the store; announces it again
         if state is None:
             return 1
         if self.rank == 0:
@@ -189,12 +197,14 @@ class Trainer:
             staleness = float(np.mean([self.version - g.policy_version for g in groups]))
             self.version += 1
             self.last_reward = stats["reward_mean"]
+            # Whole weights and optimizer state on rank 0; every rank joins (collectives under FSDP).
+            model_state, optimizer_state = full_model_state(self.model), full_optimizer_state(self.model, self.optimizer)
             if self.rank != 0:
                 continue
             rollout_ids = [g.rollout_id for g in groups]
-            save_state(self.store, self.ctx.run_name, step=step, version=self.version, model=self.model,
-                       optimizer=self.optimizer, scheduler=self.scheduler, rollout_ids=rollout_ids, message_ids=ack)
-            self.publish()
+            save_state(self.store, self.ctx.run_name, step=step, version=self.version, model_state=model_state,
+                       optimizer_state=optimizer_state, scheduler=self.scheduler, rollout_ids=rollout_ids, message_ids=ack)
+            self.publish(model_state)
             self.commit(rollout_ids, ack, self.version)
             t3 = time.monotonic()
             counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}

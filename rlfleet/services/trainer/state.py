@@ -4,7 +4,8 @@ Protocol of one step (main.py), chosen so that `kill -9` at any point loses no a
 and trains none twice:
   1. update the weights;
   2. save the state: step, version v+1, weights, optimizer, scheduler, and the *commit* of the step
-     (the rollout ids it trained and their stream message ids);
+     (the rollout ids it trained and their stream message ids); weights and optimizer are whole,
+     keyed by parameter name (sharding.full_state), whatever the sharding and replica count;
   3. publish version v+1 and announce it;
   4. commit: record the rollout ids as trained, XACK and delete their messages.
 On restart the state is loaded, version v+1 is published if step 3 did not finish, and the
@@ -20,18 +21,18 @@ import torch
 
 from rlfleet.store import CheckpointStore
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: optimizer state keyed by parameter name (was: by index)
 
 
 def trainer_state_key(run: str) -> str:
     return f"{run}/trainer/state.pt"
 
 
-def save_state(store: CheckpointStore, run: str, *, step: int, version: int, model, optimizer, scheduler,
-               rollout_ids: list[str], message_ids: list[bytes]) -> None:
+def save_state(store: CheckpointStore, run: str, *, step: int, version: int, model_state: dict, optimizer_state: dict,
+               scheduler, rollout_ids: list[str], message_ids: list[bytes]) -> None:
     buf = io.BytesIO()
-    torch.save({"format": STATE_FORMAT, "step": step, "version": version, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+    torch.save({"format": STATE_FORMAT, "step": step, "version": version, "model": model_state,
+                "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                 "commit": {"rollout_ids": rollout_ids, "message_ids": [m.decode() if isinstance(m, bytes) else m for m in message_ids]}},
                buf)
     store.put_bytes(trainer_state_key(run), buf.getvalue())

@@ -4,7 +4,9 @@ Every rank holds the whole batch (rank 0 reads it from the stream and broadcasts
 computes the loss of completions r, r + W, r + 2W, ... divided by the whole batch's token (or
 completion) count, gradients are summed with all-reduce, then clipped and applied identically on
 every rank, so all ranks keep the same weights and the update equals the single-process one up
-to float summation order. Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+to float summation order. With `trainer.sharding: fsdp` the model is sharded (sharding.py): the
+same split and the same sum, done by FSDP's reduce-scatter in the backward instead of the
+all-reduce here. Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 (gloo on CPU, NCCL on GPU), which is how the operator starts trainer pods.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from rlfleet.policy import score
 from rlfleet.services.trainer.loss import group_advantages, grpo_loss
+from rlfleet.services.trainer.sharding import is_sharded
 from rlfleet.streams import RolloutGroup
 
 
@@ -40,7 +43,9 @@ def broadcast(obj, rank: int, world: int):
 
 def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: float, pad_id: int,
                 reference=None, rank: int = 0, world: int = 1) -> dict:
-    """Apply one update for `groups` with TrainerSpec `t`; return batch statistics (same on every rank)."""
+    """Apply one update for `groups` with TrainerSpec `t`; return batch statistics (same on every rank).
+    `model` is a causal LM or the trainer's (possibly sharded) `Prefill` of one."""
+    sharded = is_sharded(model)
     rows, old, advantages, starts, rewards = [], [], [], [], []
     for g in groups:
         group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
@@ -82,8 +87,16 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
             entropy=aligned(scored.entropy) if scored.entropy else None, entropy_coef=t.entropy_coef,
             ref_logprobs=ref_lp, kl_coef=t.kl_coef, denominator=denominator)
         loss.backward()
+    elif sharded:
+        # FSDP's gathers and reduce-scatters run inside forward and backward: this rank joins them
+        # with a placeholder row whose loss is multiplied by zero, so it adds nothing to the gradient.
+        if reference is not None:
+            with torch.no_grad():
+                score(reference, [[pad_id, pad_id]], temperature, pad_id)
+        placeholder = score(model, [[pad_id, pad_id]], temperature, pad_id).logprobs[0]
+        (placeholder.sum() * 0.0).backward()
     if world > 1:
-        for p in model.parameters():
+        for p in ([] if sharded else model.parameters()):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
