@@ -39,8 +39,12 @@ def serving(app: web.Application):
 
 
 
-def tiny_policy_dir(dest: Path, seed: int) -> Path:
-    """A randomly initialised Qwen2 policy with the builtin tokenizer, saved in HF format."""
+def tiny_policy_dir(dest: Path, seed: int, hidden_size: int = 64, num_attention_heads: int = 4,
+                    num_key_value_heads: int = 2) -> Path:
+    """A randomly initialised Qwen2 policy with the builtin tokenizer, saved in HF format.
+
+    The default head size 16 is the builtin model's; vLLM's CPU attention needs 32 or more
+    (e.g. `num_attention_heads=2, num_key_value_heads=1`)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -48,8 +52,8 @@ def tiny_policy_dir(dest: Path, seed: int) -> Path:
     from rlfleet.models.builtin import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, max_position_embeddings=64, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     save_model_dir(Qwen2ForCausalLM(config), tokenizer, dest)

@@ -25,10 +25,15 @@ class Generation:
     logprobs: list[float]  # (T,)
     hidden: torch.Tensor  # (P + T, H) final hidden states of prompt and completion positions
     finish_reason: str  # "stop" or "length"
+    version: int  # the policy version whose weights produced every token and hidden state of it
 
 
 class Engine(ABC):
+    """Invariant: one `generate` call runs on one weights version, the one each Generation records;
+    `load_weights` never takes effect in the middle of a `generate` call."""
+
     version: int
+    tokenizer: object
 
     @abstractmethod
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
@@ -98,12 +103,26 @@ class TorchEngine(Engine):
                 logprobs=lps[i, :stop].tolist(),
                 hidden=all_hidden[i, : len(prompt_ids) + stop].clone(),
                 finish_reason="stop" if self.eos_id in row else "length",
+                version=self.version,
             ))
         return result
 
 
+def vllm_usable() -> bool:
+    """vLLM is installed and a GPU is present (what `engine: auto` picks vLLM for)."""
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
 def make_engine(kind: str, model_dir: Path, version: int, dtype: str = "float32") -> Engine:
-    """Factory keyed by InferencePool `engine`."""
-    if kind in ("torch", "auto"):
+    """Factory keyed by InferencePool `engine`: torch; vllm; auto = vllm when vLLM is installed and
+    a GPU is present, else torch (vLLM on CPU is supported but must be asked for: on a few cores
+    its process and IPC overhead outweighs batching for small models; see benchmarks/rollout.py)."""
+    if kind == "auto":
+        kind = "vllm" if vllm_usable() else "torch"
+    if kind == "torch":
         return TorchEngine(model_dir, version, dtype)
-    raise ValueError(f"spec.engine: {kind!r} is not available in this build; use `torch` (vLLM arrives with its own adapter)")
+    if kind == "vllm":
+        from rlfleet.services.rollout.vllm_engine import VLLMEngine  # ImportError names the install extra
+        return VLLMEngine(model_dir, version, dtype)
+    raise ValueError(f"spec.engine: {kind!r} is not one of torch, vllm, auto")
