@@ -1,7 +1,6 @@
 """Trainer behaviour on a real Redis `verified` stream with a tiny real policy."""
 from __future__ import annotations
 
-import json
 import math
 import threading
 
@@ -99,18 +98,3 @@ def test_loss_options_match_a_direct_formula():
     assert stats["kl_mean"] > 0
     loss.backward()
     assert lp.grad[0, 2] == 0 and lp.grad[1, 1] == 0, "masked tokens get no gradient"
-
-
-def test_every_step_statistic_is_exported_to_prometheus(tmp_path, trainer):
-    from prometheus_client import REGISTRY
-
-    trainer.metrics_file = tmp_path / "metrics.jsonl"
-    for rid in ("p", "q"):
-        trainer.ctx.redis.xadd(trainer.ctx.keys.verified, group(rid, [1.0, 0.0]).encode())
-    trainer.run(1)
-    record = json.loads(trainer.metrics_file.read_text())
-    assert record["rollout_ids"] == ["p", "q"]
-    for stat in ("loss", "grad_norm", "accuracy", "learning_rate", "entropy_mean", "kl_mean"):
-        assert REGISTRY.get_sample_value("rlfleet_trainer_batch_stat", {"stat": stat}) == pytest.approx(record[stat]), stat
-    assert REGISTRY.get_sample_value("rlfleet_trainer_step") == 1
-    assert REGISTRY.get_sample_value("rlfleet_trainer_reward_mean") == pytest.approx(record["reward_mean"])

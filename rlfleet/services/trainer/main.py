@@ -19,12 +19,14 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
+from rlfleet.config import RejectionReason
 from rlfleet.policy import Prefill, load_policy
 from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
 from rlfleet.services.trainer.sharding import (full_model_state, full_optimizer_state, load_full_state,
@@ -41,6 +43,8 @@ STEP = Gauge("rlfleet_trainer_step", "Optimizer steps taken")
 VERSION = Gauge("rlfleet_trainer_policy_version", "Latest published policy version")
 REWARD = Gauge("rlfleet_trainer_reward_mean", "Mean verified reward of the last batch")
 STALENESS = Gauge("rlfleet_trainer_staleness_mean", "Mean policy lag of the last batch, in versions")
+STALENESS_MAX = Gauge("rlfleet_trainer_staleness_max", "Largest policy lag of a group in the last batch, in versions")
+ELAPSED = Gauge("rlfleet_trainer_elapsed_seconds", "Seconds from the trainer's start to the end of its last step")
 SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
 DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
 STEP_SECONDS = Histogram("rlfleet_trainer_step_seconds", "Step time by phase", ["phase"])
@@ -49,6 +53,41 @@ BATCH_STATS = ("loss", "grad_norm", "accuracy", "learning_rate", "clip_fraction"
                "kl_mean", "completion_tokens_mean")
 STAT = Gauge("rlfleet_trainer_batch_stat", "Statistic of the last optimizer step (the fields of metrics.jsonl)", ["stat"])
 GROUPS = Gauge("rlfleet_trainer_verifier_groups", "Groups the verifier accepted / rejected so far, by reason", ["verdict", "reason"])
+DROP_REASONS = ("stale", "duplicate", "malformed", "zero_advantage")
+PHASES = ("wait", "compute", "publish")
+# Every labelled series exists from the start (at 0), so a scrape shows it before its first event.
+for _reason in DROP_REASONS:
+    DROPPED.labels(_reason)
+for _phase in PHASES:
+    STEP_SECONDS.labels(_phase)
+NOT_EXPORTED = {"rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement"}
+
+
+def export_step(record: dict) -> None:
+    """Put every field of a metrics.jsonl record (except NOT_EXPORTED) on /metrics.
+    Mapping: step, policy_version, reward_mean, staleness_mean/max -> their gauges; the GRPO
+    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; dropped_* ->
+    the dropped counter by reason; wait/compute/publish_seconds -> the step-time histogram by phase;
+    wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
+    (rejected is their sum over reasons, every known reason present)."""
+    STEP.set(record["step"])
+    VERSION.set(record["policy_version"])
+    REWARD.set(record["reward_mean"])
+    STALENESS.set(record["staleness_mean"])
+    STALENESS_MAX.set(record["staleness_max"])
+    ELAPSED.set(record["wall_seconds"])
+    SAMPLES.inc(record["samples"])
+    for name in BATCH_STATS:
+        if name in record:
+            STAT.labels(name).set(record[name])
+    for reason in DROP_REASONS:
+        if record.get(f"dropped_{reason}"):
+            DROPPED.labels(reason).inc(record[f"dropped_{reason}"])
+    for phase in PHASES:
+        STEP_SECONDS.labels(phase).observe(record[f"{phase}_seconds"])
+    GROUPS.labels("accepted", "").set(record["accepted"])
+    for reason in {*get_args(RejectionReason), *record["rejected_by_reason"]}:
+        GROUPS.labels("rejected", reason).set(record["rejected_by_reason"].get(reason, 0))
 
 
 def lr_factor(warmup: int, schedule: str, total: int):
@@ -140,9 +179,6 @@ class Trainer:
                         drops["zero_advantage"] += 1
                     else:
                         batch.append(group)
-        for reason, n in drops.items():
-            if n:
-                DROPPED.labels(reason).inc(n)
         return batch, ack, drops
 
     def step(self, groups: list[RolloutGroup]) -> dict:
@@ -194,7 +230,7 @@ class Trainer:
             t1 = time.monotonic()
             stats = self.step(groups)
             t2 = time.monotonic()
-            staleness = float(np.mean([self.version - g.policy_version for g in groups]))
+            lags = [self.version - g.policy_version for g in groups]
             self.version += 1
             self.last_reward = stats["reward_mean"]
             # Whole weights and optimizer state on rank 0; every rank joins (collectives under FSDP).
@@ -208,29 +244,17 @@ class Trainer:
             self.commit(rollout_ids, ack, self.version)
             t3 = time.monotonic()
             counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}
-            record = {"step": step, "policy_version": self.version, **stats, "staleness_mean": staleness,
-                      "dropped_stale": drops["stale"], "dropped_duplicate": drops["duplicate"],
-                      "dropped_zero_advantage": drops["zero_advantage"],
+            record = {"step": step, "policy_version": self.version, **stats, "staleness_mean": float(np.mean(lags)),
+                      "staleness_max": max(lags), **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},
                       "accepted": counts.get("accepted", 0), "rejected": counts.get("rejected", 0),
                       "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
                       "wait_seconds": t1 - t0, "compute_seconds": t2 - t1, "publish_seconds": t3 - t2,
                       "wall_seconds": time.monotonic() - self.started, "rollout_ids": rollout_ids}
-            for phase, seconds in (("wait", t1 - t0), ("compute", t2 - t1), ("publish", t3 - t2)):
-                STEP_SECONDS.labels(phase).observe(seconds)
-            STEP.set(step)
-            REWARD.set(stats["reward_mean"])
-            STALENESS.set(staleness)
-            SAMPLES.inc(stats["samples"])
-            for name in BATCH_STATS:
-                if name in stats:
-                    STAT.labels(name).set(stats[name])
-            GROUPS.labels("accepted", "").set(record["accepted"])
-            for reason, n in record["rejected_by_reason"].items():
-                GROUPS.labels("rejected", reason).set(n)
+            export_step(record)
             if self.metrics_file:
                 with open(self.metrics_file, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            log.info("step %d version %d reward %.3f staleness %.2f", step, self.version, stats["reward_mean"], staleness)
+            log.info("step %d version %d reward %.3f staleness %.2f", step, self.version, stats["reward_mean"], record["staleness_mean"])
 
 
 def main(args) -> int:
