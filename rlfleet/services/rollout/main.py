@@ -43,7 +43,10 @@ TOKENS = Counter("rlfleet_rollout_tokens_total", "Completion tokens generated")
 VERSION = Gauge("rlfleet_rollout_policy_version", "Policy version of the loaded weights")
 LAG = Gauge("rlfleet_rollout_version_lag", "Newest announced version minus loaded version")
 PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by backpressure", ["reason"])
-SWAP_SECONDS = Gauge("rlfleet_rollout_weight_swap_seconds", "Duration of the last in-place weight load")
+IN_FLIGHT = Gauge("rlfleet_rollout_requests_in_flight", "Completions the engine is generating now")
+DOWNLOAD_SECONDS = Gauge("rlfleet_rollout_weight_download_seconds", "Download (relays, hashes, signature) of the newest version")
+LOAD_SECONDS = Gauge("rlfleet_rollout_weight_load_seconds", "In-place load of the last swapped version into the engine")
+SWAP_SECONDS = Gauge("rlfleet_rollout_weight_swap_seconds", "Last swap from seeing the version announced to generating with it")
 
 TOKEN_ENV = "RLFLEET_WORKER_TOKEN"
 RETRY_STATUSES = (429, 503)  # the ingest's backpressure: wait and resend the same group
@@ -87,7 +90,7 @@ class VersionFollower(threading.Thread):
         self.public_key = run_public_key(ctx.bundle.run.spec.shardcast)  # manifests must verify with it
         self.sources = Sources(relay_urls) if relay_urls else None  # relay measurements kept across versions
         self.announced = -1
-        self.ready: tuple[int, Path] | None = None
+        self.ready: tuple[int, Path, float] | None = None  # (version, directory, monotonic time it was announced)
         self.error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -109,14 +112,15 @@ class VersionFollower(threading.Thread):
                     newest = max(newest or -1, int(decode_json(fields)["version"]))
             if newest is None or newest <= self.announced:
                 continue
-            self.announced = newest
+            self.announced, announced_at = newest, time.monotonic()
             path = fetch_version(self.relay_urls, self.ctx.run_name, newest, self.cache_dir, stop=self.ctx.stop,
                                  public_key=self.public_key, sources=self.sources)
+            DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
-                self.ready = (newest, path)
+                self.ready = (newest, path, announced_at)
             self._prune(newest)
 
-    def take(self, newer_than: int) -> tuple[int, Path] | None:
+    def take(self, newer_than: int) -> tuple[int, Path, float] | None:
         with self._lock:
             if self.ready and self.ready[0] > newer_than:
                 return self.ready
@@ -155,7 +159,7 @@ class Worker:
             self._raise_follower_error()
             ready = self.follower.take(-1)
             if ready:
-                version, path = ready
+                version, path, _ = ready
                 self.engine = make_engine(self.engine_kind, path, version, self.spec.model.dtype)
                 VERSION.set(version)
                 return True
@@ -169,11 +173,13 @@ class Worker:
     def maybe_swap(self) -> None:
         ready = self.follower.take(self.engine.version)
         if ready:
+            version, path, announced_at = ready
             t0 = time.monotonic()
-            self.engine.load_weights(ready[1], ready[0])
-            SWAP_SECONDS.set(time.monotonic() - t0)
-            VERSION.set(ready[0])
-            log.info("now generating with version %d", ready[0])
+            self.engine.load_weights(path, version)
+            LOAD_SECONDS.set(time.monotonic() - t0)
+            SWAP_SECONDS.set(time.monotonic() - announced_at)
+            VERSION.set(version)
+            log.info("now generating with version %d", version)
 
     def paused(self) -> str | None:
         """Why generation should wait now, or None."""
@@ -192,15 +198,21 @@ class Worker:
         prompt_ids = self.engine.tokenizer(problem.prompt)["input_ids"]
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
                                 seed=int(self.rng.integers(0, 2**31)))
+        IN_FLIGHT.set(s.group_size)
+        try:
+            gens = self.engine.generate(prompt_ids, params, s.group_size)
+        finally:
+            IN_FLIGHT.set(0)
         samples = []
-        for gen in self.engine.generate(prompt_ids, params, s.group_size):
+        for gen in gens:
             proofs = build_proofs(gen.hidden, prompt_len=len(prompt_ids),
                                   decode_batching_size=toploc.decode_batching_size, topk=toploc.topk)
             text = self.engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
             samples.append(Sample(completion_ids=gen.completion_ids, logprobs=gen.logprobs, proofs=proofs,
                                   reward=self.task.score(problem, text, len(gen.completion_ids)), finish_reason=gen.finish_reason))
             TOKENS.inc(len(gen.completion_ids))
-        return RolloutGroup(task_id=problem.task_id, worker_id=self.worker_id, policy_version=self.engine.version,
+        # The version that produced the tokens (engine.py's invariant), not one swapped in since.
+        return RolloutGroup(task_id=problem.task_id, worker_id=self.worker_id, policy_version=gens[0].version,
                             prompt_ids=prompt_ids, sampling=params, samples=samples)
 
     def run(self) -> None:
