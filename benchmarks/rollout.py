@@ -1,0 +1,162 @@
+"""Rollout engines side by side: generation tokens/s and weight-swap latency, torch vs vLLM.
+
+One randomly initialised Qwen2 policy (builtin character tokenizer) is published as versions 0
+and 1 to a file store, served by a real origin and one relay over 127.0.0.1 HTTP. For each engine,
+in one process, one after the other on the same machine:
+  - the engine starts on version 0 (downloaded through the relay) and warms up with one group;
+  - throughput: `--rounds` rounds of `--groups` groups of G completions of arithmetic prompts,
+    one `generate` call per group as the rollout worker makes them (same seeds for both engines);
+    completion tokens / wall time of the calls, median over rounds (TOPLOC proof building is not
+    included: it is the same for both);
+  - swap: version 1 is "announced" (t0), downloaded through the relay with hash and signature
+    checks (download), loaded in place (load), and a 1-token group is generated with it (first
+    token); the relay already holds version 1 (fetched once before any engine runs), so download
+    is the relay -> worker leg that every swap pays.
+Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 8 --group-size 8
+       --max-tokens 64 --rounds 3 --engines torch,vllm]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+import torch
+
+from rlfleet.checkpoint import publish_version, save_model_dir
+from rlfleet.models.builtin import build_tokenizer
+from rlfleet.redis_server import free_port
+from rlfleet.services.rollout.engine import make_engine
+from rlfleet.services.shardcast import origin, relay
+from rlfleet.services.shardcast.client import fetch_version
+from rlfleet.services.shardcast.protocol import serve_until
+from rlfleet.signing import generate_keypair, load_private_key, make_signer, parse_public_key
+from rlfleet.store import open_store
+from rlfleet.streams import SamplingParams
+from rlfleet.tasks.arithmetic import ArithmeticTask
+
+RUN = "bench"
+
+
+def random_policy(dest: Path, hidden: int, layers: int, seed: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tokenizer()
+    heads = max(1, hidden // 64)  # head size 64: one that vLLM's CPU attention supports
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    save_model_dir(Qwen2ForCausalLM(config), tok, dest)
+    return dest
+
+
+@contextmanager
+def serving(app):
+    """Serve an aiohttp app on a free loopback port in a thread; yield its URL."""
+    port, stop = free_port(), threading.Event()
+    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, "127.0.0.1", port, stop)), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(500):
+        try:
+            if requests.get(url + "/healthz", timeout=1).ok:
+                break
+        except requests.ConnectionError:
+            time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        stop.set()
+        thread.join(15)
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    task = ArithmeticTask(seed=0)
+    return [tokenizer(task.problem(f"arith-0-{i}").prompt)["input_ids"] for i in range(n)]
+
+
+def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dict:
+    t0 = time.monotonic()
+    v0 = fetch_version([relay_url], RUN, 0, work / kind, public_key=public_key)
+    engine = make_engine(kind, v0, 0)
+    start_s = time.monotonic() - t0
+    params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.max_tokens, seed=1000 + i)
+              for i in range(args.groups)]
+    rows = prompts(engine.tokenizer, args.groups)
+    engine.generate(rows[0], params[0], args.group_size)  # warm-up
+    rates, tokens, gen_s = [], 0, 0.0
+    for _ in range(args.rounds):  # the median round damps other processes' load on a shared machine
+        n, t0 = 0, time.monotonic()
+        for prompt, p in zip(rows, params):
+            n += sum(len(g.completion_ids) for g in engine.generate(prompt, p, args.group_size))
+        elapsed = time.monotonic() - t0
+        rates.append(n / elapsed)
+        tokens, gen_s = tokens + n, gen_s + elapsed
+
+    announced = time.monotonic()
+    v1 = fetch_version([relay_url], RUN, 1, work / kind, public_key=public_key)
+    downloaded = time.monotonic()
+    engine.load_weights(v1, 1)
+    loaded = time.monotonic()
+    first = engine.generate(rows[0], SamplingParams(1.0, 1.0, 0, 1, seed=7), args.group_size)
+    first_token = time.monotonic()
+    assert all(g.version == 1 for g in first)
+    return {"engine": kind, "start_s": start_s, "tokens": tokens, "gen_s": gen_s, "tok_s": statistics.median(rates),
+            "tok_s_min": min(rates), "tok_s_max": max(rates),
+            "download_s": downloaded - announced, "load_s": loaded - downloaded, "first_s": first_token - loaded,
+            "swap_s": first_token - announced}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engines", default="torch,vllm")
+    args = ap.parse_args()
+    engines = args.engines.split(",")
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-rollout-") as tmp:
+        work = Path(tmp)
+        key_file, public = generate_keypair(work / "keys")
+        signer = make_signer(load_private_key(key_file))
+        store = open_store(f"file://{work}/store")
+        for v in (0, 1):
+            publish_version(store, RUN, v, random_policy(work / f"src-v{v}", args.hidden, args.layers, seed=v), signer=signer)
+        size = sum(f.stat().st_size for f in (work / "src-v1").iterdir())
+        public_key = parse_public_key(public)
+        with serving(origin.make_app(store, RUN)) as origin_url, \
+                serving(relay.make_app(origin_url, work / "relay", RUN, keep_versions=3)) as relay_url:
+            for v in (0, 1):  # the relay holds both versions before any engine is measured
+                fetch_version([relay_url], RUN, v, work / "prefetch", public_key=public_key)
+            results = [bench_engine(kind, args, relay_url, work, public_key) for kind in engines]
+    print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, fp32, {size / 2**20:.1f} MiB checkpoint; "
+          f"{args.groups} groups x G={args.group_size}, <= {args.max_tokens} tokens, temperature 1; "
+          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    print(f"{'engine':<7} {'start s':>8} {'tokens':>7} {'gen s':>7} {'tokens/s':>9} {'min-max':>13} {'x torch':>8} | "
+          f"{'download s':>10} {'load s':>7} {'1st tok s':>9} {'swap s':>7}")
+    base = next((r["tok_s"] for r in results if r["engine"] == "torch"), None)
+    for r in results:
+        ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
+        spread = f"{r['tok_s_min']:.0f}-{r['tok_s_max']:.0f}"
+        print(f"{r['engine']:<7} {r['start_s']:>8.1f} {r['tokens']:>7} {r['gen_s']:>7.2f} {r['tok_s']:>9.1f} {spread:>13} {ratio:>8} | "
+              f"{r['download_s']:>10.3f} {r['load_s']:>7.3f} {r['first_s']:>9.3f} {r['swap_s']:>7.3f}")
+    print("tokens/s: median of --rounds rounds (min-max beside it); start s: download v0 + engine start")
+    print("swap s = version announced -> first token from it = download (relay -> worker, hashes, signature) + load + 1st tok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
