@@ -1,22 +1,39 @@
 """Broadcast benchmark: deliver one checkpoint to N clients on loopback, in one invocation.
 
     .venv/bin/python benchmarks/broadcast.py [--size-mib 1024] [--clients 8] [--relays 2]
+                                             [--reference-polls 30 1]
 
-Columns (each a fresh set of OS processes; clients are processes too, so nothing shares a GIL):
-  tree      origin -> `--relays` tier-0 relays (`rlfleet relay`, cut-through) -> clients, each
-            client given every relay (weighted choice); signed manifest, per-shard sha256
-  direct    every client pulls straight from the origin
-  reference the reference `shardcast` package on the same tree: NOT RUN by this script yet; it
-            says so (and whether the package is importable) instead of printing a number
-Lower bound = bytes the busiest node must send / single-stream loopback throughput (one HTTP
-GET of the checkpoint from the origin, measured in this invocation). With R relays and N clients
-the busiest node is a relay sending ceil(N/R) copies (or the origin sending R copies, if more).
-Prints the time for the last client to finish, the aggregate delivered throughput and the ratios.
+Systems (each a fresh set of OS processes; clients are processes too, so nothing shares a GIL):
+  tree       origin -> `--relays` tier-0 relays (`rlfleet relay`, cut-through) -> clients, each
+             client given every relay (weighted choice); signed manifest, per-shard sha256
+  direct     every client pulls straight from the `rlfleet origin`
+  reference  the reference `shardcast` package (PyPI, `pip install -e '.[bench]'`) on the same tree:
+             its OriginServer, a MiddleNode per relay, a ClientNode per client (whole-file blake3,
+             one `wget` per shard, its default 50 MB shards). It has no announcements: middle nodes
+             poll every `check_interval` s and our driver of each ClientNode polls the version list
+             at the same interval; one column per `--reference-polls` value (30 s is its default).
+Timing, alike for every system: all servers and clients are started and idle first; the clock
+starts when the version becomes visible at the origin (rlfleet: manifest written, then the `policy`
+announcement; reference: `OriginServer.broadcast` returns, i.e. its distribution file is written)
+and stops when the last client holds the complete, verified file (each client reports the
+system-wide monotonic clock). Process start-up and imports are outside the measurement.
+Bounds (all measured in this invocation):
+  busiest-node bound  bytes the busiest node must send / single-stream loopback throughput (one
+                      HTTP GET of the checkpoint from the origin, read into a reused buffer). With R
+                      relays and N clients it is a relay sending ceil(N/R) copies (or the origin R).
+                      It assumes every node has its own CPU and NIC.
+  one-box bound       every byte every node sends / the same single-stream rate: on one machine all
+                      streams share its cores, and a single stream already keeps a sender and a
+                      receiver busy
+  hashing bound       every byte every receiver must sha256 / (hashlib sha256 rate x cores): the
+                      verification work alone, spread perfectly over all cores
 This is a script, not a test (STYLE.md 10).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import http.client
 import json
 import math
 import os
@@ -34,22 +51,124 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RUN = "bench"
+FILE = "model.safetensors"
+REFERENCE_DUMMY = "data1.bin"  # every shardcast server must serve it: its clients time it at start-up
 
 
-def client_main(urls: list[str], dest: str, public_key: str) -> None:
-    from rlfleet.services.shardcast.client import fetch_version
+# ---- the processes ---------------------------------------------------------------------------
+
+def rlfleet_client(urls: list[str], dest: str, public_key: str) -> None:
+    from rlfleet.services.shardcast.client import fetch_version, wait_for_version
     from rlfleet.signing import parse_public_key
 
-    started = time.monotonic()
-    fetch_version(urls, RUN, 1, Path(dest), timeout=3600, public_key=parse_public_key(public_key))
-    print(json.dumps({"seconds": time.monotonic() - started}), flush=True)
+    key = parse_public_key(public_key)
+    print("waiting", flush=True)
+    version = wait_for_version(urls, RUN, 0, timeout=3600)
+    fetch_version(urls, RUN, version, Path(dest), timeout=3600, public_key=key)
+    print(json.dumps({"done": time.monotonic()}), flush=True)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen) -> None:
+def reference_origin(data_dir: str, port: int, source: str) -> None:
+    from shardcast import OriginServer
+
+    origin = OriginServer(data_dir, port)
+    print("waiting", flush=True)
+    sys.stdin.readline()  # the driver says when to publish
+    origin.broadcast(source)  # shards the file, then writes the distribution file (visible)
+    print(json.dumps({"published": time.monotonic()}), flush=True)
+    sys.stdin.readline()  # serve until the driver closes stdin or stops us
+
+
+def reference_middle(upstream: str, data_dir: str, port: int, poll: int) -> None:
+    from shardcast import MiddleNode
+
+    MiddleNode([upstream], data_dir, port, check_interval=poll)
+    print("waiting", flush=True)
+    sys.stdin.readline()
+
+
+def reference_client(servers: list[str], out_dir: str, poll: int) -> None:
+    from shardcast import ClientNode
+
+    client = ClientNode(servers, out_dir)
+    print("waiting", flush=True)
+    while True:  # the reference has no announcements: poll its distribution file
+        if "v1" in client.list_available_versions():
+            if client.download_version("v1", str(Path(out_dir) / FILE)):  # blake3-verified
+                break
+        time.sleep(poll)
+    print(json.dumps({"done": time.monotonic()}), flush=True)
+
+
+ROLES = {"--client": rlfleet_client, "--ref-origin": reference_origin, "--ref-middle": reference_middle,
+         "--ref-client": reference_client}
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+class Procs:
+    """Processes of one column; every one is stopped (SIGTERM, then SIGKILL) when the block ends."""
+
+    def __init__(self, env: dict, logs: Path):
+        self.env, self.logs, self.procs = env, logs, []
+
+    def start(self, argv: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env or self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=open(self.logs / f"{name}.log", "ab"), text=True, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def role(self, role: str, *args, name: str, env: dict | None = None) -> subprocess.Popen:
+        return self.start([sys.executable, __file__, role, *map(str, args)], name, env)
+
+    def __enter__(self) -> "Procs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def expect_line(proc: subprocess.Popen, what: str) -> dict | str:
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"{what} exited (code {proc.wait()}) before saying anything; see its log")
+    line = line.strip()
+    return json.loads(line) if line.startswith("{") else line
+
+
+def finish_times(clients: list[subprocess.Popen], timeout: float) -> list[float]:
+    """Each client's reported finish time; those not done within `timeout` s are left out."""
+    import threading
+
+    done: dict[int, float] = {}
+
+    def read(i: int, proc: subprocess.Popen) -> None:
+        line = proc.stdout.readline().strip()
+        if line.startswith("{"):
+            done[i] = json.loads(line)["done"]
+
+    threads = [threading.Thread(target=read, args=(i, c), daemon=True) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return list(done.values())
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz") -> None:
     deadline = time.monotonic() + 60
     while True:
         try:
-            if requests.get(url + "/healthz", timeout=1).ok:
+            if requests.get(url + path, timeout=1).ok:
                 return
         except requests.ConnectionError:
             pass
@@ -58,134 +177,243 @@ def wait_healthy(url: str, proc: subprocess.Popen) -> None:
         time.sleep(0.1)
 
 
-def start(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def run_clients(urls_per_client: list[list[str]], work: Path, public_key: str, env: dict) -> float:
-    """Start every client at once; return seconds until the last one finished."""
-    started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, __file__, "--client", json.dumps(urls), str(work / f"client{i}"), public_key],
-                              env=env, stdout=subprocess.PIPE, text=True)
-             for i, urls in enumerate(urls_per_client)]
-    for p in procs:
-        out, _ = p.communicate()
-        if p.returncode != 0:
-            raise SystemExit(f"a client failed (exit {p.returncode})")
-    return time.monotonic() - started
-
-
 def single_stream(url: str) -> float:
-    """Bytes/s of one HTTP GET of the checkpoint file (read and discarded)."""
+    """Bytes/s of one HTTP GET of the whole file, read into a reused buffer (best of two)."""
+    from urllib.parse import urlsplit
+
     from rlfleet.services.shardcast.protocol import file_path
 
-    started, n = time.monotonic(), 0
-    with requests.get(url + file_path(RUN, 1, "model.safetensors"), stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for chunk in r.iter_content(1 << 20):
-            n += len(chunk)
-    return n / (time.monotonic() - started)
+    parts, best = urlsplit(url), 0.0
+    buf = memoryview(bytearray(1 << 20))
+    for _ in range(2):
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        started, n = time.monotonic(), 0
+        conn.request("GET", file_path(RUN, 1, FILE))
+        r = conn.getresponse()
+        if r.status != 200:
+            raise SystemExit(f"single-stream GET: HTTP {r.status}")
+        while got := r.readinto(buf):
+            n += got
+        best = max(best, n / (time.monotonic() - started))
+        conn.close()
+    return best
+
+
+def sha256_rate() -> float:
+    data = os.urandom(64 << 20)
+    started = time.monotonic()
+    for _ in range(4):
+        hashlib.sha256(data).digest()
+    return 4 * len(data) / (time.monotonic() - started)
+
+
+def run_rlfleet(column: str, args, work: Path, env: dict, public: str, store, manifest: tuple[str, bytes],
+                redis_client) -> float:
+    from rlfleet.redis_server import free_port
+    from rlfleet.streams import RunKeys, encode_json
+
+    cli = [sys.executable, "-m", "rlfleet.cli"]
+    config = work / "rlrun.yaml"
+    with Procs(env, work) as procs:
+        port = free_port()
+        origin = f"http://127.0.0.1:{port}"
+        wait_healthy(origin, procs.start([*cli, "origin", "--config", str(config), "--port", str(port)], "origin"))
+        urls = [origin]
+        if column == "tree":
+            urls = []
+            for i in range(args.relays):
+                rport = free_port()
+                proc = procs.start([*cli, "relay", "--config", str(config), "--port", str(rport), "--upstream", origin,
+                                    "--cache-dir", str(work / f"relay{i}"), "--keep-versions", "1"], f"relay{i}")
+                urls.append(f"http://127.0.0.1:{rport}")
+                wait_healthy(urls[-1], proc)
+        clients = [procs.role("--client", json.dumps(urls), work / f"client{i}", public,
+                              name=f"{column}-client{i}") for i in range(args.clients)]
+        for i, c in enumerate(clients):
+            expect_line(c, f"client {i}")
+        started = time.monotonic()
+        store.put_bytes(*manifest)  # the version becomes visible...
+        redis_client.xadd(RunKeys(RUN).policy, encode_json({"version": 1, "time": time.time()}))  # ...and is announced
+        done = finish_times(clients, args.timeout)
+    store.delete_prefix(manifest[0])
+    return max(done) - started if len(done) == len(clients) else math.inf
+
+
+def run_reference(poll: int, args, work: Path, source: Path) -> float:
+    import shardcast
+
+    from rlfleet.redis_server import free_port
+
+    package = Path(shardcast.__file__).parent
+    dummy = os.urandom(1 << 20)
+    with Procs(dict(os.environ), work) as procs:
+        def server_dir(name: str) -> Path:
+            d = work / name
+            d.mkdir(parents=True)
+            (d / REFERENCE_DUMMY).write_bytes(dummy)
+            return d
+
+        port = free_port()
+        origin_url = f"http://127.0.0.1:{port}"
+        origin = procs.role("--ref-origin", server_dir("ref-origin"), port, source, name="ref-origin")
+        expect_line(origin, "reference origin")
+        relays = []
+        for i in range(args.relays):  # one at a time: each start-up downloads /tmp/dummy.bin
+            rport = free_port()
+            middle = procs.role("--ref-middle", origin_url, server_dir(f"ref-relay{i}"), rport, poll, name=f"ref-relay{i}")
+            expect_line(middle, f"reference relay {i}")
+            relays.append(f"http://127.0.0.1:{rport}")
+        clients = []
+        for i in range(args.clients):
+            # each ClientNode keeps its version list in a temp file next to its package: a private
+            # copy of the package per client process keeps eight of them on one machine apart
+            private = work / f"ref-pkg{i}"
+            shutil.copytree(package, private / "shardcast", ignore=shutil.ignore_patterns("__pycache__"))
+            env = {**os.environ, "PYTHONPATH": f"{private}{os.pathsep}{ROOT}"}
+            clients.append(procs.role("--ref-client", json.dumps(relays), work / f"ref-client{i}", poll,
+                                      name=f"ref-client{i}", env=env))
+            expect_line(clients[-1], f"reference client {i}")
+        origin.stdin.write("publish\n")
+        origin.stdin.flush()
+        started = expect_line(origin, "reference origin")["published"]
+        done = finish_times(clients, args.timeout)
+    if len(done) < len(clients):
+        print(f"reference, poll {poll} s: {len(clients) - len(done)} of {len(clients)} clients not done after "
+              f"{args.timeout:g} s (see {work}/ref-client*.log); {len(done)} finished within "
+              f"{max(done, default=started) - started:.1f} s", file=sys.stderr)
+        return math.inf
+    return max(done) - started
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        client_main(json.loads(sys.argv[2]), sys.argv[3], sys.argv[4])
+    if len(sys.argv) > 1 and sys.argv[1] in ROLES:
+        role, rest = ROLES[sys.argv[1]], sys.argv[2:]
+        if sys.argv[1] == "--client":
+            role(json.loads(rest[0]), rest[1], rest[2])
+        elif sys.argv[1] == "--ref-origin":
+            role(rest[0], int(rest[1]), rest[2])
+        elif sys.argv[1] == "--ref-middle":
+            role(rest[0], rest[1], int(rest[2]), int(rest[3]))
+        else:
+            role(json.loads(rest[0]), rest[1], int(rest[2]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--relays", type=int, default=2)
-    ap.add_argument("--shard-mib", type=int, default=16)
+    ap.add_argument("--shard-mib", type=int, default=16, help="rlfleet shard size (the reference keeps its own)")
+    ap.add_argument("--reference-polls", type=int, nargs="*", default=[30, 1],
+                    help="poll intervals (s) of the reference's middle nodes and clients; one column each")
+    ap.add_argument("--systems", nargs="*", default=["tree", "direct", "reference"])
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a system may take before it counts as not done")
     ap.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, deleted after)")
     args = ap.parse_args()
+    for name, value in (("--size-mib", args.size_mib), ("--clients", args.clients), ("--relays", args.relays),
+                        ("--shard-mib", args.shard_mib)):
+        if value < 1:
+            raise SystemExit(f"{name} must be >= 1, got {value}")
 
-    from rlfleet.checkpoint import publish_version
-    from rlfleet.redis_server import EmbeddedRedis, free_port
+    from rlfleet.checkpoint import manifest_key, publish_version
+    from rlfleet.redis_server import EmbeddedRedis
     from rlfleet.signing import ENV_PUBLIC_KEY, generate_keypair, load_private_key, make_signer
     from rlfleet.store import open_store
 
+    reference_ok = True
+    if "reference" in args.systems:
+        try:
+            import shardcast  # noqa: F401  (only: is it installed?)
+        except ImportError:
+            reference_ok = False
+            print("reference: the `shardcast` package is not installed; `pip install -e '.[bench]'` adds it "
+                  "(reference columns skipped)", file=sys.stderr)
+        if reference_ok and shutil.which("wget") is None:
+            reference_ok = False
+            print("reference: shardcast downloads with `wget`, which is not on PATH (reference columns skipped)",
+                  file=sys.stderr)
+
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rlfleet-broadcast-"))
     size = args.size_mib << 20
+    results: dict[str, float] = {}
     try:
         src = work / "src"
         src.mkdir(parents=True, exist_ok=True)
-        with open(src / "model.safetensors", "wb") as f:  # incompressible, written in 64 MiB pieces
+        with open(src / FILE, "wb") as f:  # incompressible, written in 64 MiB pieces
             for left in range(size, 0, -(64 << 20)):
                 f.write(os.urandom(min(left, 64 << 20)))
         (src / "config.json").write_text("{}")
         private, public = generate_keypair(work / "keys")
         store = open_store(f"file://{work / 'store'}")
-        t0 = time.monotonic()
-        publish_version(store, RUN, 1, src, signer=make_signer(load_private_key(private)), shard_size=args.shard_mib << 20)
-        print(f"published {args.size_mib} MiB in {time.monotonic() - t0:.1f} s (sha256 of every shard)", file=sys.stderr)
-        config = work / "rlrun.yaml"
-        config.write_text(f"apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {{name: {RUN}}}\nspec:\n"
-                          f"  model: {{path: 'builtin://tiny-arithmetic'}}\n  task: {{type: arithmetic}}\n"
-                          f"  store: {{uri: 'file://{work / 'store'}'}}\n")
-        results = {}
+        publish_version(store, RUN, 1, src, signer=make_signer(load_private_key(private)),
+                        shard_size=args.shard_mib << 20)
+        key = manifest_key(RUN, 1)
+        manifest = (key, store.get_bytes(key))
+        (work / "rlrun.yaml").write_text(
+            f"apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {{name: {RUN}}}\nspec:\n"
+            f"  model: {{path: 'builtin://tiny-arithmetic'}}\n  task: {{type: arithmetic}}\n"
+            f"  store: {{uri: 'file://{work / 'store'}'}}\n")
         with EmbeddedRedis(work / "redis") as redis_url:
+            import redis
+
+            redis_client = redis.Redis.from_url(redis_url)
             env = {**os.environ, ENV_PUBLIC_KEY: public, "RLFLEET_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
-            cli = [sys.executable, "-m", "rlfleet.cli"]
-            for column in ("direct", "tree"):
-                procs = []
-                try:
-                    port = free_port()
-                    origin = f"http://127.0.0.1:{port}"
-                    procs.append(start([*cli, "origin", "--config", str(config), "--port", str(port)], env, work / "origin.log"))
-                    wait_healthy(origin, procs[-1])
-                    if "lower_bound_rate" not in results:
-                        results["lower_bound_rate"] = single_stream(origin)
-                    if column == "direct":
-                        urls = [[origin]] * args.clients
-                    else:
-                        relays = []
-                        for i in range(args.relays):
-                            rport = free_port()
-                            procs.append(start([*cli, "relay", "--config", str(config), "--port", str(rport), "--upstream", origin,
-                                                "--cache-dir", str(work / f"relay{i}"), "--keep-versions", "1"], env, work / f"relay{i}.log"))
-                            relays.append(f"http://127.0.0.1:{rport}")
-                            wait_healthy(relays[-1], procs[-1])
-                        urls = [relays] * args.clients
-                    results[column] = run_clients(urls, work / column, public, env)
-                    print(f"{column}: {results[column]:.1f} s", file=sys.stderr)
-                finally:
-                    stop(procs)
-                    shutil.rmtree(work / column, ignore_errors=True)
-                    for i in range(args.relays):
-                        shutil.rmtree(work / f"relay{i}", ignore_errors=True)
+            with Procs(env, work) as procs:  # the bounds, measured against the origin alone
+                from rlfleet.redis_server import free_port
+
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                wait_healthy(url, procs.start([sys.executable, "-m", "rlfleet.cli", "origin", "--config",
+                                               str(work / "rlrun.yaml"), "--port", str(port)], "origin"))
+                results["stream"] = single_stream(url)
+            results["sha256"] = sha256_rate()
+            store.delete_prefix(key)
+            for column in ("tree", "direct"):
+                if column in args.systems:
+                    results[column] = run_rlfleet(column, args, work, env, public, store, manifest, redis_client)
+                    print(f"{column}: {results[column]:.2f} s (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+                    for d in [*work.glob("client*"), *work.glob("relay*")]:
+                        if d.is_dir():
+                            shutil.rmtree(d)
+        if "reference" in args.systems and reference_ok:
+            for poll in args.reference_polls:
+                name = f"reference, poll {poll} s"
+                results[name] = run_reference(poll, args, work, src / FILE)
+                print(f"{name}: {results[name]:.2f} s (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+                for d in work.glob("ref-*"):
+                    if d.is_dir():
+                        shutil.rmtree(d)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-
-    busiest = max(args.relays, math.ceil(args.clients / args.relays)) * size
-    lower = busiest / results["lower_bound_rate"]
-    try:
-        import shardcast  # noqa: F401
-        reference = "importable, but this script does not drive it yet: column left out"
-    except ImportError:
-        reference = "skipped: the reference `shardcast` package is not importable (install it in a separate venv)"
-    delivered = args.clients * size
-    print(f"\n{args.size_mib} MiB to {args.clients} clients via {args.relays} relays, shards {args.shard_mib} MiB, loopback")
-    print(f"single-stream loopback: {results['lower_bound_rate'] / 2**20:.0f} MiB/s; lower bound {lower:.1f} s "
-          f"(busiest node sends {busiest / 2**20:.0f} MiB)")
-    print(f"{'column':<10} {'last client s':>14} {'MiB/s delivered':>16} {'x lower bound':>14} {'direct / this':>14}")
-    for column in ("tree", "direct"):
-        t = results[column]
-        print(f"{column:<10} {t:>14.1f} {delivered / t / 2**20:>16.0f} {t / lower:>14.2f} {results['direct'] / t:>14.2f}")
-    print(f"{'reference':<10} {reference}")
+    report(args, size, results)
     return 0
+
+
+def report(args, size: int, results: dict[str, float]) -> None:
+    n, r, stream = args.clients, args.relays, results["stream"]
+    cores = os.cpu_count() or 1
+    tree_busiest = max(r, math.ceil(n / r)) * size
+    bounds = {  # per system: (busiest-node bytes, all bytes sent, bytes hashed by receivers)
+        "tree": (tree_busiest, (r + n) * size, (r + n) * size),
+        "direct": (n * size, n * size, n * size),
+    }
+    references = sorted(k for k in results if k.startswith("reference"))
+    print(f"\n{args.size_mib} MiB to {n} clients via {r} relays on loopback; rlfleet shards {args.shard_mib} MiB; "
+          f"{cores} cores, load {os.getloadavg()[0]:.1f}")
+    print(f"single-stream loopback {stream / 2**20:.0f} MiB/s; sha256 {results['sha256'] / 2**20:.0f} MiB/s per core")
+    print(f"tree bounds: busiest node (a relay, {tree_busiest / 2**20:.0f} MiB) {tree_busiest / stream:.2f} s; "
+          f"one box {(r + n) * size / stream:.2f} s; hashing {(r + n) * size / (results['sha256'] * cores):.2f} s")
+    head = f"{'system':<22} {'last client s':>13} {'MiB/s':>7} {'x busiest-node bound':>21} {'x one-box bound':>16}"
+    head += "".join(f" {k.replace('reference, ', 'ref ') + ' / this':>17}" for k in references)
+    print(head)
+    for name in [k for k in ("tree", "direct") if k in results] + references:
+        t = results[name]
+        busiest, everything, _ = bounds.get(name, bounds["tree"])  # the reference runs the same tree
+        line = (f"{name:<22} {t:>13.2f} {n * size / t / 2**20:>7.0f} {t / (busiest / stream):>21.2f} "
+                f"{t / (everything / stream):>16.2f}")
+        line += "".join(f" {results[k] / t:>17.2f}" for k in references)
+        print(line)
+    if not references:
+        print("reference: not run (see the message above)")
 
 
 if __name__ == "__main__":

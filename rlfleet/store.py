@@ -54,6 +54,11 @@ class CheckpointStore(ABC):
         """Stream bytes [start, end) of `key` (end exclusive, None = to the end) in chunks.
         The key is opened eagerly: KeyError is raised by this call, not by the first `next`."""
 
+    def local_path(self, key: str) -> Path | None:
+        """The local file that holds `key` (servers sendfile it), or None when the store is remote.
+        KeyError if a local store has no such key."""
+        return None
+
     @abstractmethod
     def size(self, key: str) -> int: ...
 
@@ -143,6 +148,12 @@ class FileStore(CheckpointStore):
         if not path.is_file():
             raise KeyError(key)
         return path.stat().st_size
+
+    def local_path(self, key: str) -> Path:
+        path = self._path(key)
+        if not path.is_file():
+            raise KeyError(key)
+        return path
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

@@ -19,8 +19,8 @@ from rlfleet.checkpoint import (
     COMPLETE_MARKER, MANIFEST_NAME, publish_version, save_model_dir, verify_dir, version_key,
 )
 from rlfleet.services.shardcast import origin, relay
-from rlfleet.services.shardcast.client import FetchError, fetch_version, latest_version_http
-from rlfleet.services.shardcast.protocol import file_path, healthz as origin_healthz
+from rlfleet.services.shardcast.client import FetchError, fetch_version, latest_version_http, wait_for_version
+from rlfleet.services.shardcast.protocol import file_path, healthz as origin_healthz, latest_path
 from rlfleet.store import open_store
 from rlfleet.streams import RunKeys, encode_json
 
@@ -254,3 +254,43 @@ def test_client_is_idempotent_and_replaces_leftovers(tmp_path):
     with pytest.raises(FetchError, match="within 0.5 s"):
         fetch_version(["http://127.0.0.1:9"], RUN, 3, dest, timeout=0.5)
     assert sorted(p.name for p in dest.iterdir()) == ["v1", "v2"]
+
+
+def test_versions_are_announced_by_long_poll_through_origin_and_relay(tmp_path, redis_client):
+    """No policy stream at the relay: it learns of v1 by long-polling the origin, and a client
+    long-polling the relay is answered when v1 is published, not on a timer of its own."""
+    store = open_store(f"file://{tmp_path}/store")
+    held = tmp_path / "relay" / RUN
+    with serving(origin.make_app(store, RUN)) as origin_url, \
+            serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 3)) as relay_url:
+        for url in (origin_url, relay_url):
+            r = requests.get(url + latest_path(RUN), params={"after": 0, "wait": 0.2}, timeout=10)
+            assert r.status_code == 204  # nothing newer within the wait
+            r = requests.get(url + latest_path(RUN), params={"after": "latest"}, timeout=10)
+            assert r.status_code == 400 and "'after' must be an integer" in r.text
+            r = requests.get(url + latest_path(RUN), params={"after": 0, "wait": 9999}, timeout=10)
+            assert r.status_code == 400 and "'wait' must be between" in r.text
+        answers: dict[str, int | None] = {}
+        waiters = [threading.Thread(target=lambda u=u: answers.__setitem__(u, wait_for_version([u], RUN, 0, timeout=30)))
+                   for u in (origin_url, relay_url)]
+        for t in waiters:
+            t.start()
+        time.sleep(0.3)  # both are hanging in their long-poll now
+        assert not answers
+        publish_version(store, RUN, 1, small_version(tmp_path / "v1", 1))
+        for t in waiters:
+            t.join(30)
+        assert answers == {origin_url: 1, relay_url: 1}
+        wait_for(lambda: (held / "v1" / COMPLETE_MARKER).exists(), 20, "the relay's prefetch of v1")
+        assert wait_for_version([relay_url], RUN, 1, timeout=0.5) is None  # nothing newer than v1
+        assert wait_for_version([relay_url], RUN, 0, timeout=5) == 1  # answered at once
+
+    # with the policy stream, the origin answers on the announcement
+    with serving(origin.make_app(store, RUN, redis_client)) as origin_url:
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(wait_for_version([origin_url], RUN, 1, timeout=30)))
+        waiter.start()
+        publish_version(store, RUN, 2, small_version(tmp_path / "v2", 2))
+        redis_client.xadd(RunKeys(RUN).policy, encode_json({"version": 2}))
+        waiter.join(30)
+        assert got == [2]

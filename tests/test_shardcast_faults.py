@@ -292,3 +292,67 @@ def test_retention_and_disk_bound_hold_over_many_versions(tmp_path, keys):
         r = requests.get(relay_url + file_path(RUN, 11, MANIFEST_NAME), timeout=10)
         assert r.status_code == 502 and "disk bound" in r.text
         assert {p.name for p in root.iterdir()} == {"v9", "v10"}  # refused before anything was dropped
+
+
+def test_relay_killed_mid_pull_resumes_with_only_the_missing_shards(tmp_path, keys, redis_url, redis_client):
+    """SIGKILL a relay process mid-pull; restarted on the same cache, it re-hashes the shards its
+    journal lists and asks upstream only for the others (counted at a proxy in front of the origin)."""
+    signer, public, public_text = keys
+    store = open_store(f"file://{tmp_path}/store")
+    src = make_version(tmp_path / "v1", 1, size=3_000_000)
+    manifest = publish_version(store, RUN, 1, src, signer=signer, shard_size=SHARD)
+    model = next(f for f in manifest["files"] if f["name"] == "model.safetensors")
+    index = manifest["files"].index(model)
+    asked: list[tuple[str, int]] = []  # (Range header, body bytes) of every model request upstream saw
+
+    async def count_and_slow(request, name, body, status, headers):
+        if name == "model.safetensors":
+            asked.append((request.headers.get("Range", ""), len(body)))
+            await asyncio.sleep(0.05)  # so the kill lands mid-pull
+        return web.Response(status=status, body=body, headers=headers)
+
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(f"""apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: {RUN}}}
+spec:
+  model: {{path: "builtin://tiny-arithmetic"}}
+  task: {{type: arithmetic}}
+  shardcast: {{publicKey: "{public_text}"}}
+""")
+    port, cache = free_port(), tmp_path / "relay"
+    partial = cache / RUN / ".v1.partial"
+    with serving(origin.make_app(store, RUN)) as origin_url, serving(evil_relay(origin_url, count_and_slow)) as upstream:
+        proc = relay_process(config, redis_url, port, upstream, cache, tmp_path / "relay.log")
+        try:
+            redis_client.xadd(RunKeys(RUN).policy, encode_json({"version": 1}))  # it starts pulling
+            deadline = time.monotonic() + 30
+            while not (partial / ".shards").exists() or (partial / ".shards").read_text().count("\n") < 10:
+                assert time.monotonic() < deadline, "the relay did not start pulling"
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            time.sleep(0.5)  # requests upstream was still answering for the dead relay end here
+            journaled = {tuple(map(int, line.split())) for line in (partial / ".shards").read_text().splitlines()}
+            kept = sum(model["shards"][j]["size"] for i, j in journaled if i == index)
+            assert 0 < kept < model["size"]
+            before = len(asked)
+            proc = relay_process(config, redis_url, port, upstream, cache, tmp_path / "relay.log")
+            wait = time.monotonic() + 30
+            while not (cache / RUN / "v1" / COMPLETE_MARKER).exists():  # it resumes the announced v1
+                assert time.monotonic() < wait, "the restarted relay did not finish v1"
+                time.sleep(0.05)
+            after = asked[before:]
+            assert sum(n for _, n in after) == model["size"] - kept  # exactly the missing shards
+            resumed = {f"bytes={s['offset']}-{s['offset'] + s['size'] - 1}" for j, s in enumerate(model["shards"])
+                       if (index, j) in journaled}
+            assert not resumed & {rng for rng, _ in after}  # no journaled shard was asked for again
+            path = fetch_version([f"http://127.0.0.1:{port}"], RUN, 1, tmp_path / "worker", timeout=20, public_key=public)
+            assert same_files(path, src)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -7,11 +7,15 @@ Algorithm (`fetch_version`):
      from a bad relay is rejected and another source is asked).
   3. Download the shards (byte ranges of the files, listed with sha256 in the manifest) with
      `parallel` threads into `dest_root/.v{N}.partial/`, each shard from a source picked by
-     `Sources` (weighted by measured bandwidth x success, with some exploration). A shard is hashed
-     in memory and written only if it matches; a mismatch or an oversized body drops it and asks
-     another source; a broken connection keeps the bytes received and resumes with a Range request
-     (from whichever source is picked next). A journal `.shards` records written shards, so a fetch
-     interrupted by `stop` or a crash resumes after re-hashing only those shards.
+     `Sources` (weighted by measured bandwidth x success, with some exploration). Each thread keeps
+     one keep-alive connection per source and one shard-sized buffer: the body is read with
+     `readinto` in RECV_CHUNK pieces straight into the buffer and hashed piece by piece as it
+     arrives (hashlib drops the GIL, so hashing overlaps the other threads' receives); the shard
+     is written (one pwrite) only if the digest matches. A mismatch or an oversized body drops it
+     and asks another source; a broken connection keeps the bytes received (and the running hash)
+     and resumes with a Range request from whichever source is picked next. A journal `.shards`
+     (ShardJournal) records written shards, so a fetch interrupted by `stop` or a crash resumes
+     after re-hashing only those shards.
   4. When every shard is in, write `.complete` (last) and rename the partial dir to dest_root/v{N}:
      v{N} exists only complete. The whole-file sha256 is not recomputed: the signed manifest binds
      every shard's hash, and the shards tile the file (checkpoint.check_manifest).
@@ -19,11 +23,16 @@ Algorithm (`fetch_version`):
 404, 5xx and connection errors mean "not there yet": retry, backing off (0.1 s doubling to 5 s)
 after every source failed once. The retry loop is our own (not urllib3's Retry): a sha256
 mismatch must rotate sources, and a 404 for a brand-new version is retried until the deadline.
-The relay reuses `Fetcher` for its own pulls (relay.py).
+Shard bodies go through http.client rather than requests: `readinto` a reused buffer is the one
+way in Python to take bytes off the socket without a copy per chunk (requests/urllib3 allocate a
+bytes object per chunk), and at GB/s that copy is most of the cost.
+The relay reuses `Fetcher` and `ShardJournal` for its own pulls (relay.py).
+`wait_for_version` long-polls `latest?after=N` (protocol.py) for a process without the policy stream.
 """
 from __future__ import annotations
 
 import hashlib
+import http.client
 import logging
 import os
 import random
@@ -33,6 +42,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import requests
 
@@ -46,7 +56,7 @@ log = logging.getLogger("rlfleet.shardcast.client")
 
 BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
 CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 60.0
-RECV_CHUNK = 1 << 16  # small: a broken read loses at most this much
+RECV_CHUNK = 1 << 20  # bytes per readinto/hash step; a broken connection keeps all it received
 PARALLEL = 4
 EXPLORE = 0.1  # probability of picking a source uniformly instead of by weight
 JOURNAL = ".shards"
@@ -60,7 +70,7 @@ class HTTPStatusError(RuntimeError):
     """A server answered something other than the expected status or length."""
 
 
-_RETRYABLE = (requests.RequestException, HTTPStatusError, ChecksumError, ManifestError, SignatureError,
+_RETRYABLE = (requests.RequestException, http.client.HTTPException, HTTPStatusError, ChecksumError, ManifestError, SignatureError,
               ValueError, OSError)
 
 
@@ -119,8 +129,8 @@ class Fetcher:
         self.parallel = max(1, parallel)
         self.last_error = "none"
         self._abort = threading.Event()  # one shard worker failed for good: the others stop too
-        self._local = threading.local()
-        self._sessions: list[requests.Session] = []
+        self._local = threading.local()  # per thread: a requests session, connections, a buffer
+        self._closers: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
     @property
@@ -132,12 +142,40 @@ class Fetcher:
         if s is None:
             s = self._local.session = requests.Session()
             with self._lock:
-                self._sessions.append(s)
+                self._closers.append(s.close)
         return s
 
+    def connection(self, base: str, fresh: bool = False) -> tuple[http.client.HTTPConnection, str]:
+        """This thread's keep-alive connection to `base` (a new one with `fresh`), and its path prefix."""
+        conns = self._local.__dict__.setdefault("conns", {})
+        parts = urlsplit(base)
+        if fresh and base in conns:
+            conns.pop(base).close()
+        conn = conns.get(base)
+        if conn is None:
+            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            conn = conns[base] = kind(parts.hostname, parts.port, timeout=READ_TIMEOUT)
+            with self._lock:
+                self._closers.append(conn.close)
+        return conn, parts.path.rstrip("/")
+
+    def drop_connection(self, base: str) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(base, None)
+        if conn is not None:
+            conn.close()
+
+    def buffer(self, size: int) -> memoryview:
+        """This thread's receive buffer, at least `size` bytes (reused across shards)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.buf = bytearray(size)
+        return memoryview(buf)
+
     def close(self) -> None:
-        for s in self._sessions:
-            s.close()
+        with self._lock:
+            closers, self._closers = self._closers, []
+        for close in closers:
+            close()
 
     def _check(self) -> None:
         if self.stopped or self._abort.is_set():
@@ -228,46 +266,76 @@ class Fetcher:
                 os.close(fd)
 
     def _shard(self, entry: dict, shard: dict, fd: int) -> None:
-        buf = bytearray()  # bytes of this shard received so far (kept across a broken connection)
-        where = f"{entry['name']}[{shard['offset']}:+{shard['size']}]"
+        """Receive one shard into this thread's buffer, hashing as it arrives; pwrite it if it matches."""
+        size, where = shard["size"], f"{entry['name']}[{shard['offset']}:+{shard['size']}]"
+        buf = self.buffer(size)
+        state = {"have": 0, "hash": hashlib.sha256()}  # kept across a broken connection
 
         def attempt(base: str) -> None:
-            started, had = time.monotonic(), len(buf)
+            started, had = time.monotonic(), state["have"]
             try:
-                self._get_range(base, entry, shard, buf)
-            finally:
-                if len(buf) > had and self.on_bytes is not None:
-                    self.on_bytes(len(buf) - had)
-            digest = hashlib.sha256(buf).hexdigest()
+                self._get_range(base, entry, shard, buf, state)
+            except BaseException:
+                self.drop_connection(base)  # its response may be half read
+                raise
+            digest = state["hash"].hexdigest()
             if digest != shard["sha256"]:
-                buf.clear()  # never resume from bytes that failed the check
+                state["have"], state["hash"] = 0, hashlib.sha256()  # never resume from bytes that failed the check
                 raise ChecksumError(where, f"sha256 {digest} != manifest sha256 {shard['sha256']}")
-            self.sources.success(base, len(buf) - had, time.monotonic() - started)
-            os.pwrite(fd, buf, shard["offset"])
+            self.sources.success(base, size - had, time.monotonic() - started)
+            written = 0
+            while written < size:
+                written += os.pwrite(fd, buf[written:size], shard["offset"] + written)
 
         self._retry(where, attempt)
 
-    def _get_range(self, base: str, entry: dict, shard: dict, buf: bytearray) -> None:
-        """Append the missing bytes of `shard` to `buf` (a ranged GET)."""
-        start, end, size = shard["offset"] + len(buf), shard["offset"] + shard["size"], entry["size"]
-        if start == 0 and end == size:
+    def _request(self, base: str, path: str, headers: dict) -> http.client.HTTPResponse:
+        """GET on this thread's connection to `base`; a kept-alive connection the server closed
+        meanwhile is replaced once, at once (that is not a failure of the source)."""
+        for fresh in (False, True):
+            conn, prefix = self.connection(base, fresh)
+            conn.timeout = self._request_timeout()[1]
+            if conn.sock is not None:
+                conn.sock.settimeout(conn.timeout)
+            reused = conn.sock is not None
+            try:
+                conn.request("GET", prefix + path, headers=headers)
+                return conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                if not reused or fresh:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _get_range(self, base: str, entry: dict, shard: dict, buf: memoryview, state: dict) -> None:
+        """Receive the missing bytes of `shard` into buf[have:size], updating the running hash."""
+        have, size = state["have"], shard["size"]
+        start, end = shard["offset"] + have, shard["offset"] + size
+        if start == 0 and end == entry["size"]:
             headers = {}
         else:  # open-ended when the shard runs to the end of the file
-            headers = {"Range": f"bytes={start}-" if end == size else f"bytes={start}-{end - 1}"}
-        url = base + file_path(self.run, self.version, entry["name"])
-        with self.session().get(url, headers=headers, stream=True, timeout=self._request_timeout()) as r:
-            if r.status_code == 200 and not headers:
-                pass
-            elif not (r.status_code == 206 and r.headers.get("Content-Range", "").startswith(f"bytes {start}-{end - 1}/")):
-                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip() if not r.ok else 'bad range'}")
-            for chunk in r.iter_content(RECV_CHUNK):
-                buf += chunk
-                if len(buf) > shard["size"]:
-                    buf.clear()
-                    raise ChecksumError(entry["name"], f"server sent more than the shard size {shard['size']}")
-                self._check()
-        if len(buf) < shard["size"]:
-            raise HTTPStatusError(f"truncated body: {len(buf)} of {shard['size']} shard bytes")
+            headers = {"Range": f"bytes={start}-" if end == entry["size"] else f"bytes={start}-{end - 1}"}
+        r = self._request(base, file_path(self.run, self.version, entry["name"]), headers)
+        if r.status == 200 and not headers:
+            pass
+        elif not (r.status == 206 and (r.getheader("Content-Range") or "").startswith(f"bytes {start}-{end - 1}/")):
+            detail = r.read(200).decode(errors="replace").strip() if r.status >= 300 else "bad range"
+            self.drop_connection(base)
+            raise HTTPStatusError(f"HTTP {r.status}: {detail}")
+        if r.length is None or r.length > size - have:
+            self.drop_connection(base)
+            raise ChecksumError(entry["name"], f"server sent more than the shard size {size} "
+                                               f"(Content-Length {r.getheader('Content-Length')})")
+        while have < size:
+            n = r.readinto(buf[have:min(size, have + RECV_CHUNK)])
+            if not n:
+                break
+            state["hash"].update(buf[have:have + n])
+            have = state["have"] = have + n
+            if self.on_bytes is not None:
+                self.on_bytes(n)
+            self._check()
+        if have < size:
+            raise HTTPStatusError(f"truncated body: {have} of {size} shard bytes")
 
 
 def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path, timeout: float = 300, *,
@@ -288,17 +356,9 @@ def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path,
     partial = dest_root / f".{final.name}.partial"
     try:
         raw, manifest = fetcher.manifest()
-        done = _resume(partial, raw, manifest)
-        journal = open(partial / JOURNAL, "a")
-        lock = threading.Lock()
-
-        def record(i: int, j: int) -> None:
-            with lock:
-                journal.write(f"{i} {j}\n")
-                journal.flush()
-
-        with journal:
-            fetcher.shards(manifest, partial, done, record)
+        with ShardJournal(partial) as journal:
+            done = journal.resume(raw, manifest)
+            fetcher.shards(manifest, partial, done, journal.record)
         (partial / JOURNAL).unlink()
         (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, all shards verified\n")
         return _install(partial, final)
@@ -310,27 +370,53 @@ def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path,
         fetcher.close()
 
 
-def _resume(partial: Path, raw: bytes, manifest: dict) -> set[tuple[int, int]]:
-    """Prepare `partial` for `raw`; return the shards already there that still verify."""
-    if partial.exists() and _read(partial / MANIFEST_NAME) != raw:
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True, exist_ok=True)
-    (partial / MANIFEST_NAME).write_bytes(raw)
-    done = set()
-    for line in (_read(partial / JOURNAL) or b"").decode(errors="replace").splitlines():
-        try:
-            i, j = (int(x) for x in line.split())
-            entry = manifest["files"][i]
-            shard = entry["shards"][j]
-            with open(partial / entry["name"], "rb") as f:
-                f.seek(shard["offset"])
-                if hashlib.sha256(f.read(shard["size"])).hexdigest() == shard["sha256"]:
-                    done.add((i, j))
-        except (ValueError, IndexError, OSError):
-            continue  # a torn journal line or a missing file: fetch that shard again
-    if done:
-        log.info("resuming %s: %d shards already verified", partial, len(done))
-    return done
+class ShardJournal:
+    """`{partial}/.shards`: one "i j" line per shard of files[i] written after its sha256 matched.
+    `resume` makes `partial` hold the manifest `raw` (a partial dir of another manifest is wiped)
+    and returns the journaled shards that still verify; `record` appends one (thread-safe)."""
+
+    def __init__(self, partial: Path):
+        self.partial = partial
+        self._file = None
+        self._lock = threading.Lock()
+
+    def resume(self, raw: bytes, manifest: dict) -> set[tuple[int, int]]:
+        partial = self.partial
+        if partial.exists() and _read(partial / MANIFEST_NAME) != raw:
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / MANIFEST_NAME).write_bytes(raw)
+        done = set()
+        for line in (_read(partial / JOURNAL) or b"").decode(errors="replace").splitlines():
+            try:
+                i, j = (int(x) for x in line.split())
+                entry = manifest["files"][i]
+                shard = entry["shards"][j]
+                with open(partial / entry["name"], "rb") as f:
+                    f.seek(shard["offset"])
+                    if hashlib.sha256(f.read(shard["size"])).hexdigest() == shard["sha256"]:
+                        done.add((i, j))
+            except (ValueError, IndexError, OSError):
+                continue  # a torn journal line or a missing file: fetch that shard again
+        if done:
+            log.info("resuming %s: %d shards already verified", partial, len(done))
+        self._file = open(partial / JOURNAL, "a")
+        return done
+
+    def record(self, i: int, j: int) -> None:
+        with self._lock:
+            self._file.write(f"{i} {j}\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> "ShardJournal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _read(path: Path) -> bytes | None:
@@ -363,3 +449,36 @@ def latest_version_http(base_url: str, run: str, timeout: float = 10.0) -> int |
         return None
     r.raise_for_status()
     return int(r.json()["version"])
+
+
+def wait_for_version(base_urls: list[str], run: str, after: int, timeout: float, *,
+                     stop: threading.Event | None = None, wait: float = 30.0) -> int | None:
+    """Block until one of `base_urls` offers a version newer than `after`; return it (None at
+    `timeout` or on `stop`). Long-polls `latest?after=N` (no timer of our own: the server answers
+    when the version is announced); a source that fails is left for the next, with a short pause
+    after all failed."""
+    deadline = time.monotonic() + timeout
+    pause, i = BACKOFF_START, 0
+    with requests.Session() as session:
+        while not (stop is not None and stop.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            base = base_urls[i % len(base_urls)].rstrip("/")
+            hold = min(wait, left)
+            try:
+                r = session.get(base + latest_path(run), params={"after": after, "wait": f"{hold:.3f}"},
+                                timeout=(CONNECT_TIMEOUT, hold + READ_TIMEOUT))
+                if r.status_code == 200 and int(r.json()["version"]) > after:
+                    return int(r.json()["version"])
+                if r.status_code == 204:
+                    pause = BACKOFF_START
+                    continue
+                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
+            except (requests.RequestException, HTTPStatusError, ValueError, KeyError) as exc:
+                log.debug("long-poll of %s failed: %s", base, exc)
+                i += 1
+                if i % len(base_urls) == 0:
+                    (stop or threading.Event()).wait(min(pause, max(0.0, deadline - time.monotonic())))
+                    pause = min(pause * 2, BACKOFF_MAX)
+    return None

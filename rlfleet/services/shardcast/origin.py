@@ -5,8 +5,13 @@ Routes: see protocol.py. Invariants:
     so a version that is still being uploaded is 404, never served half-written) and the manifest
     lists it; `latest` is the highest version with a manifest;
   - `manifest.json` is served byte-for-byte as stored (a signature covers those bytes);
-  - bytes stream from the store in 1 MiB chunks (S3: one ranged GET per request), never buffered
-    whole; a Range request becomes a ranged store read.
+  - a file store's bytes go out with sendfile; S3 bytes stream in 1 MiB chunks (one ranged GET per
+    request), never buffered whole; a Range request becomes a ranged store read;
+  - `latest?after=N` (long-poll) answers once the store holds a newer manifest. A watcher thread
+    re-reads the store's newest version whenever the run's `policy` stream announces one (the
+    trainer announces after publishing) and at least every STORE_CHECK seconds (every
+    STORE_CHECK_ALONE without a stream to follow), so a version published without an
+    announcement is still offered.
 The store is synchronous (boto3); its calls run in threads. The origin holds no state of its own,
 so any number of replicas can serve the same store.
 """
@@ -14,28 +19,69 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
+import time
 
+import redis
 from aiohttp import web
 from prometheus_client import Counter
 
 from rlfleet.checkpoint import MANIFEST_NAME, latest_version, manifest_key, version_key
 from rlfleet.services.shardcast.protocol import (
-    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, check_run, healthz, metrics, request_version, send_range,
-    serve_until,
+    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, VersionBoard, answer_long_poll, check_run, healthz,
+    long_poll_args, metrics, request_version, send_file, send_range, serve_until,
 )
 from rlfleet.store import CheckpointStore
+from rlfleet.streams import RunKeys
+
+log = logging.getLogger("rlfleet.shardcast.origin")
 
 BYTES_OUT = Counter("rlfleet_origin_bytes_out", "Checkpoint bytes the origin has sent")
+STORE_CHECK, STORE_CHECK_ALONE = 5.0, 0.5  # seconds between store reads with / without the policy stream
 
 
-def make_app(store: CheckpointStore, run: str) -> web.Application:
-    """The origin's aiohttp application for `run` over `store`."""
+def watch_store(store: CheckpointStore, run: str, board: VersionBoard, redis_client: redis.Redis | None,
+                stop: threading.Event) -> None:
+    """Offer the store's newest version to `board` on each announcement and every STORE_CHECK s."""
+    key, last, next_check = RunKeys(run).policy, None, 0.0
+    while not stop.is_set():
+        announced = False
+        if redis_client is not None:
+            try:
+                if last is None:
+                    newest = redis_client.xrevrange(key, count=1)
+                    last = newest[0][0] if newest else "0-0"
+                for _, entries in redis_client.xread({key: last}, block=1000) or []:
+                    last, announced = entries[-1][0], True
+            except redis.ConnectionError as exc:
+                log.warning("policy stream %s: %s; reading the store every %g s meanwhile", key, exc, STORE_CHECK_ALONE)
+                stop.wait(STORE_CHECK_ALONE)
+                announced = True
+        else:
+            stop.wait(STORE_CHECK_ALONE)
+        if announced or redis_client is None or time.monotonic() >= next_check:
+            next_check = time.monotonic() + STORE_CHECK
+            try:
+                board.offer(latest_version(store, run))
+            except Exception as exc:  # a store hiccup (S3): the designed behaviour is to read again
+                log.warning("reading the newest version of %r from the store failed: %s", run, exc)
+
+
+def make_app(store: CheckpointStore, run: str, redis_client: redis.Redis | None = None) -> web.Application:
+    """The origin's aiohttp application for `run` over `store`; with `redis_client`, long-polls are
+    answered on the run's policy announcements."""
+    board = VersionBoard()
 
     async def latest(request: web.Request) -> web.Response:
         check_run(request, run)
+        poll = long_poll_args(request)
+        if poll is not None:
+            return await answer_long_poll(board, *poll)
         version = await asyncio.to_thread(latest_version, store, run)
         if version is None:
             raise web.HTTPNotFound(text=f"run {run!r} has no published version yet\n")
+        board.offer(version)
         return web.json_response({"version": version})
 
     async def serve_file(request: web.Request) -> web.StreamResponse:
@@ -53,12 +99,26 @@ def make_app(store: CheckpointStore, run: str) -> web.Application:
             raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
         key = version_key(run, version, name)
         try:
+            local = store.local_path(key)
+            if local is not None:
+                return await send_file(request, entry["size"], lambda: open(local, "rb"), BYTES_OUT.inc)
             return await send_range(request, entry["size"], lambda s, e: store.open_read(key, s, e),
                                     on_bytes=BYTES_OUT.inc)
-        except KeyError:  # listed but gone: the version was pruned while we looked
+        except (KeyError, FileNotFoundError):  # listed but gone: the version was pruned while we looked
             raise web.HTTPNotFound(text=f"run {run!r} v{version}: {name!r} is no longer in the store\n") from None
 
+    async def lifecycle(app: web.Application):
+        board.bind(app)
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch_store, args=(store, run, board, redis_client, stop),
+                                   name="origin-store-watcher", daemon=True)
+        watcher.start()
+        yield
+        stop.set()
+        await asyncio.to_thread(watcher.join, 5)
+
     app = web.Application()
+    app.cleanup_ctx.append(lifecycle)
     app.router.add_get(ROUTE_HEALTH, healthz)
     app.router.add_get(ROUTE_METRICS, metrics)
     app.router.add_get(ROUTE_LATEST, latest)
@@ -72,5 +132,5 @@ def main(args) -> int:
 
     ctx = component_context(args, "origin")
     store = open_run_store(ctx, args.config)
-    asyncio.run(serve_until(make_app(store, ctx.run_name), args.host, args.port, ctx.stop))
+    asyncio.run(serve_until(make_app(store, ctx.run_name, ctx.redis), args.host, args.port, ctx.stop))
     return 0

@@ -9,13 +9,20 @@ It serves the origin's routes (protocol.py) for {cache_dir}/{run}/v{N}/. Invaria
     to v{N} after the last one, before the last shard is announced as ready.
   pull          one pull per version at a time (a thread running client.Fetcher against the
                 upstream, `parallel` shards at once); concurrent requests share it
-  cut-through   a file request waits (in `send_range`'s `ready` hook) only for the shards its
-                byte range covers, then streams them while later shards are still arriving, so
+  resume        a partial dir keeps a journal of its verified shards (client.ShardJournal); a
+                relay killed or stopped mid-pull keeps it, and the next pull of that version
+                re-hashes the journaled shards, serves them at once and fetches only the others.
+                Partial dirs of versions no newer than a held one are dropped at start
+  cut-through   a file request waits (in `send_file`'s `ready` hook) only for the shards its
+                byte range covers, then sendfiles them while later shards are still arriving, so
                 tier k+1 pulls shard s while tier k pulls shard s+1; a failed pull answers 502
   prefetch      a thread does blocking XREAD on the run's `policy` stream (the newest entry first,
                 then each new one) and pulls every announced version before anyone asks; a
-                restarted relay catches up the same way
-  latest        upstream's latest (and starts pulling it); the newest held version if upstream is down
+                restarted relay catches up the same way. Without a stream, a task long-polls the
+                upstream's `latest?after=N` instead (no timer: upstream answers on a new version)
+  latest        upstream's latest (and starts pulling it); the newest held version if upstream is down.
+                `latest?after=N` answers as soon as a newer version is announced to this relay
+                (it is then served cut-through) or held
   retention     at most `keep_versions` complete versions, and (with `max_disk_bytes`) their bytes
                 plus the pulls in flight stay under the bound: older versions are dropped (renamed
                 away first) before a pull starts, and a version larger than the bound is refused
@@ -33,16 +40,19 @@ import time
 import uuid
 from pathlib import Path
 
+import aiohttp
 import redis
 import requests
 from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
-from rlfleet.services.shardcast.client import PARALLEL, FetchError, Fetcher, Sources, latest_version_http
+from rlfleet.services.shardcast.client import (
+    BACKOFF_MAX, BACKOFF_START, JOURNAL, PARALLEL, FetchError, Fetcher, ShardJournal, Sources, latest_version_http,
+)
 from rlfleet.services.shardcast.protocol import (
-    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, check_run, file_path, healthz, metrics,
-    read_file_range, request_version, send_range, serve_until,
+    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, VersionBoard, answer_long_poll, check_run, file_path,
+    healthz, latest_path, long_poll_args, metrics, request_version, send_file, send_range, serve_until,
 )
 from rlfleet.streams import MessageError, RunKeys, decode_json
 
@@ -57,6 +67,9 @@ SHARD_SECONDS = Histogram("rlfleet_relay_shard_seconds", "Seconds from a pull's 
                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
 FETCH_SECONDS = Histogram("rlfleet_relay_fetch_seconds", "Seconds to pull and verify one version from upstream",
                           buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+
+
+FOLLOW_WAIT = 30  # seconds one long-poll of upstream may hang
 
 
 class VersionGone(LookupError):
@@ -125,6 +138,7 @@ class Relay:
         self.fetch_timeout = fetch_timeout
         self.public_key, self.max_disk, self.parallel = public_key, max_disk_bytes, parallel
         self.closing = threading.Event()  # aborts pulls in flight at shutdown
+        self.board = VersionBoard()  # what long-polls of `latest` are told
         self._pulls: dict[int, Pull] = {}
         self._tasks: set[asyncio.Task] = set()
         self._disk_lock = threading.Lock()  # retention and disk accounting run in pull threads
@@ -149,13 +163,27 @@ class Relay:
         """True when `keep` newer versions are held: pulling it would only see it pruned."""
         return sum(v > version for v in self.held()) >= self.keep
 
+    def partials(self) -> dict[int, Path]:
+        """Partial dirs on disk by version."""
+        found = {}
+        for p in self.root.iterdir() if self.root.is_dir() else []:
+            if p.name.startswith(".v") and p.name.endswith(".partial"):
+                version = parse_version_dir(p.name[1:-len(".partial")])
+                if version is not None:
+                    found[version] = p
+        return found
+
     def clean_start(self) -> None:
-        """Drop partial pulls and temp dirs left by a previous process; apply retention."""
+        """Drop temp dirs left by a previous process, and its partial pulls except those of
+        versions newer than every held one (kept to resume); apply retention."""
         self.root.mkdir(parents=True, exist_ok=True)
+        newest = max(self.held(), default=-1)
+        keep = {p for v, p in self.partials().items() if v > newest}
         for p in self.root.iterdir():
-            if p.is_dir() and not (p / COMPLETE_MARKER).exists():
+            if p.is_dir() and not (p / COMPLETE_MARKER).exists() and p not in keep:
                 shutil.rmtree(p)
         self.prune()
+        self.board.offer(max(self.held(), default=None))
 
     def _drop(self, version: int) -> None:
         trash = self.root / f".trash-{version_dir_name(version)}-{uuid.uuid4().hex}"
@@ -165,7 +193,7 @@ class Relay:
 
     def _disk_used(self) -> int:
         held = sum(f.stat().st_size for v in self.held() for f in self.version_dir(v).rglob("*") if f.is_file())
-        return held + sum(p.size for p in self._pulls.values() if not p.complete)
+        return held + sum(p.size for p in list(self._pulls.values()) if not p.complete)
 
     def prune(self, room_for: int = 0) -> None:
         """Keep at most `keep` complete versions (`keep - 1` when `room_for` bytes are about to
@@ -217,27 +245,34 @@ class Relay:
             log.warning("pull of v%d failed: %s", pull.version, error)
 
     def _pull(self, pull: Pull) -> None:
-        """Blocking: verified manifest, then shards into the partial dir, then rename (pull thread)."""
+        """Blocking: verified manifest, then shards into the partial dir (resuming what a journal
+        there holds), then rename (pull thread)."""
         started = time.monotonic()
         version, partial = pull.version, self.partial_dir(pull.version)
         fetcher = Fetcher(Sources([self.upstream]), self.run, version, self.fetch_timeout, on_bytes=BYTES_IN.inc,
                           stop=self.closing, public_key=self.public_key, parallel=self.parallel)
-        shutil.rmtree(partial, ignore_errors=True)
+        journal = ShardJournal(partial)
         try:
             raw, manifest = fetcher.manifest()
             size = sum(f["size"] for f in manifest["files"])
             if self.max_disk is not None and size > self.max_disk:
                 raise DiskBoundError(f"v{version} has {size} bytes, more than the relay's disk bound {self.max_disk}")
+            for other, path in self.partials().items():  # leftovers of pulls that will not resume
+                if other < version and other not in self._pulls:
+                    shutil.rmtree(path, ignore_errors=True)
             self.prune(room_for=size)
-            partial.mkdir(parents=True)
-            (partial / MANIFEST_NAME).write_bytes(raw)
+            done = journal.resume(raw, manifest)
             pull.size = size
+            pull.ready |= done
             pull.raw, pull.manifest = raw, manifest
-            pull.notify()
             total = sum(len(f["shards"]) for f in manifest["files"])
+            if len(done) == total:  # everything was already here (or only empty files)
+                self._finish(pull)
+            pull.notify()
             lock = threading.Lock()
 
             def on_shard(i: int, j: int) -> None:
+                journal.record(i, j)
                 SHARD_SECONDS.observe(time.monotonic() - started)
                 with lock:
                     pull.ready.add((i, j))
@@ -246,41 +281,44 @@ class Relay:
                     self._finish(pull)
                 pull.notify()
 
-            fetcher.shards(manifest, partial, set(), on_shard)
-            if total == 0:  # only empty files
-                self._finish(pull)
-                pull.notify()
+            fetcher.shards(manifest, partial, done, on_shard)
         except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
+            journal.close()
+            if not fetcher.stopped:  # a failed pull leaves nothing; a stopped one is resumed later
+                shutil.rmtree(partial, ignore_errors=True)
             raise
         finally:
+            journal.close()
             fetcher.close()
         FETCH_SECONDS.observe(time.monotonic() - started)
-        log.info("v%d pulled and verified in %.2f s", version, time.monotonic() - started)
+        log.info("v%d pulled and verified in %.2f s (%d shards were already here)", version,
+                 time.monotonic() - started, len(done))
 
     def _finish(self, pull: Pull) -> None:
         """Mark complete (marker last), make v{N} visible, apply retention."""
         partial = self.partial_dir(pull.version)
+        (partial / JOURNAL).unlink(missing_ok=True)
         (partial / COMPLETE_MARKER).write_text("all shards verified\n")
         partial.rename(self.version_dir(pull.version))
         pull.complete = True
         self.prune()
 
-    def open_range(self, version: int, name: str, start: int, end: int):
-        """Chunks of bytes [start, end) of `name` in v{N}, wherever it lies now (the partial dir is
-        renamed to v{N} when the pull ends; an open file survives that)."""
+    def open_file(self, version: int, name: str):
+        """`name` of v{N} opened for reading, wherever it lies now (the partial dir is renamed to
+        v{N} when the pull ends; an open file survives that)."""
         for _ in range(2):
             for base in (self.version_dir(version), self.partial_dir(version)):
                 try:
-                    return read_file_range(base / name, start, end)
+                    return open(base / name, "rb")
                 except FileNotFoundError:
                     continue
         raise FileNotFoundError(name)
 
     def prefetch(self, version: int) -> None:
-        """Start pulling `version` in the background (event-loop thread only)."""
+        """Start pulling `version` in the background and offer it to long-polls (event-loop thread only)."""
         if self.has(version) or version in self._pulls or self.too_old(version):
             return
+        self.board.offer(version)
         task = asyncio.create_task(self.locate(version, probe=False))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -313,6 +351,30 @@ class Relay:
         log.info("v%d announced; prefetching", version)
         loop.call_soon_threadsafe(self.prefetch, version)
 
+    async def follow_upstream(self) -> None:
+        """Long-poll upstream's `latest?after=N` and prefetch each newer version, until cancelled
+        (the relay's announcements when it has no policy stream to read)."""
+        pause = BACKOFF_START
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FOLLOW_WAIT + 30)) as session:
+            while True:
+                after = max([*self.held(), *self._pulls, -1 if self.board.newest is None else self.board.newest])
+                try:
+                    async with session.get(self.upstream + latest_path(self.run),
+                                           params={"after": str(after), "wait": str(FOLLOW_WAIT)}) as r:
+                        if r.status == 204:
+                            pause = BACKOFF_START
+                            continue
+                        version = int((await r.json())["version"]) if r.status == 200 else None
+                    if version is None or version <= after:  # an error, or an upstream without long-poll
+                        raise ValueError(f"HTTP {r.status}, version {version}")
+                    pause = BACKOFF_START
+                    log.info("upstream offers v%d; prefetching", version)
+                    self.prefetch(version)
+                except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+                    log.debug("long-poll of %s: %s; again in %.1f s", self.upstream, exc, pause)
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, BACKOFF_MAX)
+
 
 RELAY = web.AppKey("relay", Relay)
 
@@ -327,6 +389,9 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
 
     async def latest(request: web.Request) -> web.Response:
         check_run(request, run)
+        poll = long_poll_args(request)
+        if poll is not None:
+            return await answer_long_poll(relay.board, *poll)
         held = relay.held()
         try:
             version = await asyncio.to_thread(latest_version_http, relay.upstream, run, 10.0)
@@ -373,27 +438,31 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
 
         CLIENTS.inc()
         try:
-            return await send_range(request, manifest["files"][index]["size"],
-                                    lambda s, e: relay.open_range(version, name, s, e),
-                                    on_bytes=BYTES_OUT.inc, ready=ready)
+            return await send_file(request, manifest["files"][index]["size"], lambda: relay.open_file(version, name),
+                                   on_bytes=BYTES_OUT.inc, ready=ready)
         except FileNotFoundError:  # pruned between the check and the open
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
         finally:
             CLIENTS.dec()
 
     async def lifecycle(app: web.Application):
+        relay.board.bind(app)
         await asyncio.to_thread(relay.clean_start)
         stop = threading.Event()
-        listener = None
+        listener = follower = None
         if redis_client is not None:
             listener = threading.Thread(target=relay.listen, args=(redis_client, asyncio.get_running_loop(), stop),
                                         name="relay-policy-listener", daemon=True)
             listener.start()
+        else:
+            follower = asyncio.create_task(relay.follow_upstream())
         yield
         stop.set()
         relay.closing.set()
         if listener is not None:
             await asyncio.to_thread(listener.join, 5)
+        if follower is not None:
+            follower.cancel()
         for task in list(relay._tasks):
             task.cancel()
 
