@@ -144,6 +144,13 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     t0 = time.monotonic()
     model_dir = resolve_model_path(bundle.run.spec.model, bundle.run.spec.task, seed=bundle.run.spec.trainer.seed)
     print(f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)", file=sys.stderr)
+    for pool in bundle.pools:
+        if pool.spec.engine == "vllm":  # refused here, not after every other process has started
+            try:
+                from rlfleet.services.rollout.vllm_engine import check_supported
+                check_supported(model_dir)
+            except (ImportError, ValueError) as exc:
+                raise SystemExit(f"rlfleet run: InferencePool {pool.metadata.name}: {exc}") from None
 
     # SIGTERM (a supervisor, `kill`) stops the run the same way Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -131,3 +131,17 @@ def test_an_unsupported_head_size_is_refused_with_the_fix(tmp_path):
     head_16 = tiny_policy_dir(tmp_path / "h16", seed=0)  # the builtin tiny-arithmetic's shape
     with pytest.raises(ValueError, match=r"head size is 16.*use engine: torch"):
         check_supported(head_16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
+def test_rlfleet_run_refuses_engine_vllm_for_such_a_model_before_starting_anything(tmp_path):
+    from pathlib import Path
+
+    from rlfleet.launcher import run_local
+    head_16 = tiny_policy_dir(tmp_path / "h16", seed=0)
+    example = (Path(__file__).resolve().parent.parent / "examples" / "arithmetic" / "rlrun.yaml").read_text()
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(example.replace("builtin://tiny-arithmetic", str(head_16)).replace("engine: torch", "engine: vllm"))
+    with pytest.raises(SystemExit, match=r"InferencePool arithmetic-cpu: spec.engine: vllm .*head size is 16"):
+        run_local(str(config), run_dir=str(tmp_path / "run"), progress=False)
+    assert not list((tmp_path / "run" / "logs").iterdir())  # no component was started

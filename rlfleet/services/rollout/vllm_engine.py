@@ -29,8 +29,14 @@ Weights: `Worker.reload_weights(weights_path=…)` (vLLM's layerwise in-place re
 the kernel-format processing, e.g. the CPU backend's packed GEMM weights; a plain
 `model.load_weights` would leave those stale), plus the CPU repack of a tied head that reload
 misses (`CaptureExtension.rlfleet_reload_weights`), then `reset_prefix_cache` so no KV block
-computed by the old weights is reused. Invariant: `generate` and `load_weights` hold one lock, so a group's
-requests (and their continuations) all run on one version and each `Generation` records it.
+computed by the old weights is reused. Invariant: `generate` and `load_weights` hold one lock, so
+a group's requests (and their continuations) all run on one version and each `Generation`
+records it; a swap waits for the group in flight.
+
+Sampling: one request per sample, seeded `sample_seed(group seed, index)`, so each sample is
+reproducible on its own. Cost of the capture: every row of every step is copied to host memory
+and the whole group's rows cross from the worker process in one `collective_rpc`; for long
+completions on GPU, building the proofs (top-k per 32 rows) inside the worker would cut that.
 
 Pinned because these move between vLLM releases: `worker_extension_cls`, `Worker.reload_weights`,
 the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
