@@ -4,9 +4,12 @@ Runs each given RLRun with `rlfleet run` (or reads finished run directories with
 prints, per run, the reward (mean over a window of steps) at evenly spaced steps with the wall
 time at which it was reached; draws both curves into one PNG (reward vs step, reward vs seconds).
 
-    python benchmarks/learning.py                                  # the arithmetic example
-    python benchmarks/learning.py --config my-math-run.yaml ...   # any RLRun, e.g. a math dataset run
+    python benchmarks/learning.py                                  # the arithmetic and the math example
+    python benchmarks/learning.py --config my-run.yaml ...        # any RLRun
     python benchmarks/learning.py --run-dir runs/arithmetic-...   # an existing run
+
+Runs start from the repository root (data set paths in the examples are relative to it); the
+builtin models are built (or taken from the cache) before a run's clock starts.
 """
 from __future__ import annotations
 
@@ -38,18 +41,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, action="append", default=[])
     parser.add_argument("--run-dir", type=Path, action="append", default=[])
+    parser.add_argument("--steps", type=int, default=None, help="override each run's spec.trainer.steps")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("learning.png"))
     args = parser.parse_args()
     if not args.config and not args.run_dir:
-        args.config = [ROOT / "examples" / "arithmetic" / "rlrun.yaml"]
+        args.config = [ROOT / "examples" / "arithmetic" / "rlrun.yaml", ROOT / "examples" / "math" / "rlrun.yaml"]
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="rlfleet-learning-") as tmp:
         for i, config in enumerate(args.config):
             run_dir = Path(tmp) / f"run{i}"
-            subprocess.run([sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([sys.executable, "-m", "rlfleet.cli", "run", str(config.resolve()), "--run-dir", str(run_dir),
+                            "--no-progress", *(["--steps", str(args.steps)] if args.steps else [])],
+                           check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
             runs[config.stem if config.stem != "rlrun" else config.parent.name] = read_metrics(run_dir / "metrics.jsonl")
     for run_dir in args.run_dir:
         runs[run_dir.name] = read_metrics(run_dir / "metrics.jsonl")

@@ -1,9 +1,12 @@
-"""Built-in models, made in code so nothing is downloaded: `builtin://tiny-arithmetic`.
+"""Built-in models, made in code so nothing is downloaded: `builtin://tiny-arithmetic`, `builtin://tiny-math`.
 
-A Qwen2-architecture causal LM (2 layers, hidden 64) with a character-level tokenizer built with
-`tokenizers`, saved in HF format (config.json, tokenizer.json, model.safetensors). It gets a short
-supervised warm start on the run's task so that RL starts with signal: the warm-started policy
-solves some problems when sampled at temperature 1 and RL sharpens it.
+Each is a small Qwen2-architecture causal LM with a character-level tokenizer over its own
+characters (built with `tokenizers`), saved in HF format (config.json, tokenizer.json,
+model.safetensors). It gets a short supervised warm start on the run's task so that RL starts with
+signal: the warm-started policy solves some problems when sampled at temperature 1 and RL sharpens
+it. tiny-arithmetic writes bare integers for the arithmetic task; tiny-math writes `\\boxed{answer}`
+for the math task over data/samples/tiny-math.jsonl (made by scripts/make_tiny_math.py), whose
+characters its tokenizer covers; a data set with other characters is refused when the model is built.
 
 Building is deterministic for a given (task spec, seed, steps, BUILD_VERSION); the result is
 cached under $RLFLEET_CACHE (default ~/.cache/rlfleet) and written atomically, so concurrent
@@ -16,27 +19,48 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 BUILD_VERSION = 2
 BUILTIN_PREFIX = "builtin://"
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
-CHARS = "0123456789+-= "
-BUILTINS = {"tiny-arithmetic": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "warm_start_steps": 1500, "label_noise": 0.5}}
+CHARS = "0123456789+-= "  # tiny-arithmetic's
+# tiny-math's: its problems and `\\boxed{...}` answers. No space: AutoTokenizer (transformers 5.19) loads
+# these tokenizers as Qwen2Tokenizer, which drops spaces when encoding, so a space would mean one
+# prompt in the warm start and another in the run.
+MATH_CHARS = "0123456789+-*/=?x,\\boed{}"
+
+
+@dataclass(frozen=True)
+class Builtin:
+    chars: str  # the tokenizer's characters, after the special tokens
+    arch: dict = field(repr=False)  # Qwen2Config fields
+    warm_start_steps: int
+    label_noise: float  # fraction of warm-start demonstrations with a near-miss answer
+    demonstration: str  # how a warm-start completion writes the answer
+
+
+BUILTINS = {
+    "tiny-arithmetic": Builtin(CHARS, {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
+                                       "num_attention_heads": 4, "num_key_value_heads": 2},
+                               warm_start_steps=1500, label_noise=0.5, demonstration="{answer}"),
+    "tiny-math": Builtin(MATH_CHARS, {"hidden_size": 96, "intermediate_size": 288, "num_hidden_layers": 3,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2},
+                         warm_start_steps=2500, label_noise=0.4, demonstration="\\boxed{{{answer}}}"),
+}
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("RLFLEET_CACHE", Path.home() / ".cache" / "rlfleet"))
 
 
-def build_tokenizer():
-    """Character-level tokenizer: one token per character, `<bos>` prepended, `<eos>` ends completions."""
+def build_tokenizer(chars: str = CHARS):
+    """Character-level tokenizer over `chars`: one token per character, `<bos>` prepended, `<eos>` ends completions."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *CHARS])}
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *dict.fromkeys(chars)])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -62,7 +86,7 @@ def resolve_model_path(model_spec, task_spec, seed: int = 0) -> Path:
     name = path[len(BUILTIN_PREFIX):]
     if name not in BUILTINS:
         raise ValueError(f"spec.model.path: unknown builtin model {name!r}; known: {sorted(BUILTINS)}")
-    steps = model_spec.warm_start_steps or BUILTINS[name]["warm_start_steps"]
+    steps = model_spec.warm_start_steps or BUILTINS[name].warm_start_steps
     dest = cache_root() / "builtin" / f"{name}-{_spec_key(name, task_spec, steps, seed)}"
     if (dest / "config.json").exists():
         return dest
@@ -87,19 +111,36 @@ def build_builtin(name: str, task_spec, steps: int, seed: int, dest: Path) -> No
     from rlfleet.models.warm_start import supervised_warm_start
     from rlfleet.tasks.base import make_task
 
-    tokenizer = build_tokenizer()
-    arch = {k: v for k, v in BUILTINS[name].items() if k not in ("warm_start_steps", "label_noise")}
+    builtin = BUILTINS[name]
+    tokenizer = build_tokenizer(builtin.chars)
+    task = make_task(task_spec)
+    check_coverage(name, builtin, task)
     config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=64, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **arch)
+                         pad_token_id=tokenizer.pad_token_id, **builtin.arch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU kernels may sum in another order with more threads; one keeps builds identical
     try:
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-        supervised_warm_start(model, tokenizer, make_task(task_spec), steps=steps, seed=seed,
-                              label_noise=BUILTINS[name]["label_noise"])
+        supervised_warm_start(model, tokenizer, task, steps=steps, seed=seed, label_noise=builtin.label_noise,
+                              demonstration=builtin.demonstration)
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)
+
+
+def check_coverage(name: str, builtin: Builtin, task) -> None:
+    """Refuse a data set with a character the builtin tokenizer lacks (it would be read as padding).
+    Generated tasks (arithmetic) have no rows to check; their characters are those of tiny-arithmetic."""
+    if not hasattr(task, "ids"):
+        return
+    known = set(builtin.chars)
+    for task_id in task.ids():
+        p = task.problem(task_id)
+        missing = sorted(set(p.prompt + builtin.demonstration.format(answer=p.answer)) - known)
+        if missing:
+            raise ValueError(f"spec.model.path: {BUILTIN_PREFIX}{name} knows only the characters {builtin.chars!r}; "
+                             f"task {task_id} (spec.task) has {''.join(missing)!r}. Use a data set written with "
+                             f"those characters (e.g. data/samples/tiny-math.jsonl) or a model directory of your own")

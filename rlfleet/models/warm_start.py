@@ -1,14 +1,19 @@
 """Supervised warm start on imperfect demonstrations.
 
-Next-token cross-entropy on `prompt + answer + <eos>`, loss on the answer tokens only, AdamW, fixed
-seed. A fraction `label_noise` of the demonstrations carry a near-miss answer (the right one off by
-1..9), like SFT data with mistakes in it: the warm-started policy puts most of its mass on the
-right answer but samples plausible wrong ones at temperature 1, so a group holds both successes
-and failures and RL has something to sharpen."""
+Next-token cross-entropy on `prompt + demonstration + <eos>` (the demonstration writes the answer
+the way the task wants it, e.g. `\\boxed{5/6}`), loss on the demonstration tokens only, AdamW,
+fixed seed. A fraction `label_noise` of the demonstrations carry a near-miss answer (the right one
+off by 1..9; for a fraction, its numerator), like SFT data with mistakes in it: the warm-started
+policy puts most of its mass on the right answer but samples plausible wrong ones at temperature
+1, so a group holds both successes and failures and RL has something to sharpen."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import torch
+
+_INTEGER = re.compile(r"-?\d+")
 
 
 def encode_pairs(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,18 +36,25 @@ def encode_pairs(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor,
 
 
 def noisy_answer(answer: str, rng: np.random.Generator) -> str:
+    """`answer` with its first integer (the numerator of a fraction) off by 1..9: a wrong answer,
+    since a fraction's value changes with its numerator."""
     offset = int(rng.integers(1, 10)) * (1 if rng.random() < 0.5 else -1)
-    return str(int(answer) + offset)
+    first = _INTEGER.search(answer)
+    if first is None:
+        raise ValueError(f"warm start: answer {answer!r} has no integer to make a near miss of")
+    return answer[: first.start()] + str(int(first.group(0)) + offset) + answer[first.end():]
 
 
 def supervised_warm_start(model, tokenizer, task, steps: int, seed: int, label_noise: float = 0.0,
-                          batch_size: int = 64, lr: float = 3e-3) -> None:
+                          batch_size: int = 64, lr: float = 3e-3, demonstration: str = "{answer}") -> None:
+    """`demonstration` writes an answer as the completion to imitate, e.g. `\\boxed{{{answer}}}`."""
     rng = np.random.default_rng(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for _ in range(steps):
         problems = [task.problem(task.sample_id(rng)) for _ in range(batch_size)]
-        pairs = [(p.prompt, noisy_answer(p.answer, rng) if rng.random() < label_noise else p.answer) for p in problems]
+        pairs = [(p.prompt, demonstration.format(answer=noisy_answer(p.answer, rng) if rng.random() < label_noise else p.answer))
+                 for p in problems]
         ids, mask, labels = encode_pairs(tokenizer, pairs)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
