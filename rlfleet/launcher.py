@@ -2,8 +2,9 @@
 
 It starts an embedded redis-server, builds the builtin model if needed (so components never race
 to build it), then the Shardcast origin, each RelayTier's relays (tier 0 from the origin, tier k
-from tier k-1), the verifier replicas, each InferencePool's workers and the trainer, with the same
-`rlfleet <component>` entrypoints the containers use. It shows progress from the trainer's
+from tier k-1), the verifier replicas, each InferencePool's workers and the trainer (one process per
+rank when trainer.replicas > 1, with the torchrun-style environment of the trainer pods), with the
+same `rlfleet <component>` entrypoints the containers use. It shows progress from the trainer's
 metrics.jsonl, ends when the trainer finishes its steps, and stops everything on Ctrl-C. If any
 component dies, every other one is stopped and the run exits non-zero naming the component and
 its log file.
@@ -19,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.config import Bundle, load_bundle
@@ -36,6 +37,7 @@ class Component:
     argv: list[str]
     log: Path
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
 
 
 def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
@@ -69,7 +71,15 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
             worker = f"{pool_name}-{i}"
             comps.append(Component(f"rollout/{worker}", [*cli, "rollout", *common, "--worker-id", worker, *pool_args, *relay_args,
                                                          "--cache-dir", str(cache / worker)], logs / f"rollout-{worker}.log"))
-    comps.append(Component("trainer", [*cli, "trainer", *common, "--output-dir", str(run_dir)], logs / "trainer.log"))
+    # trainer.replicas > 1: one process per rank with the torchrun-style environment the operator
+    # gives trainer pods; rank 0 ("trainer", last in the list) reads the streams and publishes.
+    replicas = spec.trainer.replicas
+    master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(replicas)} if replicas > 1 else {}
+    for rank in range(replicas - 1, -1, -1):
+        name = "trainer" if rank == 0 else f"trainer/{rank}"
+        comps.append(Component(name, [*cli, "trainer", *common, "--output-dir", str(run_dir)],
+                               logs / ("trainer.log" if rank == 0 else f"trainer-{rank}.log"),
+                               env={**master, "RANK": str(rank)} if replicas > 1 else {}))
     return comps
 
 
@@ -156,7 +166,9 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     comps = plan(bundle, config, run_path)
     if steps:
-        comps[-1].argv += ["--steps", str(steps)]
+        for c in comps:
+            if c.name.startswith("trainer"):
+                c.argv += ["--steps", str(steps)]
     started = time.monotonic()
     failed: Component | None = None
     interrupted = False
@@ -175,13 +187,15 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
             for c in comps:
                 with open(c.log, "ab") as log:
                     c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                              env={**env, **signing_env} if c.name == "trainer" else env)
+                                              env={**env, **c.env, **(signing_env if c.name == "trainer" else {})})
             trainer = comps[-1]
             while True:
                 bar.update(read_metrics(run_path / "metrics.jsonl"), client.xlen(RunKeys(name).rollouts))
                 if trainer.proc.poll() == 0:
                     break
-                failed = next((c for c in comps if c.proc.poll() is not None), None)
+                # Other trainer ranks finish their last step before rank 0 has published it.
+                failed = next((c for c in comps if c.proc.poll() is not None
+                               and not (c.name.startswith("trainer/") and c.proc.returncode == 0)), None)
                 if failed:
                     break
                 time.sleep(0.5)

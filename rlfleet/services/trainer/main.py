@@ -119,6 +119,8 @@ class Trainer:
         self.sharded = t.sharding == "fsdp" and self.world > 1
         # What the loss scores through: the whole policy, or its shard of it under FSDP (sharding.py).
         self.prefill = shard_policy(self.model, self.world) if self.sharded else Prefill(self.model)
+        if self.world > 1:
+            log.info("rank %d of %d, %s", self.rank, self.world, "FSDP-sharded" if self.sharded else "replicated")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(t.warmup_steps, t.lr_schedule, t.steps))
         # The KL reference is the starting policy, frozen (sharded like the policy); kept only when the penalty is on.

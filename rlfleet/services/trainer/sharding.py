@@ -37,8 +37,7 @@ from rlfleet.policy import Prefill
 def shard_policy(lm, world: int) -> Prefill:
     """Shard `lm`'s parameters in place over the `world` ranks of the joined process group; return the
     root `Prefill` that scoring calls. Create the optimizer afterwards (it must hold the shards)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (world,))
+    mesh = init_device_mesh(next(lm.parameters()).device.type, (world,))  # shards stay where the model is
     for layer in lm.model.layers:
         fully_shard(layer, mesh=mesh)
     root = Prefill(lm)
