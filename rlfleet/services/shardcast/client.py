@@ -31,6 +31,7 @@ The relay reuses `Fetcher` and `ShardJournal` for its own pulls (relay.py).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import http.client
 import logging
@@ -234,7 +235,7 @@ class Fetcher:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 fds.append(fd)
-                os.ftruncate(fd, entry["size"])
+                _allocate(fd, entry["size"])
             todo = [(i, j) for i, entry in enumerate(manifest["files"])
                     for j in range(len(entry["shards"])) if (i, j) not in skip]
             todo.reverse()  # pop() from the end: shards go in file order
@@ -336,6 +337,21 @@ class Fetcher:
             self._check()
         if have < size:
             raise HTTPStatusError(f"truncated body: {have} of {size} shard bytes")
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Make the file `size` bytes with its blocks reserved up front: writing shards into a sparse
+    file makes the filesystem allocate page by page, which costs more CPU than receiving the bytes
+    (measured on ext4: 0.6-3.6 GB/s into a sparse file, ~5 GB/s into an allocated one), and a full
+    disk fails here, before any byte is fetched."""
+    os.ftruncate(fd, size)
+    if size:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise  # ENOSPC and real I/O errors
+            # a filesystem without fallocate: the sparse file works, only slower
 
 
 def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path, timeout: float = 300, *,
