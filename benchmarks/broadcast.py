@@ -20,7 +20,8 @@ system-wide monotonic clock). Process start-up and imports are outside the measu
 Bounds (all measured in this invocation):
   busiest-node bound  bytes the busiest node must send / single-stream loopback throughput (one
                       HTTP GET of the checkpoint from the origin, read into a reused buffer). With R
-                      relays and N clients it is a relay sending ceil(N/R) copies (or the origin R).
+                      relays and N clients it is a relay sending ceil(N/R) copies (or the origin R);
+                      for `direct`, the origin sending N. The reference is held to the tree's.
                       It assumes every node has its own CPU and NIC.
   one-box bound       every byte every node sends / the same single-stream rate: on one machine all
                       streams share its cores, and a single stream already keeps a sender and a

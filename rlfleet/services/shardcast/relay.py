@@ -4,7 +4,8 @@ It serves the origin's routes (protocol.py) for {cache_dir}/{run}/v{N}/. Invaria
   - nothing is served before the version's manifest has verified: its ed25519 signature with the
     run's public key first, then shape, run and version (client.Fetcher.manifest);
   - a byte is served only once the shard that holds it has matched its sha256 (client.Fetcher
-    hashes each shard in memory and writes it only then), so a poisoned upstream is never relayed;
+    hashes each shard in its receive buffer and writes it only then), so a poisoned upstream is
+    never relayed;
   - v{N} exists only complete (`.complete` inside): shards land in `.v{N}.partial/`, renamed
     to v{N} after the last one, before the last shard is announced as ready.
   pull          one pull per version at a time (a thread running client.Fetcher against the
@@ -12,7 +13,8 @@ It serves the origin's routes (protocol.py) for {cache_dir}/{run}/v{N}/. Invaria
   resume        a partial dir keeps a journal of its verified shards (client.ShardJournal); a
                 relay killed or stopped mid-pull keeps it, and the next pull of that version
                 re-hashes the journaled shards, serves them at once and fetches only the others.
-                Partial dirs of versions no newer than a held one are dropped at start
+                Partial dirs of versions no newer than a held one are dropped at start, and
+                those older than a version whose pull starts are dropped then
   cut-through   a file request waits (in `send_file`'s `ready` hook) only for the shards its
                 byte range covers, then sendfiles them while later shards are still arriving, so
                 tier k+1 pulls shard s while tier k pulls shard s+1; a failed pull answers 502
