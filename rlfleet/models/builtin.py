@@ -26,10 +26,7 @@ BUILD_VERSION = 2
 BUILTIN_PREFIX = "builtin://"
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 CHARS = "0123456789+-= "  # tiny-arithmetic's
-# tiny-math's: its problems and `\\boxed{...}` answers. No space: AutoTokenizer (transformers 5.19) loads
-# these tokenizers as Qwen2Tokenizer, which drops spaces when encoding, so a space would mean one
-# prompt in the warm start and another in the run.
-MATH_CHARS = "0123456789+-*/=?x,\\boed{}"
+MATH_CHARS = "0123456789+-*/=?x,\\boed{}"  # tiny-math's: its problems and `\\boxed{...}` answers
 
 
 @dataclass(frozen=True)
