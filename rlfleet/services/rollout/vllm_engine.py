@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from rlfleet.policy import DTYPES
+from rlfleet.policy import DTYPES, load_tokenizer
 from rlfleet.services.rollout.engine import Engine, Generation
 from rlfleet.streams import SamplingParams
 
@@ -202,12 +202,13 @@ def check_supported(model_dir: Path) -> None:
 
 class VLLMEngine(Engine):
     def __init__(self, model_dir: Path, version: int, dtype: str = "float32"):
-        from transformers import AutoTokenizer
         from vllm.platforms import current_platform
 
         model_dir = Path(model_dir)
         check_supported(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        # Ours, as every component loads it (prompts are passed to vLLM as token ids, so vLLM's own
+        # tokenizer only supplies the end-of-sequence id, which is the same).
+        self.tokenizer = load_tokenizer(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
         self._names = _tensor_names(model_dir)
         memory = {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES} if current_platform.is_cpu() else {}
