@@ -105,6 +105,8 @@ def score(model, rows: list[list[int]], temperature: float, pad_id: int, want_hi
     """Prefill right-padded `rows` in one batch; gradients flow if enabled by the caller.
     `model` is a causal LM or its `Prefill` (the trainer's, possibly sharded)."""
     ids, mask = pad_right(rows, pad_id)
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     hidden, logits = (model if isinstance(model, Prefill) else Prefill(model))(ids, mask)
     logits = logits.float() / temperature  # (B, L-1, V)
     logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)

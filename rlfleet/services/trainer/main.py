@@ -31,7 +31,7 @@ from rlfleet.policy import Prefill, load_policy
 from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
 from rlfleet.services.trainer.sharding import (full_model_state, full_optimizer_state, load_full_state,
                                                publishable_weights, shard_policy)
-from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed
+from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, training_device
 from rlfleet.services.trainer.state import load_state, save_state
 from rlfleet.signing import run_signer
 from rlfleet.streams import MessageError, RolloutGroup, encode_json
@@ -114,6 +114,8 @@ class Trainer:
 
         base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
         self.model, self.tokenizer = load_policy(base, self.spec.model.dtype)
+        self.device = training_device()
+        self.model.to(self.device)
         t = self.spec.trainer
         torch.manual_seed(t.seed)
         self.sharded = t.sharding == "fsdp" and self.world > 1
@@ -126,7 +128,7 @@ class Trainer:
         # The KL reference is the starting policy, frozen (sharded like the policy); kept only when the penalty is on.
         self.reference = None
         if t.kl_coef > 0:
-            reference = load_policy(base, self.spec.model.dtype)[0]
+            reference = load_policy(base, self.spec.model.dtype)[0].to(self.device)
             self.reference = shard_policy(reference, self.world) if self.sharded else reference
         self.version = 0
         self.started = time.monotonic()

@@ -79,10 +79,10 @@ def load_full_state(lm, optimizer, model_state: dict, optimizer_state: dict) -> 
 
 def publishable_weights(lm, model_state: dict) -> dict[str, torch.Tensor]:
     """`model_state` without the second and later names of tied parameters (HF keeps the first:
-    `model.embed_tokens.weight`, not `lm_head.weight`), as contiguous tensors."""
+    `model.embed_tokens.weight`, not `lm_head.weight`), as contiguous CPU tensors."""
     seen, aliases = set(), set()
     for name, param in lm.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             aliases.add(name)
         seen.add(id(param))
-    return {k: v.contiguous() for k, v in model_state.items() if k not in aliases}
+    return {k: v.detach().cpu().contiguous() for k, v in model_state.items() if k not in aliases}

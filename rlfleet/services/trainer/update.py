@@ -23,11 +23,22 @@ from rlfleet.services.trainer.sharding import is_sharded
 from rlfleet.streams import RolloutGroup
 
 
+def training_device() -> torch.device:
+    """Where this rank computes: its GPU (LOCAL_RANK, torchrun-style; 0 in a one-replica pod) when CUDA
+    is available, else the CPU. Made current before NCCL joins, as NCCL requires."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_distributed() -> tuple[int, int]:
     """(rank, world size) from the torchrun-style environment; joins the process group when world > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1 and not dist.is_initialized():
+        training_device()
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
     return rank, world
 
@@ -46,6 +57,7 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
     """Apply one update for `groups` with TrainerSpec `t`; return batch statistics (same on every rank).
     `model` is a causal LM or the trainer's (possibly sharded) `Prefill` of one."""
     sharded = is_sharded(model)
+    device = next(model.parameters()).device
     rows, old, advantages, starts, rewards = [], [], [], [], []
     for g in groups:
         group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
@@ -59,7 +71,7 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
     denominator = float(total_tokens) if t.normalization == "token" else float(len(rows))
     mine = list(range(rank, len(rows), world))
     rows, old, starts = [rows[i] for i in mine], [old[i] for i in mine], [starts[i] for i in mine]
-    advantages = torch.stack([advantages[i] for i in mine]) if mine else torch.zeros(0)
+    advantages = (torch.stack([advantages[i] for i in mine]) if mine else torch.zeros(0)).to(device)
 
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -71,7 +83,7 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
 
         def aligned(per_row: list[torch.Tensor]) -> torch.Tensor:
             """(B, T) tensor of each row's completion-token values, from per-row (L_i - 1,) tensors."""
-            out = torch.zeros(len(rows), width)
+            out = torch.zeros(len(rows), width, device=device)
             for i, (values, start) in enumerate(zip(per_row, starts)):
                 out[i, start : start + len(old[i])] = values[start : start + len(old[i])]
             return out
@@ -100,7 +112,7 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        total = torch.tensor([loss.item()])
+        total = torch.tensor([loss.item()], device=device)  # NCCL reduces GPU tensors only
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         loss = total[0]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
