@@ -28,6 +28,11 @@ Bounds (all measured in this invocation):
                       receiver busy
   hashing bound       every byte every receiver must sha256 / (hashlib sha256 rate x cores): the
                       verification work alone, spread perfectly over all cores
+  disk bound (approx) every byte the receivers write, less what the kernel's dirty-page allowance
+                      absorbs (MemAvailable x vm.dirty_ratio), / the disk's sequential write rate
+                      (1 GiB + fsync in the work directory). On one machine all writers share one
+                      disk; rlfleet writes each byte once per receiver, the reference twice per
+                      client (shards, then the reassembled file). `--workdir` on a tmpfs removes it.
 This is a script, not a test (STYLE.md 10).
 """
 from __future__ import annotations
@@ -200,6 +205,31 @@ def single_stream(url: str) -> float:
     return best
 
 
+def disk_write_rate(work: Path) -> float:
+    """Bytes/s of writing 1 GiB sequentially into `work` and fsyncing it."""
+    block = os.urandom(16 << 20)
+    path = work / "disk-rate.bin"
+    started = time.monotonic()
+    with open(path, "wb") as f:
+        for _ in range(64):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    rate = 64 * len(block) / (time.monotonic() - started)
+    path.unlink()
+    return rate
+
+
+def dirty_allowance() -> float:
+    """Bytes the kernel lets writers dirty before it throttles them to the disk (approximate)."""
+    vm = Path("/proc/sys/vm")
+    if (vm / "dirty_bytes").exists() and int((vm / "dirty_bytes").read_text()) > 0:
+        return float(int((vm / "dirty_bytes").read_text()))
+    available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemAvailable:"))
+    return available * int((vm / "dirty_ratio").read_text()) / 100
+
+
 def sha256_rate() -> float:
     data = os.urandom(64 << 20)
     started = time.monotonic()
@@ -366,6 +396,8 @@ def main() -> int:
                                                str(work / "rlrun.yaml"), "--port", str(port)], "origin"))
                 results["stream"] = single_stream(url)
             results["sha256"] = sha256_rate()
+            results["disk"] = disk_write_rate(work)
+            results["dirty"] = dirty_allowance()
             store.delete_prefix(key)
             for column in ("tree", "direct"):
                 if column in args.systems:
@@ -393,24 +425,31 @@ def report(args, size: int, results: dict[str, float]) -> None:
     n, r, stream = args.clients, args.relays, results["stream"]
     cores = os.cpu_count() or 1
     tree_busiest = max(r, math.ceil(n / r)) * size
-    bounds = {  # per system: (busiest-node bytes, all bytes sent, bytes hashed by receivers)
+    bounds = {  # per system: (busiest-node bytes, all bytes sent, bytes written by receivers)
         "tree": (tree_busiest, (r + n) * size, (r + n) * size),
         "direct": (n * size, n * size, n * size),
+        "reference": (tree_busiest, (r + n) * size, (r + 2 * n) * size),
     }
+
+    def disk_bound(written: int) -> float:
+        return max(0.0, written - results["dirty"]) / results["disk"]
+
     references = sorted(k for k in results if k.startswith("reference"))
     print(f"\n{args.size_mib} MiB to {n} clients via {r} relays on loopback; rlfleet shards {args.shard_mib} MiB; "
           f"{cores} cores, load {os.getloadavg()[0]:.1f}")
-    print(f"single-stream loopback {stream / 2**20:.0f} MiB/s; sha256 {results['sha256'] / 2**20:.0f} MiB/s per core")
+    print(f"single-stream loopback {stream / 2**20:.0f} MiB/s; sha256 {results['sha256'] / 2**20:.0f} MiB/s per core; "
+          f"disk writes {results['disk'] / 2**20:.0f} MiB/s after a dirty-page allowance of {results['dirty'] / 2**30:.1f} GiB")
     print(f"tree bounds: busiest node (a relay, {tree_busiest / 2**20:.0f} MiB) {tree_busiest / stream:.2f} s; "
           f"one box {(r + n) * size / stream:.2f} s; hashing {(r + n) * size / (results['sha256'] * cores):.2f} s")
-    head = f"{'system':<22} {'last client s':>13} {'MiB/s':>7} {'x busiest-node bound':>21} {'x one-box bound':>16}"
+    head = (f"{'system':<22} {'last client s':>13} {'MiB/s':>7} {'x busiest-node bound':>21} {'x one-box bound':>16}"
+            f" {'disk bound s':>12}")
     head += "".join(f" {k.replace('reference, ', 'ref ') + ' / this':>17}" for k in references)
     print(head)
     for name in [k for k in ("tree", "direct") if k in results] + references:
         t = results[name]
-        busiest, everything, _ = bounds.get(name, bounds["tree"])  # the reference runs the same tree
+        busiest, everything, written = bounds[name.partition(",")[0]]  # the reference runs the same tree
         line = (f"{name:<22} {t:>13.2f} {n * size / t / 2**20:>7.0f} {t / (busiest / stream):>21.2f} "
-                f"{t / (everything / stream):>16.2f}")
+                f"{t / (everything / stream):>16.2f} {disk_bound(written):>12.2f}")
         line += "".join(f" {results[k] / t:>17.2f}" for k in references)
         print(line)
     if not references:
