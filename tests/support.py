@@ -58,3 +58,22 @@ def tiny_policy_dir(dest: Path, seed: int, hidden_size: int = 64, num_attention_
     torch.manual_seed(seed)
     save_model_dir(Qwen2ForCausalLM(config), tokenizer, dest)
     return dest
+
+
+TRAINER_RUN = """
+apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: tr}}
+spec:
+  model: {{path: "{model}"}}
+  task: {{type: arithmetic, maxOperand: 20}}
+  sampling: {{groupSize: 2, maxTokens: 4}}
+  trainer: {trainer}
+  store: {{uri: "file://{store}"}}
+  shardcast: {{requireSignatures: false}}
+"""
+
+
+def trainer_run_config(model: Path, store: Path, trainer: str) -> str:
+    """The RLRun YAML the trainer tests use: tiny groups of the arithmetic task, `trainer` as given (a flow mapping)."""
+    return TRAINER_RUN.format(model=model, store=store, trainer=trainer)

@@ -13,27 +13,15 @@ from rlfleet.runtime import Context
 from rlfleet.services.trainer.loss import grpo_loss
 from rlfleet.services.trainer.main import Trainer, lr_factor
 from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams
-from support import tiny_policy_dir
+from support import tiny_policy_dir, trainer_run_config
 
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: tr}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 2, maxTokens: 4}}
-  trainer: {{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-2, skipZeroAdvantageGroups: true,
-            entropyCoef: 0.01, klCoef: 0.1}}
-  store: {{uri: "file://{store}"}}
-  shardcast: {{requireSignatures: false}}
-"""
+TRAINER = "{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-2, skipZeroAdvantageGroups: true, entropyCoef: 0.01, klCoef: 0.1}"
 
 
 @pytest.fixture
 def trainer(tmp_path, redis_url):
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
-    bundle = parse_bundle(CONFIG.format(model=policy, store=tmp_path / "store"))
+    bundle = parse_bundle(trainer_run_config(policy, tmp_path / "store", TRAINER))
     client = redis.Redis.from_url(redis_url)
     yield Trainer(Context(bundle=bundle, redis=client, keys=RunKeys("tr"), stop=threading.Event()), output_dir=None)
     client.close()

@@ -22,7 +22,7 @@ from rlfleet.services.trainer.sharding import (full_model_state, full_optimizer_
                                                publishable_weights, shard_policy)
 from rlfleet.services.trainer.update import grpo_update
 from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams
-from support import tiny_policy_dir
+from support import tiny_policy_dir, trainer_run_config
 from test_trainer import group
 from test_trainer_dp import batch
 
@@ -105,18 +105,7 @@ def test_two_sharded_processes_update_like_one_and_publish_a_whole_checkpoint(tm
     assert any(not torch.equal(after_first[k], initial[k]) for k in initial), "the first step moved the weights"
 
 
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: tr}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 2, maxTokens: 4}}
-  trainer: {{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 4, replicas: 2, sharding: fsdp}}
-  store: {{uri: "file://{store}"}}
-  shardcast: {{requireSignatures: false}}
-"""
+TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 4, replicas: 2, sharding: fsdp}"
 
 
 def start_ranks(config, redis_url, out, steps: int) -> list[subprocess.Popen]:
@@ -135,7 +124,7 @@ def start_ranks(config, redis_url, out, steps: int) -> list[subprocess.Popen]:
 @pytest.mark.slow
 def test_two_fsdp_trainer_processes_train_resume_and_publish_whole_checkpoints(tmp_path, redis_url, redis_client):
     config = tmp_path / "rlrun.yaml"
-    config.write_text(CONFIG.format(model=tiny_policy_dir(tmp_path / "policy", seed=0), store=tmp_path / "store"))
+    config.write_text(trainer_run_config(tiny_policy_dir(tmp_path / "policy", seed=0), tmp_path / "store", TRAINER))
     keys = RunKeys("tr")
     ids = [f"g{i}" for i in range(8)]
     for rid in ids:

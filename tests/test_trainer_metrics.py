@@ -14,22 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.redis_server import free_port
 from rlfleet.streams import RunKeys
-from support import tiny_policy_dir
+from support import tiny_policy_dir, trainer_run_config
 from test_trainer import group
 
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: tr}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 2, maxTokens: 4}}
-  trainer: {{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-3, steps: 2, skipZeroAdvantageGroups: true,
-            entropyCoef: 0.01, klCoef: 0.1}}
-  store: {{uri: "file://{store}"}}
-  shardcast: {{requireSignatures: false}}
-"""
+TRAINER = "{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-3, steps: 2, skipZeroAdvantageGroups: true, entropyCoef: 0.01, klCoef: 0.1}"
 
 BATCH_STATS = ("loss", "grad_norm", "accuracy", "learning_rate", "clip_fraction", "ratio_mean", "entropy_mean",
                "kl_mean", "completion_tokens_mean")
@@ -59,7 +47,7 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
 
 def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path, redis_url, redis_client):
     config = tmp_path / "rlrun.yaml"
-    config.write_text(CONFIG.format(model=tiny_policy_dir(tmp_path / "policy", seed=0), store=tmp_path / "store"))
+    config.write_text(trainer_run_config(tiny_policy_dir(tmp_path / "policy", seed=0), tmp_path / "store", TRAINER))
     keys = RunKeys("tr")
     # One duplicate and one zero-advantage group are dropped; p and q make the batch.
     for g in (group("p", [1.0, 0.0]), group("p", [1.0, 0.0]), group("flat", [1.0, 1.0]), group("q", [0.0, 1.0])):

@@ -13,21 +13,10 @@ import time
 import pytest
 
 from rlfleet.streams import RunKeys
-from support import tiny_policy_dir
+from support import tiny_policy_dir, trainer_run_config
 from test_trainer import group
 
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: tr}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 2, maxTokens: 4}}
-  trainer: {{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 10}}
-  store: {{uri: "file://{store}"}}
-  shardcast: {{requireSignatures: false}}
-"""
+TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 10}"
 
 
 def start_trainer(config, redis_url, out) -> subprocess.Popen:
@@ -45,7 +34,7 @@ def steps_done(out) -> int:
 @pytest.mark.slow
 def test_kill_9_and_restart_loses_nothing_and_trains_nothing_twice(tmp_path, redis_url, redis_client):
     config = tmp_path / "rlrun.yaml"
-    config.write_text(CONFIG.format(model=tiny_policy_dir(tmp_path / "policy", seed=0), store=tmp_path / "store"))
+    config.write_text(trainer_run_config(tiny_policy_dir(tmp_path / "policy", seed=0), tmp_path / "store", TRAINER))
     keys = RunKeys("tr")
     ids = [f"g{i}" for i in range(20)]
     for rid in ids:
