@@ -18,26 +18,21 @@ Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import requests
 import torch
 
 from rlfleet.checkpoint import publish_version, save_model_dir
 from rlfleet.models.builtin import build_tokenizer
-from rlfleet.redis_server import free_port
 from rlfleet.services.rollout.engine import make_engine
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import fetch_version
-from rlfleet.services.shardcast.protocol import serve_until
+from rlfleet.services.shardcast.protocol import serving
 from rlfleet.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.store import open_store
 from rlfleet.streams import SamplingParams
@@ -58,26 +53,6 @@ def random_policy(dest: Path, hidden: int, layers: int, seed: int) -> Path:
     torch.manual_seed(seed)
     save_model_dir(Qwen2ForCausalLM(config), tok, dest)
     return dest
-
-
-@contextmanager
-def serving(app):
-    """Serve an aiohttp app on a free loopback port in a thread; yield its URL."""
-    port, stop = free_port(), threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, "127.0.0.1", port, stop)), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(500):
-        try:
-            if requests.get(url + "/healthz", timeout=1).ok:
-                break
-        except requests.ConnectionError:
-            time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        stop.set()
-        thread.join(15)
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:

@@ -1,42 +1,9 @@
 """Helpers shared by tests: real HTTP servers on loopback and small real models."""
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import requests
-from aiohttp import web
-
-from rlfleet.redis_server import free_port
-from rlfleet.services.shardcast.protocol import serve_until
-
-
-@contextmanager
-def serving(app: web.Application):
-    """Serve `app` on a free loopback port in a background thread; yield its base URL."""
-    port, stop = free_port(), threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, "127.0.0.1", port, stop)), daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if requests.get(url + "/healthz", timeout=1).ok:
-                break
-        except requests.ConnectionError:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"server on {url} did not start") from None
-            time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        stop.set()
-        thread.join(15)
-        assert not thread.is_alive(), "server thread did not stop"
-
+from rlfleet.services.shardcast.protocol import serving  # noqa: F401  (tests import it from here)
 
 
 def tiny_policy_dir(dest: Path, seed: int, hidden_size: int = 64, num_attention_heads: int = 4,
