@@ -185,6 +185,18 @@ def test_client_resumes_after_interruption(tmp_path, keys):
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v1"]
 
 
+def relay_run_config(public_text: str) -> str:
+    """The RLRun a relay process reads: the run's name and the public key its manifests are signed with."""
+    return f"""apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: {RUN}}}
+spec:
+  model: {{path: "builtin://tiny-arithmetic"}}
+  task: {{type: arithmetic}}
+  shardcast: {{publicKey: "{public_text}"}}
+"""
+
+
 def relay_process(config: Path, redis_url: str, port: int, upstream: str, cache: Path, log: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "rlfleet.cli", "relay", "--config", str(config), "--redis-url", redis_url,
             "--port", str(port), "--upstream", upstream, "--cache-dir", str(cache)]
@@ -208,14 +220,7 @@ def test_relay_killed_mid_transfer_then_restarts_and_catches_up(tmp_path, keys, 
     src1 = make_version(tmp_path / "v1", 1, size=3_000_000)
     publish_version(store, RUN, 1, src1, signer=signer, shard_size=SHARD)
     config = tmp_path / "rlrun.yaml"
-    config.write_text(f"""apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: {RUN}}}
-spec:
-  model: {{path: "builtin://tiny-arithmetic"}}
-  task: {{type: arithmetic}}
-  shardcast: {{publicKey: "{public_text}"}}
-""")
+    config.write_text(relay_run_config(public_text))
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs: list[subprocess.Popen] = []
@@ -314,14 +319,7 @@ def test_relay_killed_mid_pull_resumes_with_only_the_missing_shards(tmp_path, ke
         return web.Response(status=status, body=body, headers=headers)
 
     config = tmp_path / "rlrun.yaml"
-    config.write_text(f"""apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: {RUN}}}
-spec:
-  model: {{path: "builtin://tiny-arithmetic"}}
-  task: {{type: arithmetic}}
-  shardcast: {{publicKey: "{public_text}"}}
-""")
+    config.write_text(relay_run_config(public_text))
     port, cache = free_port(), tmp_path / "relay"
     partial = cache / RUN / ".v1.partial"
     with serving(origin.make_app(store, RUN)) as origin_url, serving(evil_relay(origin_url, count_and_slow)) as upstream:
