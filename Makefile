@@ -20,7 +20,8 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/rlfleet run examples/arithmetic/rlrun.yaml
 
-# The whole suite, end-to-end runs included (about 10 minutes on 2 cores).
+# The whole suite, end-to-end and vLLM runs included (about 6 minutes on 2 cores once installed;
+# the install takes about 4).
 test: setup
 	$(BIN)/python -m pytest -ra
 
