@@ -217,7 +217,7 @@ def relay_process(config: Path, redis_url: str, port: int, upstream: str, cache:
 def test_relay_killed_mid_transfer_then_restarts_and_catches_up(tmp_path, keys, redis_url, redis_client):
     signer, public, public_text = keys
     store = open_store(f"file://{tmp_path}/store")
-    src1 = make_version(tmp_path / "v1", 1, size=3_000_000)
+    src1 = make_version(tmp_path / "v1", 1, size=12_000_000)  # ~180 shards: both relays serve some of them
     publish_version(store, RUN, 1, src1, signer=signer, shard_size=SHARD)
     config = tmp_path / "rlrun.yaml"
     config.write_text(relay_run_config(public_text))
@@ -232,7 +232,9 @@ def test_relay_killed_mid_transfer_then_restarts_and_catches_up(tmp_path, keys, 
 
             def kill_first(n: int) -> None:
                 received[0] += n
-                if received[0] > 1_000_000 and not killed:
+                # Mid-transfer, and only once relay 0 has served a shard (which relay a shard comes
+                # from is the client's weighted random pick, so a byte count alone can come too early).
+                if received[0] > 3_000_000 and sources.ok[urls[0]] > 0 and not killed:
                     procs[0].send_signal(signal.SIGKILL)
                     killed.append(procs[0].wait())
 

@@ -14,7 +14,7 @@ Algorithm (`fetch_version`):
      is written (one pwrite) only if the digest matches. A mismatch or an oversized body drops it
      and asks another source; a broken connection keeps the bytes received (and the running hash)
      and resumes with a Range request from whichever source is picked next. A journal `.shards`
-     (ShardJournal) records written shards, so a fetch interrupted by `stop` or a crash resumes
+     (staging.ShardJournal) records written shards, so a fetch interrupted by `stop` or a crash resumes
      after re-hashing only those shards.
   4. When every shard is in, write `.complete` (last) and rename the partial dir to dest_root/v{N}:
      v{N} exists only complete. The whole-file sha256 is not recomputed: the signed manifest binds
@@ -26,12 +26,11 @@ mismatch must rotate sources, and a 404 for a brand-new version is retried until
 Shard bodies go through http.client rather than requests: `readinto` a reused buffer is the one
 way in Python to take bytes off the socket without a copy per chunk (requests/urllib3 allocate a
 bytes object per chunk), and at GB/s that copy is most of the cost.
-The relay reuses `Fetcher` and `ShardJournal` for its own pulls (relay.py).
+The relay reuses `Fetcher` (and staging.py's `ShardJournal`) for its own pulls (relay.py).
 `wait_for_version` long-polls `latest?after=N` (protocol.py) for a process without the policy stream.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import http.client
 import logging
@@ -51,6 +50,7 @@ from rlfleet.checkpoint import (
     COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, ManifestError, parse_manifest, version_dir_name,
 )
 from rlfleet.services.shardcast.protocol import file_path, latest_path
+from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, allocate, install
 from rlfleet.signing import SignatureError
 
 log = logging.getLogger("rlfleet.shardcast.client")
@@ -60,7 +60,6 @@ CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 60.0
 RECV_CHUNK = 1 << 20  # bytes per readinto/hash step; a broken connection keeps all it received
 PARALLEL = 4
 EXPLORE = 0.1  # probability of picking a source uniformly instead of by weight
-JOURNAL = ".shards"
 
 
 class FetchError(TimeoutError):
@@ -235,7 +234,7 @@ class Fetcher:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 fds.append(fd)
-                _allocate(fd, entry["size"])
+                allocate(fd, entry["size"])
             todo = [(i, j) for i, entry in enumerate(manifest["files"])
                     for j in range(len(entry["shards"])) if (i, j) not in skip]
             todo.reverse()  # pop() from the end: shards go in file order
@@ -339,21 +338,6 @@ class Fetcher:
             raise HTTPStatusError(f"truncated body: {have} of {size} shard bytes")
 
 
-def _allocate(fd: int, size: int) -> None:
-    """Make the file `size` bytes with its blocks reserved up front: writing shards into a sparse
-    file makes the filesystem allocate page by page, which costs more CPU than receiving the bytes
-    (measured on ext4: 0.6-3.6 GB/s into a sparse file, ~5 GB/s into an allocated one), and a full
-    disk fails here, before any byte is fetched."""
-    os.ftruncate(fd, size)
-    if size:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise  # ENOSPC and real I/O errors
-            # a filesystem without fallocate: the sparse file works, only slower
-
-
 def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path, timeout: float = 300, *,
                   on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
                   public_key=None, sources: Sources | None = None, parallel: int = PARALLEL) -> Path:
@@ -377,84 +361,13 @@ def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path,
             fetcher.shards(manifest, partial, done, journal.record)
         (partial / JOURNAL).unlink()
         (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, all shards verified\n")
-        return _install(partial, final)
+        return install(partial, final)
     except FetchError:
         if not fetcher.stopped:  # a timeout: leave nothing behind; a stop keeps it to resume
             shutil.rmtree(partial, ignore_errors=True)
         raise
     finally:
         fetcher.close()
-
-
-class ShardJournal:
-    """`{partial}/.shards`: one "i j" line per shard of files[i] written after its sha256 matched.
-    `resume` makes `partial` hold the manifest `raw` (a partial dir of another manifest is wiped)
-    and returns the journaled shards that still verify; `record` appends one (thread-safe)."""
-
-    def __init__(self, partial: Path):
-        self.partial = partial
-        self._file = None
-        self._lock = threading.Lock()
-
-    def resume(self, raw: bytes, manifest: dict) -> set[tuple[int, int]]:
-        partial = self.partial
-        if partial.exists() and _read(partial / MANIFEST_NAME) != raw:
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True, exist_ok=True)
-        (partial / MANIFEST_NAME).write_bytes(raw)
-        done = set()
-        for line in (_read(partial / JOURNAL) or b"").decode(errors="replace").splitlines():
-            try:
-                i, j = (int(x) for x in line.split())
-                entry = manifest["files"][i]
-                shard = entry["shards"][j]
-                with open(partial / entry["name"], "rb") as f:
-                    f.seek(shard["offset"])
-                    if hashlib.sha256(f.read(shard["size"])).hexdigest() == shard["sha256"]:
-                        done.add((i, j))
-            except (ValueError, IndexError, OSError):
-                continue  # a torn journal line or a missing file: fetch that shard again
-        if done:
-            log.info("resuming %s: %d shards already verified", partial, len(done))
-        self._file = open(partial / JOURNAL, "a")
-        return done
-
-    def record(self, i: int, j: int) -> None:
-        with self._lock:
-            self._file.write(f"{i} {j}\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-    def __enter__(self) -> "ShardJournal":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _install(tmp: Path, final: Path) -> Path:
-    """Rename the verified dir to `final`; another fetcher that got there first wins."""
-    if final.exists() and not (final / COMPLETE_MARKER).exists():  # leftover of something interrupted
-        trash = final.with_name(f".{final.name}.trash-{os.getpid()}-{time.monotonic_ns()}")
-        os.rename(final, trash)
-        shutil.rmtree(trash)
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if (final / COMPLETE_MARKER).exists():
-            return final
-        raise
-    return final
 
 
 def latest_version_http(base_url: str, run: str, timeout: float = 10.0) -> int | None:

@@ -10,7 +10,7 @@ It serves the origin's routes (protocol.py) for {cache_dir}/{run}/v{N}/. Invaria
     to v{N} after the last one, before the last shard is announced as ready.
   pull          one pull per version at a time (a thread running client.Fetcher against the
                 upstream, `parallel` shards at once); concurrent requests share it
-  resume        a partial dir keeps a journal of its verified shards (client.ShardJournal); a
+  resume        a partial dir keeps a journal of its verified shards (staging.ShardJournal); a
                 relay killed or stopped mid-pull keeps it, and the next pull of that version
                 re-hashes the journaled shards, serves them at once and fetches only the others.
                 Partial dirs of versions no newer than a held one are dropped at start, and
@@ -50,12 +50,13 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
 from rlfleet.services.shardcast.client import (
-    BACKOFF_MAX, BACKOFF_START, JOURNAL, PARALLEL, FetchError, Fetcher, ShardJournal, Sources, latest_version_http,
+    BACKOFF_MAX, BACKOFF_START, PARALLEL, FetchError, Fetcher, Sources, latest_version_http,
 )
 from rlfleet.services.shardcast.protocol import (
     ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, VersionBoard, answer_long_poll, check_run, file_path,
     healthz, latest_path, long_poll_args, metrics, request_version, send_file, send_range, serve_until,
 )
+from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
 from rlfleet.streams import MessageError, RunKeys, decode_json
 
 log = logging.getLogger("rlfleet.shardcast.relay")
