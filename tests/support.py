@@ -10,7 +10,7 @@ def tiny_policy_dir(dest: Path, seed: int, hidden_size: int = 64, num_attention_
                     num_key_value_heads: int = 2) -> Path:
     """A randomly initialised Qwen2 policy with the builtin tokenizer, saved in HF format.
 
-    The default head size 16 is the builtin model's; vLLM's CPU attention needs 32 or more
+    The default head size 16 is the builtin tiny-arithmetic's; vLLM's CPU attention needs 32 or more
     (e.g. `num_attention_heads=2, num_key_value_heads=1`)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -5,19 +5,23 @@ import hashlib
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rlfleet.config import ArithmeticTaskSpec, DatasetSpec, MathTaskSpec, ModelSpec, load_bundle
-from rlfleet.models.builtin import resolve_model_path
+from rlfleet.models.builtin import BUILTINS, resolve_model_path
 from rlfleet.models.warm_start import noisy_answer
 from rlfleet.policy import load_policy
 from rlfleet.tasks.base import make_task
 from rlfleet.tasks.math import answers_match
 
 TASK = ArithmeticTaskSpec(type="arithmetic", max_operand=20)
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MATH_SET = ROOT / "data" / "samples" / "tiny-math.jsonl"
+MATH = MathTaskSpec(type="math", dataset=DatasetSpec(path=str(TINY_MATH_SET)), prompt_template="{problem}")
 
 
 def digest(path) -> str:
@@ -42,6 +46,19 @@ def test_builds_are_deterministic_by_seed_and_cached(tmp_path, monkeypatch):
     assert not list((tmp_path / "b" / "builtin").glob(".build-*")), "no half-written builds are left"
 
 
+def test_a_changed_architecture_gets_a_new_build_and_leaves_the_other_builtins_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path))
+    arithmetic = ModelSpec(path="builtin://tiny-arithmetic", warm_start_steps=2)
+    math = ModelSpec(path="builtin://tiny-math", warm_start_steps=2)
+    before, math_before = resolve_model_path(arithmetic, TASK), resolve_model_path(math, MATH)
+    two_heads = replace(BUILTINS["tiny-arithmetic"], arch={**BUILTINS["tiny-arithmetic"].arch, "num_attention_heads": 2})
+    monkeypatch.setitem(BUILTINS, "tiny-arithmetic", two_heads)
+    after = resolve_model_path(arithmetic, TASK)
+    assert after != before, "a build of the old architecture is not reused"
+    assert json.loads((after / "config.json").read_text())["num_attention_heads"] == 2
+    assert resolve_model_path(math, MATH) == math_before, "the unchanged builtin keeps its cached build"
+
+
 def test_unknown_builtin_and_missing_directory_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown builtin model 'nope'"):
         resolve_model_path(ModelSpec(path="builtin://nope"), TASK)
@@ -49,15 +66,11 @@ def test_unknown_builtin_and_missing_directory_are_clear_errors(tmp_path):
         resolve_model_path(ModelSpec(path=str(tmp_path)), TASK)
 
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY_MATH_SET = ROOT / "data" / "samples" / "tiny-math.jsonl"
-MATH = MathTaskSpec(type="math", dataset=DatasetSpec(path=str(TINY_MATH_SET)), prompt_template="{problem}")
-
-
 def test_tiny_math_builds_a_model_whose_tokenizer_round_trips_its_data_set(tmp_path, monkeypatch):
     monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path))
     model, tokenizer = load_policy(resolve_model_path(ModelSpec(path="builtin://tiny-math", warm_start_steps=2), MATH))
     assert model.config.model_type == "qwen2" and model.config.vocab_size == tokenizer.vocab_size
+    assert model.config.hidden_size // model.config.num_attention_heads == 32, "head size 32: vLLM's CPU attention needs >= 32"
     rows = [json.loads(line) for line in TINY_MATH_SET.read_text().splitlines()]
     assert len(rows) == 640
     for row in rows:

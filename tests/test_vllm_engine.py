@@ -134,6 +134,20 @@ def test_an_unsupported_head_size_is_refused_with_the_fix(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
+def test_the_builtin_tiny_math_passes_the_head_size_check(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from rlfleet.config import load_bundle
+    from rlfleet.models.builtin import resolve_model_path
+    from rlfleet.services.rollout.vllm_engine import check_supported
+    root = Path(__file__).resolve().parent.parent
+    spec = load_bundle(root / "examples" / "math" / "rlrun-vllm.yaml").run.spec
+    monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path))
+    monkeypatch.chdir(root)  # the example's data set path is relative to the repository root
+    check_supported(resolve_model_path(spec.model.model_copy(update={"warm_start_steps": 2}), spec.task))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
 def test_rlfleet_run_refuses_engine_vllm_for_such_a_model_before_starting_anything(tmp_path):
     from pathlib import Path
 

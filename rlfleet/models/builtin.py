@@ -8,9 +8,14 @@ it. tiny-arithmetic writes bare integers for the arithmetic task; tiny-math writ
 for the math task over data/samples/tiny-math.jsonl (made by scripts/make_tiny_math.py), whose
 characters its tokenizer covers; a data set with other characters is refused when the model is built.
 
-Building is deterministic for a given (task spec, seed, steps, BUILD_VERSION); the result is
-cached under $RLFLEET_CACHE (default ~/.cache/rlfleet) and written atomically, so concurrent
-builders never see a half-written model.
+vLLM's CPU attention needs a head size of at least 32: tiny-math (hidden 96, 3 heads of 32) runs on
+`engine: torch` or `engine: vllm`; tiny-arithmetic (head size 16) on torch only.
+
+Building is deterministic for a given (builtin recipe, task spec, seed, steps, BUILD_VERSION); the
+cache key hashes all of them, so changing a builtin's architecture or warm-start recipe gets a new
+build without touching the others' (BUILD_VERSION is for changes to the build code itself). The
+result is cached under $RLFLEET_CACHE (default ~/.cache/rlfleet) and written atomically, so
+concurrent builders never see a half-written model.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 BUILD_VERSION = 2
@@ -42,8 +47,9 @@ BUILTINS = {
     "tiny-arithmetic": Builtin(CHARS, {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
                                        "num_attention_heads": 4, "num_key_value_heads": 2},
                                warm_start_steps=1500, label_noise=0.5, demonstration="{answer}"),
+    # head size 96 / 3 = 32, the smallest vLLM's CPU attention supports, so examples/math runs on either engine
     "tiny-math": Builtin(MATH_CHARS, {"hidden_size": 96, "intermediate_size": 288, "num_hidden_layers": 3,
-                                      "num_attention_heads": 4, "num_key_value_heads": 2},
+                                      "num_attention_heads": 3, "num_key_value_heads": 3},
                          warm_start_steps=2500, label_noise=0.4, demonstration="\\boxed{{{answer}}}"),
 }
 
@@ -66,8 +72,10 @@ def build_tokenizer(chars: str = CHARS):
 
 
 def _spec_key(name: str, task_spec, steps: int, seed: int) -> str:
-    blob = json.dumps({"name": name, "task": task_spec.model_dump(mode="json"), "steps": steps, "seed": seed,
-                       "build": BUILD_VERSION}, sort_keys=True)
+    """Hash of everything a build depends on: the builtin's recipe (characters, architecture, label noise,
+    demonstration), the task, the warm-start steps, the seed and the build code's version."""
+    blob = json.dumps({"name": name, "recipe": asdict(BUILTINS[name]), "task": task_spec.model_dump(mode="json"),
+                       "steps": steps, "seed": seed, "build": BUILD_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
