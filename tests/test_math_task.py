@@ -48,6 +48,7 @@ def test_different_answers_do_not_match(given, reference):
 @pytest.mark.parametrize("hostile", [
     "__import__('os').system('touch /tmp/pwned')", "e.n", "9^9^9^9^9", "2^{2^{100}}", "x" * 5000,
     "lambda: 1", "().__class__",
+    "1/(2", "{}1",  # an unclosed bracket; an empty tuple times 1 (both crashed a rollout worker's reward)
 ])
 def test_hostile_answers_score_zero_quickly_and_run_nothing(hostile):
     start = time.monotonic()

@@ -17,6 +17,7 @@ LaTeX parsers of sympy need antlr4 or lark and accept far more than answers).
 from __future__ import annotations
 
 import re
+import tokenize
 from fractions import Fraction
 
 from rlfleet.tasks.base import Problem
@@ -174,7 +175,7 @@ def _parse(s: str):
                           transformations=standard_transformations + (implicit_multiplication_application,),
                           evaluate=False)
     except (SyntaxError, TypeError, ValueError, AttributeError, NameError, IndexError, ZeroDivisionError,
-            sympy.SympifyError):  # IndexError: the parser on unbalanced brackets
+            tokenize.TokenError, sympy.SympifyError):  # IndexError, TokenError: the parser on unbalanced brackets
         return None
     if not isinstance(expr, sympy.Expr):
         return None
@@ -245,8 +246,8 @@ def _scalar_equal(a: str, b: str) -> bool:
             if abs(da - db) > 1e-9 * max(1.0, abs(da), abs(db)):
                 return False
         return True
-    except (TypeError, ValueError, ZeroDivisionError, OverflowError, sympy.SympifyError):
-        return False
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError, sympy.SympifyError):
+        return False  # AttributeError: e.g. `{}1`, an empty tuple times 1, has no numeric value
 
 
 def answers_match(given: str, reference: str) -> bool:
