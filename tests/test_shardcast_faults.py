@@ -185,6 +185,16 @@ def test_client_resumes_after_interruption(tmp_path, keys):
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v1"]
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 10 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def relay_run_config(public_text: str) -> str:
     """The RLRun a relay process reads: the run's name and the public key its manifests are signed with."""
     return f"""apiVersion: rlfleet.io/v1alpha1
@@ -261,12 +271,7 @@ def test_relay_killed_mid_transfer_then_restarts_and_catches_up(tmp_path, keys, 
             assert all((p / COMPLETE_MARKER).exists() for p in held.iterdir())
         finally:
             for proc in procs:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                stop_process(proc)
 
 
 def test_retention_and_disk_bound_hold_over_many_versions(tmp_path, keys):
@@ -352,9 +357,4 @@ def test_relay_killed_mid_pull_resumes_with_only_the_missing_shards(tmp_path, ke
             path = fetch_version([f"http://127.0.0.1:{port}"], RUN, 1, tmp_path / "worker", timeout=20, public_key=public)
             assert same_files(path, src)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
