@@ -44,11 +44,12 @@ def update_once(policy_dir, spec: TrainerSpec, rank: int = 0, world: int = 1) ->
 def _rank_main(rank: int, world: int, port: int, policy_dir: str, spec_json: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from rlfleet.services.trainer.update import init_distributed
+    from rlfleet.services.trainer.update import init_distributed, leave_distributed
 
     assert init_distributed() == (rank, world)
     weights = update_once(policy_dir, TrainerSpec.model_validate_json(spec_json), rank, world)
     save_file(weights, f"{out}/rank{rank}.safetensors")
+    leave_distributed()
 
 
 @pytest.mark.parametrize("normalization", ["token", "sequence"])

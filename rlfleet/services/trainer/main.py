@@ -31,7 +31,7 @@ from rlfleet.policy import Prefill, load_policy
 from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
 from rlfleet.services.trainer.sharding import (full_model_state, full_optimizer_state, load_full_state,
                                                publishable_weights, shard_policy)
-from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, training_device
+from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
 from rlfleet.services.trainer.state import load_state, save_state
 from rlfleet.signing import run_signer
 from rlfleet.streams import MessageError, RolloutGroup, encode_json
@@ -267,5 +267,8 @@ def main(args) -> int:
     output_dir = Path(args.output_dir) if args.output_dir else None
     if output_dir:
         output_dir.mkdir(parents=True, exist_ok=True)
-    Trainer(ctx, output_dir).run(args.steps or ctx.bundle.run.spec.trainer.steps)
+    try:
+        Trainer(ctx, output_dir).run(args.steps or ctx.bundle.run.spec.trainer.steps)
+    finally:
+        leave_distributed()
     return 0

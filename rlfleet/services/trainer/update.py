@@ -43,6 +43,14 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
+def leave_distributed() -> None:
+    """Leave the process group, if this process joined one. Every rank must, before it exits: gloo's
+    worker threads still alive at interpreter shutdown abort the process (SIGABRT, "terminate called
+    without an active exception"; 3 exits in 80 in a 4-rank all-reduce loop here, none with this)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def broadcast(obj, rank: int, world: int):
     """Rank 0's `obj` on every rank."""
     if world == 1:
