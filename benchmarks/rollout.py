@@ -85,6 +85,7 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
     loaded = time.monotonic()
     first = engine.generate(rows[0], SamplingParams(1.0, 1.0, 0, 1, seed=7), args.group_size)
     first_token = time.monotonic()
+    engine.close()
     assert all(g.version == 1 for g in first)
     return {"engine": kind, "start_s": start_s, "tokens": tokens, "gen_s": gen_s, "tok_s": statistics.median(rates),
             "tok_s_min": min(rates), "tok_s_max": max(rates),

