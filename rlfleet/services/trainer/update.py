@@ -123,10 +123,22 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
         total = torch.tensor([loss.item()], device=device)  # NCCL reduces GPU tensors only
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         loss = total[0]
+        stats = whole_batch_token_means(stats, sum(len(o) for o in old), t, device)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
     optimizer.step()
     model.eval()
     rewards_arr = np.array(rewards)
     return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
             "accuracy": float((rewards_arr >= 1.0).mean()), "samples": len(rewards),
-            "completion_tokens_mean": total_tokens / len(rewards), **stats}  # ratio/clip/entropy stats: this rank's share
+            "completion_tokens_mean": total_tokens / len(rewards), **stats}
+
+
+def whole_batch_token_means(stats: dict[str, float], tokens: int, t, device) -> dict[str, float]:
+    """The loss's per-token means (ratio, clip fraction, entropy, KL) over the whole batch, from each
+    rank's means over its `tokens` completion tokens: sum of mean x tokens over ranks / all tokens.
+    Every rank calls it (a rank without completions adds zeros); which means exist follows from the
+    config `t`, so all ranks reduce the same vector."""
+    keys = ["ratio_mean", "clip_fraction"] + ["entropy_mean"] * (t.entropy_coef > 0) + ["kl_mean"] * (t.kl_coef > 0)
+    sums = torch.tensor([stats.get(k, 0.0) * tokens for k in keys] + [float(tokens)], dtype=torch.float64, device=device)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    return {k: float(v) for k, v in zip(keys, sums[:-1] / sums[-1].clamp(min=1.0))}
