@@ -127,6 +127,24 @@ def test_a_checkpoint_of_another_model_is_refused_and_the_engine_keeps_its_weigh
     assert engine.version == version
 
 
+def test_completions_end_one_position_short_of_the_context_window(engine, models):
+    """The last hidden row of a completion comes from a 1-token continuation, so vLLM may fill the
+    window but for one position: longer would make that continuation's prompt too long for vLLM."""
+    window = engine.max_model_len  # the tiny model's max_position_embeddings
+    prompt_ids = engine.tokenizer("12 + 7 = " * window)["input_ids"][: window - 4]
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=12, seed=5)
+    gens = engine.generate(prompt_ids, params, 4)
+    assert all(len(g.completion_ids) <= 3 for g in gens)
+    assert any(len(g.completion_ids) == 3 and g.finish_reason == "length" for g in gens), [g.completion_ids for g in gens]
+    assert all(g.hidden.shape[0] == len(prompt_ids) + len(g.completion_ids) for g in gens)
+    group = RolloutGroup(task_id="arith-0-0", worker_id="w-vllm", policy_version=engine.version, prompt_ids=prompt_ids,
+                         sampling=params, samples=[Sample(g.completion_ids, g.logprobs, [], 0.0, g.finish_reason) for g in gens])
+    assert max_logprob_error(load_policy(models[engine.version])[0], group) < 1e-4
+
+    with pytest.raises(ValueError, match=f"a prompt of {window - 1} tokens leaves no room to generate in the model's {window}-token context"):
+        engine.generate(prompt_ids + prompt_ids[:3], params, 1)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
 def test_an_unsupported_head_size_is_refused_with_the_fix(tmp_path):
     from rlfleet.services.rollout.vllm_engine import check_supported

@@ -218,6 +218,7 @@ class VLLMEngine(Engine):
         self.llm = vllm.LLM(model=str(model_dir), dtype=DTYPES[dtype], enforce_eager=True, enable_prefix_caching=True,
                             worker_extension_cls=f"{__name__}.CaptureExtension", **memory)
         self.llm.collective_rpc("rlfleet_install_capture")
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.version = version
         self._lock = threading.Lock()  # one version per group: generate and load_weights never interleave
 
@@ -241,9 +242,16 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
+        # Each completion's last hidden row comes from a 1-token continuation of prompt + completion,
+        # so a completion may fill the context window but for that one position.
+        room = self.max_model_len - len(prompt_ids) - 1
+        if room < 1:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room to generate in the model's "
+                             f"{self.max_model_len}-token context (one position is kept for the TOPLOC capture); "
+                             f"shorten spec.task's prompts or serve a model with a longer context")
         with self._lock:
             sampling = [VSamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                        max_tokens=params.max_tokens, seed=sample_seed(params.seed, i), detokenize=False,
+                                        max_tokens=min(params.max_tokens, room), seed=sample_seed(params.seed, i), detokenize=False,
                                         skip_reading_prefix_cache=(i == 0)) for i in range(n)]
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))] * n, sampling, use_tqdm=False)
             completions = [list(o.outputs[0].token_ids) for o in outs]
