@@ -6,7 +6,8 @@ completion) count, gradients are summed with all-reduce, then clipped and applie
 every rank, so all ranks keep the same weights and the update equals the single-process one up
 to float summation order. With `trainer.sharding: fsdp` the model is sharded (sharding.py): the
 same split and the same sum, done by FSDP's reduce-scatter in the backward instead of the
-all-reduce here. Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+all-reduce here. The batch statistics (loss, ratio, clip fraction, entropy, KL) are the whole
+batch's on every rank. Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 (gloo on CPU, NCCL on GPU), which is how the operator starts trainer pods.
 """
 from __future__ import annotations
