@@ -1,6 +1,9 @@
 """Helpers shared by tests: real HTTP servers on loopback and small real models."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from rlfleet.services.shardcast.protocol import serving  # noqa: F401  (tests import it from here)
@@ -44,3 +47,13 @@ spec:
 def trainer_run_config(model: Path, store: Path, trainer: str) -> str:
     """The RLRun YAML the trainer tests use: tiny groups of the arithmetic task, `trainer` as given (a flow mapping)."""
     return TRAINER_RUN.format(model=model, store=store, trainer=trainer)
+
+
+def start_trainer(config: Path, redis_url: str, out: Path, *extra: str, log: str = "trainer.log",
+                  env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`rlfleet trainer` as its own process (one torch thread, `env` added), metrics.jsonl in `out`,
+    its output appended to `out/log`."""
+    return subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "trainer", "--config", str(config),
+                             "--redis-url", redis_url, "--output-dir", str(out), *extra],
+                            stdout=open(out / log, "ab"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "RLFLEET_TORCH_THREADS": "1", **(env or {})})

@@ -7,7 +7,6 @@ import collections
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from rlfleet.services.trainer.sharding import (full_model_state, full_optimizer_
                                                publishable_weights, shard_policy)
 from rlfleet.services.trainer.update import grpo_update
 from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams
-from support import tiny_policy_dir, trainer_run_config
+from support import start_trainer, tiny_policy_dir, trainer_run_config
 from test_trainer import group
 from test_trainer_dp import batch
 
@@ -110,15 +109,10 @@ TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 4, re
 
 def start_ranks(config, redis_url, out, steps: int) -> list[subprocess.Popen]:
     """The two trainer replicas, launched the way the operator's StatefulSet pods are (torchrun-style env)."""
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RLFLEET_TORCH_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "trainer", "--config", str(config),
-                                       "--redis-url", redis_url, "--output-dir", str(out), "--steps", str(steps)],
-                                      stdout=open(out / f"rank{rank}.log", "ab"), stderr=subprocess.STDOUT, env=env))
-    return procs
+    port = str(free_port())
+    return [start_trainer(config, redis_url, out, "--steps", str(steps), log=f"rank{rank}.log",
+                          env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            for rank in (0, 1)]
 
 
 @pytest.mark.slow

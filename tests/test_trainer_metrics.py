@@ -3,9 +3,6 @@ on the trainer's /metrics, scraped over HTTP from a real trainer process after a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.redis_server import free_port
 from rlfleet.streams import RunKeys
-from support import tiny_policy_dir, trainer_run_config
+from support import start_trainer, tiny_policy_dir, trainer_run_config
 from test_trainer import group
 
 TRAINER = "{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-3, steps: 2, skipZeroAdvantageGroups: true, entropyCoef: 0.01, klCoef: 0.1}"
@@ -55,10 +52,7 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
     redis_client.hset(keys.stats, mapping={"accepted": 4, "rejected": 2, "rejected:toploc": 1, "rejected:replay": 1})
     port = free_port()
     # Two steps asked for and data for one: after step 1 the trainer waits, still serving /metrics.
-    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "trainer", "--config", str(config), "--redis-url", redis_url,
-                             "--output-dir", str(tmp_path), "--metrics-port", str(port)],
-                            stdout=open(tmp_path / "trainer.log", "wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "RLFLEET_TORCH_THREADS": "1", "RLFLEET_LOCAL": "1"})
+    proc = start_trainer(config, redis_url, tmp_path, "--metrics-port", str(port), env={"RLFLEET_LOCAL": "1"})
     try:
         deadline = time.monotonic() + 180
         while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().endswith("\n"):

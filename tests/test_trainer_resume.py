@@ -4,26 +4,16 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from rlfleet.streams import RunKeys
-from support import tiny_policy_dir, trainer_run_config
+from support import start_trainer, tiny_policy_dir, trainer_run_config
 from test_trainer import group
 
 TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 10}"
-
-
-def start_trainer(config, redis_url, out) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "trainer", "--config", str(config),
-                             "--redis-url", redis_url, "--output-dir", str(out)],
-                            stdout=open(out / "trainer.log", "ab"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "RLFLEET_TORCH_THREADS": "1"})
 
 
 def steps_done(out) -> int:
