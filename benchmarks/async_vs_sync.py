@@ -9,6 +9,7 @@ plus the reward of both at equal steps. Steady state only: the first `--skip` st
 
     python benchmarks/async_vs_sync.py [--steps 60] [--async-level 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,11 @@ def run(config: Path, level: int, steps: int, workdir: Path) -> list[dict]:
     path = workdir / f"level{level}.yaml"
     path.write_text(yaml.safe_dump_all(docs))
     run_dir = workdir / f"run-level{level}"
-    subprocess.run([sys.executable, "-m", "rlfleet.cli", "run", str(path), "--run-dir", str(run_dir), "--no-progress"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "run", str(path), "--run-dir", str(run_dir), "--no-progress"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -53,7 +57,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
         sync = run(args.config, 0, args.steps, Path(tmp))
         asyn = run(args.config, args.async_level, args.steps, Path(tmp))
-    steady = sync[args.skip:]
+    steady = sync[args.skip :]
     g = statistics.median(r["wait_seconds"] for r in steady)
     t = statistics.median(r["compute_seconds"] + r["publish_seconds"] for r in steady)
     bound = (g + t) / max(g, t)
@@ -65,12 +69,16 @@ def main() -> int:
 
     print(f"{'':24}{'sync (level 0)':>16}{f'async (level {args.async_level})':>18}")
     print(f"{'samples / minute':24}{sync_rate:16.0f}{async_rate:18.0f}")
-    print(f"{'staleness mean':24}{statistics.mean(r['staleness_mean'] for r in sync):16.2f}"
-          f"{statistics.mean(r['staleness_mean'] for r in asyn):18.2f}")
+    print(
+        f"{'staleness mean':24}{statistics.mean(r['staleness_mean'] for r in sync):16.2f}"
+        f"{statistics.mean(r['staleness_mean'] for r in asyn):18.2f}"
+    )
     print(f"{'reward, last tenth':24}{last_reward(sync):16.3f}{last_reward(asyn):18.3f}")
     print(f"G (generation per batch) {g:.3f}s   T (train + publish per step) {t:.3f}s")
-    print(f"speed-up async/sync {async_rate / sync_rate:.2f}   overlap bound (G+T)/max(G,T) {bound:.2f}   "
-          f"fraction of bound {async_rate / sync_rate / bound:.2f} (target >= 0.9)")
+    print(
+        f"speed-up async/sync {async_rate / sync_rate:.2f}   overlap bound (G+T)/max(G,T) {bound:.2f}   "
+        f"fraction of bound {async_rate / sync_rate / bound:.2f} (target >= 0.9)"
+    )
     return 0
 
 

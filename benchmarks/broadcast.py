@@ -35,6 +35,7 @@ Bounds (all measured in this invocation):
                       client (shards, then the reassembled file). `--workdir` on a tmpfs removes it.
 This is a script, not a test (STYLE.md 10).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,6 +63,7 @@ REFERENCE_DUMMY = "data1.bin"  # every shardcast server must serve it: its clien
 
 
 # ---- the processes ---------------------------------------------------------------------------
+
 
 def rlfleet_client(urls: list[str], dest: str, public_key: str) -> None:
     from rlfleet.services.shardcast.client import fetch_version, wait_for_version
@@ -106,11 +108,16 @@ def reference_client(servers: list[str], out_dir: str, poll: int) -> None:
     print(json.dumps({"done": time.monotonic()}), flush=True)
 
 
-ROLES = {"--client": rlfleet_client, "--ref-origin": reference_origin, "--ref-middle": reference_middle,
-         "--ref-client": reference_client}
+ROLES = {
+    "--client": rlfleet_client,
+    "--ref-origin": reference_origin,
+    "--ref-middle": reference_middle,
+    "--ref-client": reference_client,
+}
 
 
 # ---- the driver ------------------------------------------------------------------------------
+
 
 class Procs:
     """Processes of one column; every one is stopped (SIGTERM, then SIGKILL) when the block ends."""
@@ -119,15 +126,22 @@ class Procs:
         self.env, self.logs, self.procs = env, logs, []
 
     def start(self, argv: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env=env or self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=open(self.logs / f"{name}.log", "ab"), text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env=env or self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.logs / f"{name}.log", "ab"),
+            text=True,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
     def role(self, role: str, *args, name: str, env: dict | None = None) -> subprocess.Popen:
         return self.start([sys.executable, __file__, role, *map(str, args)], name, env)
 
-    def __enter__(self) -> "Procs":
+    def __enter__(self) -> Procs:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -225,8 +239,11 @@ def dirty_allowance() -> float:
     vm = Path("/proc/sys/vm")
     if (vm / "dirty_bytes").exists() and int((vm / "dirty_bytes").read_text()) > 0:
         return float(int((vm / "dirty_bytes").read_text()))
-    available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                     if line.startswith("MemAvailable:"))
+    available = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemAvailable:")
+    )
     return available * int((vm / "dirty_ratio").read_text()) / 100
 
 
@@ -238,8 +255,9 @@ def sha256_rate() -> float:
     return 4 * len(data) / (time.monotonic() - started)
 
 
-def run_rlfleet(column: str, args, work: Path, env: dict, public: str, store, manifest: tuple[str, bytes],
-                redis_client) -> float:
+def run_rlfleet(
+    column: str, args, work: Path, env: dict, public: str, store, manifest: tuple[str, bytes], redis_client
+) -> float:
     from rlfleet.redis_server import free_port
     from rlfleet.streams import RunKeys, encode_json
 
@@ -254,12 +272,29 @@ def run_rlfleet(column: str, args, work: Path, env: dict, public: str, store, ma
             urls = []
             for i in range(args.relays):
                 rport = free_port()
-                proc = procs.start([*cli, "relay", "--config", str(config), "--port", str(rport), "--upstream", origin,
-                                    "--cache-dir", str(work / f"relay{i}"), "--keep-versions", "1"], f"relay{i}")
+                proc = procs.start(
+                    [
+                        *cli,
+                        "relay",
+                        "--config",
+                        str(config),
+                        "--port",
+                        str(rport),
+                        "--upstream",
+                        origin,
+                        "--cache-dir",
+                        str(work / f"relay{i}"),
+                        "--keep-versions",
+                        "1",
+                    ],
+                    f"relay{i}",
+                )
                 urls.append(f"http://127.0.0.1:{rport}")
                 wait_healthy(urls[-1], proc)
-        clients = [procs.role("--client", json.dumps(urls), work / f"client{i}", public,
-                              name=f"{column}-client{i}") for i in range(args.clients)]
+        clients = [
+            procs.role("--client", json.dumps(urls), work / f"client{i}", public, name=f"{column}-client{i}")
+            for i in range(args.clients)
+        ]
         for i, c in enumerate(clients):
             expect_line(c, f"client {i}")
         started = time.monotonic()
@@ -278,6 +313,7 @@ def run_reference(poll: int, args, work: Path, source: Path) -> float:
     package = Path(shardcast.__file__).parent
     dummy = os.urandom(1 << 20)
     with Procs(dict(os.environ), work) as procs:
+
         def server_dir(name: str) -> Path:
             d = work / name
             d.mkdir(parents=True)
@@ -291,7 +327,9 @@ def run_reference(poll: int, args, work: Path, source: Path) -> float:
         relays = []
         for i in range(args.relays):  # one at a time: each start-up downloads /tmp/dummy.bin
             rport = free_port()
-            middle = procs.role("--ref-middle", origin_url, server_dir(f"ref-relay{i}"), rport, poll, name=f"ref-relay{i}")
+            middle = procs.role(
+                "--ref-middle", origin_url, server_dir(f"ref-relay{i}"), rport, poll, name=f"ref-relay{i}"
+            )
             expect_line(middle, f"reference relay {i}")
             relays.append(f"http://127.0.0.1:{rport}")
         clients = []
@@ -301,17 +339,23 @@ def run_reference(poll: int, args, work: Path, source: Path) -> float:
             private = work / f"ref-pkg{i}"
             shutil.copytree(package, private / "shardcast", ignore=shutil.ignore_patterns("__pycache__"))
             env = {**os.environ, "PYTHONPATH": f"{private}{os.pathsep}{ROOT}"}
-            clients.append(procs.role("--ref-client", json.dumps(relays), work / f"ref-client{i}", poll,
-                                      name=f"ref-client{i}", env=env))
+            clients.append(
+                procs.role(
+                    "--ref-client", json.dumps(relays), work / f"ref-client{i}", poll, name=f"ref-client{i}", env=env
+                )
+            )
             expect_line(clients[-1], f"reference client {i}")
         origin.stdin.write("publish\n")
         origin.stdin.flush()
         started = expect_line(origin, "reference origin")["published"]
         done = finish_times(clients, args.timeout)
     if len(done) < len(clients):
-        print(f"reference, poll {poll} s: {len(clients) - len(done)} of {len(clients)} clients not done after "
-              f"{args.timeout:g} s (see {work}/ref-client*.log); {len(done)} finished within "
-              f"{max(done, default=started) - started:.1f} s", file=sys.stderr)
+        print(
+            f"reference, poll {poll} s: {len(clients) - len(done)} of {len(clients)} clients not done after "
+            f"{args.timeout:g} s (see {work}/ref-client*.log); {len(done)} finished within "
+            f"{max(done, default=started) - started:.1f} s",
+            file=sys.stderr,
+        )
         return math.inf
     return max(done) - started
 
@@ -333,20 +377,30 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--relays", type=int, default=2)
     ap.add_argument("--shard-mib", type=int, default=16, help="rlfleet shard size (the reference keeps its own)")
-    ap.add_argument("--reference-polls", type=int, nargs="*", default=[30, 1],
-                    help="poll intervals (s) of the reference's middle nodes and clients; one column each")
+    ap.add_argument(
+        "--reference-polls",
+        type=int,
+        nargs="*",
+        default=[30, 1],
+        help="poll intervals (s) of the reference's middle nodes and clients; one column each",
+    )
     ap.add_argument("--systems", nargs="*", default=["tree", "direct", "reference"])
     ap.add_argument("--timeout", type=float, default=600, help="seconds a system may take before it counts as not done")
     ap.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, deleted after)")
     args = ap.parse_args()
-    for name, value in (("--size-mib", args.size_mib), ("--clients", args.clients), ("--relays", args.relays),
-                        ("--shard-mib", args.shard_mib)):
+    for name, value in (
+        ("--size-mib", args.size_mib),
+        ("--clients", args.clients),
+        ("--relays", args.relays),
+        ("--shard-mib", args.shard_mib),
+    ):
         if value < 1:
             raise SystemExit(f"{name} must be >= 1, got {value}")
 
+    from rlfleet import env as rlfleet_env
     from rlfleet.checkpoint import manifest_key, publish_version
     from rlfleet.redis_server import EmbeddedRedis
-    from rlfleet.signing import ENV_PUBLIC_KEY, generate_keypair, load_private_key, make_signer
+    from rlfleet.signing import generate_keypair, load_private_key, make_signer
     from rlfleet.store import open_store
 
     reference_ok = True
@@ -355,12 +409,17 @@ def main() -> int:
             import shardcast  # noqa: F401  (only: is it installed?)
         except ImportError:
             reference_ok = False
-            print("reference: the `shardcast` package is not installed; `pip install -e '.[bench]'` adds it "
-                  "(reference columns skipped)", file=sys.stderr)
+            print(
+                "reference: the `shardcast` package is not installed; `pip install -e '.[bench]'` adds it "
+                "(reference columns skipped)",
+                file=sys.stderr,
+            )
         if reference_ok and shutil.which("wget") is None:
             reference_ok = False
-            print("reference: shardcast downloads with `wget`, which is not on PATH (reference columns skipped)",
-                  file=sys.stderr)
+            print(
+                "reference: shardcast downloads with `wget`, which is not on PATH (reference columns skipped)",
+                file=sys.stderr,
+            )
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rlfleet-broadcast-"))
     size = args.size_mib << 20
@@ -374,26 +433,47 @@ def main() -> int:
         (src / "config.json").write_text("{}")
         private, public = generate_keypair(work / "keys")
         store = open_store(f"file://{work / 'store'}")
-        publish_version(store, RUN, 1, src, signer=make_signer(load_private_key(private)),
-                        shard_size=args.shard_mib << 20)
+        publish_version(
+            store, RUN, 1, src, signer=make_signer(load_private_key(private)), shard_size=args.shard_mib << 20
+        )
         key = manifest_key(RUN, 1)
         manifest = (key, store.get_bytes(key))
         (work / "rlrun.yaml").write_text(
             f"apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {{name: {RUN}}}\nspec:\n"
             f"  model: {{path: 'builtin://tiny-arithmetic'}}\n  task: {{type: arithmetic}}\n"
-            f"  store: {{uri: 'file://{work / 'store'}'}}\n")
+            f"  store: {{uri: 'file://{work / 'store'}'}}\n"
+        )
         with EmbeddedRedis(work / "redis") as redis_url:
             import redis
 
             redis_client = redis.Redis.from_url(redis_url)
-            env = {**os.environ, ENV_PUBLIC_KEY: public, "RLFLEET_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT)}
+            env = {
+                **os.environ,
+                rlfleet_env.PUBLIC_KEY: public,
+                rlfleet_env.REDIS_URL: redis_url,
+                "PYTHONPATH": str(ROOT),
+            }
             with Procs(env, work) as procs:  # the bounds, measured against the origin alone
                 from rlfleet.redis_server import free_port
 
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
-                wait_healthy(url, procs.start([sys.executable, "-m", "rlfleet.cli", "origin", "--config",
-                                               str(work / "rlrun.yaml"), "--port", str(port)], "origin"))
+                wait_healthy(
+                    url,
+                    procs.start(
+                        [
+                            sys.executable,
+                            "-m",
+                            "rlfleet.cli",
+                            "origin",
+                            "--config",
+                            str(work / "rlrun.yaml"),
+                            "--port",
+                            str(port),
+                        ],
+                        "origin",
+                    ),
+                )
                 results["stream"] = single_stream(url)
             results["sha256"] = sha256_rate()
             results["disk"] = disk_write_rate(work)
@@ -435,21 +515,32 @@ def report(args, size: int, results: dict[str, float]) -> None:
         return max(0.0, written - results["dirty"]) / results["disk"]
 
     references = sorted(k for k in results if k.startswith("reference"))
-    print(f"\n{args.size_mib} MiB to {n} clients via {r} relays on loopback; rlfleet shards {args.shard_mib} MiB; "
-          f"{cores} cores, load {os.getloadavg()[0]:.1f}")
-    print(f"single-stream loopback {stream / 2**20:.0f} MiB/s; sha256 {results['sha256'] / 2**20:.0f} MiB/s per core; "
-          f"disk writes {results['disk'] / 2**20:.0f} MiB/s after a dirty-page allowance of {results['dirty'] / 2**30:.1f} GiB")
-    print(f"tree bounds: busiest node (a relay, {tree_busiest / 2**20:.0f} MiB) {tree_busiest / stream:.2f} s; "
-          f"one box {(r + n) * size / stream:.2f} s; hashing {(r + n) * size / (results['sha256'] * cores):.2f} s")
-    head = (f"{'system':<22} {'last client s':>13} {'MiB/s':>7} {'x busiest-node bound':>21} {'x one-box bound':>16}"
-            f" {'disk bound s':>12}")
+    print(
+        f"\n{args.size_mib} MiB to {n} clients via {r} relays on loopback; rlfleet shards {args.shard_mib} MiB; "
+        f"{cores} cores, load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"single-stream loopback {stream / 2**20:.0f} MiB/s; sha256 {results['sha256'] / 2**20:.0f} MiB/s per core; "
+        f"disk writes {results['disk'] / 2**20:.0f} MiB/s after a dirty-page allowance of "
+        f"{results['dirty'] / 2**30:.1f} GiB"
+    )
+    print(
+        f"tree bounds: busiest node (a relay, {tree_busiest / 2**20:.0f} MiB) {tree_busiest / stream:.2f} s; "
+        f"one box {(r + n) * size / stream:.2f} s; hashing {(r + n) * size / (results['sha256'] * cores):.2f} s"
+    )
+    head = (
+        f"{'system':<22} {'last client s':>13} {'MiB/s':>7} {'x busiest-node bound':>21} {'x one-box bound':>16}"
+        f" {'disk bound s':>12}"
+    )
     head += "".join(f" {k.replace('reference, ', 'ref ') + ' / this':>17}" for k in references)
     print(head)
     for name in [k for k in ("tree", "direct") if k in results] + references:
         t = results[name]
         busiest, everything, written = bounds[name.partition(",")[0]]  # the reference runs the same tree
-        line = (f"{name:<22} {t:>13.2f} {n * size / t / 2**20:>7.0f} {t / (busiest / stream):>21.2f} "
-                f"{t / (everything / stream):>16.2f} {disk_bound(written):>12.2f}")
+        line = (
+            f"{name:<22} {t:>13.2f} {n * size / t / 2**20:>7.0f} {t / (busiest / stream):>21.2f} "
+            f"{t / (everything / stream):>16.2f} {disk_bound(written):>12.2f}"
+        )
         line += "".join(f" {results[k] / t:>17.2f}" for k in references)
         print(line)
     if not references:

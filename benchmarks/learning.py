@@ -11,6 +11,7 @@ time at which it was reached; draws both curves into one PNG (reward vs step, re
 Runs start from the repository root (data set paths in the examples are relative to it); the
 builtin models are built (or taken from the cache) before a run's clock starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def smooth(values: list[float], window: int) -> list[float]:
-    return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def table(name: str, records: list[dict], rows: int, window: int) -> None:
@@ -34,7 +38,9 @@ def table(name: str, records: list[dict], rows: int, window: int) -> None:
     print(f"{'step':>6}{'wall s':>9}{'reward':>9}{'samples':>10}")
     for i in sorted({int(k * (len(records) - 1) / (rows - 1)) for k in range(rows)}):
         r = records[i]
-        print(f"{r['step']:6d}{r['wall_seconds']:9.1f}{reward[i]:9.3f}{sum(x['samples'] for x in records[: i + 1]):10d}")
+        print(
+            f"{r['step']:6d}{r['wall_seconds']:9.1f}{reward[i]:9.3f}{sum(x['samples'] for x in records[: i + 1]):10d}"
+        )
 
 
 def main() -> int:
@@ -52,10 +58,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rlfleet-learning-") as tmp:
         for i, config in enumerate(args.config):
             run_dir = Path(tmp) / f"run{i}"
-            subprocess.run([sys.executable, "-m", "rlfleet.cli", "run", str(config.resolve()), "--run-dir", str(run_dir),
-                            "--no-progress", *(["--steps", str(args.steps)] if args.steps else [])],
-                           check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
-            runs[config.stem if config.stem != "rlrun" else config.parent.name] = read_metrics(run_dir / "metrics.jsonl")
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "rlfleet.cli",
+                    "run",
+                    str(config.resolve()),
+                    "--run-dir",
+                    str(run_dir),
+                    "--no-progress",
+                    *(["--steps", str(args.steps)] if args.steps else []),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                cwd=ROOT,
+            )
+            runs[config.stem if config.stem != "rlrun" else config.parent.name] = read_metrics(
+                run_dir / "metrics.jsonl"
+            )
     for run_dir in args.run_dir:
         runs[run_dir.name] = read_metrics(run_dir / "metrics.jsonl")
 

@@ -15,6 +15,7 @@ in one process, one after the other on the same machine:
 Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 8 --group-size 8
        --max-tokens 64 --rounds 3 --engines torch,vllm]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ import torch
 
 from rlfleet.checkpoint import publish_version, save_model_dir
 from rlfleet.models.builtin import build_tokenizer
-from rlfleet.services.rollout.engine import make_engine
+from rlfleet.services.rollout.engines import make_engine
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import fetch_version
 from rlfleet.services.shardcast.protocol import serving
@@ -46,10 +47,19 @@ def random_policy(dest: Path, hidden: int, layers: int, seed: int) -> Path:
 
     tok = build_tokenizer()
     heads = max(1, hidden // 64)  # head size 64: one that vLLM's CPU attention supports
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(seed)
     save_model_dir(Qwen2ForCausalLM(config), tok, dest)
     return dest
@@ -65,8 +75,10 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
     v0 = fetch_version([relay_url], RUN, 0, work / kind, public_key=public_key)
     engine = make_engine(kind, v0, 0)
     start_s = time.monotonic() - t0
-    params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.max_tokens, seed=1000 + i)
-              for i in range(args.groups)]
+    params = [
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.max_tokens, seed=1000 + i)
+        for i in range(args.groups)
+    ]
     rows = prompts(engine.tokenizer, args.groups)
     engine.generate(rows[0], params[0], args.group_size)  # warm-up
     rates, tokens, gen_s = [], 0, 0.0
@@ -87,10 +99,19 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
     first_token = time.monotonic()
     engine.close()
     assert all(g.version == 1 for g in first)
-    return {"engine": kind, "start_s": start_s, "tokens": tokens, "gen_s": gen_s, "tok_s": statistics.median(rates),
-            "tok_s_min": min(rates), "tok_s_max": max(rates),
-            "download_s": downloaded - announced, "load_s": loaded - downloaded, "first_s": first_token - loaded,
-            "swap_s": first_token - announced}
+    return {
+        "engine": kind,
+        "start_s": start_s,
+        "tokens": tokens,
+        "gen_s": gen_s,
+        "tok_s": statistics.median(rates),
+        "tok_s_min": min(rates),
+        "tok_s_max": max(rates),
+        "download_s": downloaded - announced,
+        "load_s": loaded - downloaded,
+        "first_s": first_token - loaded,
+        "swap_s": first_token - announced,
+    }
 
 
 def main() -> int:
@@ -110,27 +131,41 @@ def main() -> int:
         signer = make_signer(load_private_key(key_file))
         store = open_store(f"file://{work}/store")
         for v in (0, 1):
-            publish_version(store, RUN, v, random_policy(work / f"src-v{v}", args.hidden, args.layers, seed=v), signer=signer)
+            publish_version(
+                store, RUN, v, random_policy(work / f"src-v{v}", args.hidden, args.layers, seed=v), signer=signer
+            )
         size = sum(f.stat().st_size for f in (work / "src-v1").iterdir())
         public_key = parse_public_key(public)
-        with serving(origin.make_app(store, RUN)) as origin_url, \
-                serving(relay.make_app(origin_url, work / "relay", RUN, keep_versions=3)) as relay_url:
+        with (
+            serving(origin.make_app(store, RUN)) as origin_url,
+            serving(relay.make_app(origin_url, work / "relay", RUN, keep_versions=3)) as relay_url,
+        ):
             for v in (0, 1):  # the relay holds both versions before any engine is measured
                 fetch_version([relay_url], RUN, v, work / "prefetch", public_key=public_key)
             results = [bench_engine(kind, args, relay_url, work, public_key) for kind in engines]
-    print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, fp32, {size / 2**20:.1f} MiB checkpoint; "
-          f"{args.groups} groups x G={args.group_size}, <= {args.max_tokens} tokens, temperature 1; "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
-    print(f"{'engine':<7} {'start s':>8} {'tokens':>7} {'gen s':>7} {'tokens/s':>9} {'min-max':>13} {'x torch':>8} | "
-          f"{'download s':>10} {'load s':>7} {'1st tok s':>9} {'swap s':>7}")
+    print(
+        f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, fp32, {size / 2**20:.1f} MiB checkpoint; "
+        f"{args.groups} groups x G={args.group_size}, <= {args.max_tokens} tokens, temperature 1; "
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'engine':<7} {'start s':>8} {'tokens':>7} {'gen s':>7} {'tokens/s':>9} {'min-max':>13} {'x torch':>8} | "
+        f"{'download s':>10} {'load s':>7} {'1st tok s':>9} {'swap s':>7}"
+    )
     base = next((r["tok_s"] for r in results if r["engine"] == "torch"), None)
     for r in results:
         ratio = f"{r['tok_s'] / base:.2f}" if base else "-"
         spread = f"{r['tok_s_min']:.0f}-{r['tok_s_max']:.0f}"
-        print(f"{r['engine']:<7} {r['start_s']:>8.1f} {r['tokens']:>7} {r['gen_s']:>7.2f} {r['tok_s']:>9.1f} {spread:>13} {ratio:>8} | "
-              f"{r['download_s']:>10.3f} {r['load_s']:>7.3f} {r['first_s']:>9.3f} {r['swap_s']:>7.3f}")
+        print(
+            f"{r['engine']:<7} {r['start_s']:>8.1f} {r['tokens']:>7} {r['gen_s']:>7.2f} {r['tok_s']:>9.1f} "
+            f"{spread:>13} {ratio:>8} | "
+            f"{r['download_s']:>10.3f} {r['load_s']:>7.3f} {r['first_s']:>9.3f} {r['swap_s']:>7.3f}"
+        )
     print("tokens/s: median of --rounds rounds (min-max beside it); start s: download v0 + engine start")
-    print("swap s = version announced -> first token from it = download (relay -> worker, hashes, signature) + load + 1st tok")
+    print(
+        "swap s = version announced -> first token from it = download (relay -> worker, hashes, signature) + load + "
+        "1st tok"
+    )
     return 0
 
 

@@ -6,9 +6,10 @@ Measured on one machine with one randomly initialised Qwen2 policy (CPU, fp32 un
     TOPLOC, logprobs, top-k/top-p) next to generation tokens/s of the same model;
   - proof bytes per 32 generated tokens (prompt chunk included);
   - detection / false rejections per class, under the TOPLOC authors' thresholds and under the
-    fp32-calibrated ones of tests/test_gate_tamper.py. The checks are the gate's own (checks.py).
+    fp32-calibrated ones of tests/toploc/test_gate_tamper.py. The checks are the gate's own (checks.py).
 Usage: .venv/bin/python benchmarks/toploc.py [--hidden 256 --layers 4 --groups 16 --max-tokens 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ import torch
 from rlfleet.checkpoint import save_model_dir
 from rlfleet.config import parse_bundle
 from rlfleet.models.builtin import build_tokenizer
-from rlfleet.services.rollout.engine import TorchEngine
+from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.streams import RolloutGroup, Sample, SamplingParams
@@ -48,10 +49,19 @@ def random_policy(dest: Path, hidden: int, layers: int, seed: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                         max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(seed)
     save_model_dir(Qwen2ForCausalLM(config), tok, dest)
     return dest
@@ -70,8 +80,14 @@ def make_group(engine: TorchEngine, index: int, spec, timing: dict) -> RolloutGr
     timing["generate"] += t1 - t0
     timing["proofs"] += t2 - t1
     timing["tokens"] += sum(len(g.completion_ids) for g in gens)
-    return RolloutGroup(task_id=f"arith-0-{index}", worker_id="bench", policy_version=0, prompt_ids=prompt_ids,
-                        sampling=params, samples=samples)
+    return RolloutGroup(
+        task_id=f"arith-0-{index}",
+        worker_id="bench",
+        policy_version=0,
+        prompt_ids=prompt_ids,
+        sampling=params,
+        samples=samples,
+    )
 
 
 def rejected(checker: Checker, model, tok, group: RolloutGroup) -> str | None:
@@ -96,8 +112,12 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="rlfleet-bench-"))
     policy = random_policy(tmp / "policy", args.hidden, args.layers, seed=0)
-    specs = {name: parse_bundle(RUN.format(model=policy, g=args.group_size, t=args.max_tokens, k=args.top_k, verifier=v)).run.spec
-             for name, v in THRESHOLDS.items()}
+    specs = {
+        name: parse_bundle(
+            RUN.format(model=policy, g=args.group_size, t=args.max_tokens, k=args.top_k, verifier=v)
+        ).run.spec
+        for name, v in THRESHOLDS.items()
+    }
     spec = specs["authors"]
     honest = TorchEngine(policy, 0)
     model, tok = honest.model, honest.tokenizer
@@ -130,29 +150,43 @@ def main() -> int:
     scratch = {"generate": 0.0, "proofs": 0.0, "tokens": 0}
     classes = {
         "honest": groups,
-        "other weights": [make_group(TorchEngine(random_policy(tmp / "other", args.hidden, args.layers, 1), 0), i, spec, scratch) for i in range(args.groups)],
+        "other weights": [
+            make_group(TorchEngine(random_policy(tmp / "other", args.hidden, args.layers, 1), 0), i, spec, scratch)
+            for i in range(args.groups)
+        ],
         "bf16 compute": [make_group(TorchEngine(policy, 0, "bfloat16"), i, spec, scratch) for i in range(args.groups)],
         "fp8 weights": [make_group(fp8(TorchEngine(policy, 0)), i, spec, scratch) for i in range(args.groups)],
-        "altered token": tampered(lambda g: g.samples[0].completion_ids.__setitem__(-1, (g.samples[0].completion_ids[-1] + 1) % len(tok))),
-        "logprobs +0.01": tampered(lambda g: setattr(g.samples[0], "logprobs", [x + 0.01 for x in g.samples[0].logprobs])),
+        "altered token": tampered(
+            lambda g: g.samples[0].completion_ids.__setitem__(-1, (g.samples[0].completion_ids[-1] + 1) % len(tok))
+        ),
+        "logprobs +0.01": tampered(
+            lambda g: setattr(g.samples[0], "logprobs", [x + 0.01 for x in g.samples[0].logprobs])
+        ),
     }
     gen_tps = timing["tokens"] / timing["generate"]
-    print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, fp32 CPU, {torch.get_num_threads()} threads; "
-          f"{args.groups} groups x {args.group_size} samples x <= {args.max_tokens} tokens")
+    print(
+        f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, fp32 CPU, {torch.get_num_threads()} threads; "
+        f"{args.groups} groups x {args.group_size} samples x <= {args.max_tokens} tokens"
+    )
     print()
     print("| measure | value |")
     print("|---|---|")
     print(f"| generation throughput | {gen_tps:,.0f} tok/s |")
-    print(f"| verification throughput (prefill checks) | {timing['tokens'] / verify_s:,.0f} tok/s ({timing['tokens'] / verify_s / gen_tps:.1f}x generation) |")
+    print(
+        f"| verification throughput (prefill checks) | {timing['tokens'] / verify_s:,.0f} tok/s "
+        f"({timing['tokens'] / verify_s / gen_tps:.1f}x generation) |"
+    )
     print(f"| proof building overhead | {100 * timing['proofs'] / timing['generate']:.1f} % of generation time |")
-    print(f"| proof bytes per 32 generated tokens | {32 * decode_bytes / timing['tokens']:.0f} B decode chunks; "
-          f"{32 * proof_bytes / timing['tokens']:.0f} B with the prompt chunk |")
+    print(
+        f"| proof bytes per 32 generated tokens | {32 * decode_bytes / timing['tokens']:.0f} B decode chunks; "
+        f"{32 * proof_bytes / timing['tokens']:.0f} B with the prompt chunk |"
+    )
     print()
     print("| class | " + " | ".join(f"rejected ({name} thresholds)" for name in specs) + " |")
     print("|---|" + "---|" * len(specs))
     for name, gs in classes.items():
         cells = []
-        for sname, sp in specs.items():
+        for sp in specs.values():
             c = Checker(sp, None, None, policy=lambda v: (model, tok))
             reasons = [rejected(c, model, tok, g) for g in gs]
             n = sum(r is not None for r in reasons)

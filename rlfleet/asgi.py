@@ -1,5 +1,6 @@
 """An ASGI app (FastAPI) served by uvicorn in a daemon thread of a component process: the
 verifier's HTTP API and the ingest use it; tests start servers the same way."""
+
 from __future__ import annotations
 
 import threading

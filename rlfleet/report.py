@@ -1,5 +1,6 @@
 """Run reports: `summary.json` and a picture of reward and accuracy against step, both computed
 from the trainer's `metrics.jsonl` (never written in by hand)."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ def read_metrics(path: Path) -> list[dict]:
 def summarize(records: list[dict], wall_seconds: float) -> dict:
     """Means over the first and last tenth of steps (at least one step each)."""
     if not records:
-        return {"steps": 0, "reward_first": None, "reward_last": None, "accepted": 0, "rejected": 0,
-                "wall_seconds": wall_seconds}
+        return {
+            "steps": 0,
+            "reward_first": None,
+            "reward_last": None,
+            "accepted": 0,
+            "rejected": 0,
+            "wall_seconds": wall_seconds,
+        }
     tenth = max(1, len(records) // 10)
 
     def mean(rows: list[dict], key: str) -> float:
@@ -49,7 +56,10 @@ def plot(records: list[dict], dest: Path, title: str) -> None:
     steps = [r["step"] for r in records]
     reward = [r["reward_mean"] for r in records]
     window = 10
-    smooth = [sum(reward[max(0, i - window + 1): i + 1]) / len(reward[max(0, i - window + 1): i + 1]) for i in range(len(reward))]
+    smooth = [
+        sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
+        for i in range(len(reward))
+    ]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     ax.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward (batch mean)")
     ax.plot(steps, smooth, color="tab:blue", label=f"reward ({window}-step mean)")

@@ -1,17 +1,28 @@
 """What every component process does first: read the config, connect to Redis, set up logging
 and metrics. Nothing here knows whether the process runs locally or in a pod."""
+
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
+from rlfleet import env
 from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.streams import RunKeys
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComponentOptions:
+    """What every component process takes on its command line (each component adds its own fields)."""
+
+    config: Path  # the RLRun YAML, the same file `rlfleet run` and kubectl take
+    redis_url: str | None = None  # overrides env.REDIS_URL and spec.redis.url
+    metrics_port: int = 0  # Prometheus /metrics port; 0 = none
 
 
 @dataclass
@@ -28,24 +39,27 @@ class Context:
 
 def setup_logging(component: str) -> logging.Logger:
     logging.basicConfig(
-        level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO"),
+        level=env.get(env.LOG_LEVEL) or env.DEFAULT_LOG_LEVEL,
         format=f"%(asctime)s {component} %(levelname)s %(name)s: %(message)s",
     )
     return logging.getLogger(f"rlfleet.{component}")
 
 
-def component_context(args, component: str) -> Context:
+def component_context(options: ComponentOptions, component: str) -> Context:
     """Load the config, connect Redis, start /metrics, and turn SIGTERM/SIGINT into `stop`."""
     setup_logging(component)
-    bundle = load_bundle(args.config)
-    url = args.redis_url or os.environ.get("RLFLEET_REDIS_URL") or bundle.run.spec.redis.url
+    bundle = load_bundle(options.config)
+    url = options.redis_url or env.get(env.REDIS_URL) or bundle.run.spec.redis.url
     if not url:
-        raise ConfigError(args.config, ["spec.redis.url: required outside `rlfleet run` (or pass --redis-url / RLFLEET_REDIS_URL)"])
+        raise ConfigError(
+            str(options.config),
+            [f"spec.redis.url: required outside `rlfleet run` (or pass --redis-url / {env.REDIS_URL})"],
+        )
     client = redis.Redis.from_url(url)
-    if getattr(args, "metrics_port", 0):
+    if options.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr="127.0.0.1" if "RLFLEET_LOCAL" in os.environ else "0.0.0.0")
+        start_http_server(options.metrics_port, addr="127.0.0.1" if env.get(env.LOCAL) else "0.0.0.0")
     stop = threading.Event()
 
     def _on_signal(signum, frame):
@@ -61,9 +75,11 @@ def open_run_store(ctx: Context, source: str = "config"):
     from rlfleet.store import open_store
 
     spec = ctx.bundle.run.spec.store
-    uri = os.environ.get("RLFLEET_STORE_URI") or spec.uri
+    uri = env.get(env.STORE_URI) or spec.uri
     if not uri:
-        raise ConfigError(source, ["spec.store.uri: required outside `rlfleet run` (file:///dir or s3://bucket/prefix)"])
+        raise ConfigError(
+            source, ["spec.store.uri: required outside `rlfleet run` (file:///dir or s3://bucket/prefix)"]
+        )
     return open_store(uri, spec.endpoint_url)
 
 
@@ -82,12 +98,3 @@ def latest_announced_version(client: redis.Redis, keys: RunKeys) -> int | None:
 
     entries = client.xrevrange(keys.policy, count=1)
     return int(decode_json(entries[0][1])["version"]) if entries else None
-
-
-def configure_torch_threads() -> None:
-    """Intra-op threads from RLFLEET_TORCH_THREADS (the local launcher sets 1: many processes share few cores)."""
-    threads = os.environ.get("RLFLEET_TORCH_THREADS")
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))

@@ -11,6 +11,7 @@ trainer only), env RLFLEET_PUBLIC_KEY, else spec.shardcast.publicKey, else the p
 signing key file. With spec.shardcast.requireSignatures (the default) a missing key is an error
 that names the setting; with it off, manifests are published and accepted unsigned.
 """
+
 from __future__ import annotations
 
 import base64
@@ -23,11 +24,10 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from rlfleet import env
 from rlfleet.config import ConfigError
 
 ALG = "ed25519"
-ENV_SIGNING_KEY_FILE = "RLFLEET_SIGNING_KEY_FILE"  # same name as rlfleet.k8s.names.ENV_SIGNING_KEY_FILE
-ENV_PUBLIC_KEY = "RLFLEET_PUBLIC_KEY"
 PRIVATE_KEY_FILE, PUBLIC_KEY_FILE = "signing-key", "public-key"
 
 
@@ -73,7 +73,9 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
     except (OSError, ValueError, TypeError) as exc:
         raise KeyConfigError(f"signing key {path}: cannot read an unencrypted PEM private key ({exc})") from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise KeyConfigError(f"signing key {path}: not an ed25519 key (make one with `openssl genpkey -algorithm ed25519`)")
+        raise KeyConfigError(
+            f"signing key {path}: not an ed25519 key (make one with `openssl genpkey -algorithm ed25519`)"
+        )
     return key
 
 
@@ -109,37 +111,41 @@ def verify_signature(key: Ed25519PublicKey, data: bytes, signature: object) -> N
     try:
         key.verify(raw, data)
     except InvalidSignature:
-        raise SignatureError("manifest signature does not verify with the run's public key (forged or altered)") from None
+        raise SignatureError(
+            "manifest signature does not verify with the run's public key (forged or altered)"
+        ) from None
 
 
 def run_signer(shardcast_spec) -> Callable[[bytes], str] | None:
     """The trainer's signer: from env RLFLEET_SIGNING_KEY_FILE; None when unset and signatures are optional."""
-    path = os.environ.get(ENV_SIGNING_KEY_FILE)
+    path = env.get(env.SIGNING_KEY_FILE)
     if path:
         return make_signer(load_private_key(Path(path)))
     if shardcast_spec.require_signatures:
         raise KeyConfigError(
-            f"spec.shardcast.requireSignatures is true but no signing key is configured: set {ENV_SIGNING_KEY_FILE} "
+            f"spec.shardcast.requireSignatures is true but no signing key is configured: set {env.SIGNING_KEY_FILE} "
             "to a PEM ed25519 key (on a cluster: spec.shardcast.signingKeySecret; `rlfleet run` makes one), "
-            "or set spec.shardcast.requireSignatures: false")
+            "or set spec.shardcast.requireSignatures: false"
+        )
     return None
 
 
 def run_public_key(shardcast_spec) -> Ed25519PublicKey | None:
     """The key every downloader checks manifests with; None when none is set and signatures are optional."""
-    text = os.environ.get(ENV_PUBLIC_KEY) or shardcast_spec.public_key
+    text = env.get(env.PUBLIC_KEY) or shardcast_spec.public_key
     if text:
         try:
             return parse_public_key(text)
         except ValueError as exc:
-            where = ENV_PUBLIC_KEY if os.environ.get(ENV_PUBLIC_KEY) else "spec.shardcast.publicKey"
+            where = env.PUBLIC_KEY if env.get(env.PUBLIC_KEY) else "spec.shardcast.publicKey"
             raise KeyConfigError(f"{where}: {exc}") from None
-    path = os.environ.get(ENV_SIGNING_KEY_FILE)
+    path = env.get(env.SIGNING_KEY_FILE)
     if path:
         return load_private_key(Path(path)).public_key()
     if shardcast_spec.require_signatures:
         raise KeyConfigError(
             "spec.shardcast.requireSignatures is true but no public key is configured: set spec.shardcast.publicKey "
-            f"('{ALG}:<base64>', the trainer key's public half) or env {ENV_PUBLIC_KEY}, "
-            "or set spec.shardcast.requireSignatures: false")
+            f"('{ALG}:<base64>', the trainer key's public half) or env {env.PUBLIC_KEY}, "
+            "or set spec.shardcast.requireSignatures: false"
+        )
     return None

@@ -10,6 +10,7 @@ leading slashes are refused. Invariants:
 Ordering between keys (the manifest written last) is the caller's job, see rlfleet.checkpoint.
 `open_store(uri)` is the factory, keyed by URI scheme. S3 goes through boto3 (retries, multipart).
 """
+
 from __future__ import annotations
 
 import os
@@ -193,8 +194,9 @@ class S3Store(CheckpointStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
-        self.client = boto3.client("s3", endpoint_url=self.endpoint_url,
-                                   config=Config(retries={"mode": "standard"}, max_pool_connections=32))
+        self.client = boto3.client(
+            "s3", endpoint_url=self.endpoint_url, config=Config(retries={"mode": "standard"}, max_pool_connections=32)
+        )
         self._check_bucket()
 
     def __repr__(self) -> str:
@@ -210,7 +212,8 @@ class S3Store(CheckpointStore):
                 where = self.endpoint_url or "the AWS default endpoint"
                 raise FileNotFoundError(
                     f"S3 bucket {self.bucket!r} does not exist at {where}; create it first "
-                    f"(e.g. `aws s3 mb s3://{self.bucket}`) — rlfleet never creates buckets") from None
+                    f"(e.g. `aws s3 mb s3://{self.bucket}`) — rlfleet never creates buckets"
+                ) from None
             raise
 
     def _key(self, key: str) -> str:
@@ -285,7 +288,7 @@ class S3Store(CheckpointStore):
     def delete_prefix(self, prefix: str) -> None:
         keys = self._full_keys(prefix)
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = [{"Key": k} for k in keys[i:i + 1000]]
+            batch = [{"Key": k} for k in keys[i : i + 1000]]
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
 
 
@@ -297,14 +300,14 @@ def open_store(uri: str, endpoint_url: str | None = None) -> CheckpointStore:
     """The store for `uri`: file:///abs, file://./rel (relative to the cwd) or s3://bucket/prefix."""
     bad = ValueError(f"store uri {uri!r} is not supported; use {URI_FORMS}")
     if uri.startswith("file://"):
-        path = uri[len("file://"):]
+        path = uri[len("file://") :]
         if path.startswith("/"):
             return FileStore(Path(path))
         if path == "." or path.startswith("./"):
             return FileStore(Path.cwd() / path)
         raise bad
     if uri.startswith("s3://"):
-        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
         if not bucket:
             raise bad
         return S3Store(bucket, prefix, endpoint_url=endpoint_url)

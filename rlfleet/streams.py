@@ -9,6 +9,7 @@ A message is one Redis field `m` holding compact JSON; token ids, logprobs and p
 base64 of little-endian int32 / float32 / raw bytes. `SCHEMA_VERSION` changes with any
 incompatible change; a consumer dead-letters what it cannot decode and keeps running.
 """
+
 from __future__ import annotations
 
 import base64
@@ -34,7 +35,8 @@ class RunKeys:
         self.policy = f"{prefix}:policy"
         self.stats = f"{prefix}:stats"
         self.trained = f"{prefix}:trained"  # sorted set: rollout id -> policy version it trained
-        self.workers = f"{prefix}:workers"  # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
+        # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
+        self.workers = f"{prefix}:workers"
         self.banned = f"{prefix}:banned"  # hash: worker id -> JSON ban record (why, when)
         self._seen_prefix = f"{prefix}:seen:"
         self.verifier_group = "verifiers"
@@ -46,7 +48,16 @@ class RunKeys:
 
     def all(self) -> list[str]:
         """Fixed keys of the run (the per-rollout replay guards expire by themselves)."""
-        return [self.rollouts, self.verified, self.rejected, self.policy, self.stats, self.trained, self.workers, self.banned]
+        return [
+            self.rollouts,
+            self.verified,
+            self.rejected,
+            self.policy,
+            self.stats,
+            self.trained,
+            self.workers,
+            self.banned,
+        ]
 
 
 class MessageError(ValueError):

@@ -11,6 +11,7 @@ seed, so the file is the same on every run of this script:
     python scripts/make_tiny_math.py            # rewrites data/samples/tiny-math.jsonl
     python scripts/make_tiny_math.py --check    # fails if the file differs from what it would write
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,13 @@ def equation_rows() -> list[dict]:
                 if b == 0:
                     continue
                 x = Fraction(c - b, a)
-                rows.append({"problem": f"{a}x{'+' if b > 0 else '-'}{abs(b)}={c},x=?", "answer": written(x),
-                             "family": "equation"})
+                rows.append(
+                    {
+                        "problem": f"{a}x{'+' if b > 0 else '-'}{abs(b)}={c},x=?",
+                        "answer": written(x),
+                        "family": "equation",
+                    }
+                )
     return rows
 
 

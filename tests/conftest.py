@@ -1,4 +1,5 @@
 """Shared fixtures: a real redis-server and a real S3 API endpoint (moto's server over HTTP)."""
+
 from __future__ import annotations
 
 import pytest

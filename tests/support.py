@@ -1,4 +1,5 @@
 """Helpers shared by tests: real HTTP servers on loopback and small real models."""
+
 from __future__ import annotations
 
 import os
@@ -8,9 +9,12 @@ from pathlib import Path
 
 from rlfleet.services.shardcast.protocol import serving  # noqa: F401  (tests import it from here)
 
+REPO = Path(__file__).resolve().parent.parent  # the repository root
 
-def tiny_policy_dir(dest: Path, seed: int, hidden_size: int = 64, num_attention_heads: int = 4,
-                    num_key_value_heads: int = 2) -> Path:
+
+def tiny_policy_dir(
+    dest: Path, seed: int, hidden_size: int = 64, num_attention_heads: int = 4, num_key_value_heads: int = 2
+) -> Path:
     """A randomly initialised Qwen2 policy with the builtin tokenizer, saved in HF format.
 
     The default head size 16 is the builtin tiny-arithmetic's; vLLM's CPU attention needs 32 or more
@@ -22,9 +26,19 @@ def tiny_policy_dir(dest: Path, seed: int, hidden_size: int = 64, num_attention_
     from rlfleet.models.builtin import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=2, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, max_position_embeddings=64, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     save_model_dir(Qwen2ForCausalLM(config), tokenizer, dest)
     return dest
@@ -49,11 +63,26 @@ def trainer_run_config(model: Path, store: Path, trainer: str) -> str:
     return TRAINER_RUN.format(model=model, store=store, trainer=trainer)
 
 
-def start_trainer(config: Path, redis_url: str, out: Path, *extra: str, log: str = "trainer.log",
-                  env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_trainer(
+    config: Path, redis_url: str, out: Path, *extra: str, log: str = "trainer.log", env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """`rlfleet trainer` as its own process (one torch thread, `env` added), metrics.jsonl in `out`,
     its output appended to `out/log`."""
-    return subprocess.Popen([sys.executable, "-m", "rlfleet.cli", "trainer", "--config", str(config),
-                             "--redis-url", redis_url, "--output-dir", str(out), *extra],
-                            stdout=open(out / log, "ab"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "RLFLEET_TORCH_THREADS": "1", **(env or {})})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "trainer",
+            "--config",
+            str(config),
+            "--redis-url",
+            redis_url,
+            "--output-dir",
+            str(out),
+            *extra,
+        ],
+        stdout=open(out / log, "ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "RLFLEET_TORCH_THREADS": "1", **(env or {})},
+    )

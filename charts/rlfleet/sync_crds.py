@@ -3,8 +3,9 @@
     python charts/rlfleet/sync_crds.py
 
 Helm installs a chart's crds/ before its templates and never templates them, so the chart carries
-byte-identical copies; tests/test_chart.py fails when they drift.
+byte-identical copies; tests/chart/test_chart.py fails when they drift.
 """
+
 from __future__ import annotations
 
 import shutil

@@ -17,6 +17,7 @@ build without touching the others' (BUILD_VERSION is for changes to the build co
 result is cached under $RLFLEET_CACHE (default ~/.cache/rlfleet) and written atomically, so
 concurrent builders never see a half-written model.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,6 +27,8 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from rlfleet import env
 
 BUILD_VERSION = 2
 BUILTIN_PREFIX = "builtin://"
@@ -44,18 +47,38 @@ class Builtin:
 
 
 BUILTINS = {
-    "tiny-arithmetic": Builtin(CHARS, {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2,
-                                       "num_attention_heads": 4, "num_key_value_heads": 2},
-                               warm_start_steps=1500, label_noise=0.5, demonstration="{answer}"),
+    "tiny-arithmetic": Builtin(
+        CHARS,
+        {
+            "hidden_size": 64,
+            "intermediate_size": 192,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        warm_start_steps=1500,
+        label_noise=0.5,
+        demonstration="{answer}",
+    ),
     # head size 96 / 3 = 32, the smallest vLLM's CPU attention supports, so examples/math runs on either engine
-    "tiny-math": Builtin(MATH_CHARS, {"hidden_size": 96, "intermediate_size": 288, "num_hidden_layers": 3,
-                                      "num_attention_heads": 3, "num_key_value_heads": 3},
-                         warm_start_steps=2500, label_noise=0.4, demonstration="\\boxed{{{answer}}}"),
+    "tiny-math": Builtin(
+        MATH_CHARS,
+        {
+            "hidden_size": 96,
+            "intermediate_size": 288,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 3,
+        },
+        warm_start_steps=2500,
+        label_noise=0.4,
+        demonstration="\\boxed{{{answer}}}",
+    ),
 }
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RLFLEET_CACHE", Path.home() / ".cache" / "rlfleet"))
+    return Path(env.get(env.CACHE) or Path.home() / ".cache" / "rlfleet")
 
 
 def build_tokenizer(chars: str = CHARS):
@@ -74,8 +97,17 @@ def build_tokenizer(chars: str = CHARS):
 def _spec_key(name: str, task_spec, steps: int, seed: int) -> str:
     """Hash of everything a build depends on: the builtin's recipe (characters, architecture, label noise,
     demonstration), the task, the warm-start steps, the seed and the build code's version."""
-    blob = json.dumps({"name": name, "recipe": asdict(BUILTINS[name]), "task": task_spec.model_dump(mode="json"),
-                       "steps": steps, "seed": seed, "build": BUILD_VERSION}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "name": name,
+            "recipe": asdict(BUILTINS[name]),
+            "task": task_spec.model_dump(mode="json"),
+            "steps": steps,
+            "seed": seed,
+            "build": BUILD_VERSION,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -85,10 +117,12 @@ def resolve_model_path(model_spec, task_spec, seed: int = 0) -> Path:
     if not path.startswith(BUILTIN_PREFIX):
         local = Path(path)
         if not (local / "config.json").exists():
-            raise FileNotFoundError(f"spec.model.path: {path!r} is not an HF model directory (no config.json); "
-                                    f"use a local HF directory or one of {[BUILTIN_PREFIX + n for n in BUILTINS]}")
+            raise FileNotFoundError(
+                f"spec.model.path: {path!r} is not an HF model directory (no config.json); "
+                f"use a local HF directory or one of {[BUILTIN_PREFIX + n for n in BUILTINS]}"
+            )
         return local
-    name = path[len(BUILTIN_PREFIX):]
+    name = path[len(BUILTIN_PREFIX) :]
     if name not in BUILTINS:
         raise ValueError(f"spec.model.path: unknown builtin model {name!r}; known: {sorted(BUILTINS)}")
     steps = model_spec.warm_start_steps or BUILTINS[name].warm_start_steps
@@ -114,22 +148,35 @@ def build_builtin(name: str, task_spec, steps: int, seed: int, dest: Path) -> No
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlfleet.models.warm_start import supervised_warm_start
-    from rlfleet.tasks.base import make_task
+    from rlfleet.tasks import make_task
 
     builtin = BUILTINS[name]
     tokenizer = build_tokenizer(builtin.chars)
     task = make_task(task_spec)
     check_coverage(name, builtin, task)
-    config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=64, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **builtin.arch)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **builtin.arch,
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU kernels may sum in another order with more threads; one keeps builds identical
     try:
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-        supervised_warm_start(model, tokenizer, task, steps=steps, seed=seed, label_noise=builtin.label_noise,
-                              demonstration=builtin.demonstration)
+        supervised_warm_start(
+            model,
+            tokenizer,
+            task,
+            steps=steps,
+            seed=seed,
+            label_noise=builtin.label_noise,
+            demonstration=builtin.demonstration,
+        )
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(dest, safe_serialization=True)
@@ -146,6 +193,8 @@ def check_coverage(name: str, builtin: Builtin, task) -> None:
         p = task.problem(task_id)
         missing = sorted(set(p.prompt + builtin.demonstration.format(answer=p.answer)) - known)
         if missing:
-            raise ValueError(f"spec.model.path: {BUILTIN_PREFIX}{name} knows only the characters {builtin.chars!r}; "
-                             f"task {task_id} (spec.task) has {''.join(missing)!r}. Use a data set written with "
-                             f"those characters (e.g. data/samples/tiny-math.jsonl) or a model directory of your own")
+            raise ValueError(
+                f"spec.model.path: {BUILTIN_PREFIX}{name} knows only the characters {builtin.chars!r}; "
+                f"task {task_id} (spec.task) has {''.join(missing)!r}. Use a data set written with "
+                f"those characters (e.g. data/samples/tiny-math.jsonl) or a model directory of your own"
+            )

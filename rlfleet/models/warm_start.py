@@ -6,6 +6,7 @@ fixed seed. A fraction `label_noise` of the demonstrations carry a near-miss ans
 off by 1..9; for a fraction, its numerator), like SFT data with mistakes in it: the warm-started
 policy puts most of its mass on the right answer but samples plausible wrong ones at temperature
 1, so a group holds both successes and failures and RL has something to sharpen."""
+
 from __future__ import annotations
 
 import re
@@ -28,10 +29,10 @@ def encode_pairs(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor,
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     lab = torch.full((len(rows), width), -100, dtype=torch.long)
-    for i, (r, l) in enumerate(zip(rows, labels)):
+    for i, (r, label) in enumerate(zip(rows, labels)):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
-        lab[i, : len(l)] = torch.tensor(l)
+        lab[i, : len(label)] = torch.tensor(label)
     return ids, mask, lab
 
 
@@ -42,19 +43,33 @@ def noisy_answer(answer: str, rng: np.random.Generator) -> str:
     first = _INTEGER.search(answer)
     if first is None:
         raise ValueError(f"warm start: answer {answer!r} has no integer to make a near miss of")
-    return answer[: first.start()] + str(int(first.group(0)) + offset) + answer[first.end():]
+    return answer[: first.start()] + str(int(first.group(0)) + offset) + answer[first.end() :]
 
 
-def supervised_warm_start(model, tokenizer, task, steps: int, seed: int, label_noise: float = 0.0,
-                          batch_size: int = 64, lr: float = 3e-3, demonstration: str = "{answer}") -> None:
+def supervised_warm_start(
+    model,
+    tokenizer,
+    task,
+    steps: int,
+    seed: int,
+    label_noise: float = 0.0,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    demonstration: str = "{answer}",
+) -> None:
     """`demonstration` writes an answer as the completion to imitate, e.g. `\\boxed{{{answer}}}`."""
     rng = np.random.default_rng(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for _ in range(steps):
         problems = [task.problem(task.sample_id(rng)) for _ in range(batch_size)]
-        pairs = [(p.prompt, demonstration.format(answer=noisy_answer(p.answer, rng) if rng.random() < label_noise else p.answer))
-                 for p in problems]
+        pairs = [
+            (
+                p.prompt,
+                demonstration.format(answer=noisy_answer(p.answer, rng) if rng.random() < label_noise else p.answer),
+            )
+            for p in problems
+        ]
         ids, mask, labels = encode_pairs(tokenizer, pairs)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)

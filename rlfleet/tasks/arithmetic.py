@@ -3,6 +3,7 @@
 A task id is `arith-{seed}-{index}`; the operands come from a hash of (seed, index), so any
 process rebuilds the same problem from the id alone.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +23,7 @@ class ArithmeticTask(TaskSource):
         self._prefix = f"arith-{seed}-"
 
     def problem(self, task_id: str) -> Problem:
-        if not task_id.startswith(self._prefix) or not task_id[len(self._prefix):].isdigit():
+        if not task_id.startswith(self._prefix) or not task_id[len(self._prefix) :].isdigit():
             raise KeyError(f"task id {task_id!r} is not of the form {self._prefix}<index>")
         digest = hashlib.sha256(task_id.encode()).digest()
         a = int.from_bytes(digest[0:4], "little") % (self.max_operand + 1)

@@ -22,6 +22,7 @@ without the verifier's variables or credentials; `python -I`):
 Not isolated: the filesystem (the program can read what its user can read; run the verifier as a
 non-root user in its own container). A program's result never raises in the verifier.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,7 @@ NOBODY = 65534
 _FENCE = re.compile(r"```(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 # Runs in the child as `python -I -c HARNESS mode limits... program tests`; stdin is the test input.
-HARNESS = r'''
+HARNESS = r"""
 import os, resource, sys
 mode, mem, fsize, nproc, cpu, drop, program_path, tests_path, nonce = sys.argv[1:10]
 for lim, v in ((resource.RLIMIT_AS, int(mem)), (resource.RLIMIT_FSIZE, int(fsize)),
@@ -71,7 +72,7 @@ exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
 if tests:
     sys.stdout.flush()
     sys.stdout.write("\n" + nonce + "\n")
-'''
+"""
 
 
 def extract_program(completion: str) -> str:
@@ -108,13 +109,24 @@ def _unshare_prefix() -> list[str]:
 @functools.cache
 def can_drop_to_nobody() -> bool:
     """Root only: whether uid 65534 can run this Python (its files world-readable, e.g. not under /root)."""
-    probe = subprocess.run([sys.executable, "-I", "-c", "import os; os.setgid(65534); os.setuid(65534); "
-                            "import math, json, re, collections, itertools, heapq, bisect, functools"],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            "import os; os.setgid(65534); os.setuid(65534); "
+            "import math, json, re, collections, itertools, heapq, bisect, functools",
+        ],
+        capture_output=True,
+        timeout=30,
+    )
     if probe.returncode != 0:
-        log.warning("code task: the verifier runs as root and uid 65534 cannot run %s; programs run as root, "
-                    "where RLIMIT_NPROC does not bind (a fork bomb is bounded only by the time limit). "
-                    "Run the verifier as a non-root user.", sys.executable)
+        log.warning(
+            "code task: the verifier runs as root and uid 65534 cannot run %s; programs run as root, "
+            "where RLIMIT_NPROC does not bind (a fork bomb is bounded only by the time limit). "
+            "Run the verifier as a non-root user.",
+            sys.executable,
+        )
     return probe.returncode == 0
 
 
@@ -122,8 +134,10 @@ def resolve_isolation(isolation: str) -> str:
     if isolation == "auto":
         return "namespace" if namespaces_available() else "audit-hook"
     if isolation == "namespace" and not namespaces_available():
-        raise RuntimeError("task.networkIsolation: namespace, but `unshare --net --pid` does not work here "
-                           "(no unshare binary or user namespaces disabled); use audit-hook or auto")
+        raise RuntimeError(
+            "task.networkIsolation: namespace, but `unshare --net --pid` does not work here "
+            "(no unshare binary or user namespaces disabled); use audit-hook or auto"
+        )
     return isolation
 
 
@@ -163,8 +177,14 @@ class RunResult:
     timed_out: bool
 
 
-def run_program(program: str, stdin: str = "", tests: str | None = None, limits: Limits = Limits(),
-                isolation: str = "auto", tmp_root: str | None = None) -> tuple[RunResult, str]:
+def run_program(
+    program: str,
+    stdin: str = "",
+    tests: str | None = None,
+    limits: Limits = Limits(),
+    isolation: str = "auto",
+    tmp_root: str | None = None,
+) -> tuple[RunResult, str]:
     """Run `program` (then `tests`, if given) in the sandbox; (result, nonce the harness prints after tests)."""
     mode = resolve_isolation(isolation)
     root = os.geteuid() == 0  # RLIMIT_NPROC does not bind root (nor root in a user namespace): drop to nobody
@@ -179,18 +199,46 @@ def run_program(program: str, stdin: str = "", tests: str | None = None, limits:
         if tests is not None:
             Path(work, "tests.py").write_text(tests)
         Path(work, "stdin.txt").write_text(stdin)
-        cmd = [sys.executable, "-I", "-c", HARNESS, mode, str(limits.memory_mb << 20), str(limits.max_output_bytes),
-               str(nproc), str(math.ceil(limits.timeout_seconds) + 1), "1" if drop else "0",
-               "solution.py", "tests.py" if tests is not None else "-", nonce]
+        cmd = [
+            sys.executable,
+            "-I",
+            "-c",
+            HARNESS,
+            mode,
+            str(limits.memory_mb << 20),
+            str(limits.max_output_bytes),
+            str(nproc),
+            str(math.ceil(limits.timeout_seconds) + 1),
+            "1" if drop else "0",
+            "solution.py",
+            "tests.py" if tests is not None else "-",
+            nonce,
+        ]
         if mode == "namespace":
             cmd = [*_unshare_prefix(), *cmd]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work,
-               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
-               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "LANG": "C.UTF-8",
+            "HOME": work,
+            "TMPDIR": work,
+            "PYTHONHASHSEED": "0",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
         out_path = Path(work, ".stdout")
         with open(Path(work, "stdin.txt"), "rb") as fin, open(out_path, "wb") as fout:
-            proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=fin, stdout=fout, stderr=subprocess.DEVNULL,
-                                    start_new_session=True, close_fds=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=work,
+                env=env,
+                stdin=fin,
+                stdout=fout,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+            )
             timed_out = not _wait_unreaped(proc.pid, limits.timeout_seconds)
             try:  # the whole group, forked children too; the unreaped leader keeps the group id from reuse
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -226,8 +274,9 @@ def parse_tests(tests) -> tuple[list[tuple[str, str]], str | None]:
     raise ValueError("tests: expected assert code (a string), a list of {input, output}, or {inputs, outputs}")
 
 
-def passes(program: str, tests, limits: Limits = Limits(), isolation: str = "auto",
-           tmp_root: str | None = None) -> bool:
+def passes(
+    program: str, tests, limits: Limits = Limits(), isolation: str = "auto", tmp_root: str | None = None
+) -> bool:
     """True when the program passes every test within the limits."""
     pairs, asserts = parse_tests(tests)
     if asserts is not None:
@@ -237,7 +286,11 @@ def passes(program: str, tests, limits: Limits = Limits(), isolation: str = "aut
         return False
     for stdin, expected in pairs:
         result, _ = run_program(program, stdin, None, limits, isolation, tmp_root)
-        if result.returncode != 0 or len(result.stdout) > limits.max_output_bytes or _lines(result.stdout) != _lines(expected):
+        if (
+            result.returncode != 0
+            or len(result.stdout) > limits.max_output_bytes
+            or _lines(result.stdout) != _lines(expected)
+        ):
             return False
     return True
 
@@ -245,8 +298,17 @@ def passes(program: str, tests, limits: Limits = Limits(), isolation: str = "aut
 class CodeTask(DatasetTask):
     """Rows with a prompt and tests (field `tests_field`); Problem.answer is the tests as JSON."""
 
-    def __init__(self, rows: list[dict], name: str, prompt_template: str = "{prompt}", tests_field: str = "tests",
-                 limits: Limits = Limits(), isolation: str = "auto", tmp_root: str | None = None, **kw):
+    def __init__(
+        self,
+        rows: list[dict],
+        name: str,
+        prompt_template: str = "{prompt}",
+        tests_field: str = "tests",
+        limits: Limits = Limits(),
+        isolation: str = "auto",
+        tmp_root: str | None = None,
+        **kw,
+    ):
         self.tests_field, self.limits, self.tmp_root = tests_field, limits, tmp_root
         self.required_fields = (tests_field,)
         super().__init__(rows, name, prompt_template, **kw)
@@ -269,6 +331,14 @@ class CodeTask(DatasetTask):
 def from_spec(spec) -> CodeTask:
     """A CodeTask from config.CodeTaskSpec (loads the dataset)."""
     limits = Limits(spec.timeout_seconds, spec.memory_mb, spec.max_output_bytes, spec.max_processes)
-    return CodeTask(load_rows(spec.dataset), dataset_name(spec.dataset), spec.prompt_template, spec.tests_field,
-                    limits, spec.network_isolation, solve_rate_min=spec.solve_rate_min,
-                    solve_rate_max=spec.solve_rate_max, solve_rate_field=spec.solve_rate_field)
+    return CodeTask(
+        load_rows(spec.dataset),
+        dataset_name(spec.dataset),
+        spec.prompt_template,
+        spec.tests_field,
+        limits,
+        spec.network_isolation,
+        solve_rate_min=spec.solve_rate_min,
+        solve_rate_max=spec.solve_rate_max,
+        solve_rate_field=spec.solve_rate_field,
+    )

@@ -8,6 +8,7 @@ rows without one are dropped when a band is set; `stats` counts what was kept an
 
 Libraries: pyarrow reads Parquet, boto3 reads `s3://` (endpoint from the spec, else AWS_ENDPOINT_URL).
 """
+
 from __future__ import annotations
 
 import io
@@ -36,8 +37,10 @@ def resolve_format(path: str, fmt: str = "auto", field: str = "task.dataset") ->
         raise DatasetError(f"{field}.format: {fmt!r} is not one of auto, jsonl, parquet")
     suffix = Path(path.split("?", 1)[0]).suffix.lower()
     if suffix not in FORMATS:
-        raise DatasetError(f"{field}.format: cannot tell the format of {path!r} from its extension "
-                           f"(known: {', '.join(FORMATS)}); set format: jsonl or parquet")
+        raise DatasetError(
+            f"{field}.format: cannot tell the format of {path!r} from its extension "
+            f"(known: {', '.join(FORMATS)}); set format: jsonl or parquet"
+        )
     return FORMATS[suffix]
 
 
@@ -46,7 +49,7 @@ def _read_bytes(path: str, endpoint_url: str | None, field: str) -> bytes:
         import boto3
         from botocore.exceptions import BotoCoreError, ClientError
 
-        bucket, _, key = path[len("s3://"):].partition("/")
+        bucket, _, key = path[len("s3://") :].partition("/")
         if not bucket or not key:
             raise DatasetError(f"{field}.path: {path!r} must be s3://bucket/key")
         client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None)
@@ -56,12 +59,16 @@ def _read_bytes(path: str, endpoint_url: str | None, field: str) -> bytes:
             code = exc.response.get("Error", {}).get("Code", "?")
             raise DatasetError(f"{field}.path: cannot read {path!r} ({code}): {exc}") from None
         except BotoCoreError as exc:
-            raise DatasetError(f"{field}.path: cannot read {path!r}: {exc} (check {field}.endpointUrl or AWS_ENDPOINT_URL)") from None
+            raise DatasetError(
+                f"{field}.path: cannot read {path!r}: {exc} (check {field}.endpointUrl or AWS_ENDPOINT_URL)"
+            ) from None
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise DatasetError(f"{field}.path: cannot read {path!r}: {exc.strerror} (relative paths are "
-                           f"resolved against the working directory {os.getcwd()!r})") from None
+        raise DatasetError(
+            f"{field}.path: cannot read {path!r}: {exc.strerror} (relative paths are "
+            f"resolved against the working directory {os.getcwd()!r})"
+        ) from None
 
 
 def read_rows(path: str, fmt: str = "auto", endpoint_url: str | None = None, field: str = "task.dataset") -> list[dict]:
@@ -75,8 +82,9 @@ def read_rows(path: str, fmt: str = "auto", endpoint_url: str | None = None, fie
         try:
             return pq.read_table(io.BytesIO(data)).to_pylist()
         except (pa.ArrowException, OSError) as exc:
-            raise DatasetError(f"{field}.path: {path!r} is not a readable Parquet file ({exc}); "
-                               f"check {field}.format") from None
+            raise DatasetError(
+                f"{field}.path: {path!r} is not a readable Parquet file ({exc}); check {field}.format"
+            ) from None
     rows = []
     for lineno, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
@@ -84,8 +92,9 @@ def read_rows(path: str, fmt: str = "auto", endpoint_url: str | None = None, fie
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"{field}.path: {path!r} line {lineno} is not JSON ({exc.msg}); "
-                               f"check {field}.format") from None
+            raise DatasetError(
+                f"{field}.path: {path!r} line {lineno} is not JSON ({exc.msg}); check {field}.format"
+            ) from None
         if not isinstance(row, dict):
             raise DatasetError(f"{field}.path: {path!r} line {lineno} is not a JSON object")
         rows.append(row)
@@ -100,8 +109,9 @@ class DatasetStats:
     dropped_no_solve_rate: int  # a band is set but the row records no solve rate
 
 
-def filter_by_solve_rate(rows: list[dict], low: float | None, high: float | None,
-                         field: str = "solve_rate") -> tuple[list[int], DatasetStats]:
+def filter_by_solve_rate(
+    rows: list[dict], low: float | None, high: float | None, field: str = "solve_rate"
+) -> tuple[list[int], DatasetStats]:
     """Indices of the rows with low <= row[field] <= high (all rows when no band is set), and the counts."""
     if low is None and high is None:
         return list(range(len(rows))), DatasetStats(len(rows), len(rows), 0, 0)
@@ -123,8 +133,16 @@ class DatasetTask(TaskSource):
 
     required_fields: tuple[str, ...] = ()
 
-    def __init__(self, rows: list[dict], name: str, prompt_template: str, solve_rate_min: float | None = None,
-                 solve_rate_max: float | None = None, solve_rate_field: str = "solve_rate", field: str = "task"):
+    def __init__(
+        self,
+        rows: list[dict],
+        name: str,
+        prompt_template: str,
+        solve_rate_min: float | None = None,
+        solve_rate_max: float | None = None,
+        solve_rate_field: str = "solve_rate",
+        field: str = "task",
+    ):
         self.name = name
         self.prompt_template = prompt_template
         try:
@@ -137,12 +155,16 @@ class DatasetTask(TaskSource):
         for i, row in enumerate(rows):
             missing = sorted(needed - row.keys())
             if missing:
-                raise DatasetError(f"{field}.dataset: row {i} has no field {', '.join(missing)} "
-                                   f"(needed by {field}.promptTemplate or the task type); it has {', '.join(sorted(row))}")
+                raise DatasetError(
+                    f"{field}.dataset: row {i} has no field {', '.join(missing)} "
+                    f"(needed by {field}.promptTemplate or the task type); it has {', '.join(sorted(row))}"
+                )
         kept, self.stats = filter_by_solve_rate(rows, solve_rate_min, solve_rate_max, solve_rate_field)
         if not kept:
-            raise DatasetError(f"{field}.solveRateMin/solveRateMax: no row of {len(rows)} has a `{solve_rate_field}` "
-                               f"in [{solve_rate_min}, {solve_rate_max}] ({self.stats})")
+            raise DatasetError(
+                f"{field}.solveRateMin/solveRateMax: no row of {len(rows)} has a `{solve_rate_field}` "
+                f"in [{solve_rate_min}, {solve_rate_max}] ({self.stats})"
+            )
         self._rows: dict[str, dict] = {}
         self._ids: list[str] = []
         all_ids = set()

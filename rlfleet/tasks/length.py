@@ -6,6 +6,7 @@ Here a task id carries its target (`{inner id}@len{N}`), so the verifier rebuild
 the worker saw, and
     reward = task reward - coef * min(1, |completion tokens - N| / N).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,13 +23,17 @@ class LengthTargetTask(TaskSource):
     def split(self, task_id: str) -> tuple[str, int]:
         base, sep, target = task_id.rpartition(SEPARATOR)
         if not sep or not target.isdigit() or int(target) not in self.targets:
-            raise KeyError(f"task id {task_id!r} carries no target length of {self.targets} (expected <id>{SEPARATOR}<N>)")
+            raise KeyError(
+                f"task id {task_id!r} carries no target length of {self.targets} (expected <id>{SEPARATOR}<N>)"
+            )
         return base, int(target)
 
     def problem(self, task_id: str) -> Problem:
         base, target = self.split(task_id)
         inner = self.inner.problem(base)
-        return Problem(task_id=task_id, prompt=self.template.format(prompt=inner.prompt, target=target), answer=inner.answer)
+        return Problem(
+            task_id=task_id, prompt=self.template.format(prompt=inner.prompt, target=target), answer=inner.answer
+        )
 
     def sample_id(self, rng: np.random.Generator) -> str:
         return f"{self.inner.sample_id(rng)}{SEPARATOR}{self.targets[int(rng.integers(len(self.targets)))]}"

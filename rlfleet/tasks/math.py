@@ -14,6 +14,7 @@ numeric exponent is not a literal of magnitude <= 1000 is refused (`9^9^9^9` wou
 sympy does the algebra (library); the extraction and normalization are ours (no library fits; the
 LaTeX parsers of sympy need antlr4 or lark and accept far more than answers).
 """
+
 from __future__ import annotations
 
 import re
@@ -41,7 +42,7 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[start + 1:i], i + 1
+                return text[start + 1 : i], i + 1
     return None
 
 
@@ -68,7 +69,7 @@ def extract_answer(completion: str) -> str | None:
         return boxed
     said = list(_ANSWER_IS.finditer(completion))
     if said:
-        rest = completion[said[-1].end():].strip().splitlines()
+        rest = completion[said[-1].end() :].strip().splitlines()
         if rest and rest[0].strip(" *"):
             return rest[0].strip(" *")
     numbers = _NUMBER.findall(completion)
@@ -86,7 +87,7 @@ def _unwrap(s: str, command: str) -> str:
         got = _braced(s, m.end())
         if got is None:
             break
-        out.append(s[i:m.start()])
+        out.append(s[i : m.start()])
         out.append(got[0])
         i = got[1]
     out.append(s[i:])
@@ -114,7 +115,7 @@ def _frac_to_division(s: str) -> str:
                 j += 1
             else:
                 return s
-        s = s[:m.start()] + f"(({parts[0]})/({parts[1]}))" + s[j:]
+        s = s[: m.start()] + f"(({parts[0]})/({parts[1]}))" + s[j:]
     return s
 
 
@@ -162,8 +163,7 @@ def _to_sympy_text(s: str) -> str | None:
 
 def _parse(s: str):
     import sympy
-    from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
-                                            standard_transformations)
+    from sympy.parsing.sympy_parser import implicit_multiplication_application, parse_expr, standard_transformations
 
     text = _to_sympy_text(s)
     if text is None:
@@ -171,11 +171,23 @@ def _parse(s: str):
     local = {"pi": sympy.pi, "e": sympy.E, "ln": sympy.log, "abs": sympy.Abs}
     local.update({c: sympy.Symbol(c) for c in "abcdfghjklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in local})
     try:
-        expr = parse_expr(text, local_dict=local,  # the names reaching here are whitelisted above
-                          transformations=standard_transformations + (implicit_multiplication_application,),
-                          evaluate=False)
-    except (SyntaxError, TypeError, ValueError, AttributeError, NameError, IndexError, ZeroDivisionError,
-            tokenize.TokenError, sympy.SympifyError):  # IndexError, TokenError: the parser on unbalanced brackets
+        expr = parse_expr(
+            text,
+            local_dict=local,  # the names reaching here are whitelisted above
+            transformations=standard_transformations + (implicit_multiplication_application,),
+            evaluate=False,
+        )
+    except (
+        SyntaxError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        NameError,
+        IndexError,
+        ZeroDivisionError,
+        tokenize.TokenError,
+        sympy.SympifyError,
+    ):  # IndexError, TokenError: the parser on unbalanced brackets
         return None
     if not isinstance(expr, sympy.Expr):
         return None
@@ -283,6 +295,12 @@ class MathTask(DatasetTask):
 
 def from_spec(spec) -> MathTask:
     """A MathTask from config.MathTaskSpec (loads the dataset)."""
-    return MathTask(load_rows(spec.dataset), dataset_name(spec.dataset), spec.prompt_template, spec.answer_field,
-                    solve_rate_min=spec.solve_rate_min, solve_rate_max=spec.solve_rate_max,
-                    solve_rate_field=spec.solve_rate_field)
+    return MathTask(
+        load_rows(spec.dataset),
+        dataset_name(spec.dataset),
+        spec.prompt_template,
+        spec.answer_field,
+        solve_rate_min=spec.solve_rate_min,
+        solve_rate_max=spec.solve_rate_max,
+        solve_rate_field=spec.solve_rate_field,
+    )

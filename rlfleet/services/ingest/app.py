@@ -15,6 +15,7 @@ door: the verifier gate still checks everything (and repeats the ban check). The
 token bucket per worker in this process, so with N replicas a worker gets up to N times the rate.
 HTTP serving is FastAPI + uvicorn, as the verifier API (rlfleet/services/toploc/api.py).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -22,6 +23,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -33,21 +35,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from rlfleet.config import ConfigError, IngestSpec
+from rlfleet.runtime import ComponentOptions
+from rlfleet.services.ingest.client import ROLLOUTS_PATH
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys
 
 log = logging.getLogger("rlfleet.ingest")
 
-ROLLOUTS_PATH = "/v1/{run}/rollouts"
 BACKLOG_RETRY_SECONDS = 1
 
 ANSWERS = Counter("rlfleet_ingest_requests_total", "Group submissions answered, by HTTP status code", ["code"])
 ACCEPTED_BYTES = Counter("rlfleet_ingest_accepted_bytes_total", "Bytes of group messages enqueued to the inbox")
-
-
-def rollouts_url(base_url: str, run: str) -> str:
-    """Where a worker POSTs its groups (the only place the path is spelled, for server and worker)."""
-    return base_url.rstrip("/") + ROLLOUTS_PATH.format(run=run)
 
 
 def load_tokens(path: str | Path) -> dict[str, str]:
@@ -61,8 +59,11 @@ def load_tokens(path: str | Path) -> dict[str, str]:
         raise ConfigError(source, [f"tokens file is not valid YAML/JSON: {exc}"]) from None
     if not isinstance(data, dict) or not data:
         raise ConfigError(source, ["tokens file must be a non-empty mapping {workerId: token}"])
-    problems = [f"{worker!r}: token must be a non-empty string" for worker, token in data.items()
-                if not isinstance(token, str) or not token]
+    problems = [
+        f"{worker!r}: token must be a non-empty string"
+        for worker, token in data.items()
+        if not isinstance(token, str) or not token
+    ]
     if not problems and len(set(data.values())) != len(data):
         problems.append("two workers share a token; give each worker its own")
     if problems:
@@ -111,11 +112,15 @@ def _refuse(code: int, detail: str, retry_after: float | None = None) -> JSONRes
     return JSONResponse({"detail": detail}, status_code=code, headers=headers)
 
 
-def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, str],
-             stream_max_len: int = 10000) -> FastAPI:
+def make_app(
+    run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, str], stream_max_len: int = 10000
+) -> FastAPI:
     """The ingest of run `run`: checks each submission, XADDs accepted ones to `RunKeys(run).rollouts`."""
-    app = FastAPI(title="rlfleet ingest", version="1",
-                  description="Authenticated submission of rollout groups by workers outside the cluster.")
+    app = FastAPI(
+        title="rlfleet ingest",
+        version="1",
+        description="Authenticated submission of rollout groups by workers outside the cluster.",
+    )
     keys, book, limiter = RunKeys(run), TokenBook(tokens), RateLimiter(spec.rate_per_minute)
 
     def admit(worker: str, body: bytes) -> JSONResponse:
@@ -133,8 +138,11 @@ def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, 
             return _refuse(429, f"worker {worker!r} is over {spec.rate_per_minute} groups per minute", retry_after=wait)
         backlog = client.xlen(keys.rollouts)
         if backlog > spec.max_backlog:
-            return _refuse(503, f"inbox holds {backlog} groups (bound {spec.max_backlog}); resend later",
-                           retry_after=BACKLOG_RETRY_SECONDS)
+            return _refuse(
+                503,
+                f"inbox holds {backlog} groups (bound {spec.max_backlog}); resend later",
+                retry_after=BACKLOG_RETRY_SECONDS,
+            )
         stream_id = client.xadd(keys.rollouts, {MESSAGE_FIELD: body}, maxlen=stream_max_len, approximate=True)
         ANSWERS.labels("202").inc()
         ACCEPTED_BYTES.inc(len(body))
@@ -171,15 +179,22 @@ def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, 
     return app
 
 
-def main(args) -> int:
+@dataclass(frozen=True, kw_only=True)
+class IngestOptions(ComponentOptions):
+    port: int
+    host: str = "127.0.0.1"  # bind address (0.0.0.0 in a pod)
+    tokens_file: Path | None = None  # overrides spec.ingest.tokensFile
+
+
+def main(options: IngestOptions) -> int:
     from rlfleet.runtime import component_context
 
-    ctx = component_context(args, "ingest")
+    ctx = component_context(options, "ingest")
     spec = ctx.bundle.run.spec
-    tokens_file = args.tokens_file or spec.ingest.tokens_file
+    tokens_file = options.tokens_file or spec.ingest.tokens_file
     if not tokens_file:
-        raise ConfigError(args.config, ["spec.ingest.tokensFile: required (or pass --tokens-file)"])
+        raise ConfigError(str(options.config), ["spec.ingest.tokensFile: required (or pass --tokens-file)"])
     app = make_app(ctx.run_name, spec.ingest, ctx.redis, load_tokens(tokens_file), spec.redis.stream_max_len)
-    log.info("serving the inbox of run %s on %s:%d", ctx.run_name, args.host, args.port)
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
+    log.info("serving the inbox of run %s on %s:%d", ctx.run_name, options.host, options.port)
+    uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")).run()
     return 0

@@ -2,7 +2,8 @@
 
 Loop: draw a task id, sample G completions with the current policy version, build TOPLOC proofs of
 their final hidden states, XADD the group to the inbox (or, when the pool has `ingestUrl`, POST it
-to the run's ingest with the token in env RLFLEET_WORKER_TOKEN; rlfleet/services/ingest/app.py). A background thread follows the `policy`
+to the run's ingest with the token in env RLFLEET_WORKER_TOKEN; rlfleet/services/ingest/). A background
+thread follows the `policy`
 stream and downloads each announced version through the relays (checking every file's sha256)
 while generation goes on with the old weights; the main loop swaps weights between groups, so a
 group is always produced by exactly one version, which it records.
@@ -12,29 +13,32 @@ deletes what it has handled, so XLEN is the backlog) or while its weights lag th
 announced version by more than `maxAsyncLevel`; it resumes by itself. An ingest answering 429 or
 503 makes the worker wait (Retry-After) and resend the same group; a group is never dropped.
 """
+
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import requests
 from prometheus_client import Counter, Gauge
 
+from rlfleet import env
 from rlfleet.checkpoint import parse_version_dir
-from rlfleet.runtime import Context, component_context, configure_torch_threads, latest_announced_version
-from rlfleet.services.ingest.app import rollouts_url
-from rlfleet.services.rollout.engine import Engine, make_engine
+from rlfleet.policy import configure_torch_threads
+from rlfleet.runtime import ComponentOptions, Context, component_context, latest_announced_version
+from rlfleet.services.ingest.client import post_group, rollouts_url
+from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.shardcast.client import Sources, fetch_version
-from rlfleet.signing import run_public_key
 from rlfleet.services.toploc.proof import build_proofs
+from rlfleet.signing import run_public_key
 from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
-from rlfleet.tasks.base import make_run_task
+from rlfleet.tasks import make_run_task
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -44,41 +48,13 @@ VERSION = Gauge("rlfleet_rollout_policy_version", "Policy version of the loaded 
 LAG = Gauge("rlfleet_rollout_version_lag", "Newest announced version minus loaded version")
 PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by backpressure", ["reason"])
 IN_FLIGHT = Gauge("rlfleet_rollout_requests_in_flight", "Completions the engine is generating now")
-DOWNLOAD_SECONDS = Gauge("rlfleet_rollout_weight_download_seconds", "Download (relays, hashes, signature) of the newest version")
+DOWNLOAD_SECONDS = Gauge(
+    "rlfleet_rollout_weight_download_seconds", "Download (relays, hashes, signature) of the newest version"
+)
 LOAD_SECONDS = Gauge("rlfleet_rollout_weight_load_seconds", "In-place load of the last swapped version into the engine")
-SWAP_SECONDS = Gauge("rlfleet_rollout_weight_swap_seconds", "Last swap from seeing the version announced to generating with it")
-
-TOKEN_ENV = "RLFLEET_WORKER_TOKEN"
-RETRY_STATUSES = (429, 503)  # the ingest's backpressure: wait and resend the same group
-
-
-def post_group(session: requests.Session, url: str, token: str, body: bytes, stop: threading.Event,
-               max_wait: float = 30.0) -> str | None:
-    """POST one group message to the ingest until it is accepted; its stream id (None if `stop` was set).
-
-    429/503 wait Retry-After and resend; a connection error waits and resends too (backoff up to
-    `max_wait`). Any other refusal (401, 403 banned, 413, 422) raises: resending cannot help.
-    """
-    backoff = 0.5
-    while not stop.is_set():
-        try:
-            resp = session.post(url, data=body, timeout=60,
-                                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-        except requests.ConnectionError as exc:
-            log.warning("ingest %s unreachable (%s); resending in %.1fs", url, exc, backoff)
-            PAUSED.labels("ingest").inc(backoff)
-            stop.wait(backoff)
-            backoff = min(max_wait, backoff * 2)
-            continue
-        if resp.status_code == 202:
-            return resp.json()["id"]
-        if resp.status_code in RETRY_STATUSES:
-            wait = min(max_wait, float(resp.headers.get("Retry-After") or 1))
-            PAUSED.labels("ingest").inc(wait)
-            stop.wait(wait)
-            continue
-        raise RuntimeError(f"ingest {url} refused the group: HTTP {resp.status_code} {resp.text}")
-    return None
+SWAP_SECONDS = Gauge(
+    "rlfleet_rollout_weight_swap_seconds", "Last swap from seeing the version announced to generating with it"
+)
 
 
 class VersionFollower(threading.Thread):
@@ -113,8 +89,15 @@ class VersionFollower(threading.Thread):
             if newest is None or newest <= self.announced:
                 continue
             self.announced, announced_at = newest, time.monotonic()
-            path = fetch_version(self.relay_urls, self.ctx.run_name, newest, self.cache_dir, stop=self.ctx.stop,
-                                 public_key=self.public_key, sources=self.sources)
+            path = fetch_version(
+                self.relay_urls,
+                self.ctx.run_name,
+                newest,
+                self.cache_dir,
+                stop=self.ctx.stop,
+                public_key=self.public_key,
+                sources=self.sources,
+            )
             DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
                 self.ready = (newest, path, announced_at)
@@ -133,24 +116,34 @@ class VersionFollower(threading.Thread):
                 shutil.rmtree(child, ignore_errors=True)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RolloutOptions(ComponentOptions):
+    worker_id: str
+    cache_dir: Path  # where downloaded policy versions are kept
+    relay_urls: list[str] = field(default_factory=list)  # relay (or origin) base URLs
+    pool: str | None = None  # InferencePool name; None: the file's only pool, or the defaults without one
+
+
 class Worker:
-    def __init__(self, ctx: Context, args):
+    def __init__(self, ctx: Context, options: RolloutOptions):
         self.ctx = ctx
         self.spec = ctx.bundle.run.spec
-        pools = ctx.bundle.pools
-        pool = next((p for p in pools if p.metadata.name == args.pool), pools[0] if pools else None)
-        self.engine_kind = pool.spec.engine if pool else "torch"
-        self.max_pending = pool.spec.max_pending if pool else 64
-        self.ingest_url = rollouts_url(pool.spec.ingest_url, ctx.run_name) if pool and pool.spec.ingest_url else None
-        self.token = os.environ.get(TOKEN_ENV, "")
+        pool_name, pool = ctx.bundle.pool(options.pool, str(options.config))
+        self.engine_kind = pool.engine
+        self.max_pending = pool.max_pending
+        self.ingest_url = rollouts_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
+        self.token = env.get(env.WORKER_TOKEN) or ""
         if self.ingest_url and not self.token:
-            raise SystemExit(f"rlfleet rollout: pool {pool.metadata.name} has spec.ingestUrl; set env {TOKEN_ENV} to this worker's token")
+            raise SystemExit(
+                f"rlfleet rollout: pool {pool_name} has spec.ingestUrl; set env {env.WORKER_TOKEN} to this worker's "
+                f"token"
+            )
         self.session = requests.Session() if self.ingest_url else None
-        self.worker_id = args.worker_id
+        self.worker_id = options.worker_id
         self.task = make_run_task(self.spec)
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
         self.rng = np.random.default_rng(seed)
-        self.follower = VersionFollower(ctx, args.relay_url, Path(args.cache_dir), self.spec.shardcast.keep_versions)
+        self.follower = VersionFollower(ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions)
         self.engine: Engine | None = None
 
     def wait_first_version(self) -> bool:
@@ -196,8 +189,13 @@ class Worker:
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
         problem = self.task.problem(self.task.sample_id(self.rng))
         prompt_ids = self.engine.tokenizer(problem.prompt)["input_ids"]
-        params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                                seed=int(self.rng.integers(0, 2**31)))
+        params = SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+            seed=int(self.rng.integers(0, 2**31)),
+        )
         IN_FLIGHT.set(s.group_size)
         try:
             gens = self.engine.generate(prompt_ids, params, s.group_size)
@@ -205,15 +203,32 @@ class Worker:
             IN_FLIGHT.set(0)
         samples = []
         for gen in gens:
-            proofs = build_proofs(gen.hidden, prompt_len=len(prompt_ids),
-                                  decode_batching_size=toploc.decode_batching_size, topk=toploc.topk)
+            proofs = build_proofs(
+                gen.hidden,
+                prompt_len=len(prompt_ids),
+                decode_batching_size=toploc.decode_batching_size,
+                topk=toploc.topk,
+            )
             text = self.engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
-            samples.append(Sample(completion_ids=gen.completion_ids, logprobs=gen.logprobs, proofs=proofs,
-                                  reward=self.task.score(problem, text, len(gen.completion_ids)), finish_reason=gen.finish_reason))
+            samples.append(
+                Sample(
+                    completion_ids=gen.completion_ids,
+                    logprobs=gen.logprobs,
+                    proofs=proofs,
+                    reward=self.task.score(problem, text, len(gen.completion_ids)),
+                    finish_reason=gen.finish_reason,
+                )
+            )
             TOKENS.inc(len(gen.completion_ids))
         # The version that produced the tokens (engine.py's invariant), not one swapped in since.
-        return RolloutGroup(task_id=problem.task_id, worker_id=self.worker_id, policy_version=gens[0].version,
-                            prompt_ids=prompt_ids, sampling=params, samples=samples)
+        return RolloutGroup(
+            task_id=problem.task_id,
+            worker_id=self.worker_id,
+            policy_version=gens[0].version,
+            prompt_ids=prompt_ids,
+            sampling=params,
+            samples=samples,
+        )
 
     def run(self) -> None:
         if not self.wait_first_version():
@@ -229,19 +244,29 @@ class Worker:
                 continue
             group = self.make_group()
             if self.ingest_url:
-                if post_group(self.session, self.ingest_url, self.token, group.encode()[MESSAGE_FIELD], self.ctx.stop) is None:
+                if (
+                    post_group(
+                        self.session,
+                        self.ingest_url,
+                        self.token,
+                        group.encode()[MESSAGE_FIELD],
+                        self.ctx.stop,
+                        on_wait=PAUSED.labels("ingest").inc,
+                    )
+                    is None
+                ):
                     return  # stopped while the ingest held it back
             else:
                 self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode(), maxlen=maxlen, approximate=True)
             GROUPS.inc()
 
 
-def main(args) -> int:
-    ctx = component_context(args, "rollout")
-    configure_torch_threads()
-    if not args.relay_url:
+def main(options: RolloutOptions) -> int:
+    if not options.relay_urls:
         raise SystemExit("rlfleet rollout: at least one --relay-url is required")
-    worker = Worker(ctx, args)
+    ctx = component_context(options, "rollout")
+    configure_torch_threads()
+    worker = Worker(ctx, options)
     try:
         worker.run()
     finally:

@@ -29,13 +29,13 @@ bytes object per chunk), and at GB/s that copy is most of the cost.
 The relay reuses `Fetcher` (and staging.py's `ShardJournal`) for its own pulls (relay.py).
 `wait_for_version` long-polls `latest?after=N` (protocol.py) for a process without the policy stream.
 """
+
 from __future__ import annotations
 
 import hashlib
 import http.client
 import logging
 import os
-import random
 import shutil
 import threading
 import time
@@ -46,83 +46,46 @@ from urllib.parse import urlsplit
 
 import requests
 
-from rlfleet.checkpoint import (
-    COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, ManifestError, parse_manifest, version_dir_name,
+from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, parse_manifest, version_dir_name
+from rlfleet.services.shardcast.protocol import file_path
+from rlfleet.services.shardcast.sources import (
+    BACKOFF_MAX,
+    BACKOFF_START,
+    CONNECT_TIMEOUT,
+    READ_TIMEOUT,
+    RETRYABLE,
+    FetchError,
+    HTTPStatusError,
+    Sources,
+    latest_version_http,
+    wait_for_version,
 )
-from rlfleet.services.shardcast.protocol import file_path, latest_path
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, allocate, install
-from rlfleet.signing import SignatureError
 
 log = logging.getLogger("rlfleet.shardcast.client")
 
-BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
-CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 60.0
+# The client's public surface: other services import these from here (pyproject's import contracts).
+__all__ = ["PARALLEL", "FetchError", "Fetcher", "Sources", "fetch_version", "latest_version_http", "wait_for_version"]
+
 RECV_CHUNK = 1 << 20  # bytes per readinto/hash step; a broken connection keeps all it received
 PARALLEL = 4
-EXPLORE = 0.1  # probability of picking a source uniformly instead of by weight
-
-
-class FetchError(TimeoutError):
-    """A version could not be fetched and verified before the deadline (or the fetch was stopped)."""
-
-
-class HTTPStatusError(RuntimeError):
-    """A server answered something other than the expected status or length."""
-
-
-_RETRYABLE = (requests.RequestException, http.client.HTTPException, HTTPStatusError, ChecksumError, ManifestError, SignatureError,
-              ValueError, OSError)
-
-
-class Sources:
-    """Base URLs with measured bandwidth (EWMA, bytes/s) and success counts; thread-safe.
-    Weight = bandwidth x ((ok + 1) / (ok + fail + 2))^2; untried sources get the best bandwidth seen
-    (optimism), and with probability EXPLORE the pick is uniform. Keep one across fetches to learn."""
-
-    def __init__(self, urls: list[str], explore: float = EXPLORE, rng: random.Random | None = None):
-        if not urls:
-            raise ValueError("Shardcast needs at least one base URL (origin or relay)")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.explore = explore
-        self.rng = rng or random.Random()
-        self.bandwidth: dict[str, float] = {}
-        self.ok = dict.fromkeys(self.urls, 0)
-        self.fail = dict.fromkeys(self.urls, 0)
-        self._lock = threading.Lock()
-
-    def weight(self, url: str) -> float:
-        best = max(self.bandwidth.values(), default=1.0)
-        success = (self.ok[url] + 1) / (self.ok[url] + self.fail[url] + 2)
-        return self.bandwidth.get(url, best) * success * success
-
-    def pick(self, avoid: set[str] = frozenset()) -> str:
-        with self._lock:
-            candidates = [u for u in self.urls if u not in avoid] or self.urls
-            if len(candidates) == 1:
-                return candidates[0]
-            if self.rng.random() < self.explore:
-                return self.rng.choice(candidates)
-            return self.rng.choices(candidates, weights=[self.weight(u) + 1e-9 for u in candidates])[0]
-
-    def success(self, url: str, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self.ok[url] += 1
-            if nbytes >= 1 << 16:  # tiny bodies measure latency, not bandwidth
-                rate = nbytes / max(seconds, 1e-6)
-                old = self.bandwidth.get(url)
-                self.bandwidth[url] = rate if old is None else 0.7 * old + 0.3 * rate
-
-    def failure(self, url: str) -> None:
-        with self._lock:
-            self.fail[url] += 1
 
 
 class Fetcher:
     """The retrying HTTP side of one version's download: its manifest, then its shards."""
 
-    def __init__(self, sources: Sources, run: str, version: int, timeout: float, *,
-                 on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
-                 public_key=None, parallel: int = PARALLEL):
+    def __init__(
+        self,
+        sources: Sources,
+        run: str,
+        version: int,
+        timeout: float,
+        *,
+        on_bytes: Callable[[int], None] | None = None,
+        stop: threading.Event | None = None,
+        public_key=None,
+        parallel: int = PARALLEL,
+    ):
         self.sources, self.run, self.version, self.timeout = sources, run, version, timeout
         self.deadline = time.monotonic() + timeout
         self.on_bytes, self.stop, self.public_key = on_bytes, stop, public_key
@@ -181,8 +144,10 @@ class Fetcher:
         if self.stopped or self._abort.is_set():
             raise FetchError(f"run {self.run!r} v{self.version}: fetch stopped")
         if time.monotonic() > self.deadline:
-            raise FetchError(f"run {self.run!r} v{self.version}: not fetched and verified within "
-                             f"{self.timeout:g} s from {self.sources.urls}; last error: {self.last_error}")
+            raise FetchError(
+                f"run {self.run!r} v{self.version}: not fetched and verified within "
+                f"{self.timeout:g} s from {self.sources.urls}; last error: {self.last_error}"
+            )
 
     def _request_timeout(self) -> tuple[float, float]:
         left = max(1.0, self.deadline - time.monotonic())
@@ -199,7 +164,7 @@ class Fetcher:
                 return attempt(url)
             except FetchError:  # stopped or out of time (a TimeoutError, so an OSError too)
                 raise
-            except _RETRYABLE as exc:
+            except RETRYABLE as exc:
                 self.last_error = f"{what} from {url}: {exc}"
                 log.debug("retrying: %s", self.last_error)
                 self.sources.failure(url)
@@ -212,10 +177,12 @@ class Fetcher:
 
     def manifest(self) -> tuple[bytes, dict]:
         """(raw bytes, parsed manifest) from the first source whose manifest verifies."""
+
         def attempt(base: str) -> tuple[bytes, dict]:
             started = time.monotonic()
-            r = self.session().get(base + file_path(self.run, self.version, MANIFEST_NAME),
-                                   timeout=self._request_timeout())
+            r = self.session().get(
+                base + file_path(self.run, self.version, MANIFEST_NAME), timeout=self._request_timeout()
+            )
             if r.status_code != 200:
                 raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
             manifest = parse_manifest(r.content, self.run, self.version, self.public_key)
@@ -224,8 +191,9 @@ class Fetcher:
 
         return self._retry(MANIFEST_NAME, attempt)
 
-    def shards(self, manifest: dict, dest: Path, skip: set[tuple[int, int]],
-               on_shard: Callable[[int, int], None] | None = None) -> None:
+    def shards(
+        self, manifest: dict, dest: Path, skip: set[tuple[int, int]], on_shard: Callable[[int, int], None] | None = None
+    ) -> None:
         """Download every shard not in `skip` into the files under `dest` (created at full size)."""
         fds = []
         try:
@@ -235,8 +203,12 @@ class Fetcher:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 fds.append(fd)
                 allocate(fd, entry["size"])
-            todo = [(i, j) for i, entry in enumerate(manifest["files"])
-                    for j in range(len(entry["shards"])) if (i, j) not in skip]
+            todo = [
+                (i, j)
+                for i, entry in enumerate(manifest["files"])
+                for j in range(len(entry["shards"]))
+                if (i, j) not in skip
+            ]
             todo.reverse()  # pop() from the end: shards go in file order
 
             def worker() -> None:
@@ -323,13 +295,15 @@ class Fetcher:
             raise HTTPStatusError(f"HTTP {r.status}: {detail}")
         if r.length is None or r.length > size - have:
             self.drop_connection(base)
-            raise ChecksumError(entry["name"], f"server sent more than the shard size {size} "
-                                               f"(Content-Length {r.getheader('Content-Length')})")
+            raise ChecksumError(
+                entry["name"],
+                f"server sent more than the shard size {size} (Content-Length {r.getheader('Content-Length')})",
+            )
         while have < size:
-            n = r.readinto(buf[have:min(size, have + RECV_CHUNK)])
+            n = r.readinto(buf[have : min(size, have + RECV_CHUNK)])
             if not n:
                 break
-            state["hash"].update(buf[have:have + n])
+            state["hash"].update(buf[have : have + n])
             have = state["have"] = have + n
             if self.on_bytes is not None:
                 self.on_bytes(n)
@@ -338,9 +312,19 @@ class Fetcher:
             raise HTTPStatusError(f"truncated body: {have} of {size} shard bytes")
 
 
-def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path, timeout: float = 300, *,
-                  on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None,
-                  public_key=None, sources: Sources | None = None, parallel: int = PARALLEL) -> Path:
+def fetch_version(
+    base_urls: list[str],
+    run: str,
+    version: int,
+    dest_root: Path,
+    timeout: float = 300,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
+    public_key=None,
+    sources: Sources | None = None,
+    parallel: int = PARALLEL,
+) -> Path:
     """Download and verify `run` v`version` into dest_root/v{N}; return that directory.
     `public_key` (ed25519) makes the manifest signature mandatory; `sources` carries relay
     measurements across calls (default: fresh ones over `base_urls`). `on_bytes(n)` is called per
@@ -351,8 +335,9 @@ def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path,
     if (final / COMPLETE_MARKER).exists():
         return final
     dest_root.mkdir(parents=True, exist_ok=True)
-    fetcher = Fetcher(sources, run, version, timeout, on_bytes=on_bytes, stop=stop, public_key=public_key,
-                      parallel=parallel)
+    fetcher = Fetcher(
+        sources, run, version, timeout, on_bytes=on_bytes, stop=stop, public_key=public_key, parallel=parallel
+    )
     partial = dest_root / f".{final.name}.partial"
     try:
         raw, manifest = fetcher.manifest()
@@ -368,46 +353,3 @@ def fetch_version(base_urls: list[str], run: str, version: int, dest_root: Path,
         raise
     finally:
         fetcher.close()
-
-
-def latest_version_http(base_url: str, run: str, timeout: float = 10.0) -> int | None:
-    """The newest version `base_url` offers for `run`, or None when it has none (HTTP 404).
-    Other failures raise (requests.RequestException)."""
-    r = requests.get(base_url.rstrip("/") + latest_path(run), timeout=timeout)
-    if r.status_code == 404:
-        return None
-    r.raise_for_status()
-    return int(r.json()["version"])
-
-
-def wait_for_version(base_urls: list[str], run: str, after: int, timeout: float, *,
-                     stop: threading.Event | None = None, wait: float = 30.0) -> int | None:
-    """Block until one of `base_urls` offers a version newer than `after`; return it (None at
-    `timeout` or on `stop`). Long-polls `latest?after=N` (no timer of our own: the server answers
-    when the version is announced); a source that fails is left for the next, with a short pause
-    after all failed."""
-    deadline = time.monotonic() + timeout
-    pause, i = BACKOFF_START, 0
-    with requests.Session() as session:
-        while not (stop is not None and stop.is_set()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            base = base_urls[i % len(base_urls)].rstrip("/")
-            hold = min(wait, left)
-            try:
-                r = session.get(base + latest_path(run), params={"after": after, "wait": f"{hold:.3f}"},
-                                timeout=(CONNECT_TIMEOUT, hold + READ_TIMEOUT))
-                if r.status_code == 200 and int(r.json()["version"]) > after:
-                    return int(r.json()["version"])
-                if r.status_code == 204:
-                    pause = BACKOFF_START
-                    continue
-                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
-            except (requests.RequestException, HTTPStatusError, ValueError, KeyError) as exc:
-                log.debug("long-poll of %s failed: %s", base, exc)
-                i += 1
-                if i % len(base_urls) == 0:
-                    (stop or threading.Event()).wait(min(pause, max(0.0, deadline - time.monotonic())))
-                    pause = min(pause * 2, BACKOFF_MAX)
-    return None

@@ -15,6 +15,7 @@ Routes: see protocol.py. Invariants:
 The store is synchronous (boto3); its calls run in threads. The origin holds no state of its own,
 so any number of replicas can serve the same store.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,15 +23,29 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import redis
 from aiohttp import web
 from prometheus_client import Counter
 
 from rlfleet.checkpoint import MANIFEST_NAME, latest_version, manifest_key, version_key
+from rlfleet.runtime import ComponentOptions
 from rlfleet.services.shardcast.protocol import (
-    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, VersionBoard, answer_long_poll, check_run, healthz,
-    long_poll_args, metrics, request_version, send_file, send_range, serve_until,
+    ROUTE_FILE,
+    ROUTE_HEALTH,
+    ROUTE_LATEST,
+    ROUTE_METRICS,
+    VersionBoard,
+    answer_long_poll,
+    check_run,
+    healthz,
+    long_poll_args,
+    metrics,
+    request_version,
+    send_file,
+    send_range,
+    serve_until,
 )
 from rlfleet.store import CheckpointStore
 from rlfleet.streams import RunKeys
@@ -41,8 +56,9 @@ BYTES_OUT = Counter("rlfleet_origin_bytes_out", "Checkpoint bytes the origin has
 STORE_CHECK, STORE_CHECK_ALONE = 5.0, 0.5  # seconds between store reads with / without the policy stream
 
 
-def watch_store(store: CheckpointStore, run: str, board: VersionBoard, redis_client: redis.Redis | None,
-                stop: threading.Event) -> None:
+def watch_store(
+    store: CheckpointStore, run: str, board: VersionBoard, redis_client: redis.Redis | None, stop: threading.Event
+) -> None:
     """Offer the store's newest version to `board` on each announcement and every STORE_CHECK s."""
     key, last, next_check = RunKeys(run).policy, None, 0.0
     while not stop.is_set():
@@ -92,8 +108,7 @@ def make_app(store: CheckpointStore, run: str, redis_client: redis.Redis | None 
         except KeyError:
             raise web.HTTPNotFound(text=f"run {run!r} v{version} is not published (no manifest yet)\n") from None
         if name == MANIFEST_NAME:
-            return await send_range(request, len(raw), lambda s, e: iter([raw[s:e]]),
-                                    "application/json", BYTES_OUT.inc)
+            return await send_range(request, len(raw), lambda s, e: iter([raw[s:e]]), "application/json", BYTES_OUT.inc)
         entry = next((f for f in json.loads(raw)["files"] if f["name"] == name), None)
         if entry is None:
             raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
@@ -102,16 +117,18 @@ def make_app(store: CheckpointStore, run: str, redis_client: redis.Redis | None 
             local = store.local_path(key)
             if local is not None:
                 return await send_file(request, entry["size"], lambda: open(local, "rb"), BYTES_OUT.inc)
-            return await send_range(request, entry["size"], lambda s, e: store.open_read(key, s, e),
-                                    on_bytes=BYTES_OUT.inc)
+            return await send_range(
+                request, entry["size"], lambda s, e: store.open_read(key, s, e), on_bytes=BYTES_OUT.inc
+            )
         except (KeyError, FileNotFoundError):  # listed but gone: the version was pruned while we looked
             raise web.HTTPNotFound(text=f"run {run!r} v{version}: {name!r} is no longer in the store\n") from None
 
     async def lifecycle(app: web.Application):
         board.bind(app)
         stop = threading.Event()
-        watcher = threading.Thread(target=watch_store, args=(store, run, board, redis_client, stop),
-                                   name="origin-store-watcher", daemon=True)
+        watcher = threading.Thread(
+            target=watch_store, args=(store, run, board, redis_client, stop), name="origin-store-watcher", daemon=True
+        )
         watcher.start()
         yield
         stop.set()
@@ -126,11 +143,17 @@ def make_app(store: CheckpointStore, run: str, redis_client: redis.Redis | None 
     return app
 
 
-def main(args) -> int:
-    """`rlfleet origin`: serve the store of the config's run on args.host:args.port until SIGTERM."""
+@dataclass(frozen=True, kw_only=True)
+class OriginOptions(ComponentOptions):
+    port: int
+    host: str = "127.0.0.1"  # bind address (0.0.0.0 in a pod)
+
+
+def main(options: OriginOptions) -> int:
+    """`rlfleet origin`: serve the store of the config's run on host:port until SIGTERM."""
     from rlfleet.runtime import component_context, open_run_store
 
-    ctx = component_context(args, "origin")
-    store = open_run_store(ctx, args.config)
-    asyncio.run(serve_until(make_app(store, ctx.run_name, ctx.redis), args.host, args.port, ctx.stop))
+    ctx = component_context(options, "origin")
+    store = open_run_store(ctx, str(options.config))
+    asyncio.run(serve_until(make_app(store, ctx.run_name, ctx.redis), options.host, options.port, ctx.stop))
     return 0

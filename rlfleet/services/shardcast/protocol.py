@@ -19,15 +19,16 @@ client's job (sha256 from the manifest), not the transport's.
 Bytes that lie in a local file go out with `loop.sendfile` (os.sendfile on the socket: no copy
 through Python); other bodies (S3, the manifest) stream in MiB chunks read in a thread pool.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
 import time
-from contextlib import contextmanager
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import BinaryIO
 
 from aiohttp import web
@@ -128,8 +129,9 @@ def long_poll_args(request: web.Request) -> tuple[int, float] | None:
         after = int(request.query["after"])
         wait = float(request.query.get("wait", WAIT_DEFAULT))
     except ValueError:
-        raise web.HTTPBadRequest(text="latest?after=N&wait=S: 'after' must be an integer version and "
-                                      "'wait' a number of seconds\n") from None
+        raise web.HTTPBadRequest(
+            text="latest?after=N&wait=S: 'after' must be an integer version and 'wait' a number of seconds\n"
+        ) from None
     if not 0 <= wait <= WAIT_MAX:
         raise web.HTTPBadRequest(text=f"latest?wait={wait:g}: 'wait' must be between 0 and {WAIT_MAX:g} seconds\n")
     return after, wait
@@ -160,8 +162,9 @@ def parse_range(request: web.Request, size: int) -> tuple[int, int, int]:
     return 206, start, end
 
 
-async def _start(request: web.Request, status: int, start: int, end: int, size: int,
-                 content_type: str) -> web.StreamResponse:
+async def _start(
+    request: web.Request, status: int, start: int, end: int, size: int, content_type: str
+) -> web.StreamResponse:
     resp = web.StreamResponse(status=status, headers={"Accept-Ranges": "bytes"})
     if status == 206:
         resp.headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
@@ -171,9 +174,13 @@ async def _start(request: web.Request, status: int, start: int, end: int, size: 
     return resp
 
 
-async def send_file(request: web.Request, size: int, open_file: Callable[[], BinaryIO],
-                    on_bytes: Callable[[int], None] | None = None,
-                    ready: Callable[[int, int], Awaitable[None]] | None = None) -> web.StreamResponse:
+async def send_file(
+    request: web.Request,
+    size: int,
+    open_file: Callable[[], BinaryIO],
+    on_bytes: Callable[[int], None] | None = None,
+    ready: Callable[[int, int], Awaitable[None]] | None = None,
+) -> web.StreamResponse:
     """Send bytes of the local file `open_file()` (which holds `size` bytes) honouring Range, with
     os.sendfile. `await ready(start, end)` runs first (a relay waits there for the shards that cover
     the range); exceptions from `ready` and `open_file` propagate before any header is sent."""
@@ -192,9 +199,13 @@ async def send_file(request: web.Request, size: int, open_file: Callable[[], Bin
     return resp
 
 
-async def send_range(request: web.Request, size: int, read: Callable[[int, int], Iterator[bytes]],
-                     content_type: str = "application/octet-stream",
-                     on_bytes: Callable[[int], None] | None = None) -> web.StreamResponse:
+async def send_range(
+    request: web.Request,
+    size: int,
+    read: Callable[[int, int], Iterator[bytes]],
+    content_type: str = "application/octet-stream",
+    on_bytes: Callable[[int], None] | None = None,
+) -> web.StreamResponse:
     """Stream `read(start, end)` (a blocking chunk iterator, run in the thread pool) honouring Range.
     Exceptions from `read` itself (e.g. KeyError) propagate before any header is sent."""
     status, start, end = parse_range(request, size)

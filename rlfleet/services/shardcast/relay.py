@@ -1,390 +1,70 @@
-"""Shardcast relay: a pull-through, verifying, cut-through cache of one run's policy versions.
+"""Shardcast relay: a pull-through, verifying, cut-through cache of one run's policy versions, over HTTP.
 
-It serves the origin's routes (protocol.py) for {cache_dir}/{run}/v{N}/. Invariants:
-  - nothing is served before the version's manifest has verified: its ed25519 signature with the
-    run's public key first, then shape, run and version (client.Fetcher.manifest);
-  - a byte is served only once the shard that holds it has matched its sha256 (client.Fetcher
-    hashes each shard in its receive buffer and writes it only then), so a poisoned upstream is
-    never relayed;
-  - v{N} exists only complete (`.complete` inside): shards land in `.v{N}.partial/`, renamed
-    to v{N} after the last one, before the last shard is announced as ready.
-  pull          one pull per version at a time (a thread running client.Fetcher against the
-                upstream, `parallel` shards at once); concurrent requests share it
-  resume        a partial dir keeps a journal of its verified shards (staging.ShardJournal); a
-                relay killed or stopped mid-pull keeps it, and the next pull of that version
-                re-hashes the journaled shards, serves them at once and fetches only the others.
-                Partial dirs of versions no newer than a held one are dropped at start, and
-                those older than a version whose pull starts are dropped then
+It serves the origin's routes (protocol.py) from its cache (relay_cache.py: pulls, resume,
+prefetch, retention and their invariants). Serving:
   cut-through   a file request waits (in `send_file`'s `ready` hook) only for the shards its
                 byte range covers, then sendfiles them while later shards are still arriving, so
                 tier k+1 pulls shard s while tier k pulls shard s+1; a failed pull answers 502
-  prefetch      a thread does blocking XREAD on the run's `policy` stream (the newest entry first,
-                then each new one) and pulls every announced version before anyone asks; a
-                restarted relay catches up the same way. Without a stream, a task long-polls the
-                upstream's `latest?after=N` instead (no timer: upstream answers on a new version)
   latest        upstream's latest (and starts pulling it); the newest held version if upstream is down.
                 `latest?after=N` answers as soon as a newer version is announced to this relay
                 (it is then served cut-through) or held
-  retention     at most `keep_versions` complete versions, and (with `max_disk_bytes`) their bytes
-                plus the pulls in flight stay under the bound: older versions are dropped (renamed
-                away first) before a pull starts, and a version larger than the bound is refused
-Metrics: rlfleet_relay_bytes_in_total, rlfleet_relay_bytes_out_total, rlfleet_relay_versions_held,
-rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds, rlfleet_relay_fetch_seconds.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import shutil
 import threading
-import time
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import redis
 import requests
 from aiohttp import web
-from prometheus_client import Counter, Gauge, Histogram
 
-from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
-from rlfleet.services.shardcast.client import (
-    BACKOFF_MAX, BACKOFF_START, PARALLEL, FetchError, Fetcher, Sources, latest_version_http,
-)
+from rlfleet.checkpoint import MANIFEST_NAME
+from rlfleet.runtime import ComponentOptions
+from rlfleet.services.shardcast.client import PARALLEL, FetchError, latest_version_http
 from rlfleet.services.shardcast.protocol import (
-    ROUTE_FILE, ROUTE_HEALTH, ROUTE_LATEST, ROUTE_METRICS, VersionBoard, answer_long_poll, check_run, file_path,
-    healthz, latest_path, long_poll_args, metrics, request_version, send_file, send_range, serve_until,
+    ROUTE_FILE,
+    ROUTE_HEALTH,
+    ROUTE_LATEST,
+    ROUTE_METRICS,
+    answer_long_poll,
+    check_run,
+    healthz,
+    long_poll_args,
+    metrics,
+    request_version,
+    send_file,
+    send_range,
+    serve_until,
 )
-from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
-from rlfleet.streams import MessageError, RunKeys, decode_json
-
-log = logging.getLogger("rlfleet.shardcast.relay")
-
-BYTES_IN = Counter("rlfleet_relay_bytes_in", "Checkpoint bytes the relay received from upstream")
-BYTES_OUT = Counter("rlfleet_relay_bytes_out", "Checkpoint bytes the relay sent to clients")
-VERSIONS_HELD = Gauge("rlfleet_relay_versions_held", "Verified policy versions on the relay's disk")
-DISK_BYTES = Gauge("rlfleet_relay_disk_bytes", "Bytes of complete versions and pulls in flight on the relay's disk")
-CLIENTS = Gauge("rlfleet_relay_clients", "Requests for checkpoint files being served right now")
-SHARD_SECONDS = Histogram("rlfleet_relay_shard_seconds", "Seconds from a pull's start until each shard verified",
-                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
-FETCH_SECONDS = Histogram("rlfleet_relay_fetch_seconds", "Seconds to pull and verify one version from upstream",
-                          buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
-
-
-FOLLOW_WAIT = 30  # seconds one long-poll of upstream may hang
-
-
-class VersionGone(LookupError):
-    """Older than the versions this relay keeps."""
-
-
-class NotUpstream(LookupError):
-    """Upstream has no such version (yet)."""
-
-
-class DiskBoundError(RuntimeError):
-    """A version that does not fit under the relay's disk bound."""
-
-
-class Pull:
-    """One version being pulled: its verified manifest, then the shards verified so far.
-    Written by the pull thread; read and awaited on the event loop."""
-
-    def __init__(self, version: int, loop: asyncio.AbstractEventLoop):
-        self.version, self.loop = version, loop
-        self.raw: bytes | None = None
-        self.manifest: dict | None = None
-        self.ready: set[tuple[int, int]] = set()
-        self.complete = False
-        self.error: BaseException | None = None
-        self.size = 0
-        self._changed = asyncio.Event()
-
-    def notify(self) -> None:
-        """Wake every waiter (from any thread)."""
-        self.loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    async def wait(self, predicate) -> None:
-        while True:
-            changed = self._changed
-            if predicate():
-                return
-            if self.error is not None:
-                raise self.error
-            await changed.wait()
-
-    def covers(self, index: int, start: int, end: int) -> bool:
-        """All shards of file `index` overlapping bytes [start, end) are verified."""
-        if self.complete:
-            return True
-        shards = self.manifest["files"][index]["shards"]
-        return all((index, j) in self.ready for j, s in enumerate(shards)
-                   if s["offset"] < end and s["offset"] + s["size"] > start)
-
-
-class Relay:
-    """The cache, the pulls in flight and the retention rules of one relay process."""
-
-    def __init__(self, upstream: str, cache_dir: Path, run: str, keep_versions: int, fetch_timeout: float = 120.0,
-                 public_key=None, max_disk_bytes: int | None = None, parallel: int = PARALLEL):
-        if keep_versions < 1:
-            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
-        self.upstream = upstream.rstrip("/")
-        self.run = run
-        self.root = Path(cache_dir) / run
-        self.keep = keep_versions
-        self.fetch_timeout = fetch_timeout
-        self.public_key, self.max_disk, self.parallel = public_key, max_disk_bytes, parallel
-        self.closing = threading.Event()  # aborts pulls in flight at shutdown
-        self.board = VersionBoard()  # what long-polls of `latest` are told
-        self._pulls: dict[int, Pull] = {}
-        self._tasks: set[asyncio.Task] = set()
-        self._disk_lock = threading.Lock()  # retention and disk accounting run in pull threads
-
-    def version_dir(self, version: int) -> Path:
-        return self.root / version_dir_name(version)
-
-    def partial_dir(self, version: int) -> Path:
-        return self.root / f".{version_dir_name(version)}.partial"
-
-    def has(self, version: int) -> bool:
-        return (self.version_dir(version) / COMPLETE_MARKER).exists()
-
-    def held(self) -> list[int]:
-        """Complete versions on disk, ascending."""
-        if not self.root.is_dir():
-            return []
-        found = (parse_version_dir(p.name) for p in self.root.iterdir() if (p / COMPLETE_MARKER).exists())
-        return sorted(v for v in found if v is not None)
-
-    def too_old(self, version: int) -> bool:
-        """True when `keep` newer versions are held: pulling it would only see it pruned."""
-        return sum(v > version for v in self.held()) >= self.keep
-
-    def partials(self) -> dict[int, Path]:
-        """Partial dirs on disk by version."""
-        found = {}
-        for p in self.root.iterdir() if self.root.is_dir() else []:
-            if p.name.startswith(".v") and p.name.endswith(".partial"):
-                version = parse_version_dir(p.name[1:-len(".partial")])
-                if version is not None:
-                    found[version] = p
-        return found
-
-    def clean_start(self) -> None:
-        """Drop temp dirs left by a previous process, and its partial pulls except those of
-        versions newer than every held one (kept to resume); apply retention."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        newest = max(self.held(), default=-1)
-        keep = {p for v, p in self.partials().items() if v > newest}
-        for p in self.root.iterdir():
-            if p.is_dir() and not (p / COMPLETE_MARKER).exists() and p not in keep:
-                shutil.rmtree(p)
-        self.prune()
-        self.board.offer(max(self.held(), default=None))
-
-    def _drop(self, version: int) -> None:
-        trash = self.root / f".trash-{version_dir_name(version)}-{uuid.uuid4().hex}"
-        self.version_dir(version).rename(trash)  # invisible at once, then deleted
-        shutil.rmtree(trash)
-        log.info("dropped v%d", version)
-
-    def _disk_used(self) -> int:
-        held = sum(f.stat().st_size for v in self.held() for f in self.version_dir(v).rglob("*") if f.is_file())
-        return held + sum(p.size for p in list(self._pulls.values()) if not p.complete)
-
-    def prune(self, room_for: int = 0) -> None:
-        """Keep at most `keep` complete versions (`keep - 1` when `room_for` bytes are about to
-        arrive) and, with a disk bound, room for those bytes."""
-        with self._disk_lock:
-            keep = max(self.keep - 1, 1) if room_for else self.keep
-            for version in self.held()[:len(self.held()) - keep] if len(self.held()) > keep else []:
-                self._drop(version)
-            if self.max_disk is not None:
-                while self.held() and self._disk_used() + room_for > self.max_disk:
-                    self._drop(self.held()[0])
-            VERSIONS_HELD.set(len(self.held()))
-            DISK_BYTES.set(self._disk_used() + room_for)
-
-    def _upstream_has(self, version: int) -> bool:
-        r = requests.get(self.upstream + file_path(self.run, version, MANIFEST_NAME), timeout=(5, 60))
-        if r.status_code == 404:
-            return False
-        r.raise_for_status()
-        return True
-
-    async def locate(self, version: int, probe: bool) -> Path | Pull:
-        """The complete directory of `version`, or the pull that is bringing it. With `probe`, a
-        version upstream does not have raises NotUpstream at once instead of being waited for."""
-        if self.has(version):
-            return self.version_dir(version)
-        if self.too_old(version):
-            raise VersionGone(f"v{version} is older than the newest {self.keep} versions this relay keeps")
-        if version not in self._pulls and probe and not await asyncio.to_thread(self._upstream_has, version):
-            raise NotUpstream(f"upstream {self.upstream} has no v{version} (yet)")
-        if self.has(version):  # finished while we probed
-            return self.version_dir(version)
-        pull = self._pulls.get(version)
-        if pull is None:
-            pull = self._pulls[version] = Pull(version, asyncio.get_running_loop())
-            task = asyncio.create_task(asyncio.to_thread(self._pull, pull))
-            self._tasks.add(task)
-            task.add_done_callback(lambda t: self._pull_done(pull, t))
-        return pull
-
-    def _pull_done(self, pull: Pull, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if self._pulls.get(pull.version) is pull:
-            del self._pulls[pull.version]
-        error = None if task.cancelled() else task.exception()
-        if error is not None:
-            pull.error = error
-            pull._wake()
-            log.warning("pull of v%d failed: %s", pull.version, error)
-
-    def _pull(self, pull: Pull) -> None:
-        """Blocking: verified manifest, then shards into the partial dir (resuming what a journal
-        there holds), then rename (pull thread)."""
-        started = time.monotonic()
-        version, partial = pull.version, self.partial_dir(pull.version)
-        fetcher = Fetcher(Sources([self.upstream]), self.run, version, self.fetch_timeout, on_bytes=BYTES_IN.inc,
-                          stop=self.closing, public_key=self.public_key, parallel=self.parallel)
-        journal = ShardJournal(partial)
-        try:
-            raw, manifest = fetcher.manifest()
-            size = sum(f["size"] for f in manifest["files"])
-            if self.max_disk is not None and size > self.max_disk:
-                raise DiskBoundError(f"v{version} has {size} bytes, more than the relay's disk bound {self.max_disk}")
-            for other, path in self.partials().items():  # leftovers of pulls that will not resume
-                if other < version and other not in self._pulls:
-                    shutil.rmtree(path, ignore_errors=True)
-            self.prune(room_for=size)
-            done = journal.resume(raw, manifest)
-            pull.size = size
-            pull.ready |= done
-            pull.raw, pull.manifest = raw, manifest
-            total = sum(len(f["shards"]) for f in manifest["files"])
-            if len(done) == total:  # everything was already here (or only empty files)
-                self._finish(pull)
-            pull.notify()
-            lock = threading.Lock()
-
-            def on_shard(i: int, j: int) -> None:
-                journal.record(i, j)
-                SHARD_SECONDS.observe(time.monotonic() - started)
-                with lock:
-                    pull.ready.add((i, j))
-                    last = len(pull.ready) == total
-                if last:
-                    self._finish(pull)
-                pull.notify()
-
-            fetcher.shards(manifest, partial, done, on_shard)
-        except BaseException:
-            journal.close()
-            if not fetcher.stopped:  # a failed pull leaves nothing; a stopped one is resumed later
-                shutil.rmtree(partial, ignore_errors=True)
-            raise
-        finally:
-            journal.close()
-            fetcher.close()
-        FETCH_SECONDS.observe(time.monotonic() - started)
-        log.info("v%d pulled and verified in %.2f s (%d shards were already here)", version,
-                 time.monotonic() - started, len(done))
-
-    def _finish(self, pull: Pull) -> None:
-        """Mark complete (marker last), make v{N} visible, apply retention."""
-        partial = self.partial_dir(pull.version)
-        (partial / JOURNAL).unlink(missing_ok=True)
-        (partial / COMPLETE_MARKER).write_text("all shards verified\n")
-        partial.rename(self.version_dir(pull.version))
-        pull.complete = True
-        self.prune()
-
-    def open_file(self, version: int, name: str):
-        """`name` of v{N} opened for reading, wherever it lies now (the partial dir is renamed to
-        v{N} when the pull ends; an open file survives that)."""
-        for _ in range(2):
-            for base in (self.version_dir(version), self.partial_dir(version)):
-                try:
-                    return open(base / name, "rb")
-                except FileNotFoundError:
-                    continue
-        raise FileNotFoundError(name)
-
-    def prefetch(self, version: int) -> None:
-        """Start pulling `version` in the background and offer it to long-polls (event-loop thread only)."""
-        if self.has(version) or version in self._pulls or self.too_old(version):
-            return
-        self.board.offer(version)
-        task = asyncio.create_task(self.locate(version, probe=False))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def listen(self, client: redis.Redis, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
-        """Blocking XREAD on the policy stream; each announced version is prefetched."""
-        key = RunKeys(self.run).policy
-        last = None
-        while not stop.is_set():
-            try:
-                if last is None:  # start from the newest announcement
-                    newest = client.xrevrange(key, count=1)
-                    last = newest[0][0] if newest else "0-0"
-                    entries = newest
-                else:
-                    entries = [e for _, batch in (client.xread({key: last}, block=500) or []) for e in batch]
-                for entry_id, fields in entries:
-                    last = entry_id
-                    self._announce(entry_id, fields, loop)
-            except redis.ConnectionError as exc:
-                log.warning("policy stream %s: %s; retrying in 1 s", key, exc)
-                stop.wait(1.0)
-
-    def _announce(self, entry_id, fields: dict, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            version = int(decode_json(fields)["version"])
-        except (MessageError, ValueError, KeyError, TypeError) as exc:
-            log.warning("policy stream entry %r ignored: %s", entry_id, exc)
-            return
-        log.info("v%d announced; prefetching", version)
-        loop.call_soon_threadsafe(self.prefetch, version)
-
-    async def follow_upstream(self) -> None:
-        """Long-poll upstream's `latest?after=N` and prefetch each newer version, until cancelled
-        (the relay's announcements when it has no policy stream to read)."""
-        pause = BACKOFF_START
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FOLLOW_WAIT + 30)) as session:
-            while True:
-                after = max([*self.held(), *self._pulls, -1 if self.board.newest is None else self.board.newest])
-                try:
-                    async with session.get(self.upstream + latest_path(self.run),
-                                           params={"after": str(after), "wait": str(FOLLOW_WAIT)}) as r:
-                        if r.status == 204:
-                            pause = BACKOFF_START
-                            continue
-                        version = int((await r.json())["version"]) if r.status == 200 else None
-                    if version is None or version <= after:  # an error, or an upstream without long-poll
-                        raise ValueError(f"HTTP {r.status}, version {version}")
-                    pause = BACKOFF_START
-                    log.info("upstream offers v%d; prefetching", version)
-                    self.prefetch(version)
-                except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-                    log.debug("long-poll of %s: %s; again in %.1f s", self.upstream, exc, pause)
-                    await asyncio.sleep(pause)
-                    pause = min(pause * 2, BACKOFF_MAX)
-
+from rlfleet.services.shardcast.relay_cache import (
+    BYTES_OUT,
+    CLIENTS,
+    DiskBoundError,
+    NotUpstream,
+    Pull,
+    Relay,
+    VersionGone,
+)
 
 RELAY = web.AppKey("relay", Relay)
 
 
-def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
-             redis_client: redis.Redis | None = None, fetch_timeout: float = 120.0, *,
-             public_key=None, max_disk_bytes: int | None = None, parallel: int = PARALLEL) -> web.Application:
+def make_app(
+    upstream: str,
+    cache_dir: Path,
+    run: str,
+    keep_versions: int,
+    redis_client: redis.Redis | None = None,
+    fetch_timeout: float = 120.0,
+    *,
+    public_key=None,
+    max_disk_bytes: int | None = None,
+    parallel: int = PARALLEL,
+) -> web.Application:
     """The relay's aiohttp application; `app[RELAY]` is its Relay. With `redis_client`, it
     prefetches every version announced on the run's policy stream. With `public_key`, manifests
     must carry a valid signature."""
@@ -400,7 +80,9 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
             version = await asyncio.to_thread(latest_version_http, relay.upstream, run, 10.0)
         except (requests.RequestException, ValueError, KeyError) as exc:
             if not held:
-                raise web.HTTPBadGateway(text=f"upstream {relay.upstream} failed ({exc}) and no version is held\n")
+                raise web.HTTPBadGateway(
+                    text=f"upstream {relay.upstream} failed ({exc}) and no version is held\n"
+                ) from None
             version = None
         if version is not None:
             relay.prefetch(version)
@@ -441,8 +123,13 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
 
         CLIENTS.inc()
         try:
-            return await send_file(request, manifest["files"][index]["size"], lambda: relay.open_file(version, name),
-                                   on_bytes=BYTES_OUT.inc, ready=ready)
+            return await send_file(
+                request,
+                manifest["files"][index]["size"],
+                lambda: relay.open_file(version, name),
+                on_bytes=BYTES_OUT.inc,
+                ready=ready,
+            )
         except FileNotFoundError:  # pruned between the check and the open
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
         finally:
@@ -454,8 +141,12 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
         stop = threading.Event()
         listener = follower = None
         if redis_client is not None:
-            listener = threading.Thread(target=relay.listen, args=(redis_client, asyncio.get_running_loop(), stop),
-                                        name="relay-policy-listener", daemon=True)
+            listener = threading.Thread(
+                target=relay.listen,
+                args=(redis_client, asyncio.get_running_loop(), stop),
+                name="relay-policy-listener",
+                daemon=True,
+            )
             listener.start()
         else:
             follower = asyncio.create_task(relay.follow_upstream())
@@ -479,16 +170,31 @@ def make_app(upstream: str, cache_dir: Path, run: str, keep_versions: int,
     return app
 
 
-def main(args) -> int:
-    """`rlfleet relay`: pull from args.upstream into args.cache_dir, serve on args.host:args.port."""
+@dataclass(frozen=True, kw_only=True)
+class RelayOptions(ComponentOptions):
+    port: int
+    upstream: str  # upstream base URL (origin or a lower-tier relay)
+    cache_dir: Path
+    host: str = "127.0.0.1"  # bind address (0.0.0.0 in a pod)
+    keep_versions: int | None = None  # overrides spec.shardcast.keepVersions (a RelayTier's keepVersions)
+    max_disk_bytes: int | None = None  # overrides spec.shardcast.relayMaxDiskBytes
+
+
+def main(options: RelayOptions) -> int:
+    """`rlfleet relay`: pull from the upstream into the cache dir, serve on host:port until SIGTERM."""
     from rlfleet.runtime import component_context
     from rlfleet.signing import run_public_key
 
-    ctx = component_context(args, "relay")
+    ctx = component_context(options, "relay")
     shardcast = ctx.bundle.run.spec.shardcast
-    keep = args.keep_versions or shardcast.keep_versions
-    app = make_app(args.upstream, Path(args.cache_dir), ctx.run_name, keep, redis_client=ctx.redis,
-                   public_key=run_public_key(shardcast),
-                   max_disk_bytes=args.max_disk_bytes or shardcast.relay_max_disk_bytes)
-    asyncio.run(serve_until(app, args.host, args.port, ctx.stop))
+    app = make_app(
+        options.upstream,
+        options.cache_dir,
+        ctx.run_name,
+        options.keep_versions or shardcast.keep_versions,
+        redis_client=ctx.redis,
+        public_key=run_public_key(shardcast),
+        max_disk_bytes=options.max_disk_bytes or shardcast.relay_max_disk_bytes,
+    )
+    asyncio.run(serve_until(app, options.host, options.port, ctx.stop))
     return 0

@@ -7,6 +7,7 @@ A version is assembled in a partial directory `.v{N}.partial` beside its final p
 - `install` renames the complete directory (`.complete` written last) to `v{N}`: `v{N}` exists only
   complete, and of two processes installing the same version the first wins.
 """
+
 from __future__ import annotations
 
 import errno
@@ -82,7 +83,7 @@ class ShardJournal:
         if self._file is not None:
             self._file.close()
 
-    def __enter__(self) -> "ShardJournal":
+    def __enter__(self) -> ShardJournal:
         return self
 
     def __exit__(self, *exc) -> None:

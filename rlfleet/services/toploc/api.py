@@ -8,6 +8,7 @@
   GET  /metrics            Prometheus metrics of this process (rlfleet_verifier_*)
 It shares the gate's loaded models; it runs in a thread of the verifier process (`--api-port`).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,9 @@ class Verdict(BaseModel):
     rollout_id: str | None = Field(default=None, description="The group's rollout id, when it could be decoded.")
     worker_id: str | None = Field(default=None, description="The worker that claims the group, when known.")
     rewards: list[float] | None = Field(default=None, description="Trusted rewards, when accepted.")
-    reward_mismatches: int | None = Field(default=None, description="Samples whose claimed reward differed from the trusted one.")
+    reward_mismatches: int | None = Field(
+        default=None, description="Samples whose claimed reward differed from the trusted one."
+    )
 
 
 class WorkerStats(BaseModel):
@@ -47,12 +50,17 @@ class Health(BaseModel):
 
 def make_api(gate) -> FastAPI:
     """The API of one gate replica (`gate`: rlfleet.services.toploc.gate.Gate)."""
-    app = FastAPI(title="rlfleet verifier", version="1",
-                  description="TOPLOC verification gate: out-of-band verification, worker reputation, health, metrics.")
+    app = FastAPI(
+        title="rlfleet verifier",
+        version="1",
+        description="TOPLOC verification gate: out-of-band verification, worker reputation, health, metrics.",
+    )
     r, keys = gate.ctx.redis, gate.ctx.keys
 
     @app.post("/verify", response_model=Verdict, summary="Verify one rollout group out of band")
-    def verify(message: dict[str, Any] = Body(description="An inbox message body: the JSON object of field `m`.")) -> Verdict:
+    def verify(
+        message: dict[str, Any] = Body(description="An inbox message body: the JSON object of field `m`."),
+    ) -> Verdict:
         group, result = gate.verify({MESSAGE_FIELD: json.dumps(message).encode()})
         ids = {"rollout_id": group.rollout_id, "worker_id": group.worker_id} if group else {}
         if isinstance(result, Rejection):
@@ -70,7 +78,9 @@ def make_api(gate) -> FastAPI:
     @app.get("/healthz", response_model=Health, summary="Liveness and backlog")
     def healthz() -> Health:
         r.ping()
-        return Health(status="ok", consumer=gate.consumer, inbox=r.xlen(keys.rollouts), loaded_versions=list(gate.models))
+        return Health(
+            status="ok", consumer=gate.consumer, inbox=r.xlen(keys.rollouts), loaded_versions=list(gate.models)
+        )
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     def metrics() -> Response:

@@ -17,6 +17,7 @@ reason names the check (the reasons are spelled once, `RejectionReason` in rlfle
 Checks 3 and 4 (the prefill) run on the spot-checked fraction of groups; 1, 2, 5 on every group.
 Out-of-band verification (`msg_id=None`) skips only the replay guard and writes nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ from rlfleet.runtime import latest_announced_version
 from rlfleet.services.toploc.proof import ProofFormatError, Thresholds, chunk_rows, verify_proofs
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys
-from rlfleet.tasks.base import make_run_task
+from rlfleet.tasks import make_run_task
 
 REASONS: tuple[str, ...] = get_args(RejectionReason)
 SEEN_TTL_S = 7 * 24 * 3600
@@ -81,7 +82,7 @@ def _peek(fields: dict) -> dict:
 
 
 def possible_tokens(logp: torch.Tensor, tokens: torch.Tensor, top_p: float, top_k: int, slack: float) -> torch.Tensor:
-    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (engine.filter_logits).
+    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (torch_engine.filter_logits).
 
     logp (T, V) is log_softmax(logits / temperature) recomputed by the verifier; it may differ from the
     worker's by about `slack` per entry, so only tokens more likely than the sampled one by 2*slack count
@@ -149,15 +150,24 @@ class Checker:
             raise Rejection("size", "empty prompt")
         for i, sample in enumerate(group.samples):
             if not 1 <= len(sample.completion_ids) <= s.max_tokens:
-                raise Rejection("size", f"samples[{i}] has {len(sample.completion_ids)} tokens (1..{s.max_tokens} allowed)")
+                raise Rejection(
+                    "size", f"samples[{i}] has {len(sample.completion_ids)} tokens (1..{s.max_tokens} allowed)"
+                )
         claimed = group.sampling
-        if (claimed.temperature, claimed.top_p, claimed.top_k, claimed.max_tokens) != (s.temperature, s.top_p, s.top_k, s.max_tokens):
+        if (claimed.temperature, claimed.top_p, claimed.top_k, claimed.max_tokens) != (
+            s.temperature,
+            s.top_p,
+            s.top_k,
+            s.max_tokens,
+        ):
             raise Rejection("sampling_params", f"{claimed} differs from the run's sampling spec")
         newest = latest_announced_version(self.redis, self.keys)
         if newest is None or not 0 <= group.policy_version <= newest:
             raise Rejection("unknown_version", f"version {group.policy_version} was never published (newest {newest})")
         if newest - group.policy_version > self.spec.trainer.max_async_level:
-            raise Rejection("stale_version", f"version {group.policy_version} is {newest - group.policy_version} behind {newest}")
+            raise Rejection(
+                "stale_version", f"version {group.policy_version} is {newest - group.policy_version} behind {newest}"
+            )
         if is_banned(self.redis, self.keys, group.worker_id):
             raise Rejection("banned", f"worker {group.worker_id!r} is banned")
         if msg_id is None:
@@ -188,26 +198,35 @@ class Checker:
             scored = score(model, rows, sp.temperature, tokenizer.pad_token_id, want_hidden=True)
         for i, sample in enumerate(group.samples):
             try:
-                results = verify_proofs(scored.hidden[i], sample.proofs, prompt_len=prompt_len,
-                                        decode_batching_size=t.decode_batching_size, topk=t.topk)
+                results = verify_proofs(
+                    scored.hidden[i],
+                    sample.proofs,
+                    prompt_len=prompt_len,
+                    decode_batching_size=t.decode_batching_size,
+                    topk=t.topk,
+                )
             except ProofFormatError as exc:
                 raise Rejection("toploc", f"samples[{i}]: malformed proof: {exc}") from None
             bad = [(c, r) for c, r in enumerate(results) if not self.thresholds.accepts(r)]
             if bad:
                 raise Rejection("toploc", f"samples[{i}] chunk {bad[0][0]}: {bad[0][1]}")
         for i, sample in enumerate(group.samples):
-            recomputed = scored.logprobs[i][prompt_len - 1:]  # (T,)
+            recomputed = scored.logprobs[i][prompt_len - 1 :]  # (T,)
             err = (recomputed - torch.tensor(sample.logprobs)).abs().max().item()
             if not err <= v.logprob_tolerance:  # NaN claims fail too
-                raise Rejection("logprob_mismatch", f"samples[{i}]: max |claimed - recomputed| = {err:.3g} > {v.logprob_tolerance}")
+                raise Rejection(
+                    "logprob_mismatch", f"samples[{i}]: max |claimed - recomputed| = {err:.3g} > {v.logprob_tolerance}"
+                )
         if sp.top_p >= 1.0 and sp.top_k == 0:
             return
         with torch.inference_mode():
             for i, sample in enumerate(group.samples):
-                logits = model.lm_head(scored.hidden[i][prompt_len - 1:-1]).float() / sp.temperature  # (T, V)
+                logits = model.lm_head(scored.hidden[i][prompt_len - 1 : -1]).float() / sp.temperature  # (T, V)
                 tokens = torch.tensor(sample.completion_ids)
                 ok = possible_tokens(torch.log_softmax(logits, -1), tokens, sp.top_p, sp.top_k, v.logprob_tolerance)
                 if not bool(ok.all()):
                     pos = int((~ok).nonzero()[0])
-                    raise Rejection("impossible_token", f"samples[{i}] token {pos} ({int(tokens[pos])}) is outside "
-                                                        f"top-k {sp.top_k} / top-p {sp.top_p}")
+                    raise Rejection(
+                        "impossible_token",
+                        f"samples[{i}] token {pos} ({int(tokens[pos])}) is outside top-k {sp.top_k} / top-p {sp.top_p}",
+                    )

@@ -7,6 +7,7 @@ A case passes when (see shared/conformance/README.md):
    matched", compares equal to itself).
 A case file that cannot be read is a failing case, named with the field at fault.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,8 +22,16 @@ import numpy as np
 from rlfleet.services.toploc.proof import ProofFormatError, build_proofs, verify_proofs
 
 STAT_TOLERANCE = 1e-6
-_REQUIRED = ("shape", "prompt_len", "skip_prefill", "decode_batching_size", "topk",
-             "activations", "proofs_base64", "verification")
+_REQUIRED = (
+    "shape",
+    "prompt_len",
+    "skip_prefill",
+    "decode_batching_size",
+    "topk",
+    "activations",
+    "proofs_base64",
+    "verification",
+)
 
 
 @dataclass
@@ -41,7 +50,9 @@ def _stat_equal(got: float, want: float) -> bool:
 def _decode_activations(blob: str, shape: tuple[int, int], name: str) -> np.ndarray:
     raw = base64.b64decode(blob, validate=True)
     if len(raw) != 2 * shape[0] * shape[1]:
-        raise ValueError(f"activations[{name!r}] holds {len(raw)} bytes, shape {list(shape)} needs {2 * shape[0] * shape[1]}")
+        raise ValueError(
+            f"activations[{name!r}] holds {len(raw)} bytes, shape {list(shape)} needs {2 * shape[0] * shape[1]}"
+        )
     return np.frombuffer(raw, dtype="<u2").reshape(shape)  # (T, H) bf16 bits
 
 
@@ -52,8 +63,12 @@ def _check_case(case: dict, report: CaseReport) -> None:
         report.failures.append(f"case file lacks field(s) {', '.join(missing)}")
         return
     shape = tuple(case["shape"])
-    kw = dict(prompt_len=case["prompt_len"], decode_batching_size=case["decode_batching_size"],
-              topk=case["topk"], skip_prefill=case["skip_prefill"])
+    kw = dict(
+        prompt_len=case["prompt_len"],
+        decode_batching_size=case["decode_batching_size"],
+        topk=case["topk"],
+        skip_prefill=case["skip_prefill"],
+    )
     ref_proofs = [base64.b64decode(p, validate=True) for p in case["proofs_base64"]]
     report.chunks = len(ref_proofs)
     report.candidates = len(case["verification"])
@@ -65,8 +80,9 @@ def _check_case(case: dict, report: CaseReport) -> None:
     for n, (mine, ref) in enumerate(zip(ours, ref_proofs)):
         if mine != ref:
             first = next((i for i, (a, b) in enumerate(zip(mine, ref)) if a != b), min(len(mine), len(ref)))
-            report.failures.append(f"proof {n}: bytes differ from the reference at byte {first} "
-                                   f"({len(mine)} vs {len(ref)} bytes)")
+            report.failures.append(
+                f"proof {n}: bytes differ from the reference at byte {first} ({len(mine)} vs {len(ref)} bytes)"
+            )
 
     for cand, expected in case["verification"].items():
         if cand not in case["activations"]:
@@ -81,11 +97,15 @@ def _check_case(case: dict, report: CaseReport) -> None:
         if len(got) != len(expected):
             report.failures.append(f"{cand}: {len(got)} chunk results, the reference has {len(expected)}")
         for n, (r, (exp_mm, mean, median)) in enumerate(zip(got, expected)):
-            if (r.exp_mismatches != exp_mm or not _stat_equal(r.mant_err_mean, mean)
-                    or not _stat_equal(r.mant_err_median, median)):
+            if (
+                r.exp_mismatches != exp_mm
+                or not _stat_equal(r.mant_err_mean, mean)
+                or not _stat_equal(r.mant_err_median, median)
+            ):
                 report.failures.append(
                     f"{cand} chunk {n}: got [{r.exp_mismatches}, {r.mant_err_mean}, {r.mant_err_median}], "
-                    f"reference [{exp_mm}, {mean}, {median}]")
+                    f"reference [{exp_mm}, {mean}, {median}]"
+                )
 
 
 def run_conformance(case_dir) -> list[CaseReport]:

@@ -14,6 +14,7 @@ the ban policy, atomically. Replicas share one consumer group; an entry left pen
 wakes up later commits nothing. A Lua script rather than MULTI because the forward must depend on
 the XACK's answer.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,17 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Counter
 
-from rlfleet.policy import load_policy
-from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group
+from rlfleet.policy import configure_torch_threads, load_policy
+from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.services.shardcast.client import fetch_version
-from rlfleet.signing import run_public_key
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.reputation import ban_plan, field
+from rlfleet.signing import run_public_key
 from rlfleet.streams import RolloutGroup, encode_json
 
 __all__ = ["REASONS", "Gate", "Rejection", "main"]
@@ -39,11 +41,17 @@ __all__ = ["REASONS", "Gate", "Rejection", "main"]
 log = logging.getLogger("rlfleet.verifier")
 
 VERDICTS = Counter("rlfleet_verifier_groups_total", "Groups verified", ["verdict", "reason"])
-REWARD_MISMATCH = Counter("rlfleet_verifier_reward_mismatch_total", "Samples whose claimed reward differed from the trusted one")
-UNCHECKED = Counter("rlfleet_verifier_unchecked_groups_total", "Accepted groups that skipped the prefill checks (spot-checking)")
+REWARD_MISMATCH = Counter(
+    "rlfleet_verifier_reward_mismatch_total", "Samples whose claimed reward differed from the trusted one"
+)
+UNCHECKED = Counter(
+    "rlfleet_verifier_unchecked_groups_total", "Accepted groups that skipped the prefill checks (spot-checking)"
+)
 TOKENS = Counter("rlfleet_verifier_tokens_total", "Completion tokens of handled groups", ["prefill"])
 BANS = Counter("rlfleet_verifier_bans_total", "Workers banned by this replica", ["reason"])
-DUPLICATES = Counter("rlfleet_verifier_already_committed_total", "Verdicts dropped because another replica committed the entry first")
+DUPLICATES = Counter(
+    "rlfleet_verifier_already_committed_total", "Verdicts dropped because another replica committed the entry first"
+)
 
 # KEYS: inbox, out stream, stats, workers, banned.
 # ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?}, then the out fields.
@@ -84,8 +92,15 @@ class Gate:
         """(model, tokenizer) of `version`, fetched from the trusted origin; the last few are kept."""
         with self._models_lock:
             if version not in self.models:
-                path = fetch_version([self.origin_url], self.ctx.run_name, version, self.cache_dir, timeout=120,
-                                     stop=self.ctx.stop, public_key=self.public_key)
+                path = fetch_version(
+                    [self.origin_url],
+                    self.ctx.run_name,
+                    version,
+                    self.cache_dir,
+                    timeout=120,
+                    stop=self.ctx.stop,
+                    public_key=self.public_key,
+                )
                 self.models[version] = load_policy(path, self.spec.model.dtype)
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
@@ -114,8 +129,14 @@ class Gate:
         except Rejection as exc:
             worker = exc.worker_id
             log.warning("rejected %s from %s: %s: %s", msg_id.decode(), worker, exc.reason, exc.detail)
-            record = {"reason": exc.reason, "detail": exc.detail, "worker_id": worker, "inbox_id": msg_id.decode(),
-                      "rollout_id": group.rollout_id if group else None, "verifier": self.consumer}
+            record = {
+                "reason": exc.reason,
+                "detail": exc.detail,
+                "worker_id": worker,
+                "inbox_id": msg_id.decode(),
+                "rollout_id": group.rollout_id if group else None,
+                "verifier": self.consumer,
+            }
             original = next(iter(fields.values()), b"")[: v.max_message_bytes]  # an oversize one is cut
             out = {**encode_json(record), b"original": original}
             plan = {"stats": {"rejected": 1, f"rejected:{exc.reason}": 1}, "workers": {}}
@@ -129,13 +150,17 @@ class Gate:
             w = group.worker_id
             plan = {"stats": {"accepted": 1}, "workers": {field(w, "accepted"): 1}}
             if outcome.reward_mismatches:
-                plan["stats"]["reward_mismatch"] = plan["workers"][field(w, "reward_mismatch")] = outcome.reward_mismatches
+                plan["stats"]["reward_mismatch"] = plan["workers"][field(w, "reward_mismatch")] = (
+                    outcome.reward_mismatches
+                )
             if not outcome.prefill_checked:
                 plan["stats"]["unchecked"] = plan["workers"][field(w, "unchecked")] = 1
             out, stream, verdict, reason, worker = group.encode(), keys.verified, "accepted", "", w
         flat = [x for kv in out.items() for x in kv]
-        result = self._commit(keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned],
-                              args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(plan), *flat])
+        result = self._commit(
+            keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned],
+            args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(plan), *flat],
+        )
         if result == 0:
             DUPLICATES.inc()
             log.info("entry %s was committed by another replica; dropped this verdict", msg_id.decode())
@@ -152,16 +177,18 @@ class Gate:
 
     def read(self, count: int = 4, block_ms: int = 500) -> list[tuple[bytes, dict]]:
         """New entries for this consumer (they stay pending here until committed)."""
-        resp = self.ctx.redis.xreadgroup(self.ctx.keys.verifier_group, self.consumer, {self.ctx.keys.rollouts: ">"},
-                                         count=count, block=block_ms)
+        resp = self.ctx.redis.xreadgroup(
+            self.ctx.keys.verifier_group, self.consumer, {self.ctx.keys.rollouts: ">"}, count=count, block=block_ms
+        )
         return [e for _, batch in resp or [] for e in batch]
 
     def claim(self, count: int = 16) -> list[tuple[bytes, dict]]:
         """Entries pending at any consumer for longer than claimIdleMs, now pending here."""
         keys = self.ctx.keys
         # Redis 6.2 answers [cursor, entries], 7.x adds the deleted ids.
-        return self.ctx.redis.xautoclaim(keys.rollouts, keys.verifier_group, self.consumer,
-                                         self.spec.verifier.claim_idle_ms, count=count)[1]
+        return self.ctx.redis.xautoclaim(
+            keys.rollouts, keys.verifier_group, self.consumer, self.spec.verifier.claim_idle_ms, count=count
+        )[1]
 
     def run(self) -> None:
         idle_s = self.spec.verifier.claim_idle_ms / 1000
@@ -178,13 +205,22 @@ class Gate:
                     self.handle(msg_id, fields)
 
 
-def main(args) -> int:
-    ctx = component_context(args, "verifier")
+@dataclass(frozen=True, kw_only=True)
+class VerifierOptions(ComponentOptions):
+    consumer: str  # this replica's name in the verifier consumer group
+    origin_url: str  # the trusted checkpoint source (origin or relay base URL)
+    cache_dir: Path
+    api_port: int = 0  # HTTP API port; 0 = none
+    api_host: str = "127.0.0.1"  # HTTP API bind address (0.0.0.0 in a pod)
+
+
+def main(options: VerifierOptions) -> int:
+    ctx = component_context(options, "verifier")
     configure_torch_threads()
-    gate = Gate(ctx, args.consumer, args.origin_url, Path(args.cache_dir))
-    if getattr(args, "api_port", 0):
+    gate = Gate(ctx, options.consumer, options.origin_url, options.cache_dir)
+    if options.api_port:
         from rlfleet.services.toploc.api import serve_in_thread
 
-        serve_in_thread(gate, args.api_host, args.api_port)
+        serve_in_thread(gate, options.api_host, options.api_port)
     gate.run()
     return 0

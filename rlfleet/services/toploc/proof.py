@@ -45,6 +45,7 @@ ships no thresholds.
 We implement this ourselves rather than depend on `toploc`: its wheels are C++ extensions
 compiled against one torch build, and the numpy version below is short (STYLE.md 12).
 """
+
 from __future__ import annotations
 
 import functools

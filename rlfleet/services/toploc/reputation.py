@@ -10,6 +10,7 @@ verdict, its counters and a ban are applied together, once.
 
 `is_banned` is the check the ingest calls before accepting a submission; the gate repeats it.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,10 +41,14 @@ def ban_plan(policy: BanPolicySpec, worker_id: str, reason: str, detail: str, ro
     """What the commit script needs to apply the ban policy after counting a rejection."""
     rule = "banOn" if reason in policy.ban_on else "maxRejections"
     record = {"reason": reason, "detail": detail, "rollout_id": rollout_id, "rule": rule, "at": time.time()}
-    return {"worker": worker_id, "now": reason in policy.ban_on, "max": policy.max_rejections,
-            "count_field": field(worker_id, "rejected"),
-            "forgiven_fields": [field(worker_id, f"rejected:{r}") for r in policy.forgiven],
-            "record": json.dumps(record)}
+    return {
+        "worker": worker_id,
+        "now": reason in policy.ban_on,
+        "max": policy.max_rejections,
+        "count_field": field(worker_id, "rejected"),
+        "forgiven_fields": [field(worker_id, f"rejected:{r}") for r in policy.forgiven],
+        "record": json.dumps(record),
+    }
 
 
 def worker_stats(client: redis.Redis, keys: RunKeys) -> dict[str, dict]:

@@ -21,6 +21,7 @@ References: DeepSeekMath (GRPO), INTELLECT-2 technical report (two-sided clippin
 DAPO (token-level normalization, decoupled eps_low / eps_high), J. Schulman "Approximating KL
 divergence" (k3).
 """
+
 from __future__ import annotations
 
 import torch

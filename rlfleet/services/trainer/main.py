@@ -11,6 +11,7 @@ One step:
      crash before the state is saved redelivers them and a crash after it never trains them twice
      (state.py has the whole protocol).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,80 +19,35 @@ import logging
 import math
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import get_args
 
 import numpy as np
 import torch
-from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
-from rlfleet.config import RejectionReason
-from rlfleet.policy import Prefill, load_policy
-from rlfleet.runtime import Context, component_context, configure_torch_threads, ensure_group, open_run_store
-from rlfleet.services.trainer.sharding import (full_model_state, full_optimizer_state, load_full_state,
-                                               publishable_weights, shard_policy)
-from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
+from rlfleet.policy import Prefill, configure_torch_threads, load_policy
+from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group, open_run_store
+from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step
+from rlfleet.services.trainer.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_state,
+    publishable_weights,
+    shard_policy,
+)
 from rlfleet.services.trainer.state import load_state, save_state
+from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
 from rlfleet.signing import run_signer
 from rlfleet.streams import MessageError, RolloutGroup, encode_json
 
 log = logging.getLogger("rlfleet.trainer")
 TRAINED_IDS_KEPT = 200_000
 
-STEP = Gauge("rlfleet_trainer_step", "Optimizer steps taken")
-VERSION = Gauge("rlfleet_trainer_policy_version", "Latest published policy version")
-REWARD = Gauge("rlfleet_trainer_reward_mean", "Mean verified reward of the last batch")
-STALENESS = Gauge("rlfleet_trainer_staleness_mean", "Mean policy lag of the last batch, in versions")
-STALENESS_MAX = Gauge("rlfleet_trainer_staleness_max", "Largest policy lag of a group in the last batch, in versions")
-ELAPSED = Gauge("rlfleet_trainer_elapsed_seconds", "Seconds from the trainer's start to the end of its last step")
-SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
-DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
-STEP_SECONDS = Histogram("rlfleet_trainer_step_seconds", "Step time by phase", ["phase"])
-# Every per-step statistic of metrics.jsonl, by name (loss, grad_norm, accuracy, learning_rate, ...).
-BATCH_STATS = ("loss", "grad_norm", "accuracy", "learning_rate", "clip_fraction", "ratio_mean", "entropy_mean",
-               "kl_mean", "completion_tokens_mean")
-STAT = Gauge("rlfleet_trainer_batch_stat", "Statistic of the last optimizer step (the fields of metrics.jsonl)", ["stat"])
-GROUPS = Gauge("rlfleet_trainer_verifier_groups", "Groups the verifier accepted / rejected so far, by reason", ["verdict", "reason"])
-DROP_REASONS = ("stale", "duplicate", "malformed", "zero_advantage")
-PHASES = ("wait", "compute", "publish")
-# Every labelled series exists from the start (at 0), so a scrape shows it before its first event.
-for _reason in DROP_REASONS:
-    DROPPED.labels(_reason)
-for _phase in PHASES:
-    STEP_SECONDS.labels(_phase)
-NOT_EXPORTED = {"rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement"}
-
-
-def export_step(record: dict) -> None:
-    """Put every field of a metrics.jsonl record (except NOT_EXPORTED) on /metrics.
-    Mapping: step, policy_version, reward_mean, staleness_mean/max -> their gauges; the GRPO
-    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; dropped_* ->
-    the dropped counter by reason; wait/compute/publish_seconds -> the step-time histogram by phase;
-    wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
-    (rejected is their sum over reasons, every known reason present)."""
-    STEP.set(record["step"])
-    VERSION.set(record["policy_version"])
-    REWARD.set(record["reward_mean"])
-    STALENESS.set(record["staleness_mean"])
-    STALENESS_MAX.set(record["staleness_max"])
-    ELAPSED.set(record["wall_seconds"])
-    SAMPLES.inc(record["samples"])
-    for name in BATCH_STATS:
-        if name in record:
-            STAT.labels(name).set(record[name])
-    for reason in DROP_REASONS:
-        if record.get(f"dropped_{reason}"):
-            DROPPED.labels(reason).inc(record[f"dropped_{reason}"])
-    for phase in PHASES:
-        STEP_SECONDS.labels(phase).observe(record[f"{phase}_seconds"])
-    GROUPS.labels("accepted", "").set(record["accepted"])
-    for reason in {*get_args(RejectionReason), *record["rejected_by_reason"]}:
-        GROUPS.labels("rejected", reason).set(record["rejected_by_reason"].get(reason, 0))
-
 
 def lr_factor(warmup: int, schedule: str, total: int):
     """Multiplier of the base learning rate at step s (0-based): linear warmup, then the schedule."""
+
     def factor(s: int) -> float:
         if s < warmup:
             return (s + 1) / warmup
@@ -99,6 +55,7 @@ def lr_factor(warmup: int, schedule: str, total: int):
             return 1.0
         progress = min(1.0, (s - warmup) / max(1, total - warmup))
         return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
     return factor
 
 
@@ -124,7 +81,9 @@ class Trainer:
         if self.world > 1:
             log.info("rank %d of %d, %s", self.rank, self.world, "FSDP-sharded" if self.sharded else "replicated")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(t.warmup_steps, t.lr_schedule, t.steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_factor(t.warmup_steps, t.lr_schedule, t.steps)
+        )
         # The KL reference is the starting policy, frozen (sharded like the policy); kept only when the penalty is on.
         self.reference = None
         if t.kl_coef > 0:
@@ -140,18 +99,25 @@ class Trainer:
     def publish(self, model_state: dict) -> None:
         """Write the whole weights `model_state` (full_model_state) as `self.version` to the store, then announce it."""
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
-            save_model_dir(self.model, self.tokenizer, Path(tmp), state_dict=publishable_weights(self.model, model_state))
+            save_model_dir(
+                self.model, self.tokenizer, Path(tmp), state_dict=publishable_weights(self.model, model_state)
+            )
             self._signer = self._signer or run_signer(self.spec.shardcast)
-            publish_version(self.store, self.ctx.run_name, self.version, Path(tmp), signer=self._signer,
-                            shard_size=self.spec.shardcast.shard_size_bytes)
+            publish_version(
+                self.store,
+                self.ctx.run_name,
+                self.version,
+                Path(tmp),
+                signer=self._signer,
+                shard_size=self.spec.shardcast.shard_size_bytes,
+            )
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)
         announcement = {"version": self.version, "time": time.time()}
         if self.last_reward is not None:  # shown by the operator's status and printer columns
             announcement["reward"] = self.last_reward
-        self.ctx.redis.xadd(self.ctx.keys.policy, encode_json(announcement),
-                            maxlen=1000, approximate=True)
+        self.ctx.redis.xadd(self.ctx.keys.policy, encode_json(announcement), maxlen=1000, approximate=True)
         VERSION.set(self.version)
 
     def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
@@ -163,7 +129,9 @@ class Trainer:
         while len(batch) < want and not self.ctx.stop.is_set():
             # After a restart, first the messages this consumer read but never acknowledged.
             start = "0" if self._pending_first else ">"
-            resp = r.xreadgroup(keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500)
+            resp = r.xreadgroup(
+                keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
+            )
             if start == "0" and not any(entries for _, entries in resp or []):
                 self._pending_first = False
             for _, entries in resp or []:
@@ -175,7 +143,9 @@ class Trainer:
                         log.error("undecodable verified message %s: %s", msg_id, exc)
                         drops["malformed"] += 1
                         continue
-                    if r.zscore(keys.trained, group.rollout_id) is not None or any(g.rollout_id == group.rollout_id for g in batch):
+                    if r.zscore(keys.trained, group.rollout_id) is not None or any(
+                        g.rollout_id == group.rollout_id for g in batch
+                    ):
                         drops["duplicate"] += 1
                     elif self.version - group.policy_version > max_lag:
                         drops["stale"] += 1
@@ -187,8 +157,17 @@ class Trainer:
 
     def step(self, groups: list[RolloutGroup]) -> dict:
         """One GRPO update on `groups` (on every rank); returns its statistics."""
-        stats = grpo_update(self.prefill, self.optimizer, groups, self.spec.trainer, self.spec.sampling.temperature,
-                            self.tokenizer.pad_token_id, self.reference, self.rank, self.world)
+        stats = grpo_update(
+            self.prefill,
+            self.optimizer,
+            groups,
+            self.spec.trainer,
+            self.spec.sampling.temperature,
+            self.tokenizer.pad_token_id,
+            self.reference,
+            self.rank,
+            self.world,
+        )
         stats["learning_rate"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return stats
@@ -238,37 +217,70 @@ class Trainer:
             self.version += 1
             self.last_reward = stats["reward_mean"]
             # Whole weights and optimizer state on rank 0; every rank joins (collectives under FSDP).
-            model_state, optimizer_state = full_model_state(self.model), full_optimizer_state(self.model, self.optimizer)
+            model_state, optimizer_state = (
+                full_model_state(self.model),
+                full_optimizer_state(self.model, self.optimizer),
+            )
             if self.rank != 0:
                 continue
             rollout_ids = [g.rollout_id for g in groups]
-            save_state(self.store, self.ctx.run_name, step=step, version=self.version, model_state=model_state,
-                       optimizer_state=optimizer_state, scheduler=self.scheduler, rollout_ids=rollout_ids, message_ids=ack)
+            save_state(
+                self.store,
+                self.ctx.run_name,
+                step=step,
+                version=self.version,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                scheduler=self.scheduler,
+                rollout_ids=rollout_ids,
+                message_ids=ack,
+            )
             self.publish(model_state)
             self.commit(rollout_ids, ack, self.version)
             t3 = time.monotonic()
             counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}
-            record = {"step": step, "policy_version": self.version, **stats, "staleness_mean": float(np.mean(lags)),
-                      "staleness_max": max(lags), **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},
-                      "accepted": counts.get("accepted", 0), "rejected": counts.get("rejected", 0),
-                      "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
-                      "wait_seconds": t1 - t0, "compute_seconds": t2 - t1, "publish_seconds": t3 - t2,
-                      "wall_seconds": time.monotonic() - self.started, "rollout_ids": rollout_ids}
+            record = {
+                "step": step,
+                "policy_version": self.version,
+                **stats,
+                "staleness_mean": float(np.mean(lags)),
+                "staleness_max": max(lags),
+                **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},
+                "accepted": counts.get("accepted", 0),
+                "rejected": counts.get("rejected", 0),
+                "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
+                "wait_seconds": t1 - t0,
+                "compute_seconds": t2 - t1,
+                "publish_seconds": t3 - t2,
+                "wall_seconds": time.monotonic() - self.started,
+                "rollout_ids": rollout_ids,
+            }
             export_step(record)
             if self.metrics_file:
                 with open(self.metrics_file, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            log.info("step %d version %d reward %.3f staleness %.2f", step, self.version, stats["reward_mean"], record["staleness_mean"])
+            log.info(
+                "step %d version %d reward %.3f staleness %.2f",
+                step,
+                self.version,
+                stats["reward_mean"],
+                record["staleness_mean"],
+            )
 
 
-def main(args) -> int:
-    ctx = component_context(args, "trainer")
+@dataclass(frozen=True, kw_only=True)
+class TrainerOptions(ComponentOptions):
+    output_dir: Path | None = None  # where metrics.jsonl is written
+    steps: int | None = None  # overrides spec.trainer.steps
+
+
+def main(options: TrainerOptions) -> int:
+    ctx = component_context(options, "trainer")
     configure_torch_threads()
-    output_dir = Path(args.output_dir) if args.output_dir else None
-    if output_dir:
-        output_dir.mkdir(parents=True, exist_ok=True)
+    if options.output_dir:
+        options.output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        Trainer(ctx, output_dir).run(args.steps or ctx.bundle.run.spec.trainer.steps)
+        Trainer(ctx, options.output_dir).run(options.steps or ctx.bundle.run.spec.trainer.steps)
     finally:
         leave_distributed()
     return 0

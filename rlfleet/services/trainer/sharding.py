@@ -14,20 +14,26 @@ forwards and backwards: a rank without completions of its own runs one on a plac
 weight (update.py).
 
 State in and out, the same for every sharding and replica count (so a run may resume with
-another): `full_model_state` and `full_optimizer_state` gather the whole model and optimizer state, keyed by parameter name
-(torch.distributed.checkpoint.state_dict's full state dicts), onto rank 0's CPU; it is a
+another): `full_model_state` and `full_optimizer_state` gather the whole model and optimizer
+state, keyed by parameter name (torch.distributed.checkpoint.state_dict's full state dicts), onto rank 0's CPU; it is a
 collective under FSDP, so every rank calls it. `load_full_state` gives each rank its shard of a
 full state every rank has read. The published checkpoint is whole HF safetensors written by
 rank 0 (`publishable_weights`: a tied parameter is saved once, under its first name, as
 `save_pretrained` does), so rollout workers and the verifier never see shards.
 Reference: torchtitan `parallelize` (per-block fully_shard, then the root) and its HF export.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 

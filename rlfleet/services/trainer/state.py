@@ -13,6 +13,7 @@ commit is replayed (idempotent: a set insert and acks). Messages read but not co
 the crash are still pending for the trainer's consumer and are read again first; a rollout id
 already recorded as trained is acknowledged and skipped.
 """
+
 from __future__ import annotations
 
 import io
@@ -28,13 +29,34 @@ def trainer_state_key(run: str) -> str:
     return f"{run}/trainer/state.pt"
 
 
-def save_state(store: CheckpointStore, run: str, *, step: int, version: int, model_state: dict, optimizer_state: dict,
-               scheduler, rollout_ids: list[str], message_ids: list[bytes]) -> None:
+def save_state(
+    store: CheckpointStore,
+    run: str,
+    *,
+    step: int,
+    version: int,
+    model_state: dict,
+    optimizer_state: dict,
+    scheduler,
+    rollout_ids: list[str],
+    message_ids: list[bytes],
+) -> None:
     buf = io.BytesIO()
-    torch.save({"format": STATE_FORMAT, "step": step, "version": version, "model": model_state,
-                "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                "commit": {"rollout_ids": rollout_ids, "message_ids": [m.decode() if isinstance(m, bytes) else m for m in message_ids]}},
-               buf)
+    torch.save(
+        {
+            "format": STATE_FORMAT,
+            "step": step,
+            "version": version,
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": scheduler.state_dict(),
+            "commit": {
+                "rollout_ids": rollout_ids,
+                "message_ids": [m.decode() if isinstance(m, bytes) else m for m in message_ids],
+            },
+        },
+        buf,
+    )
     store.put_bytes(trainer_state_key(run), buf.getvalue())
 
 
@@ -46,6 +68,8 @@ def load_state(store: CheckpointStore, run: str) -> dict | None:
         return None
     state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     if state.get("format") != STATE_FORMAT:
-        raise ValueError(f"{trainer_state_key(run)}: state format {state.get('format')!r} is not {STATE_FORMAT}; "
-                         f"delete it to start the run over")
+        raise ValueError(
+            f"{trainer_state_key(run)}: state format {state.get('format')!r} is not {STATE_FORMAT}; "
+            f"delete it to start the run over"
+        )
     return state

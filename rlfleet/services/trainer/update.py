@@ -10,6 +10,7 @@ all-reduce here. The batch statistics (loss, ratio, clip fraction, entropy, KL) 
 batch's on every rank. Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 (gloo on CPU, NCCL on GPU), which is how the operator starts trainer pods.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,17 @@ def broadcast(obj, rank: int, world: int):
     return box[0]
 
 
-def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: float, pad_id: int,
-                reference=None, rank: int = 0, world: int = 1) -> dict:
+def grpo_update(
+    model,
+    optimizer,
+    groups: list[RolloutGroup],
+    t,
+    temperature: float,
+    pad_id: int,
+    reference=None,
+    rank: int = 0,
+    world: int = 1,
+) -> dict:
     """Apply one update for `groups` with TrainerSpec `t`; return batch statistics (same on every rank).
     `model` is a causal LM or the trainer's (possibly sharded) `Prefill` of one."""
     sharded = is_sharded(model)
@@ -103,10 +113,20 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
             with torch.no_grad():
                 ref_lp = aligned(score(reference, rows, temperature, pad_id).logprobs)
         loss, stats = grpo_loss(
-            aligned(scored.logprobs), aligned([torch.tensor([0.0] * s + o) for s, o in zip(starts, old)]),
-            advantages, mask, t.eps_low, t.eps_high, t.delta, normalization=t.normalization,
-            entropy=aligned(scored.entropy) if scored.entropy else None, entropy_coef=t.entropy_coef,
-            ref_logprobs=ref_lp, kl_coef=t.kl_coef, denominator=denominator)
+            aligned(scored.logprobs),
+            aligned([torch.tensor([0.0] * s + o) for s, o in zip(starts, old)]),
+            advantages,
+            mask,
+            t.eps_low,
+            t.eps_high,
+            t.delta,
+            normalization=t.normalization,
+            entropy=aligned(scored.entropy) if scored.entropy else None,
+            entropy_coef=t.entropy_coef,
+            ref_logprobs=ref_lp,
+            kl_coef=t.kl_coef,
+            denominator=denominator,
+        )
         loss.backward()
     elif sharded:
         # FSDP's gathers and reduce-scatters run inside forward and backward: this rank joins them
@@ -117,7 +137,7 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
         placeholder = score(model, [[pad_id, pad_id]], temperature, pad_id).logprobs[0]
         (placeholder.sum() * 0.0).backward()
     if world > 1:
-        for p in ([] if sharded else model.parameters()):
+        for p in [] if sharded else model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
@@ -129,9 +149,15 @@ def grpo_update(model, optimizer, groups: list[RolloutGroup], t, temperature: fl
     optimizer.step()
     model.eval()
     rewards_arr = np.array(rewards)
-    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "reward_mean": float(rewards_arr.mean()),
-            "accuracy": float((rewards_arr >= 1.0).mean()), "samples": len(rewards),
-            "completion_tokens_mean": total_tokens / len(rewards), **stats}
+    return {
+        "loss": float(loss.detach()),
+        "grad_norm": float(grad_norm),
+        "reward_mean": float(rewards_arr.mean()),
+        "accuracy": float((rewards_arr >= 1.0).mean()),
+        "samples": len(rewards),
+        "completion_tokens_mean": total_tokens / len(rewards),
+        **stats,
+    }
 
 
 def whole_batch_token_means(stats: dict[str, float], tokens: int, t, device) -> dict[str, float]:
@@ -140,6 +166,8 @@ def whole_batch_token_means(stats: dict[str, float], tokens: int, t, device) -> 
     Every rank calls it (a rank without completions adds zeros); which means exist follows from the
     config `t`, so all ranks reduce the same vector."""
     keys = ["ratio_mean", "clip_fraction"] + ["entropy_mean"] * (t.entropy_coef > 0) + ["kl_mean"] * (t.kl_coef > 0)
-    sums = torch.tensor([stats.get(k, 0.0) * tokens for k in keys] + [float(tokens)], dtype=torch.float64, device=device)
+    sums = torch.tensor(
+        [stats.get(k, 0.0) * tokens for k in keys] + [float(tokens)], dtype=torch.float64, device=device
+    )
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     return {k: float(v) for k, v in zip(keys, sums[:-1] / sums[-1].clamp(min=1.0))}

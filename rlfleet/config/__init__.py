@@ -1,0 +1,197 @@
+"""The one config tree: RLRun, InferencePool and RelayTier (apiVersion rlfleet.io/v1alpha1).
+
+The same multi-document YAML is read by `rlfleet run FILE` on one machine and applied with
+`kubectl apply -f FILE` on a cluster. Field names are camelCase in YAML (Kubernetes style) and
+snake_case in Python. Unknown fields are errors, so a typo never becomes a silent default.
+`load_bundle` collects every error of every document, each with its field path.
+
+The models live in this package's modules, one per part of the spec (tasks, training, verifier,
+infra, resources); everything is importable from `rlfleet.config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from rlfleet.config.base import API_VERSION, NAME_PATTERN, Metadata, Spec
+from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
+from rlfleet.config.resources import (
+    KINDS,
+    LOCAL_POOL,
+    InferencePool,
+    InferencePoolSpec,
+    RelayTier,
+    RelayTierSpec,
+    RLRun,
+    RLRunSpec,
+)
+from rlfleet.config.tasks import (
+    TASK_TYPES,
+    ArithmeticTaskSpec,
+    CodeTaskSpec,
+    DatasetSpec,
+    DatasetTaskFields,
+    LengthPenaltySpec,
+    MathTaskSpec,
+    ModelSpec,
+    TaskSpec,
+)
+from rlfleet.config.training import SamplingSpec, TrainerSpec
+from rlfleet.config.verifier import BanPolicySpec, RejectionReason, ToplocSpec, VerifierSpec
+
+__all__ = [
+    "API_VERSION",
+    "KINDS",
+    "LOCAL_POOL",
+    "NAME_PATTERN",
+    "TASK_TYPES",
+    "ArithmeticTaskSpec",
+    "BanPolicySpec",
+    "Bundle",
+    "CodeTaskSpec",
+    "ConfigError",
+    "DatasetSpec",
+    "DatasetTaskFields",
+    "InferencePool",
+    "InferencePoolSpec",
+    "IngestSpec",
+    "LengthPenaltySpec",
+    "MathTaskSpec",
+    "Metadata",
+    "ModelSpec",
+    "RLRun",
+    "RLRunSpec",
+    "RedisSpec",
+    "RejectionReason",
+    "RelayTier",
+    "RelayTierSpec",
+    "SamplingSpec",
+    "ShardcastSpec",
+    "Spec",
+    "StoreSpec",
+    "TaskSpec",
+    "ToplocSpec",
+    "TrainerSpec",
+    "VerifierSpec",
+    "load_bundle",
+    "parse_bundle",
+    "validation_problems",
+]
+
+
+@dataclass
+class Bundle:
+    """The documents of one file: exactly one RLRun, any pools and relay tiers that name it."""
+
+    run: RLRun
+    pools: list[InferencePool] = field(default_factory=list)
+    relays: list[RelayTier] = field(default_factory=list)
+
+    def pool(self, name: str | None, source: str = "<config>") -> tuple[str, InferencePoolSpec]:
+        """The InferencePool a worker serves: `name`, else the file's only pool, else (no pool documents)
+        the defaults of InferencePoolSpec under the name `local`. An unknown name lists the pools."""
+        names = [p.metadata.name for p in self.pools]
+        if name is None and len(self.pools) <= 1:
+            chosen = self.pools[0] if self.pools else None
+        else:
+            chosen = next((p for p in self.pools if p.metadata.name == name), None)
+            if chosen is None:
+                listed = ", ".join(names) or "none (the file has no InferencePool documents)"
+                asked = f"--pool {name!r} is not" if name else "--pool is required: there are several"
+                raise ConfigError(source, [f"{asked} InferencePool of this file; its pools: {listed}"])
+        if chosen is None:
+            return LOCAL_POOL, InferencePoolSpec(run=self.run.metadata.name)
+        return chosen.metadata.name, chosen.spec
+
+
+class ConfigError(Exception):
+    """Every problem found in a config file, one line each: `document N (Kind name): field.path: message`."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+    def report(self) -> str:
+        return "\n".join(f"{self.source}: {p}" for p in self.problems)
+
+
+def _field_path(loc: tuple) -> str:
+    # A discriminated union puts its tag in the path (spec.task.arithmetic.x); users wrote spec.task.x.
+    parts = [str(p) for i, p in enumerate(loc) if not (i > 0 and loc[i - 1] == "task" and p in TASK_TYPES)]
+    return ".".join(parts) or "(document)"
+
+
+def _parse_document(index: int, doc: object, problems: list[str]) -> Spec | None:
+    where = f"document {index}"
+    if not isinstance(doc, dict):
+        problems.append(f"{where}: expected a mapping with apiVersion, kind, metadata and spec")
+        return None
+    kind = doc.get("kind")
+    name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
+    if name:
+        where += f" ({kind} {name})"
+    if kind not in KINDS:
+        problems.append(f"{where}: kind: {kind!r} is not one of {', '.join(KINDS)}")
+        return None
+    if doc.get("apiVersion") != API_VERSION:
+        problems.append(f"{where}: apiVersion: {doc.get('apiVersion')!r} must be {API_VERSION!r}")
+        return None
+    try:
+        return KINDS[kind].model_validate(doc)
+    except ValidationError as exc:
+        problems.extend(f"{where}: {p}" for p in validation_problems(exc))
+        return None
+
+
+def validation_problems(exc: ValidationError) -> list[str]:
+    """One `field.path: message` line per error, in the words a YAML author needs."""
+    problems = []
+    for err in exc.errors():
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; fields are camelCase)"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        problems.append(f"{_field_path(err['loc'])}: {msg}")
+    return problems
+
+
+def parse_bundle(text: str, source: str = "<config>") -> Bundle:
+    """Parse a multi-document YAML string into a Bundle, or raise ConfigError listing every problem."""
+    problems: list[str] = []
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
+    parsed = [_parse_document(i, d, problems) for i, d in enumerate(docs)]
+    runs = [p for p in parsed if isinstance(p, RLRun)]
+    pools = [p for p in parsed if isinstance(p, InferencePool)]
+    relays = [p for p in parsed if isinstance(p, RelayTier)]
+    if not problems and len(runs) != 1:
+        problems.append(f"expected exactly one RLRun document, found {len(runs)}")
+    if not problems:
+        run_name = runs[0].metadata.name
+        for other in [*pools, *relays]:
+            if other.spec.run != run_name:
+                problems.append(
+                    f"{other.kind} {other.metadata.name}: spec.run: {other.spec.run!r} names no RLRun in this file "
+                    f"(expected {run_name!r})"
+                )
+    if problems:
+        raise ConfigError(source, problems)
+    return Bundle(run=runs[0], pools=pools, relays=relays)
+
+
+def load_bundle(path: str | Path) -> Bundle:
+    """Read and validate a config file (see parse_bundle)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
+    return parse_bundle(text, str(path))

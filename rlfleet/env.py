@@ -1,0 +1,57 @@
+"""Every environment variable rlfleet reads or sets, named once.
+
+Processes read them when they start (in `main`, `component_context`, the operator's start-up),
+never at import, so a test or a launcher can set them before it starts a component in-process.
+Run configuration lives in the config models (rlfleet/config.py); these are per-process settings
+that a pod, the local launcher or an operator image supplies.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set by the local launcher and by the operator's pod specs; read by every component.
+REDIS_URL = "RLFLEET_REDIS_URL"  # overrides spec.redis.url
+STORE_URI = "RLFLEET_STORE_URI"  # overrides spec.store.uri (the launcher's RUN_DIR/store)
+PUBLIC_KEY = "RLFLEET_PUBLIC_KEY"  # manifest verification key, overrides spec.shardcast.publicKey
+SIGNING_KEY_FILE = "RLFLEET_SIGNING_KEY_FILE"  # the trainer's private signing key (PEM file)
+WORKER_TOKEN = "RLFLEET_WORKER_TOKEN"  # a remote worker's ingest token
+TORCH_THREADS = "RLFLEET_TORCH_THREADS"  # intra-op threads of torch (the launcher sets 1)
+LOCAL = "RLFLEET_LOCAL"  # set by `rlfleet run`: bind /metrics to 127.0.0.1 only
+LOG_LEVEL = "RLFLEET_LOG_LEVEL"
+CACHE = "RLFLEET_CACHE"  # builtin model cache (default ~/.cache/rlfleet)
+VLLM_KV_CACHE_BYTES = "RLFLEET_VLLM_KV_CACHE_BYTES"  # vLLM's KV cache on CPU
+# Read by `rlfleet operator` (set by the Helm chart).
+IMAGE = "RLFLEET_IMAGE"  # default image of every component
+RESYNC_INTERVAL = "RLFLEET_RESYNC_INTERVAL"  # seconds between re-applies and status reads
+
+DEFAULT_LOG_LEVEL = "INFO"
+DEFAULT_VLLM_KV_CACHE_BYTES = 512 << 20
+DEFAULT_RESYNC_INTERVAL_S = 15.0
+
+
+def get(name: str) -> str | None:
+    """The variable's value, or None when it is unset or empty."""
+    return os.environ.get(name) or None
+
+
+def get_int(name: str, default: int) -> int:
+    """An integer variable; a value that is not one is an error naming the variable."""
+    return int(_number(name, default, int))
+
+
+def get_float(name: str, default: float) -> float:
+    """A number variable; a value that is not one is an error naming the variable."""
+    return float(_number(name, default, float))
+
+
+def _number(name: str, default, kind):
+    text = get(name)
+    if text is None:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise SystemExit(
+            f"environment variable {name}={text!r} is not a {kind.__name__}; unset it or fix the value"
+        ) from None

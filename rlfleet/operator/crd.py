@@ -1,0 +1,274 @@
+"""CustomResourceDefinitions for RLRun, InferencePool and RelayTier, generated from the config models.
+
+`rlfleet crds --out crds/` writes them; `crds/*.yaml` are checked in and a test fails when they
+drift from this generator. The spec schema is the config model's, made structural by schema.py;
+cross-field rules that a JSON schema cannot say are CEL rules (`x-kubernetes-validations`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlfleet.config import InferencePoolSpec, RelayTierSpec, RLRunSpec
+from rlfleet.operator import names
+from rlfleet.operator.schema import structural_schema
+
+# CEL rules for what one field's schema cannot say.
+STORE_RULES = [
+    {
+        "rule": "!has(self.uri) || self.uri.startsWith('s3://') || self.uri.startsWith('file://')",
+        "message": "uri must start with file:// or s3://",
+        "fieldPath": ".uri",
+    }
+]  # = StoreSpec._scheme
+MAX_RUN_NAME = names.MAX_STATEFULSET_NAME - len(names.trainer(""))
+RUN_RULES = [
+    {
+        "rule": f"size(self.metadata.name) <= {MAX_RUN_NAME}",
+        "message": f"metadata.name: at most {MAX_RUN_NAME} characters on a cluster "
+        "(the trainer StatefulSet is NAME-trainer, at most 52)",
+    }
+]
+
+
+def _status_schema(scalable: bool) -> dict:
+    condition = {
+        "type": "object",
+        "description": "One observation of the object's state (Kubernetes condition conventions).",
+        "required": ["type", "status"],
+        "properties": {
+            "type": {"type": "string", "description": "Condition type: Ready, Progressing, Suspended."},
+            "status": {
+                "type": "string",
+                "enum": ["True", "False", "Unknown"],
+                "description": "True, False or Unknown.",
+            },
+            "reason": {
+                "type": "string",
+                "description": "CamelCase reason, e.g. InvalidSpec, ChildrenApplied, RunNotFound.",
+            },
+            "message": {
+                "type": "string",
+                "description": "Human-readable detail: for InvalidSpec the field path and the fix.",
+            },
+            "lastTransitionTime": {"type": "string", "format": "date-time", "description": "When status last changed."},
+            "observedGeneration": {
+                "type": "integer",
+                "format": "int64",
+                "description": "metadata.generation this condition was computed from.",
+            },
+        },
+    }
+    props = {
+        "phase": {"type": "string", "description": "Pending, Running, Suspended, Failed or Succeeded."},
+        "observedGeneration": {
+            "type": "integer",
+            "format": "int64",
+            "description": "metadata.generation the operator last reconciled.",
+        },
+        "conditions": {
+            "type": "array",
+            "description": "Latest observations; one per type.",
+            "items": condition,
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+        "readyReplicas": {
+            "type": "integer",
+            "format": "int32",
+            "description": "Pods of the main workload that are ready.",
+        },
+    }
+    if scalable:
+        props["replicas"] = {
+            "type": "integer",
+            "format": "int32",
+            "description": "Current replicas (scale subresource).",
+        }
+        props["selector"] = {"type": "string", "description": "Label selector of the pods (scale subresource, HPA)."}
+    else:
+        props.update(
+            {
+                "step": {
+                    "type": "integer",
+                    "format": "int64",
+                    "description": "Trainer steps committed (each publishes one policy version).",
+                },
+                "policyVersion": {
+                    "type": "integer",
+                    "format": "int64",
+                    "description": "Newest policy version announced on the policy stream.",
+                },
+                "reward": {
+                    "type": "number",
+                    "description": "Mean reward of the newest step, when the trainer announces it.",
+                },
+                "accepted": {
+                    "type": "integer",
+                    "format": "int64",
+                    "description": "Rollout groups the verifier accepted.",
+                },
+                "rejected": {
+                    "type": "integer",
+                    "format": "int64",
+                    "description": "Rollout groups the verifier rejected.",
+                },
+            }
+        )
+    return {"type": "object", "description": "Observed state, written by the operator.", "properties": props}
+
+
+def _columns(kind: names.KindInfo) -> list[dict]:
+    common_tail = [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+    phase = {
+        "name": "Phase",
+        "type": "string",
+        "jsonPath": ".status.phase",
+        "description": "Pending, Running, Suspended, Failed, Succeeded.",
+    }
+    if kind is names.RLRUN:
+        return [
+            phase,
+            {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Trainer steps committed."},
+            {
+                "name": "Policy",
+                "type": "integer",
+                "jsonPath": ".status.policyVersion",
+                "description": "Newest policy version.",
+            },
+            {
+                "name": "Reward",
+                "type": "number",
+                "jsonPath": ".status.reward",
+                "description": "Mean reward of the newest step.",
+            },
+            {
+                "name": "Accepted",
+                "type": "integer",
+                "jsonPath": ".status.accepted",
+                "priority": 1,
+                "description": "Groups accepted by the verifier.",
+            },
+            {
+                "name": "Rejected",
+                "type": "integer",
+                "jsonPath": ".status.rejected",
+                "priority": 1,
+                "description": "Groups rejected by the verifier.",
+            },
+            {
+                "name": "Ready",
+                "type": "integer",
+                "jsonPath": ".status.readyReplicas",
+                "description": "Ready trainer pods.",
+            },
+            *common_tail,
+        ]
+    extra = (
+        [{"name": "Tier", "type": "integer", "jsonPath": ".spec.tier", "description": "Relay tier."}]
+        if kind is names.RELAY_TIER
+        else []
+    )
+    return [
+        {"name": "Run", "type": "string", "jsonPath": ".spec.run", "description": "The RLRun."},
+        *extra,
+        phase,
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas", "description": "Desired pods."},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready pods."},
+        *common_tail,
+    ]
+
+
+def build_crd(kind: names.KindInfo) -> dict:
+    """One CustomResourceDefinition (apiextensions.k8s.io/v1) as a dict."""
+    spec_model = {"RLRun": RLRunSpec, "InferencePool": InferencePoolSpec, "RelayTier": RelayTierSpec}[kind.kind]
+    description = {
+        "RLRun": "Desired state of an asynchronous GRPO run: model, task, sampling, trainer, verifier, Redis and "
+        "store.",
+        "InferencePool": "A fleet of rollout workers generating for one RLRun.",
+        "RelayTier": "One tier of the checkpoint relay tree of an RLRun.",
+    }[kind.kind]
+    spec = {"type": "object", "description": description, **structural_schema(spec_model)}
+    if kind is names.RLRUN:
+        spec["properties"]["store"]["x-kubernetes-validations"] = STORE_RULES
+    scalable = kind is not names.RLRUN
+    subresources: dict[str, Any] = {"status": {}}
+    if scalable:
+        subresources["scale"] = {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": kind.crd_name,
+            "labels": {"app.kubernetes.io/name": "rlfleet", "app.kubernetes.io/part-of": "rlfleet"},
+        },
+        "spec": {
+            "group": names.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": kind.kind,
+                "listKind": f"{kind.kind}List",
+                "plural": kind.plural,
+                "singular": kind.singular,
+                "shortNames": kind.short_names,
+                "categories": [names.CATEGORY],
+            },
+            "versions": [
+                {
+                    "name": names.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": subresources,
+                    "additionalPrinterColumns": _columns(kind),
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            **({"x-kubernetes-validations": RUN_RULES} if kind is names.RLRUN else {}),
+                            "description": f"{kind.kind} (rlfleet.io/v1alpha1): reconciled by `rlfleet operator`; "
+                            "the same document runs locally with `rlfleet run`.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string", "description": "Always rlfleet.io/v1alpha1."},
+                                "kind": {"type": "string", "description": f"{kind.kind}."},
+                                "metadata": {"type": "object"},
+                                "spec": spec,
+                                "status": _status_schema(scalable),
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+HEADER = (
+    "# Generated by `rlfleet crds --out crds/` from rlfleet/config.py; do not edit "
+    "(tests/operator/test_crds.py checks drift).\n"
+)
+
+
+def render_crd(kind: names.KindInfo) -> str:
+    return HEADER + yaml.safe_dump(build_crd(kind), sort_keys=False, width=120)
+
+
+def crd_files() -> dict[str, str]:
+    """File name -> YAML text of every CRD."""
+    return {f"{k.crd_name}.yaml": render_crd(k) for k in names.KINDS.values()}
+
+
+def write_crds(out: str | Path) -> list[Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in crd_files().items():
+        (out / name).write_text(text)
+        written.append(out / name)
+    return written

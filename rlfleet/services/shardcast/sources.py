@@ -1,0 +1,140 @@
+"""Where a client gets a version from: the sources it can ask (origin and relay base URLs) with the
+bandwidth and success it measured of each, and what they offer (`latest`, the `latest?after=N`
+long-poll of protocol.py). Errors shared by every fetch live here too."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import random
+import threading
+import time
+
+import requests
+
+from rlfleet.checkpoint import ChecksumError, ManifestError
+from rlfleet.services.shardcast.protocol import latest_path
+from rlfleet.signing import SignatureError
+
+log = logging.getLogger("rlfleet.shardcast.client")
+
+BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
+CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 60.0
+EXPLORE = 0.1  # probability of picking a source uniformly instead of by weight
+
+
+class FetchError(TimeoutError):
+    """A version could not be fetched and verified before the deadline (or the fetch was stopped)."""
+
+
+class HTTPStatusError(RuntimeError):
+    """A server answered something other than the expected status or length."""
+
+
+# What a fetch retries (from another source, after a backoff) until its deadline.
+RETRYABLE = (
+    requests.RequestException,
+    http.client.HTTPException,
+    HTTPStatusError,
+    ChecksumError,
+    ManifestError,
+    SignatureError,
+    ValueError,
+    OSError,
+)
+
+
+class Sources:
+    """Base URLs with measured bandwidth (EWMA, bytes/s) and success counts; thread-safe.
+    Weight = bandwidth x ((ok + 1) / (ok + fail + 2))^2; untried sources get the best bandwidth seen
+    (optimism), and with probability EXPLORE the pick is uniform. Keep one across fetches to learn."""
+
+    def __init__(self, urls: list[str], explore: float = EXPLORE, rng: random.Random | None = None):
+        if not urls:
+            raise ValueError("Shardcast needs at least one base URL (origin or relay)")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.explore = explore
+        self.rng = rng or random.Random()
+        self.bandwidth: dict[str, float] = {}
+        self.ok = dict.fromkeys(self.urls, 0)
+        self.fail = dict.fromkeys(self.urls, 0)
+        self._lock = threading.Lock()
+
+    def weight(self, url: str) -> float:
+        best = max(self.bandwidth.values(), default=1.0)
+        success = (self.ok[url] + 1) / (self.ok[url] + self.fail[url] + 2)
+        return self.bandwidth.get(url, best) * success * success
+
+    def pick(self, avoid: set[str] = frozenset()) -> str:
+        with self._lock:
+            candidates = [u for u in self.urls if u not in avoid] or self.urls
+            if len(candidates) == 1:
+                return candidates[0]
+            if self.rng.random() < self.explore:
+                return self.rng.choice(candidates)
+            return self.rng.choices(candidates, weights=[self.weight(u) + 1e-9 for u in candidates])[0]
+
+    def success(self, url: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.ok[url] += 1
+            if nbytes >= 1 << 16:  # tiny bodies measure latency, not bandwidth
+                rate = nbytes / max(seconds, 1e-6)
+                old = self.bandwidth.get(url)
+                self.bandwidth[url] = rate if old is None else 0.7 * old + 0.3 * rate
+
+    def failure(self, url: str) -> None:
+        with self._lock:
+            self.fail[url] += 1
+
+
+def latest_version_http(base_url: str, run: str, timeout: float = 10.0) -> int | None:
+    """The newest version `base_url` offers for `run`, or None when it has none (HTTP 404).
+    Other failures raise (requests.RequestException)."""
+    r = requests.get(base_url.rstrip("/") + latest_path(run), timeout=timeout)
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    return int(r.json()["version"])
+
+
+def wait_for_version(
+    base_urls: list[str],
+    run: str,
+    after: int,
+    timeout: float,
+    *,
+    stop: threading.Event | None = None,
+    wait: float = 30.0,
+) -> int | None:
+    """Block until one of `base_urls` offers a version newer than `after`; return it (None at
+    `timeout` or on `stop`). Long-polls `latest?after=N` (no timer of our own: the server answers
+    when the version is announced); a source that fails is left for the next, with a short pause
+    after all failed."""
+    deadline = time.monotonic() + timeout
+    pause, i = BACKOFF_START, 0
+    with requests.Session() as session:
+        while not (stop is not None and stop.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            base = base_urls[i % len(base_urls)].rstrip("/")
+            hold = min(wait, left)
+            try:
+                r = session.get(
+                    base + latest_path(run),
+                    params={"after": after, "wait": f"{hold:.3f}"},
+                    timeout=(CONNECT_TIMEOUT, hold + READ_TIMEOUT),
+                )
+                if r.status_code == 200 and int(r.json()["version"]) > after:
+                    return int(r.json()["version"])
+                if r.status_code == 204:
+                    pause = BACKOFF_START
+                    continue
+                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
+            except (requests.RequestException, HTTPStatusError, ValueError, KeyError) as exc:
+                log.debug("long-poll of %s failed: %s", base, exc)
+                i += 1
+                if i % len(base_urls) == 0:
+                    (stop or threading.Event()).wait(min(pause, max(0.0, deadline - time.monotonic())))
+                    pause = min(pause * 2, BACKOFF_MAX)
+    return None

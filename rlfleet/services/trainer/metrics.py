@@ -1,0 +1,77 @@
+"""The trainer's Prometheus metrics: every field of a metrics.jsonl record on /metrics (export_step).
+
+Every labelled series exists from the start (at 0), so a scrape shows it before its first event.
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from rlfleet.config import RejectionReason
+
+STEP = Gauge("rlfleet_trainer_step", "Optimizer steps taken")
+VERSION = Gauge("rlfleet_trainer_policy_version", "Latest published policy version")
+REWARD = Gauge("rlfleet_trainer_reward_mean", "Mean verified reward of the last batch")
+STALENESS = Gauge("rlfleet_trainer_staleness_mean", "Mean policy lag of the last batch, in versions")
+STALENESS_MAX = Gauge("rlfleet_trainer_staleness_max", "Largest policy lag of a group in the last batch, in versions")
+ELAPSED = Gauge("rlfleet_trainer_elapsed_seconds", "Seconds from the trainer's start to the end of its last step")
+SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
+DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
+STEP_SECONDS = Histogram("rlfleet_trainer_step_seconds", "Step time by phase", ["phase"])
+# Every per-step statistic of metrics.jsonl, by name (loss, grad_norm, accuracy, learning_rate, ...).
+BATCH_STATS = (
+    "loss",
+    "grad_norm",
+    "accuracy",
+    "learning_rate",
+    "clip_fraction",
+    "ratio_mean",
+    "entropy_mean",
+    "kl_mean",
+    "completion_tokens_mean",
+)
+STAT = Gauge(
+    "rlfleet_trainer_batch_stat", "Statistic of the last optimizer step (the fields of metrics.jsonl)", ["stat"]
+)
+GROUPS = Gauge(
+    "rlfleet_trainer_verifier_groups",
+    "Groups the verifier accepted / rejected so far, by reason",
+    ["verdict", "reason"],
+)
+DROP_REASONS = ("stale", "duplicate", "malformed", "zero_advantage")
+PHASES = ("wait", "compute", "publish")
+# Every labelled series exists from the start (at 0), so a scrape shows it before its first event.
+for _reason in DROP_REASONS:
+    DROPPED.labels(_reason)
+for _phase in PHASES:
+    STEP_SECONDS.labels(_phase)
+NOT_EXPORTED = {"rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement"}
+
+
+def export_step(record: dict) -> None:
+    """Put every field of a metrics.jsonl record (except NOT_EXPORTED) on /metrics.
+    Mapping: step, policy_version, reward_mean, staleness_mean/max -> their gauges; the GRPO
+    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; dropped_* ->
+    the dropped counter by reason; wait/compute/publish_seconds -> the step-time histogram by phase;
+    wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
+    (rejected is their sum over reasons, every known reason present)."""
+    STEP.set(record["step"])
+    VERSION.set(record["policy_version"])
+    REWARD.set(record["reward_mean"])
+    STALENESS.set(record["staleness_mean"])
+    STALENESS_MAX.set(record["staleness_max"])
+    ELAPSED.set(record["wall_seconds"])
+    SAMPLES.inc(record["samples"])
+    for name in BATCH_STATS:
+        if name in record:
+            STAT.labels(name).set(record[name])
+    for reason in DROP_REASONS:
+        if record.get(f"dropped_{reason}"):
+            DROPPED.labels(reason).inc(record[f"dropped_{reason}"])
+    for phase in PHASES:
+        STEP_SECONDS.labels(phase).observe(record[f"{phase}_seconds"])
+    GROUPS.labels("accepted", "").set(record["accepted"])
+    for reason in {*get_args(RejectionReason), *record["rejected_by_reason"]}:
+        GROUPS.labels("rejected", reason).set(record["rejected_by_reason"].get(reason, 0))

@@ -1,0 +1,202 @@
+"""The config tree (rlfleet/config.py) and `rlfleet validate`: every error is reported with its field path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from support import REPO
+
+from rlfleet.config import ConfigError, load_bundle, parse_bundle
+
+ROOT = REPO
+# RLRun bundles (Helm values files under examples/ are checked by tests/chart/test_chart.py).
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("**/*.yaml") if "apiVersion: rlfleet.io/" in p.read_text())
+
+RUN = """\
+apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata:
+  name: demo
+spec:
+  model:
+    path: builtin://tiny-arithmetic
+  task:
+    type: arithmetic
+"""
+
+POOL = """\
+apiVersion: rlfleet.io/v1alpha1
+kind: InferencePool
+metadata:
+  name: demo-pool
+spec:
+  run: demo
+"""
+
+
+def _doc(*docs: str) -> str:
+    return "---\n".join(docs)
+
+
+def _validate(path: Path | str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+def _problems(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_bundle(text, "f.yaml")
+    return info.value.problems
+
+
+def test_there_are_examples():
+    assert EXAMPLES, "no examples/**/*.yaml found"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[str(p.relative_to(ROOT)) for p in EXAMPLES])
+def test_every_example_parses(path):
+    bundle = load_bundle(path)
+    assert bundle.run.kind == "RLRun"
+    for other in [*bundle.pools, *bundle.relays]:
+        assert other.spec.run == bundle.run.metadata.name
+
+
+def test_validate_cli_accepts_the_example():
+    proc = _validate(ROOT / "examples" / "arithmetic" / "rlrun.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "valid" in proc.stdout and "RLRun arithmetic" in proc.stdout
+
+
+def test_camel_case_yaml_maps_to_snake_case_attributes():
+    bundle = load_bundle(ROOT / "examples" / "arithmetic" / "rlrun.yaml")
+    spec = bundle.run.spec
+    assert spec.trainer.batch_size == 16
+    assert spec.trainer.learning_rate == pytest.approx(1e-3)
+    assert spec.trainer.max_async_level == 2
+    assert spec.sampling.group_size == 8
+    assert spec.sampling.max_tokens == 6
+    assert spec.task.max_operand == 20
+    assert bundle.pools[0].spec.max_pending == 32
+    assert bundle.relays[0].spec.keep_versions == 3
+    # Fields the file leaves out take their documented defaults.
+    assert spec.trainer.weight_decay == 0.0
+    assert spec.verifier.toploc.decode_batching_size == 32
+
+
+def test_minimal_run_gets_defaults():
+    bundle = parse_bundle(RUN)
+    assert bundle.run.metadata.name == "demo"
+    assert bundle.run.spec.task.seed == 0 and bundle.run.spec.task.operations == ["+"]
+    assert bundle.run.spec.store.uri is None
+    assert bundle.pools == [] and bundle.relays == []
+
+
+# (name, file text, text every reported problem list must contain)
+BAD_FILES = [
+    ("unknown-field", RUN + "  trainer:\n    stepz: 3\n", ["spec.trainer.stepz", "unknown field"]),
+    ("out-of-range", RUN + "  trainer:\n    batchSize: 0\n", ["spec.trainer.batchSize"]),
+    ("out-of-range-task", RUN + "    maxOperand: 0\n", ["spec.task.maxOperand"]),
+    ("wrong-kind", RUN.replace("kind: RLRun", "kind: RLRunn"), ["kind", "RLRunn"]),
+    ("wrong-api-version", RUN.replace("rlfleet.io/v1alpha1", "rlfleet.io/v1"), ["apiVersion", "rlfleet.io/v1"]),
+    (
+        "missing-model",
+        RUN.replace("  model:\n    path: builtin://tiny-arithmetic\n", ""),
+        ["spec.model", "required field is missing"],
+    ),
+    (
+        "pool-names-no-run",
+        _doc(RUN, POOL.replace("run: demo", "run: other")),
+        ["spec.run", "'other'", "names no RLRun"],
+    ),
+    ("two-runs", _doc(RUN, RUN.replace("name: demo", "name: demo2")), ["exactly one RLRun", "found 2"]),
+    ("no-run", POOL, ["exactly one RLRun", "found 0"]),
+    ("invalid-yaml", RUN + "  trainer: [1, 2\n", ["not valid YAML"]),
+    ("bad-store-uri", RUN + "  store:\n    uri: http://bucket/x\n", ["spec.store", "file:// or s3://"]),
+]
+
+
+@pytest.mark.parametrize("name,text,expected", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_validate_cli_rejects_bad_file_with_field_path(tmp_path, name, text, expected):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    proc = _validate(path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    for fragment in expected:
+        assert fragment in proc.stderr, (fragment, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"{path}: ")  # problems name the file
+
+
+def test_validate_cli_reports_a_missing_file(tmp_path):
+    proc = _validate(tmp_path / "nope.yaml")
+    assert proc.returncode == 2
+    assert "nope.yaml" in proc.stderr and "cannot read" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_validate_cli_reports_every_error_of_a_file(tmp_path):
+    text = _doc(
+        RUN + "  trainer:\n    stepz: 3\n    batchSize: 0\n  sampling:\n    temperature: 0\n",
+        POOL + "  maxPending: 0\n",
+    )
+    path = tmp_path / "many.yaml"
+    path.write_text(text)
+    proc = _validate(path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    for fragment in ["spec.trainer.stepz", "spec.trainer.batchSize", "spec.sampling.temperature", "spec.maxPending"]:
+        assert sum(fragment in line for line in lines) == 1, (fragment, lines)
+    assert len(lines) == 4
+    # Each names its document.
+    assert any("document 0 (RLRun demo)" in line for line in lines)
+    assert any("document 1 (InferencePool demo-pool)" in line for line in lines)
+
+
+def test_unknown_task_type_is_reported_at_spec_task():
+    problems = _problems(RUN.replace("type: arithmetic", "type: chess"))
+    assert len(problems) == 1 and "spec.task" in problems[0]
+
+
+def test_task_field_path_omits_the_union_tag():
+    problems = _problems(RUN + "    operations: ['*']\n")
+    assert any("spec.task.operations" in p for p in problems), problems
+    assert not any("arithmetic" in p.split(":")[1] for p in problems), problems
+
+
+def test_non_mapping_document_is_reported():
+    problems = _problems(_doc(RUN, "- just\n- a list\n"))
+    assert problems == ["document 1: expected a mapping with apiVersion, kind, metadata and spec"]
+
+
+def test_bad_metadata_name_is_reported():
+    problems = _problems(RUN.replace("name: demo", "name: Demo_Run"))
+    assert len(problems) == 1 and "metadata.name" in problems[0]
+
+
+@pytest.mark.parametrize("uri", ["file:///abs/dir", "file://./rel/dir", "s3://bucket/prefix"])
+def test_store_uri_accepts_file_and_s3(uri):
+    bundle = parse_bundle(RUN + f"  store:\n    uri: {uri}\n")
+    assert bundle.run.spec.store.uri == uri
+
+
+@pytest.mark.parametrize("uri", ["http://bucket/x", "/abs/dir", "gs://bucket"])
+def test_store_uri_rejects_other_schemes(uri):
+    problems = _problems(RUN + f"  store:\n    uri: {uri}\n")
+    assert len(problems) == 1
+    assert "spec.store" in problems[0] and "file:// or s3://" in problems[0] and uri in problems[0]
+
+
+def test_config_error_report_is_one_line_per_problem():
+    err = ConfigError("x.yaml", ["a: bad", "b: worse"])
+    assert err.report() == textwrap.dedent("""\
+        x.yaml: a: bad
+        x.yaml: b: worse""")

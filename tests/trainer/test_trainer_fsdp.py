@@ -1,0 +1,171 @@
+"""Sharded data parallel (`trainer.sharding: fsdp`): two CPU processes (gloo, torchrun-style env)
+with FSDP2 give the same weights as one unsharded process, through a save and a restore of the
+sharded optimizer state; the checkpoint they publish is whole safetensors a plain model loads."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from support import start_trainer, tiny_policy_dir, trainer_run_config
+from test_trainer import group
+from test_trainer_dp import batch
+
+from rlfleet.checkpoint import save_model_dir
+from rlfleet.config import TrainerSpec
+from rlfleet.policy import load_policy, load_weights_in_place
+from rlfleet.redis_server import free_port
+from rlfleet.services.trainer.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_state,
+    publishable_weights,
+    shard_policy,
+)
+from rlfleet.services.trainer.update import grpo_update
+from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams
+
+# Step 1: plain SGD with momentum on a batch of 12 completions (6 per rank), no clipping.
+FIRST = TrainerSpec(learning_rate=0.5, max_grad_norm=1e6)
+# Step 2: one completion (rank 1 has none of its own and joins FSDP's collectives with a
+# placeholder); the entropy bonus gives it a gradient, and a small clip makes the norm matter.
+SECOND = TrainerSpec(learning_rate=0.5, entropy_coef=0.5, max_grad_norm=0.05)
+
+
+def single_completion() -> list[RolloutGroup]:
+    return [
+        RolloutGroup(
+            "one",
+            "w",
+            0,
+            [1, 4, 13, 5, 15],
+            SamplingParams(1.0, 1.0, 0, 6, 0),
+            [Sample([5, 6, 7, 2], [-2.0, -2.0, -2.0, -2.0], [], 1.0)],
+        )
+    ]
+
+
+def sgd(model) -> torch.optim.Optimizer:
+    # The update is proportional to the gradient, so an error in how ranks split and sum the batch
+    # shows in the weights; the momentum buffer is optimizer state the restore must bring back.
+    return torch.optim.SGD(model.parameters(), lr=FIRST.learning_rate, momentum=0.9)
+
+
+def _rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from rlfleet.services.trainer.update import init_distributed
+
+    assert init_distributed() == (rank, world)
+    model, tokenizer = load_policy(policy_dir)
+    prefill = shard_policy(model, world)
+    optimizer = sgd(model)
+    grpo_update(prefill, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id, rank=rank, world=world)
+    weights, optimizer_state = full_model_state(model), full_optimizer_state(model, optimizer)
+    if rank == 0:
+        save_model_dir(model, tokenizer, f"{out}/published", state_dict=publishable_weights(model, weights))
+        torch.save({"model": weights, "optimizer": optimizer_state}, f"{out}/state.pt")
+    dist.barrier()
+
+    # Resume as a restarted trainer does: a fresh sharded model and optimizer, then the whole state.
+    model, tokenizer = load_policy(policy_dir)
+    prefill = shard_policy(model, world)
+    optimizer = sgd(model)
+    state = torch.load(f"{out}/state.pt", weights_only=True)
+    load_full_state(model, optimizer, state["model"], state["optimizer"])
+    stats = grpo_update(
+        prefill, optimizer, single_completion(), SECOND, 1.0, tokenizer.pad_token_id, rank=rank, world=world
+    )
+    weights = full_model_state(model)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, f"{out}/resumed.safetensors")
+        torch.save({"grad_norm": stats["grad_norm"]}, f"{out}/stats.pt")
+    dist.destroy_process_group()
+
+
+def test_two_sharded_processes_update_like_one_and_publish_a_whole_checkpoint(tmp_path):
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(policy)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = sgd(model)
+    grpo_update(model, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id)
+    after_first = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    stats = grpo_update(model, optimizer, single_completion(), SECOND, 1.0, tokenizer.pad_token_id)
+    after_second = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert stats["grad_norm"] > SECOND.max_grad_norm, "the second step is clipped"
+
+    mp.spawn(_rank_main, args=(2, free_port(), str(policy), str(tmp_path)), nprocs=2, join=True)
+
+    published = load_file(str(tmp_path / "published" / "model.safetensors"))
+    assert "lm_head.weight" not in published, "the tied head is saved once, as save_pretrained does"
+    plain, _ = load_policy(tmp_path / "published")  # a plain (unsharded) model loads it
+    for name, value in after_first.items():
+        torch.testing.assert_close(plain.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    load_weights_in_place(load_policy(policy)[0], tmp_path / "published")  # and so does a worker's hot-swap
+
+    resumed = load_file(str(tmp_path / "resumed.safetensors"))
+    for name, value in after_second.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert torch.load(tmp_path / "stats.pt")["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-4), (
+        "the norm spans all shards"
+    )
+    assert any(not torch.equal(after_second[k], after_first[k]) for k in after_first), (
+        "the second step moved the weights"
+    )
+    assert any(not torch.equal(after_first[k], initial[k]) for k in initial), "the first step moved the weights"
+
+
+TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 4, replicas: 2, sharding: fsdp}"
+
+
+def start_ranks(config, redis_url, out, steps: int) -> list[subprocess.Popen]:
+    """The two trainer replicas, launched the way the operator's StatefulSet pods are (torchrun-style env)."""
+    port = str(free_port())
+    return [
+        start_trainer(
+            config,
+            redis_url,
+            out,
+            "--steps",
+            str(steps),
+            log=f"rank{rank}.log",
+            env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+        )
+        for rank in (0, 1)
+    ]
+
+
+@pytest.mark.slow
+def test_two_fsdp_trainer_processes_train_resume_and_publish_whole_checkpoints(tmp_path, redis_url, redis_client):
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(trainer_run_config(tiny_policy_dir(tmp_path / "policy", seed=0), tmp_path / "store", TRAINER))
+    keys = RunKeys("tr")
+    ids = [f"g{i}" for i in range(8)]
+    for rid in ids:
+        redis_client.xadd(keys.verified, group(rid, [1.0, 0.0]).encode())
+
+    for steps in (2, 4):  # stop after step 2, then restart both replicas: they resume from the saved state
+        for rank, proc in enumerate(start_ranks(config, redis_url, tmp_path, steps)):
+            assert proc.wait(300) == 0, (tmp_path / f"rank{rank}.log").read_text()
+    assert "resumed after step 2" in (tmp_path / "rank0.log").read_text()
+
+    trained = {rid.decode(): int(v) for rid, v in redis_client.zrange(keys.trained, 0, -1, withscores=True)}
+    assert sorted(trained) == sorted(ids), "every accepted rollout was trained"
+    assert collections.Counter(trained.values()) == {v: 2 for v in range(1, 5)}, "each step trained its batch of 2 once"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4], "only rank 0 reports"
+
+    base, _ = load_policy(tmp_path / "policy")
+    latest, _ = load_policy(tmp_path / "store" / "tr" / "policy" / "v4")  # whole safetensors, plain model
+    assert any(not torch.equal(latest.state_dict()[k], v) for k, v in base.state_dict().items()), (
+        "training moved the weights"
+    )
