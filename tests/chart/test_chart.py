@@ -238,7 +238,7 @@ def test_default_images_are_the_dockerfiles_images(chart):
         assert version == app_version, dockerfile
         assert env[env_name] == f"{label}:{app_version}"
     assert env["RLFLEET_IMAGE"] == names.DEFAULT_IMAGE, "the operator's fallback image differs from the chart's"
-    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
+    torch_pin = next(d for d in pyproject["project"]["optional-dependencies"]["train"] if d.startswith("torch=="))
     assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in (ROOT / "docker" / "Dockerfile.cpu").read_text()
 
 
