@@ -91,7 +91,7 @@ class Trainer:
             self.reference = shard_policy(reference, self.world) if self.sharded else reference
         self.version = 0
         self.started = time.monotonic()
-        self._pending_first = True
+        self._pending_cursor: str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
         self.last_reward: float | None = None
         self._signer = None  # resolved at the first publish (a missing key fails that publish)
         ensure_group(ctx.redis, ctx.keys.verified, ctx.keys.trainer_group)
@@ -127,13 +127,15 @@ class Trainer:
         skip_flat = self.spec.trainer.skip_zero_advantage_groups
         batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
         while len(batch) < want and not self.ctx.stop.is_set():
-            # After a restart, first the messages this consumer read but never acknowledged.
-            start = "0" if self._pending_first else ">"
+            # After a restart, first the messages this consumer read but never acknowledged, walked
+            # once by id (reading pending entries from "0" again would return the same ones forever).
+            start = self._pending_cursor or ">"
             resp = r.xreadgroup(
                 keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
             )
-            if start == "0" and not any(entries for _, entries in resp or []):
-                self._pending_first = False
+            if self._pending_cursor is not None:
+                pending = [msg_id for _, entries in resp or [] for msg_id, _ in entries]
+                self._pending_cursor = pending[-1] if pending else None
             for _, entries in resp or []:
                 for msg_id, fields in entries:
                     ack.append(msg_id)
