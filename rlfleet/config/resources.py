@@ -45,7 +45,9 @@ class RLRunSpec(Spec):
 
 class InferencePoolSpec(Spec):
     run: str = Field(pattern=NAME_PATTERN, description="Name of the RLRun this pool generates for.")
-    replicas: int = Field(default=2, ge=0, description="Rollout workers.")
+    replicas: int = Field(
+        default=2, ge=0, le=100_000, description="Rollout workers (`rlfleet run` starts one process each)."
+    )
     engine: Literal["torch", "vllm", "auto"] = Field(
         default="torch",
         description="Inference engine: torch (any model, CPU or GPU); vllm (vLLM 0.32.0, install extra vllm or "
@@ -58,7 +60,7 @@ class InferencePoolSpec(Spec):
     relay: str | None = Field(
         default=None, description="RelayTier to download checkpoints from (default: the highest tier of the run)."
     )
-    gpus: int = Field(default=0, ge=0, description="GPUs per worker (cluster only).")
+    gpus: int = Field(default=0, ge=0, le=64, description="GPUs per worker (cluster only).")
     image: str | None = Field(
         default=None,
         description="Cluster only: container image of this pool's workers, e.g. one with vLLM (default: the run's "
@@ -75,8 +77,8 @@ class InferencePoolSpec(Spec):
 
 class RelayTierSpec(Spec):
     run: str = Field(pattern=NAME_PATTERN, description="Name of the RLRun whose checkpoints this tier relays.")
-    tier: int = Field(default=0, ge=0, description="Tier 0 pulls from the origin; tier k from tier k-1.")
-    replicas: int = Field(default=1, ge=1, description="Relay pods in this tier.")
+    tier: int = Field(default=0, ge=0, le=64, description="Tier 0 pulls from the origin; tier k from tier k-1.")
+    replicas: int = Field(default=1, ge=1, le=1024, description="Relay pods in this tier.")
     upstream: str | None = Field(
         default=None,
         description="Explicit upstream RelayTier name (default: tier-1 of the same run, or the origin for tier 0).",

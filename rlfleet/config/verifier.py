@@ -72,7 +72,7 @@ class BanPolicySpec(Spec):
 
 
 class VerifierSpec(Spec):
-    replicas: int = Field(default=1, ge=1, description="Verifier replicas in one consumer group.")
+    replicas: int = Field(default=1, ge=1, le=1024, description="Verifier replicas in one consumer group.")
     toploc: ToplocSpec = Field(
         default_factory=ToplocSpec, description="TOPLOC proof parameters and acceptance thresholds."
     )
