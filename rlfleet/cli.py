@@ -147,7 +147,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from rlfleet.launcher import run_local
 
-        return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)
+        try:
+            return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)
+        except KeyboardInterrupt:  # before any component started (e.g. while the builtin model is built)
+            print("rlfleet: interrupted before the run started", file=sys.stderr)
+            return 130
     if args.command == "operator":
         from rlfleet.operator.handlers import run_operator
 

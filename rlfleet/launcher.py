@@ -1,14 +1,17 @@
 """`rlfleet run FILE`: the whole system on one machine, one OS process per component.
 
-It starts an embedded redis-server, builds the builtin model if needed (so components never race
-to build it), then the Shardcast origin, each RelayTier's relays (tier 0 from the origin, tier k
-from tier k-1), the verifier replicas, each InferencePool's workers and the trainer (one process per
-rank when trainer.replicas > 1, with the torchrun-style environment of the trainer pods), with the
-same `rlfleet <component>` entrypoints the containers use. It shows progress from the trainer's
-metrics.jsonl, ends when the trainer finishes its steps, and stops everything on Ctrl-C. If any
-component dies, every other one is stopped and the run exits non-zero naming the component and
-its log file.
-Manifests are signed: a run key pair is generated in RUN_DIR/keys (unless RLFLEET_SIGNING_KEY_FILE
+It builds the builtin model if needed (so components never race to build it), then starts an
+embedded redis-server (append-only file, rlfleet/redis_server.py), the Shardcast origin, each
+RelayTier's relays (the tree of rlfleet/topology.py), the verifier replicas, each InferencePool's
+workers and the trainer (one process per rank when trainer.replicas > 1, with the torchrun-style
+environment of the trainer pods), with the same `rlfleet <component>` entrypoints the containers use.
+Components run under a restart policy with back-off, as pods would (rlfleet/supervisor.py): a
+crash costs seconds, not the run; a component that crash-loops stops the run, named with its log.
+The run ends when the trainer finishes its steps; Ctrl-C (or SIGTERM) stops everything, a second
+Ctrl-C kills what is still stopping; `summary.json` is written either way. A run directory holds
+everything a run needs to resume: relaunching with the same `--run-dir` reloads the queue from
+Redis's append-only file and the trainer's state from the store, and reuses the run's keys.
+Manifests are signed: a run key pair is kept in RUN_DIR/keys (unless RLFLEET_SIGNING_KEY_FILE
 is set); only the trainer gets the private key file, every component gets the public key
 (env RLFLEET_PUBLIC_KEY).
 """
@@ -18,29 +21,20 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet import env
-from rlfleet.config import Bundle, load_bundle
-from rlfleet.redis_server import EmbeddedRedis, free_port
+from rlfleet.config import Bundle, ConfigError, load_bundle
+from rlfleet.redis_server import free_port, redis_server_argv, wait_until_ready
 from rlfleet.report import read_metrics, write_reports
 from rlfleet.streams import RunKeys
+from rlfleet.supervisor import Component, Supervisor
 from rlfleet.topology import ORIGIN, Node, bundle_graph
 
-STOP_GRACE_S = 20
-
-
-@dataclass
-class Component:
-    name: str
-    argv: list[str]
-    log: Path
-    proc: subprocess.Popen | None = None
-    env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
+# `rlfleet run` starts one process per replica; more than this on one machine is a mistake, not a run.
+MAX_LOCAL_PROCESSES = 64
 
 
 def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
@@ -153,6 +147,7 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
                 [*cli, "trainer", *common, "--output-dir", str(run_dir)],
                 logs / ("trainer.log" if rank == 0 else f"trainer-{rank}.log"),
                 env={**master, "RANK": str(rank)} if replicas > 1 else {},
+                done_on_success=True,
             )
         )
     return comps
@@ -160,30 +155,19 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
 
 def run_keys(environ: dict, key_dir: Path) -> dict:
     """Set environ's RLFLEET_PUBLIC_KEY for every component; return the trainer-only env naming the
-    private key (a fresh pair in `key_dir` unless RLFLEET_SIGNING_KEY_FILE was given)."""
-    from rlfleet.signing import generate_keypair, load_private_key, public_key_text
+    private key: RLFLEET_SIGNING_KEY_FILE if given, else the pair in `key_dir` (made on the run's
+    first launch, reused when it resumes, so the versions it already signed still verify)."""
+    from rlfleet.signing import PRIVATE_KEY_FILE, generate_keypair, load_private_key, public_key_text
 
-    given = environ.pop(env.SIGNING_KEY_FILE, None)
+    given = environ.pop(env.SIGNING_KEY_FILE, None) or (
+        key_dir / PRIVATE_KEY_FILE if (key_dir / PRIVATE_KEY_FILE).exists() else None
+    )
     if given:
         private, public = Path(given).resolve(), public_key_text(load_private_key(Path(given)))
     else:
         private, public = generate_keypair(key_dir)
     environ[env.PUBLIC_KEY] = public
     return {env.SIGNING_KEY_FILE: str(private)}
-
-
-def stop_all(comps: list[Component]) -> None:
-    """SIGTERM every running component, then SIGKILL what is left after the grace period."""
-    running = [c for c in comps if c.proc and c.proc.poll() is None]
-    for c in running:
-        c.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for c in running:
-        try:
-            c.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
-            c.proc.wait()
 
 
 class Progress:
@@ -231,6 +215,8 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     total = steps or bundle.run.spec.trainer.steps
 
     print(f"rlfleet: run {name} in {run_path}", file=sys.stderr)
+    # Until components run (supervise() takes over), SIGTERM interrupts like Ctrl-C: nothing to stop yet.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     from rlfleet.models.builtin import resolve_model_path
 
     t0 = time.monotonic()
@@ -247,78 +233,77 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         except (ImportError, ValueError) as exc:
             raise SystemExit(f"rlfleet run: InferencePool {pool.metadata.name}: {exc}") from None
 
-    # SIGTERM (a supervisor, `kill`) stops the run the same way Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     comps = plan(bundle, config, run_path)
+    check_local_size(bundle, comps, file)
     if steps:
         for c in comps:
             if c.name.startswith("trainer"):
                 c.argv += ["--steps", str(steps)]
-    started = time.monotonic()
-    failed: Component | None = None
-    interrupted = False
-    with EmbeddedRedis(run_path / "redis") as redis_url:
-        import redis
+    redis_port = free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    redis_comp = Component(
+        "redis", redis_server_argv(run_path / "redis", redis_port, persistent=True), run_path / "logs" / "redis.log"
+    )
+    environ = {
+        **os.environ,
+        env.REDIS_URL: redis_url,
+        env.TORCH_THREADS: "1",
+        "OMP_NUM_THREADS": "1",
+        env.LOCAL: "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if not bundle.run.spec.store.uri:
+        environ[env.STORE_URI] = f"file://{run_path / 'store'}"
+    trainer_env = run_keys(environ, run_path / "keys")
+    for c in comps:
+        if c.name == "trainer":
+            c.env.update(trainer_env)
+    (run_path / "redis").mkdir(exist_ok=True)
+    supervisor = Supervisor([redis_comp, *comps], environ)
+    return supervise(supervisor, redis_comp, comps[-1], run_path, name, total, progress)
 
-        client = redis.Redis.from_url(redis_url)
-        environ = {
-            **os.environ,
-            env.REDIS_URL: redis_url,
-            env.TORCH_THREADS: "1",
-            "OMP_NUM_THREADS": "1",
-            env.LOCAL: "1",
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-        }
-        if not bundle.run.spec.store.uri:
-            environ[env.STORE_URI] = f"file://{run_path / 'store'}"
-        signing_env = run_keys(environ, run_path / "keys")
-        bar = Progress(total, progress and sys.stderr.isatty())
-        try:
-            for c in comps:
-                with open(c.log, "ab") as log:
-                    c.proc = subprocess.Popen(
-                        c.argv,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        env={**environ, **c.env, **(signing_env if c.name == "trainer" else {})},
-                    )
-            trainer = comps[-1]
-            while True:
-                bar.update(read_metrics(run_path / "metrics.jsonl"), client.xlen(RunKeys(name).rollouts))
-                if trainer.proc.poll() == 0:
-                    break
-                # Other trainer ranks finish their last step before rank 0 has published it.
-                failed = next(
-                    (
-                        c
-                        for c in comps
-                        if c.proc.poll() is not None and not (c.name.startswith("trainer/") and c.proc.returncode == 0)
-                    ),
-                    None,
-                )
-                if failed:
-                    break
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            bar.close()
-            stop_all(comps)
-            client.close()
+
+def check_local_size(bundle: Bundle, comps: list[Component], source: str) -> None:
+    """Refuse a run this machine should not start: too many processes, or no worker to feed the trainer."""
+    problems = []
+    if len(comps) > MAX_LOCAL_PROCESSES:
+        problems.append(f"replicas: the run would start {len(comps)} processes on this machine (at most "
+                        f"{MAX_LOCAL_PROCESSES}); lower the InferencePool/RelayTier/verifier/trainer replicas, or "
+                        "run it on a cluster")  # fmt: skip
+    if not any(c.name.startswith("rollout/") for c in comps):
+        problems.append("InferencePool spec.replicas: every pool has 0 workers, so no group would ever reach the "
+                        "trainer; give a pool at least 1 replica")  # fmt: skip
+    if problems:
+        raise ConfigError(source, problems)
+
+
+def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, name: str,
+              total: int, progress: bool) -> int:  # fmt: skip
+    """Run until the trainer finishes, a component crash-loops or the user interrupts; then stop
+    everything and write the reports."""
+    interrupts = Interrupts()
+    previous = {sig: signal.signal(sig, interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    try:
+        failed = run_components(supervisor, redis_comp, trainer, run_path, name, total, progress, interrupts)
+    finally:
+        supervisor.stop_all(force=lambda: interrupts.count >= 2)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     summary = write_reports(run_path, time.monotonic() - started, f"rlfleet run {name}")
-    if interrupted:
+    if interrupts.requested:
         print(f"rlfleet: interrupted; every component stopped. Logs in {run_path / 'logs'}", file=sys.stderr)
         return 130
+    if failed is redis_comp and not failed.failures:
+        print(f"rlfleet: redis-server did not start; see {redis_comp.log}", file=sys.stderr)
+        return 1
     if failed:
-        print(
-            f"rlfleet: component {failed.name} exited with code {failed.proc.returncode}; see {failed.log}",
-            file=sys.stderr,
-        )
+        print(f"rlfleet: component {failed.name} keeps failing (exit code {failed.proc.returncode}, "
+              f"{failed.failures} times in a row); see {failed.log}", file=sys.stderr)  # fmt: skip
         return 1
     print(
         f"rlfleet: done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s, reward "
@@ -327,3 +312,58 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         file=sys.stderr,
     )
     return 0
+
+
+def run_components(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, name: str,
+                   total: int, progress: bool, interrupts: Interrupts) -> Component | None:  # fmt: skip
+    """Start Redis, then every component; supervise until the trainer is done or a signal came.
+    Returns the component that failed the run, if one did."""
+    import redis
+
+    supervisor.start(redis_comp)
+    url = supervisor.environ[env.REDIS_URL]
+    try:
+        wait_until_ready(url, redis_comp.proc, redis_comp.log, cancelled=lambda: interrupts.requested)
+    except RuntimeError:
+        return redis_comp
+    for comp in supervisor.comps[1:]:
+        if interrupts.requested:
+            return None
+        supervisor.start(comp)
+    bar = Progress(total, progress and sys.stderr.isatty())
+    client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        while not interrupts.requested:
+            try:
+                depth = client.xlen(RunKeys(name).rollouts)
+            except redis.RedisError:
+                depth = "?"  # Redis is restarting; its append-only file brings the queue back
+            bar.update(read_metrics(run_path / "metrics.jsonl"), depth)
+            if trainer.finished:
+                return None
+            failed = supervisor.poll()
+            if failed:
+                return failed
+            time.sleep(0.5)
+        return None
+    finally:
+        bar.close()
+        client.close()
+
+
+class Interrupts:
+    """The launcher's SIGINT/SIGTERM handler while components run. A signal is only counted, never
+    raised: a KeyboardInterrupt can be swallowed (raised inside a finalizer, it is printed and
+    dropped) or land between starting a process and recording it; the loops check `requested`
+    every half second instead. The first signal stops the run, a second one makes the stop kill
+    what is left at once."""
+
+    def __init__(self):
+        self.count = 0
+
+    @property
+    def requested(self) -> bool:
+        return self.count >= 1
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1

@@ -55,7 +55,7 @@ def component_context(options: ComponentOptions, component: str) -> Context:
             str(options.config),
             [f"spec.redis.url: required outside `rlfleet run` (or pass --redis-url / {env.REDIS_URL})"],
         )
-    client = redis.Redis.from_url(url)
+    client = connect_redis(url)
     if options.metrics_port:
         from prometheus_client import start_http_server
 
@@ -68,6 +68,25 @@ def component_context(options: ComponentOptions, component: str) -> Context:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop)
+
+
+# A component rides out a Redis restart (a pod rescheduled, the local launcher's restart with its
+# append-only file) by retrying for about half a minute before an error reaches its code.
+REDIS_RETRIES = 20
+
+
+def connect_redis(url: str) -> redis.Redis:
+    """A client that retries a command on connection errors with exponential back-off (0.1 s doubling to
+    2 s, REDIS_RETRIES times). A retried write can apply twice if the reply was lost; the stream
+    consumers tolerate that (the gate's commit acknowledges first, the trainer keeps trained ids)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), REDIS_RETRIES),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
 
 
 def open_run_store(ctx: Context, source: str = "config"):

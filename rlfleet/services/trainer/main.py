@@ -200,8 +200,24 @@ class Trainer:
             return 1
         if self.rank == 0:
             self.commit(state["commit"]["rollout_ids"], state["commit"]["message_ids"], self.version)
+            if state.get("record") and self.last_recorded_step() < state["step"]:
+                self.write_record(state["record"])  # the crash came between saving the step and recording it
         log.info("resumed after step %d at version %d", state["step"], self.version)
         return state["step"] + 1
+
+    def last_recorded_step(self) -> int:
+        """The step of metrics.jsonl's last record (0 without one)."""
+        if not (self.metrics_file and self.metrics_file.exists()):
+            return 0
+        lines = self.metrics_file.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+
+    def write_record(self, record: dict) -> None:
+        """Export a step's record on /metrics and append it to metrics.jsonl."""
+        export_step(record)
+        if self.metrics_file:
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def run(self, steps: int) -> None:
         for step in range(self.resume(), steps + 1):
@@ -226,20 +242,6 @@ class Trainer:
             if self.rank != 0:
                 continue
             rollout_ids = [g.rollout_id for g in groups]
-            save_state(
-                self.store,
-                self.ctx.run_name,
-                step=step,
-                version=self.version,
-                model_state=model_state,
-                optimizer_state=optimizer_state,
-                scheduler=self.scheduler,
-                rollout_ids=rollout_ids,
-                message_ids=ack,
-            )
-            self.publish(model_state)
-            self.commit(rollout_ids, ack, self.version)
-            t3 = time.monotonic()
             counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}
             record = {
                 "step": step,
@@ -253,14 +255,26 @@ class Trainer:
                 "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
                 "wait_seconds": t1 - t0,
                 "compute_seconds": t2 - t1,
-                "publish_seconds": t3 - t2,
+                "publish_seconds": 0.0,
                 "wall_seconds": time.monotonic() - self.started,
                 "rollout_ids": rollout_ids,
             }
-            export_step(record)
-            if self.metrics_file:
-                with open(self.metrics_file, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            save_state(
+                self.store,
+                self.ctx.run_name,
+                step=step,
+                version=self.version,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                scheduler=self.scheduler,
+                rollout_ids=rollout_ids,
+                message_ids=ack,
+                record=record,
+            )
+            self.publish(model_state)
+            self.commit(rollout_ids, ack, self.version)
+            record.update(publish_seconds=time.monotonic() - t2, wall_seconds=time.monotonic() - self.started)
+            self.write_record(record)
             log.info(
                 "step %d version %d reward %.3f staleness %.2f",
                 step,
