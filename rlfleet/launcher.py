@@ -242,7 +242,10 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     redis_port = free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     redis_comp = Component(
-        "redis", redis_server_argv(run_path / "redis", redis_port, persistent=True), run_path / "logs" / "redis.log"
+        "redis",
+        redis_server_argv(run_path / "redis", redis_port, persistent=True),
+        run_path / "logs" / "redis.log",
+        stop_last=True,
     )
     environ = {
         **os.environ,

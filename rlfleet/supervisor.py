@@ -42,6 +42,7 @@ class Component:
     log: Path
     env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
     done_on_success: bool = False  # exit 0 means finished (trainer ranks): never restarted
+    stop_last: bool = False  # a service the others use until they exit (Redis): stopped after them
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     restart_at: float | None = None  # when an exited component is due to start again
@@ -98,21 +99,25 @@ class Supervisor:
         return None
 
     def stop_all(self, force: Callable[[], bool] = lambda: False) -> None:
-        """SIGTERM every running component, then SIGKILL what is left after STOP_GRACE_S, or at once
-        when `force()` turns true (a second Ctrl-C). Only the component's own process gets SIGTERM
-        (it stops its children itself, e.g. a vLLM engine core); whatever is left in its process
-        group afterwards is killed."""
-        running = [c for c in self.comps if c.proc is not None and c.proc.poll() is None]
-        for comp in running:
-            comp.proc.send_signal(signal.SIGTERM)
+        """Stop every component: first all but the `stop_last` ones, then those (the others may still
+        be talking to Redis on their way out). Each wave: SIGTERM, then SIGKILL what is left after
+        STOP_GRACE_S, or at once when `force()` turns true (a second Ctrl-C). Only the component's
+        own process gets SIGTERM (it stops its children itself, e.g. a vLLM engine core); whatever is
+        left in its process group afterwards is killed."""
         deadline = time.monotonic() + STOP_GRACE_S
-        while running and time.monotonic() < deadline and not force():
-            time.sleep(0.05)
-            running = [c for c in running if c.proc.poll() is None]
-        for comp in running:
-            _signal_group(comp.proc, signal.SIGKILL)
-            comp.proc.wait()
-        # children a component left in its group (engine processes) go with it
+        for wave in ([c for c in self.comps if not c.stop_last], [c for c in self.comps if c.stop_last]):
+            running = [c for c in wave if c.proc is not None and c.proc.poll() is None]
+            for comp in running:
+                comp.proc.send_signal(signal.SIGTERM)
+            while running and time.monotonic() < deadline and not force():
+                time.sleep(0.05)
+                running = [c for c in running if c.proc.poll() is None]
+            for comp in running:
+                if not force():
+                    self.say(f"{comp.name} did not stop within {STOP_GRACE_S}s of SIGTERM; killed (see {comp.log})")
+                comp.proc.kill()
+                comp.proc.wait()
+            deadline = max(deadline, time.monotonic() + 5)  # the last wave gets a few seconds of its own
         for comp in self.comps:
             if comp.proc is not None:
                 _signal_group(comp.proc, signal.SIGKILL)

@@ -187,6 +187,28 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_with_a_hung_origin_stops_every_other_component_without_a_kill(tmp_path):
+    """The origin hangs (SIGSTOP: connections open, nothing answers) while the trainer goes on
+    publishing. The relay and the verifier, blocked on reads from it, still stop on SIGTERM: reads
+    give up after READ_TIMEOUT and a relay's shutdown stops its pulls before it waits for requests.
+    Only the frozen origin itself, which cannot run a handler, has to be killed."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "1000")
+    wait_for_steps(run_dir, proc, 1, seconds=600)
+    [origin] = component_pids(run_dir, "origin")
+    os.kill(origin, signal.SIGSTOP)
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    wait_for_steps(run_dir, proc, done + 2, seconds=300)  # versions the relay must now pull from the hung origin
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    killed = [line for line in out.splitlines() if "did not stop within" in line]
+    assert [line.split()[1] for line in killed] == ["origin"], out
+    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.2, 0.5, 1.0, 2.0])
 def test_ctrl_c_while_the_run_starts_leaves_no_process_behind(tmp_path, delay):
     """SIGINT while Redis and the components start (the model is cached by then): never ignored, no orphan."""
