@@ -18,6 +18,7 @@ is set); only the trainer gets the private key file, every component gets the pu
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -28,7 +29,7 @@ from pathlib import Path
 from rlfleet import env
 from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.redis_server import free_port, redis_server_argv, wait_until_ready
-from rlfleet.report import read_metrics, write_reports
+from rlfleet.report import Progress, read_metrics, write_reports
 from rlfleet.streams import RunKeys
 from rlfleet.supervisor import Component, Supervisor
 from rlfleet.topology import ORIGIN, Node, bundle_graph
@@ -170,40 +171,6 @@ def run_keys(environ: dict, key_dir: Path) -> dict:
     return {env.SIGNING_KEY_FILE: str(private)}
 
 
-class Progress:
-    """A tqdm bar over trainer steps (or one line per step without a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr) if enabled else None
-        self.seen = 0
-
-    def update(self, records: list[dict], queue_depth: int) -> None:
-        new = records[self.seen :]
-        if not new:
-            return
-        self.seen = len(records)
-        r = new[-1]
-        fields = {
-            "v": r["policy_version"],
-            "reward": f"{r['reward_mean']:.2f}",
-            "acc": r["accepted"],
-            "rej": r["rejected"],
-            "queue": queue_depth,
-            "lag": f"{r['staleness_mean']:.1f}",
-        }
-        if self.bar:
-            self.bar.set_postfix(fields, refresh=False)
-            self.bar.update(len(new))
-        else:
-            print(f"step {r['step']} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()
-
-
 def run_local(file: str, run_dir: str | None = None, steps: int | None = None, progress: bool = True) -> int:
     bundle = load_bundle(file)
     bundle_graph(bundle, file)  # a relay tree that cannot be built fails before anything starts
@@ -266,8 +233,19 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         if c.name == "trainer":
             c.env.update(trainer_env)
     (run_path / "redis").mkdir(exist_ok=True)
+    write_endpoints(run_path / "endpoints.json", redis_url, comps)
     supervisor = Supervisor([redis_comp, *comps], environ)
     return supervise(supervisor, redis_comp, comps[-1], run_path, name, total, progress)
+
+
+def write_endpoints(path: Path, redis_url: str, comps: list[Component]) -> None:
+    """Where the run's services listen (Redis, and each component's HTTP port), for tools and people."""
+    http = {}
+    for c in comps:
+        for flag in ("--port", "--api-port"):
+            if flag in c.argv:
+                http[c.name] = f"http://127.0.0.1:{c.argv[c.argv.index(flag) + 1]}"
+    path.write_text(json.dumps({"redis": redis_url, "http": http}, indent=2) + "\n")
 
 
 def check_local_size(bundle: Bundle, comps: list[Component], source: str) -> None:
