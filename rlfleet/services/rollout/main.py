@@ -67,6 +67,7 @@ class VersionFollower(threading.Thread):
         self.sources = Sources(relay_urls) if relay_urls else None  # relay measurements kept across versions
         self.announced = -1
         self.ready: tuple[int, Path, float] | None = None  # (version, directory, monotonic time it was announced)
+        self.taken = -1  # the newest version handed to the engine: in use or being loaded, never pruned
         self.error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -101,18 +102,21 @@ class VersionFollower(threading.Thread):
             DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
                 self.ready = (newest, path, announced_at)
-            self._prune(newest)
+                self._prune(newest)
 
     def take(self, newer_than: int) -> tuple[int, Path, float] | None:
         with self._lock:
             if self.ready and self.ready[0] > newer_than:
+                self.taken = self.ready[0]
                 return self.ready
         return None
 
     def _prune(self, newest: int) -> None:
+        """Drop versions older than the newest `keep`, but never the one the engine took (it may still
+        be loading it while newer versions arrive). Called with the lock held."""
         for child in self.cache_dir.iterdir():
             version = parse_version_dir(child.name)
-            if version is not None and version <= newest - self.keep:
+            if version is not None and version <= newest - self.keep and version < self.taken:
                 shutil.rmtree(child, ignore_errors=True)
 
 
