@@ -91,6 +91,7 @@ class Trainer:
             self.reference = shard_policy(reference, self.world) if self.sharded else reference
         self.version = 0
         self.started = time.monotonic()
+        self.dropped_ids: dict[str, list[str]] = {}
         self._pending_cursor: str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
         self.last_reward: float | None = None
         self._signer = None  # resolved at the first publish (a missing key fails that publish)
@@ -126,6 +127,7 @@ class Trainer:
         want, max_lag = self.spec.trainer.batch_size, self.spec.trainer.max_async_level
         skip_flat = self.spec.trainer.skip_zero_advantage_groups
         batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
+        self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
         while len(batch) < want and not self.ctx.stop.is_set():
             # After a restart, first the messages this consumer read but never acknowledged, walked
             # once by id (reading pending entries from "0" again would return the same ones forever).
@@ -149,10 +151,13 @@ class Trainer:
                         g.rollout_id == group.rollout_id for g in batch
                     ):
                         drops["duplicate"] += 1
+                        self.dropped_ids["duplicate"].append(group.rollout_id)
                     elif self.version - group.policy_version > max_lag:
                         drops["stale"] += 1
+                        self.dropped_ids["stale"].append(group.rollout_id)
                     elif skip_flat and len({s.reward for s in group.samples}) == 1:
                         drops["zero_advantage"] += 1
+                        self.dropped_ids["zero_advantage"].append(group.rollout_id)
                     else:
                         batch.append(group)
         return batch, ack, drops
@@ -258,6 +263,7 @@ class Trainer:
                 "publish_seconds": 0.0,
                 "wall_seconds": time.monotonic() - self.started,
                 "rollout_ids": rollout_ids,
+                "dropped_rollout_ids": self.dropped_ids,
             }
             save_state(
                 self.store,

@@ -47,7 +47,10 @@ for _reason in DROP_REASONS:
     DROPPED.labels(_reason)
 for _phase in PHASES:
     STEP_SECONDS.labels(_phase)
-NOT_EXPORTED = {"rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement"}
+NOT_EXPORTED = {
+    "rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement",
+    "dropped_rollout_ids": "the audit trail of dropped rollouts by reason (dropped_* counts them)",
+}
 
 
 def export_step(record: dict) -> None:
