@@ -150,8 +150,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)
     if args.command == "operator":
         from rlfleet.operator.handlers import run_operator
+        from rlfleet.operator.options import OperatorOptions
 
-        return run_operator(namespaces=args.namespace, liveness=args.liveness, verbose=args.verbose)
+        return run_operator(OperatorOptions.from_env(args.namespace, args.liveness, args.verbose))
     if args.command == "crds":
         from rlfleet.operator.crd import crd_files, write_crds
 

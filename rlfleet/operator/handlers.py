@@ -2,18 +2,18 @@
 
 Reconcile (create / update of spec / resume, and a timer that re-applies so parent changes reach
 pools and tiers): parse the body into the config model, build the children with the pure builders
-(rlfleet/operator/builders.py), apply each one idempotently (merge-PATCH, or POST when it does not
-exist), and write status: phase, conditions (Ready, Suspended), observedGeneration, replicas and
-selector for the scale subresource. A spec the models reject sets Ready=False reason InvalidSpec
-with the field path and the fix, posts a Warning Event, and raises kopf.PermanentError: no retry
-and no crash loop until the spec changes. A missing parent run or upstream tier is a
+(rlfleet/operator/builders.py), server-side apply each one (rlfleet/operator/kube.py, field manager
+`rlfleet-operator`), and write status: phase, conditions (Ready, Suspended), observedGeneration,
+replicas and selector for the scale subresource. A spec the models reject sets Ready=False reason
+InvalidSpec with the field path and the fix, posts a Warning Event, and raises kopf.PermanentError:
+no retry and no crash loop until the spec changes. A missing parent run or upstream tier is a
 TemporaryError (retried). Deletion: children go by ownerReferences (the cluster's garbage
 collector); an RLRun additionally drops its Redis keys (RunKeys.all), best effort with a timeout.
 Progress (step, policy version, accepted/rejected) is read from the run's Redis by a timer.
 
-API access goes through kopf's own client (`kopf._cogs.clients.api`): the operator's login,
-retries and re-authentication on 401. It is kopf's internal module, so it is used only in
-`_request` below (pinned by kopf>=1.45; one place to change if kopf moves it).
+Nothing is read at import: `register(registry, options)` puts the handlers on a kopf registry with
+the settings `rlfleet operator` read when it started (OperatorOptions); the handlers reach the API
+through `memo.kube` (one Kube adapter, made at start-up) and read the options from `memo.options`.
 """
 
 from __future__ import annotations
@@ -22,65 +22,17 @@ import asyncio
 import base64
 import datetime
 import logging
-import os
 
 import kopf
-from kopf._cogs.clients import api as kopf_api
-from kopf._cogs.clients import errors as kopf_errors
 
 from rlfleet.config import RelayTier, RLRun
 from rlfleet.operator import builders, conditions, names
+from rlfleet.operator.kube import Conflict, Kube, connect
+from rlfleet.operator.options import OperatorOptions
 from rlfleet.streams import RunKeys
 
-IMAGE = os.environ.get("RLFLEET_IMAGE", names.DEFAULT_IMAGE)
-RESYNC_INTERVAL_S = float(os.environ.get("RLFLEET_RESYNC_INTERVAL", "15"))  # re-apply + status timer
 REDIS_TIMEOUT_S = 3.0
 G, V = names.GROUP, names.VERSION
-
-_COLLECTIONS = {
-    "ConfigMap": "api/v1/namespaces/{ns}/configmaps",
-    "Service": "api/v1/namespaces/{ns}/services",
-    "Secret": "api/v1/namespaces/{ns}/secrets",
-    "Deployment": "apis/apps/v1/namespaces/{ns}/deployments",
-    "StatefulSet": "apis/apps/v1/namespaces/{ns}/statefulsets",
-    **{k.kind: f"apis/{G}/{V}/namespaces/{{ns}}/{k.plural}" for k in names.KINDS.values()},
-}
-_MERGE = {"Content-Type": "application/merge-patch+json"}
-
-
-# ---- API access (the one adapter to kopf's client) ---------------------------------------------
-
-
-async def _request(method: str, url: str, settings, logger, payload=None, headers=None):
-    fn = {"get": kopf_api.get, "post": kopf_api.post, "patch": kopf_api.patch}[method]
-    return await fn(url, payload=payload, headers=headers, settings=settings, logger=logger)
-
-
-async def get_object(kind: str, namespace: str, name: str, settings, logger) -> dict | None:
-    try:
-        return await _request("get", f"{_COLLECTIONS[kind].format(ns=namespace)}/{name}", settings, logger)
-    except kopf_errors.APINotFoundError:
-        return None
-
-
-async def list_objects(kind: str, namespace: str, settings, logger) -> list[dict]:
-    return (await _request("get", _COLLECTIONS[kind].format(ns=namespace), settings, logger)).get("items", [])
-
-
-async def apply(obj: dict, settings, logger) -> dict:
-    """Make the live object match `obj` (patch-or-create); returns the live object."""
-    meta = obj["metadata"]
-    collection = _COLLECTIONS[obj["kind"]].format(ns=meta["namespace"])
-    try:
-        return await _request("patch", f"{collection}/{meta['name']}", settings, logger, payload=obj, headers=_MERGE)
-    except kopf_errors.APINotFoundError:
-        pass
-    try:
-        return await _request("post", collection, settings, logger, payload=obj)
-    except kopf_errors.APIConflictError:  # created meanwhile by a concurrent run of this handler
-        raise kopf.TemporaryError(
-            f"{obj['kind']} {meta['name']} appeared while being created; retrying", delay=1
-        ) from None
 
 
 # ---- shared handler steps ----------------------------------------------------------------------
@@ -113,8 +65,19 @@ def _invalid(body, patch, status, meta, problems: list[str]) -> kopf.PermanentEr
     return kopf.PermanentError(f"invalid spec: {message}")
 
 
-async def _parent_run(namespace: str, run_name: str, settings, logger) -> RLRun:
-    body = await get_object("RLRun", namespace, run_name, settings, logger)
+async def _apply_all(kube: Kube, children: list[dict]) -> list[dict]:
+    """Server-side apply each child in order; the live objects."""
+    live = []
+    for child in children:
+        try:
+            live.append((await kube.apply(child))[0])
+        except Conflict as exc:  # only without force, or a create race: the next attempt settles it
+            raise kopf.TemporaryError(f"{child['kind']} {child['metadata']['name']}: {exc}", delay=1) from None
+    return live
+
+
+async def _parent_run(kube: Kube, namespace: str, run_name: str) -> RLRun:
+    body = await kube.find("RLRun", namespace, run_name)
     if body is None:
         raise kopf.TemporaryError(f"RLRun {run_name!r} not found in namespace {namespace!r}", delay=10)
     try:
@@ -125,9 +88,9 @@ async def _parent_run(namespace: str, run_name: str, settings, logger) -> RLRun:
         ) from None
 
 
-async def _tiers(namespace: str, settings, logger) -> list[RelayTier]:
+async def _tiers(kube: Kube, namespace: str) -> list[RelayTier]:
     tiers = []
-    for body in await list_objects("RelayTier", namespace, settings, logger):
+    for body in await kube.list("RelayTier", namespace):
         try:
             tiers.append(builders.parse_resource(body))
         except builders.SpecError:
@@ -139,30 +102,35 @@ def _ready_count(live: dict) -> int:
     return int((live.get("status") or {}).get("readyReplicas") or 0)
 
 
-# ---- RLRun -------------------------------------------------------------------------------------
+# ---- start-up ----------------------------------------------------------------------------------
 
 
-@kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
-    memo.settings = settings  # resource handlers get no `settings`; the operator memo is copied into each object's memo
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> None:
+    """Connect the API adapter (the client's own config, as kopf's login) and set kopf's persistence."""
+    memo.kube = Kube(connect())
     # Keep kopf's bookkeeping in annotations: the CRDs' status schema has no `kopf` field to store it in.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=G)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=G, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # Events only for what a user must act on
     settings.persistence.finalizer = f"{G}/cleanup"
+    logger.info(f"rlfleet operator: image {memo.options.image}, resync every {memo.options.resync_interval_s} s")
 
 
-@kopf.on.resume(G, V, names.RLRUN.plural)
-@kopf.on.create(G, V, names.RLRUN.plural)
-@kopf.on.update(G, V, names.RLRUN.plural, field="spec")
+async def stop(memo: kopf.Memo, **_) -> None:
+    memo.kube.close()
+
+
+# ---- RLRun -------------------------------------------------------------------------------------
+
+
 async def reconcile_run(body, meta, status, patch, namespace, memo, logger, **_) -> None:
-    settings = memo.settings
+    kube, options = memo.kube, memo.options
     try:
         run = builders.parse_resource(body)
-        children = builders.build_run_children(run, namespace, _owner(body), IMAGE)
+        children = builders.build_run_children(run, namespace, _owner(body), options.image)
     except builders.SpecError as exc:
         raise _invalid(body, patch, status, meta, exc.problems) from None
-    live = {c["kind"]: await apply(c, settings, logger) for c in children}
+    live = {c["kind"]: c for c in await _apply_all(kube, children)}
     if run.spec.suspend:
         _set_status(
             patch,
@@ -187,18 +155,17 @@ async def reconcile_run(body, meta, status, patch, namespace, memo, logger, **_)
     )
 
 
-@kopf.timer(G, V, names.RLRUN.plural, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
 async def observe_run(body, meta, status, patch, namespace, memo, logger, **_) -> None:
-    settings = memo.settings
     """Progress from Redis and readiness from the trainer; phase Succeeded once every step is committed."""
+    kube = memo.kube
     try:
         run = builders.parse_resource(body)
         builders.check_cluster_run(run)
     except builders.SpecError:
         return  # reported by reconcile_run
-    trainer = await get_object("StatefulSet", namespace, names.trainer(run.metadata.name), settings, logger) or {}
+    trainer = await kube.find("StatefulSet", namespace, names.trainer(run.metadata.name)) or {}
     fields = {"readyReplicas": _ready_count(trainer)}
-    url = await _redis_url(run, namespace, settings, logger)
+    url = await _redis_url(kube, run, namespace)
     try:
         fields.update(
             await asyncio.wait_for(asyncio.to_thread(read_progress, url, run.metadata.name), REDIS_TIMEOUT_S * 2)
@@ -216,11 +183,11 @@ async def observe_run(body, meta, status, patch, namespace, memo, logger, **_) -
         patch.status["phase"] = "Running" if fields["readyReplicas"] >= run.spec.trainer.replicas else "Pending"
 
 
-async def _redis_url(run: RLRun, namespace: str, settings, logger) -> str | None:
+async def _redis_url(kube: Kube, run: RLRun, namespace: str) -> str | None:
     redis = run.spec.redis
     if not redis.url_secret:
         return redis.url
-    secret = await get_object("Secret", namespace, redis.url_secret, settings, logger)
+    secret = await kube.find("Secret", namespace, redis.url_secret)
     data = (secret or {}).get("data") or {}
     return base64.b64decode(data[names.REDIS_URL_KEY]).decode() if names.REDIS_URL_KEY in data else None
 
@@ -261,15 +228,13 @@ def delete_run_keys(url: str, run_name: str) -> int:
         client.close()
 
 
-@kopf.on.delete(G, V, names.RLRUN.plural)
 async def cleanup_run(body, namespace, memo, logger, **_) -> None:
-    settings = memo.settings
     """Children go by ownerReferences; the run's Redis keys go here (best effort: never blocks deletion for long)."""
     try:
         run = builders.parse_resource(body)
     except builders.SpecError:
         return
-    url = await _redis_url(run, namespace, settings, logger)
+    url = await _redis_url(memo.kube, run, namespace)
     if not url:
         return
     try:
@@ -282,25 +247,24 @@ async def cleanup_run(body, namespace, memo, logger, **_) -> None:
 # ---- InferencePool and RelayTier ---------------------------------------------------------------
 
 
-async def _reconcile_scalable(
-    body, meta, status, patch, namespace, settings, logger, build, timer: bool = False
-) -> None:
+async def _reconcile_scalable(body, meta, status, patch, namespace, memo, build, timer: bool = False) -> None:
+    kube = memo.kube
     try:
         obj = builders.parse_resource(body)
     except builders.SpecError as exc:
         if timer:
             return  # reported once by the create/update handler; no Event every interval
         raise _invalid(body, patch, status, meta, exc.problems) from None
-    run = await _parent_run(namespace, obj.spec.run, settings, logger)
+    run = await _parent_run(kube, namespace, obj.spec.run)
     try:
-        children = build(run, obj, await _tiers(namespace, settings, logger), _owner(body))
+        children = build(run, obj, await _tiers(kube, namespace), _owner(body))
     except builders.SpecError as exc:
         if isinstance(exc, builders.MissingDependency):
             raise kopf.TemporaryError(str(exc), delay=10) from None  # the other tier may appear
         if timer:
             return
         raise _invalid(body, patch, status, meta, exc.problems) from None
-    live = [await apply(c, settings, logger) for c in children]
+    live = await _apply_all(kube, children)
     workload = next(c for c in live if c["kind"] == "Deployment")
     desired = next(c for c in children if c["kind"] == "Deployment")
     fields = {
@@ -333,51 +297,70 @@ async def _reconcile_scalable(
     )
 
 
-def _build_pool(namespace):
-    return lambda run, pool, tiers, owner: builders.build_pool_children(run, pool, tiers, namespace, owner, IMAGE)
+def _build_pool(namespace, image):
+    return lambda run, pool, tiers, owner: builders.build_pool_children(run, pool, tiers, namespace, owner, image)
 
 
-def _build_tier(namespace):
-    return lambda run, tier, tiers, owner: builders.build_relay_children(run, tier, tiers, namespace, owner, IMAGE)
+def _build_tier(namespace, image):
+    return lambda run, tier, tiers, owner: builders.build_relay_children(run, tier, tiers, namespace, owner, image)
 
 
-@kopf.on.resume(G, V, names.INFERENCE_POOL.plural)
-@kopf.on.create(G, V, names.INFERENCE_POOL.plural)
-@kopf.on.update(G, V, names.INFERENCE_POOL.plural, field="spec")
-async def reconcile_pool(body, meta, status, patch, namespace, memo, logger, **_) -> None:
-    settings = memo.settings
-    await _reconcile_scalable(body, meta, status, patch, namespace, settings, logger, _build_pool(namespace))
+async def reconcile_pool(body, meta, status, patch, namespace, memo, **_) -> None:
+    build = _build_pool(namespace, memo.options.image)
+    await _reconcile_scalable(body, meta, status, patch, namespace, memo, build)
 
 
-@kopf.timer(G, V, names.INFERENCE_POOL.plural, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
-async def resync_pool(body, meta, status, patch, namespace, memo, logger, **_) -> None:
+async def resync_pool(body, meta, status, patch, namespace, memo, **_) -> None:
     """Re-apply, so a change of the parent RLRun (suspend, image, config) reaches this pool's pods."""
-    settings = memo.settings
-    await _reconcile_scalable(
-        body, meta, status, patch, namespace, settings, logger, _build_pool(namespace), timer=True
-    )
+    build = _build_pool(namespace, memo.options.image)
+    await _reconcile_scalable(body, meta, status, patch, namespace, memo, build, timer=True)
 
 
-@kopf.on.resume(G, V, names.RELAY_TIER.plural)
-@kopf.on.create(G, V, names.RELAY_TIER.plural)
-@kopf.on.update(G, V, names.RELAY_TIER.plural, field="spec")
-async def reconcile_tier(body, meta, status, patch, namespace, memo, logger, **_) -> None:
-    settings = memo.settings
-    await _reconcile_scalable(body, meta, status, patch, namespace, settings, logger, _build_tier(namespace))
+async def reconcile_tier(body, meta, status, patch, namespace, memo, **_) -> None:
+    build = _build_tier(namespace, memo.options.image)
+    await _reconcile_scalable(body, meta, status, patch, namespace, memo, build)
 
 
-@kopf.timer(G, V, names.RELAY_TIER.plural, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
-async def resync_tier(body, meta, status, patch, namespace, memo, logger, **_) -> None:
+async def resync_tier(body, meta, status, patch, namespace, memo, **_) -> None:
     """Re-apply, so a change of the parent RLRun (suspend, image, config) reaches this tier's pods."""
-    settings = memo.settings
-    await _reconcile_scalable(
-        body, meta, status, patch, namespace, settings, logger, _build_tier(namespace), timer=True
-    )
+    build = _build_tier(namespace, memo.options.image)
+    await _reconcile_scalable(body, meta, status, patch, namespace, memo, build, timer=True)
 
 
-def run_operator(namespaces: list[str], liveness: str | None = None, verbose: bool = False) -> int:
+# ---- registration and the process --------------------------------------------------------------
+
+
+def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> kopf.OperatorRegistry:
+    """Put every handler on `registry`, with the intervals of `options`; kopf logs in through the
+    `kubernetes` client's configuration (kopf.login_via_client), the same the Kube adapter uses."""
+    every = {"interval": options.resync_interval_s, "initial_delay": options.resync_interval_s}
+    kopf.on.login(registry=registry)(kopf.login_via_client)
+    kopf.on.startup(registry=registry)(start)
+    kopf.on.cleanup(registry=registry)(stop)
+    for plural, reconcile, resync in (
+        (names.RLRUN.plural, reconcile_run, observe_run),
+        (names.INFERENCE_POOL.plural, reconcile_pool, resync_pool),
+        (names.RELAY_TIER.plural, reconcile_tier, resync_tier),
+    ):
+        kopf.on.resume(G, V, plural, registry=registry)(reconcile)
+        kopf.on.create(G, V, plural, registry=registry)(reconcile)
+        kopf.on.update(G, V, plural, field="spec", registry=registry)(reconcile)
+        kopf.timer(G, V, plural, registry=registry, **every)(resync)
+    kopf.on.delete(G, V, names.RLRUN.plural, registry=registry)(cleanup_run)
+    return registry
+
+
+def run_operator(options: OperatorOptions) -> int:
     """`rlfleet operator`: run kopf with these handlers until SIGTERM."""
-    kopf.configure(verbose=verbose)
+    kopf.configure(verbose=options.verbose)
+    registry = register(kopf.OperatorRegistry(), options)
     # standalone: one operator replica (the chart runs one); no KopfPeering CRD needed.
-    kopf.run(clusterwide=not namespaces, namespaces=namespaces or None, liveness_endpoint=liveness, standalone=True)
+    kopf.run(
+        registry=registry,
+        memo=kopf.Memo(options=options),
+        clusterwide=not options.namespaces,
+        namespaces=options.namespaces,
+        liveness_endpoint=options.liveness,
+        standalone=True,
+    )
     return 0

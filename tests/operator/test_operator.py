@@ -1,164 +1,24 @@
-"""The real kopf operator against kmock (a Kubernetes API emulator speaking the real HTTP protocol).
+"""The real operator (`rlfleet operator`, a process) against the API emulator (cluster.py), with a real
+redis-server holding the runs' streams (conftest.py starts all three, once per session).
 
-One emulator and one operator for the module, in a background thread with its own event loop;
-the tests talk to the emulator over HTTP like kubectl would, and play the controllers the
-emulator does not have (Deployment/StatefulSet status) where a test needs it. Each test uses
-its own namespace. A real redis-server holds the run's streams.
-
-kmock keeps no uid, resourceVersion, generation or creationTimestamp and has no garbage
-collector; `Cluster` below adds exactly those (generation moves only when spec changes, as on
-a real API server; deleting an object deletes the objects whose ownerReferences name its uid),
-and trims kmock's request log, which it re-scans on every request.
-It does not validate bodies against the CRD schema (tests/operator/test_crds.py covers the schema).
+The tests talk to the emulator over HTTP like kubectl would, and play the controllers the emulator
+does not have (Deployment/StatefulSet status) where a test needs it. Each test uses its own namespace.
 """
 
 from __future__ import annotations
 
-import asyncio
-import copy
-import itertools
-import os
-import threading
 import time
-import uuid
-from contextlib import contextmanager
-from datetime import UTC, datetime
 
-import pytest
 import redis
 import requests
 import yaml
-
-os.environ.setdefault("RLFLEET_RESYNC_INTERVAL", "1")  # timers every second (read when the operator module is imported)
-
-import kmock  # noqa: E402
-from kmock._internal import dicts as kmock_dicts  # noqa: E402
-from kmock._internal.enums import action  # noqa: E402
 from support import REPO
 
-from rlfleet.operator import names  # noqa: E402
-from rlfleet.redis_server import EmbeddedRedis  # noqa: E402
-from rlfleet.streams import RunKeys, encode_json  # noqa: E402
+from rlfleet.operator import names
+from rlfleet.streams import RunKeys, encode_json
 
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
 TIMEOUT_S = 10
-_versions = itertools.count(1)
-
-
-class Cluster(kmock.KubernetesEmulator):
-    """kmock plus uid/resourceVersion/generation/creationTimestamp and ownerReference garbage collection."""
-
-    async def _handle(self, request):
-        # kmock records every request and re-filters that record on each new request (O(n) per request);
-        # a long-running operator makes thousands, so keep only the recent ones (these tests assert on objects).
-        if len(self._requests) > 20:
-            del self._requests[:-10]
-            for payload in self._payloads:
-                del payload._requests[:-10]
-        key = (request.resource, request.namespace, request.name) if request.resource is not None else None
-        existing = (
-            self._objects[key]
-            if key and request.name and key in self._objects and not self._objects[key].deleted
-            else None
-        )
-        if request.resource is not None and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            if request.action == action.CREATE:
-                meta.update(
-                    uid=str(uuid.uuid4()),
-                    generation=1,
-                    resourceVersion=str(next(_versions)),
-                    creationTimestamp=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                )
-            elif request.action == action.UPDATE and existing is not None:
-                meta["resourceVersion"] = str(next(_versions))
-                after = kmock_dicts.patch_dict(copy.deepcopy(existing.raw), request.data)
-                if request.subresource != "status" and after.get("spec") != existing.raw.get("spec"):
-                    meta["generation"] = existing.raw["metadata"].get("generation", 1) + 1
-        uid = existing.raw["metadata"].get("uid") if existing is not None else None
-        response = await super()._handle(request)
-        if uid and self._objects[key].deleted:
-            await self._collect(uid)
-        return response
-
-    async def _collect(self, uid: str) -> None:
-        async with self._lock:
-            doomed = [
-                (k, o)
-                for k, o in self._objects.items()
-                if not o.deleted
-                and any(r.get("uid") == uid for r in o.raw.get("metadata", {}).get("ownerReferences", []))
-            ]
-            for k, o in doomed:
-                raw = o.raw
-                o.delete()
-                await self._buses[k[0]].put({"type": "DELETED", "object": raw})
-        for _, o in doomed:
-            await self._collect(o.last.raw["metadata"]["uid"])
-
-
-RESOURCES = {
-    "v1/namespaces": ("Namespace", False, set()),
-    "v1/events": ("Event", True, set()),
-    "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, set()),
-    "v1/configmaps": ("ConfigMap", True, set()),
-    "v1/services": ("Service", True, set()),
-    "v1/secrets": ("Secret", True, set()),
-    "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
-    "apps/v1/statefulsets": ("StatefulSet", True, {"status", "scale"}),
-    f"{names.API_VERSION}/{names.RLRUN.plural}": ("RLRun", True, {"status"}),
-    f"{names.API_VERSION}/{names.INFERENCE_POOL.plural}": ("InferencePool", True, {"status", "scale"}),
-    f"{names.API_VERSION}/{names.RELAY_TIER.plural}": ("RelayTier", True, {"status", "scale"}),
-}
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@contextmanager
-def running_operator():
-    """Base URL of the emulator with the operator running against it (in a background thread)."""
-    import kopf
-
-    import rlfleet.operator.handlers  # noqa: F401  (registers the handlers)
-
-    started, stop = threading.Event(), threading.Event()
-    box: dict = {}
-
-    @kopf.on.login()
-    def login(**_):
-        return kopf.ConnectionInfo(server=box["url"], default_namespace="default")
-
-    async def main():
-        async with Cluster() as cluster, kmock.Server(cluster) as server:
-            for res, (kind, namespaced, subresources) in RESOURCES.items():
-                cluster.resources[res] = kmock.ResourceInfo(
-                    kind=kind,
-                    namespaced=namespaced,
-                    subresources=subresources,
-                    verbs={"list", "watch", "get", "create", "patch", "delete"},
-                )
-            box["url"], box["cluster"] = str(server.url).rstrip("/"), cluster
-            started.set()
-            await kopf.operator(clusterwide=True, standalone=True, stop_flag=stop)
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    assert started.wait(10), "emulator did not start"
-    try:
-        yield box["url"]
-    finally:
-        stop.set()
-        thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def api():
-    with running_operator() as url:
-        yield url
 
 
 def url_of(api: str, kind: str, ns: str, name: str | None = None, sub: str | None = None) -> str:
