@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_component_args(p)
     p.add_argument("--output-dir", default=None, type=Path, help="where metrics.jsonl is written")
     p.add_argument("--steps", type=int, default=None, help="override spec.trainer.steps")
+    p.add_argument(
+        "--hold-when-done",
+        action="store_true",
+        help="after the last step wait for SIGTERM instead of exiting (what the operator's pods do)",
+    )
 
     p = sub.add_parser("rollout", help="rollout worker process")
     _add_component_args(p)
