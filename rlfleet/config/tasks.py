@@ -63,7 +63,11 @@ class DatasetSpec(Spec):
     @model_validator(mode="after")
     def _format_known(self) -> DatasetSpec:
         suffix = Path(self.path.split("?", 1)[0]).suffix.lower()
-        if self.format == "auto" and suffix not in (".jsonl", ".ndjson", ".json", ".parquet", ".pq"):
+        if (
+            self.format == "auto"
+            and not self.path.startswith("builtin://")
+            and suffix not in (".jsonl", ".ndjson", ".json", ".parquet", ".pq")
+        ):
             raise ValueError(
                 f"format: cannot tell the format of {self.path!r} from its extension; set format: jsonl or parquet"
             )
