@@ -40,8 +40,9 @@ class ArithmeticTaskSpec(Spec):
 class DatasetSpec(Spec):
     path: str = Field(
         min_length=1,
-        description="JSONL or Parquet file of task rows: a local path (relative to the working directory) or "
-        "`s3://bucket/key`.",
+        description="JSONL or Parquet file of task rows: a local path (relative to the working directory; on a "
+        "cluster an absolute path in the image or a podTemplate volume), `s3://bucket/key`, or "
+        "`builtin://NAME` for a sample set shipped in the rlfleet package (`builtin://tiny-math`).",
     )
     format: Literal["auto", "jsonl", "parquet"] = Field(
         default="auto",

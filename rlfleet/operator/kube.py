@@ -175,6 +175,11 @@ class Kube:
         )
         return body, status == 201
 
+    async def patch(self, kind: str, namespace: str, name: str, body: dict) -> dict:
+        """Merge-patch an object (for a custom resource's metadata: a pool's owner reference and labels)."""
+        fn, target = self._method(kind, "patch", namespace, name)
+        return (await self._call(fn, *target, body, _content_type=MERGE_CONTENT_TYPE))[0]
+
     async def patch_status(self, kind: str, namespace: str, name: str, status: dict) -> dict:
         """Merge-patch the status subresource of a custom resource."""
         fn = self._api("CustomObjectsApi").patch_namespaced_custom_object_status

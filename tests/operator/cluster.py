@@ -9,6 +9,7 @@ kmock keeps objects as plain JSON and merge-patches them. `Cluster` adds:
 - `metadata.generateName` on create;
 - managedFields for creates and merge patches too (operation Update, manager from `?fieldManager=`
   or the User-Agent), so an apply keeps what another manager set;
+- label selectors on list requests;
 - a record of every request (`calls`) for the RBAC replay, and `forbidden` to answer chosen
   requests with 403 as an RBAC-limited server would.
 It does not validate bodies against schemas (test_crds.py and kubernetes-validate do).
@@ -60,7 +61,7 @@ VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 @dataclass(frozen=True)
 class ApiCall:
     """One request as RBAC sees it: verb, API group, resource (with subresource), namespace, name;
-    `path` for a non-resource URL (discovery)."""
+    `path` for a non-resource URL (discovery); `agent` the client's User-Agent."""
 
     verb: str
     group: str | None
@@ -68,12 +69,13 @@ class ApiCall:
     namespace: str | None
     name: str | None
     path: str
+    agent: str
 
 
 def api_call(request) -> ApiCall:
     res = request.resource
     if res is None or res.plural is None:
-        return ApiCall(request.method.value.lower(), None, None, None, None, request.url.path)
+        return ApiCall(request.method.value.lower(), None, None, None, None, request.url.path, _agent(request))
     method = request.method.value.upper()
     verb = {
         "GET": "watch" if request.params.get("watch") == "true" else ("get" if request.name else "list"),
@@ -83,7 +85,11 @@ def api_call(request) -> ApiCall:
         "DELETE": "delete" if request.name else "deletecollection",
     }.get(method, method.lower())
     resource = res.plural + (f"/{request.subresource}" if request.subresource else "")
-    return ApiCall(verb, res.group, resource, request.namespace, request.name, request.url.path)
+    return ApiCall(verb, res.group, resource, request.namespace, request.name, request.url.path, _agent(request))
+
+
+def _agent(request) -> str:
+    return request.headers.get("User-Agent") or ""
 
 
 # ---- field ownership (server-side apply) ---------------------------------------------------------
@@ -230,7 +236,9 @@ def server_side_apply(live: dict | None, applied: dict, manager: str, force: boo
     for path, value in applied_leaves.items():
         _set(new, path, value)
     owners[mine] = set(applied_leaves)
-    new.setdefault("metadata", {})["managedFields"] = _managed_fields(owners, applied.get("apiVersion", ""))
+    meta = new.setdefault("metadata", {})
+    meta["managedFields"] = _managed_fields(owners, applied.get("apiVersion", ""))
+    meta["name"] = applied["metadata"]["name"]
     new["apiVersion"], new["kind"] = applied.get("apiVersion"), applied.get("kind")
     return new
 
@@ -255,6 +263,24 @@ _versions = itertools.count(1)
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def selects(selector: str | None, labels: dict) -> bool:
+    """An equality-based label selector (`a=b,c!=d,e,!f`), as list requests take it."""
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            ok = labels.get(key.strip()) != value.strip()
+        elif "=" in term:
+            key, value = term.split("=", 1)
+            ok = labels.get(key.strip().rstrip("=")) == value.strip()
+        elif term.startswith("!"):
+            ok = term[1:] not in labels
+        else:
+            ok = term in labels
+        if not ok:
+            return False
+    return True
 
 
 def _manager(request) -> str:
@@ -321,6 +347,13 @@ class Cluster(kmock.KubernetesEmulator):
         if uid and self._objects[key].deleted:
             await self._collect(uid)
         return response
+
+    async def _serve_list(self, request):
+        listed = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        if selector:  # kmock lists everything; the API server filters by the selector
+            listed["items"] = [o for o in listed["items"] if selects(selector, o["metadata"].get("labels") or {})]
+        return listed
 
     async def _apply(self, request) -> aiohttp.web.Response:
         """Server-side apply: create-if-missing, field ownership per manager (server_side_apply)."""

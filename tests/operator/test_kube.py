@@ -54,6 +54,9 @@ def kubectl_merge_patch(emulator, name: str, body: dict) -> None:
 def test_apply_creates_then_removes_dropped_fields_and_keeps_other_managers_fields(kube, emulator):
     live, created = run(kube.apply(deployment("web", {"a": "1", "b": "2"})))
     assert created and live["metadata"]["annotations"] == {"a": "1", "b": "2"}
+    assert live["metadata"]["name"] == "web" and live["metadata"]["uid"]
+    assert [d["metadata"]["name"] for d in run(kube.list("Deployment", NS, label_selector="app=web"))] == ["web"]
+    assert run(kube.list("Deployment", NS, label_selector="app=other")) == []
     kubectl_merge_patch(emulator, "web", {"metadata": {"labels": {"team": "ml"}}})
 
     live, created = run(kube.apply(deployment("web", {"a": "1"}, replicas=3)))

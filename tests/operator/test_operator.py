@@ -11,87 +11,28 @@ import time
 
 import redis
 import requests
-import yaml
-from support import REPO
+from kubectl import (
+    SIGNING_SECRET,
+    apply_example,
+    condition,
+    create,
+    example,
+    get,
+    has_condition,
+    patch,
+    secret,
+    url_of,
+    wait_for,
+)
 
 from rlfleet.operator import names
 from rlfleet.streams import RunKeys, encode_json
-
-EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
-TIMEOUT_S = 10
-
-
-def url_of(api: str, kind: str, ns: str, name: str | None = None, sub: str | None = None) -> str:
-    group = {
-        "ConfigMap": "api/v1",
-        "Service": "api/v1",
-        "Secret": "api/v1",
-        "Event": "api/v1",
-        "Deployment": "apis/apps/v1",
-        "StatefulSet": "apis/apps/v1",
-    }.get(kind, f"apis/{names.API_VERSION}")
-    plural = names.KINDS[kind].plural if kind in names.KINDS else kind.lower() + "s"
-    return "/".join(p for p in (api, group, "namespaces", ns, plural, name, sub) if p)
-
-
-def get(api, kind, ns, name):
-    r = requests.get(url_of(api, kind, ns, name), timeout=5)
-    return r.json() if r.status_code == 200 else None
-
-
-def create(api, ns, body):
-    body = {**body, "metadata": {**body["metadata"], "namespace": ns}}
-    r = requests.post(url_of(api, body["kind"], ns), json=body, timeout=5)
-    assert r.status_code in (200, 201), r.text
-
-
-def patch(api, kind, ns, name, body, sub=None):
-    r = requests.patch(
-        url_of(api, kind, ns, name, sub), json=body, timeout=5, headers={"Content-Type": "application/merge-patch+json"}
-    )
-    assert r.status_code == 200, r.text
-
-
-def wait_for(what: str, fn, timeout: float = TIMEOUT_S):
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except (KeyError, TypeError, IndexError) as exc:
-            last = exc
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def condition(obj, type_="Ready"):
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), None)
-
-
-def example(redis_url: str | None = None, **spec) -> list[dict]:
-    docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
-    if redis_url:
-        docs[0]["spec"].update(
-            redis={"url": redis_url},
-            store={"uri": "s3://ckpt/runs"},
-            shardcast={"signingKeySecret": "arithmetic-signing"},
-        )
-    docs[0]["spec"].update(spec)
-    return docs
-
-
-def apply_example(api, ns, redis_url, **spec):
-    for doc in example(redis_url, **spec):
-        create(api, ns, doc)
 
 
 def test_example_crs_become_children_with_owners_and_status(api, redis_url):
     ns = "t-apply"
     apply_example(api, ns, redis_url)
-    run = wait_for(
-        "RLRun Ready", lambda: (o := get(api, "RLRun", ns, "arithmetic")) and condition(o)["status"] == "True" and o
-    )
+    run = wait_for("RLRun Pending", lambda: has_condition(api, "RLRun", ns, "arithmetic", "Ready", "False", "Pending"))
     assert run["status"]["observedGeneration"] == 1 and run["status"]["phase"] == "Pending"
     expected = {
         ("ConfigMap", "arithmetic-config"),
@@ -116,10 +57,8 @@ def test_example_crs_become_children_with_owners_and_status(api, redis_url):
         "pool status",
         lambda: (o := get(api, "InferencePool", ns, "arithmetic-cpu")) and o.get("status", {}).get("selector") and o,
     )
-    assert (
-        "app.kubernetes.io/instance=arithmetic-cpu" in pool["status"]["selector"]
-        and condition(pool)["status"] == "True"
-    )
+    assert "app.kubernetes.io/instance=arithmetic-cpu" in pool["status"]["selector"]
+    assert condition(pool)["reason"] == "Pending" and pool["status"]["phase"] == "Pending"
 
     # progress comes from the run's Redis; readiness from the trainer StatefulSet (playing its controller)
     client = redis.Redis.from_url(redis_url)
@@ -137,6 +76,7 @@ def test_example_crs_become_children_with_owners_and_status(api, redis_url):
             and o
         ),
     )
+    assert condition(run)["status"] == "True" and condition(run)["reason"] == "Running"
     assert run["status"]["policyVersion"] == 3 and run["status"]["reward"] == 0.75
     assert (run["status"]["accepted"], run["status"]["rejected"]) == (40, 2)
     assert run["status"]["readyReplicas"] == 1
@@ -234,9 +174,11 @@ def test_bad_spec_sets_a_condition_and_an_event_then_recovers(api, redis_url):
     assert "spec.replicaz: unknown field" in condition(pool)["message"]
 
     # fixing the spec recovers without restarting anything
+    secret(api, ns, "arithmetic-signing", SIGNING_SECRET)
     fixed = example(redis_url)[0]["spec"]
     patch(api, "RLRun", ns, "arithmetic", {"spec": {k: fixed[k] for k in ("redis", "store", "shardcast")}})
-    wait_for("Ready after fix", lambda: condition(get(api, "RLRun", ns, "arithmetic"))["status"] == "True")
+    wait_for("fixed", lambda: has_condition(api, "RLRun", ns, "arithmetic", "Ready", "False", "Pending"))
+    assert condition(get(api, "RLRun", ns, "arithmetic"), "Failed")["status"] == "False"
     assert get(api, "StatefulSet", ns, "arithmetic-trainer") is not None
 
 
@@ -261,5 +203,11 @@ def test_delete_removes_children_and_redis_keys(api, redis_url):
         ("Deployment", "arithmetic-verifier"),
     ]:
         wait_for(f"{kind} {name} collected", lambda: get(api, kind, ns, name) is None)
-    # pools and tiers are the user's objects: they stay, and their children stay with them
-    assert get(api, "InferencePool", ns, "arithmetic-cpu") is not None
+    # the run's pools and tiers carry a (non-controller) owner reference to it: they go too, with their children
+    for kind, name in [
+        ("InferencePool", "arithmetic-cpu"),
+        ("RelayTier", "arithmetic-tier0"),
+        ("Deployment", "arithmetic-cpu-rollout"),
+        ("Deployment", "arithmetic-tier0-relay"),
+    ]:
+        wait_for(f"{kind} {name} collected", lambda: get(api, kind, ns, name) is None)
