@@ -113,3 +113,16 @@ def has_condition(api, kind, ns, name, type_: str, status: str, reason: str | No
     if c and c["status"] == status and (reason is None or c.get("reason") == reason):
         return obj
     return None
+
+
+def unknown_status_fields(obj: dict) -> list[str]:
+    """Status fields the CRD's schema lacks: a real API server prunes them (structural schemas)."""
+    from rlfleet.operator.crd import build_crd
+
+    schema = build_crd(names.KINDS[obj["kind"]])["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    status_schema = schema["properties"]["status"]["properties"]
+    condition_schema = status_schema["conditions"]["items"]["properties"]
+    unknown = [f"status.{k}" for k in obj.get("status", {}) if k not in status_schema]
+    for c in obj.get("status", {}).get("conditions", []):
+        unknown += [f"status.conditions[{c.get('type')}].{k}" for k in c if k not in condition_schema]
+    return unknown

@@ -9,7 +9,18 @@ import time
 
 import redis
 import requests
-from kubectl import apply_example, condition, events, get, has_condition, patch, redis_db, url_of, wait_for
+from kubectl import (
+    apply_example,
+    condition,
+    events,
+    get,
+    has_condition,
+    patch,
+    redis_db,
+    unknown_status_fields,
+    url_of,
+    wait_for,
+)
 
 from rlfleet.operator import names
 from rlfleet.streams import RunKeys, encode_json
@@ -43,12 +54,17 @@ def test_a_finished_run_is_complete_and_releases_every_workload(api, redis_url):
     assert condition(run, "Complete")["observedGeneration"] == run["metadata"]["generation"]
     assert condition(run, "Ready")["status"] == "False" and condition(run, "Ready")["reason"] == "Complete"
     assert run["status"].get("completionTime")
+    assert not unknown_status_fields(run), "the API server would prune these"
     for kind, name in WORKLOADS:
         wait_for(f"{kind} {name} released", lambda: get(api, kind, ns, name)["spec"]["replicas"] == 0)
     trainer = get(api, "StatefulSet", ns, "arithmetic-trainer")
     args = trainer["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--hold-when-done" in args, "the trainer waits to be scaled down instead of exiting into a restart"
-    wait_for("pool Complete", lambda: get(api, "InferencePool", ns, "arithmetic-cpu")["status"]["phase"] == "Complete")
+    pool = wait_for(
+        "pool Complete",
+        lambda: (o := get(api, "InferencePool", ns, "arithmetic-cpu"))["status"]["phase"] == "Complete" and o,
+    )
+    assert not unknown_status_fields(pool)
     assert [e for e in events(api, ns, "PhaseChanged") if "Succeeded" in e["message"]]
 
 
