@@ -10,10 +10,12 @@ Secret, an ingest, scaling, suspend, a TTL, deletion) so it never passes on an e
 from __future__ import annotations
 
 import pytest
-import requests
+import redis
 from cluster import ApiCall
-from kubectl import apply_example, get, patch, redis_db, secret, url_of, wait_for
+from kubectl import apply_example, get, patch, redis_db, secret, wait_for
 from support import CHART, by_kind, render_chart
+
+from rlfleet.streams import RunKeys, encode_json
 
 # Discovery endpoints every authenticated client may read (the cluster's default system:discovery role).
 DISCOVERY = ("/api", "/apis", "/version", "/openapi")
@@ -73,6 +75,8 @@ def denied(calls: list[ApiCall], objects: list[dict]) -> list[ApiCall]:
 
 
 def _drive_a_run(api, redis_url) -> None:
+    """A run through what touches the most kinds: its Redis URL from a Secret (progress shows in its status),
+    an ingest, scaling, suspend, completion and its TTL (the operator deletes it)."""
     ns, url = "t-rbac", redis_db(redis_url, 12)
     secret(api, ns, "redis-auth", {"url": url})
     secret(api, ns, "worker-tokens", {"tokens.yaml": "w0: t0\n"})
@@ -82,8 +86,20 @@ def _drive_a_run(api, redis_url) -> None:
     wait_for("scaled", lambda: get(api, "Deployment", ns, "arithmetic-cpu-rollout")["spec"]["replicas"] == 3)
     patch(api, "RLRun", ns, "arithmetic", {"spec": {"suspend": True}})
     wait_for("suspended", lambda: get(api, "RLRun", ns, "arithmetic")["status"]["phase"] == "Suspended")
-    assert requests.delete(url_of(api, "RLRun", ns, "arithmetic"), timeout=5).status_code == 200
-    wait_for("deleted", lambda: get(api, "RLRun", ns, "arithmetic") is None, timeout=20)
+    client = redis.Redis.from_url(url)
+    client.xadd(RunKeys("arithmetic").policy, encode_json({"version": 1}))
+    client.close()
+    wait_for(
+        "progress read through the Secret's URL", lambda: get(api, "RLRun", ns, "arithmetic")["status"]["step"] == 1
+    )
+    patch(
+        api,
+        "RLRun",
+        ns,
+        "arithmetic",
+        {"spec": {"suspend": False, "trainer": {"steps": 1}, "ttlSecondsAfterFinished": 0}},
+    )
+    wait_for("deleted after its TTL", lambda: get(api, "RLRun", ns, "arithmetic") is None, timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +122,8 @@ def test_the_charts_rbac_allows_every_request_the_operator_made(api, emulator, r
         ("list", "rlfleet.io", "relaytiers"),
         ("create", "", "events"),
         ("watch", "rlfleet.io", "rlruns"),
+        ("delete", "rlfleet.io", "rlruns"),
+        ("patch", "policy", "poddisruptionbudgets"),
     ):
         assert expected in made, f"the record lacks {expected}: the replay would prove little"
     objects = render_chart(chart, {})
