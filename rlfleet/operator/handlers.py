@@ -24,7 +24,7 @@ import logging
 import kopf
 
 from rlfleet.operator import builders, names, reconcile, secrets
-from rlfleet.operator.kube import ApiError, Kube, connect
+from rlfleet.operator.kube import Kube, connect
 from rlfleet.operator.options import OperatorOptions
 from rlfleet.operator.progress import REDIS_TIMEOUT_S, delete_run_keys
 
@@ -147,6 +147,3 @@ def run_operator(options: OperatorOptions) -> int:
         standalone=True,
     )
     return 0
-
-
-__all__ = ["ApiError", "register", "run_operator"]
