@@ -28,7 +28,7 @@ class ComponentOptions:
 @dataclass
 class Context:
     bundle: Bundle
-    redis: redis.Redis
+    redis: redis.Redis | None  # None only for a component that may run without it (component_context)
     keys: RunKeys
     stop: threading.Event
 
@@ -45,17 +45,19 @@ def setup_logging(component: str) -> logging.Logger:
     return logging.getLogger(f"rlfleet.{component}")
 
 
-def component_context(options: ComponentOptions, component: str) -> Context:
-    """Load the config, connect Redis, start /metrics, and turn SIGTERM/SIGINT into `stop`."""
+def component_context(options: ComponentOptions, component: str, redis_optional: bool = False) -> Context:
+    """Load the config, connect Redis, start /metrics, and turn SIGTERM/SIGINT into `stop`.
+    `redis_optional`: a component that can work without Redis (a relay following its upstream, a worker
+    posting to an ingest) gets `redis=None` when no URL is given instead of an error."""
     setup_logging(component)
     bundle = load_bundle(options.config)
     url = options.redis_url or env.get(env.REDIS_URL) or bundle.run.spec.redis.url
-    if not url:
+    if not url and not redis_optional:
         raise ConfigError(
             str(options.config),
             [f"spec.redis.url: required outside `rlfleet run` (or pass --redis-url / {env.REDIS_URL})"],
         )
-    client = connect_redis(url)
+    client = connect_redis(url) if url else None
     if options.metrics_port:
         from prometheus_client import start_http_server
 

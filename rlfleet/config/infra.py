@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from rlfleet.config.base import NAME_PATTERN, Spec
+from rlfleet.config.workload import ResourcesSpec, pod_template, resources
 
 
 class RedisSpec(Spec):
@@ -117,3 +120,5 @@ class IngestSpec(Spec):
         description="While the inbox holds more than this many unverified groups, submissions get 503 with "
         "Retry-After (the workers wait and resend).",
     )
+    resources: ResourcesSpec = resources("250m", "256Mi")
+    pod_template: dict[str, Any] | None = pod_template()

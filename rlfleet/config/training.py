@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from rlfleet.config.base import Spec
+from rlfleet.config.workload import ResourcesSpec, gpu_resource, pod_template, resources
 
 
 class SamplingSpec(Spec):
@@ -87,3 +88,6 @@ class TrainerSpec(Spec):
         "no effect with replicas: 1.",
     )
     gpus: int = Field(default=0, ge=0, le=64, description="GPUs per trainer replica (cluster only).")
+    gpu_resource: str = gpu_resource()
+    resources: ResourcesSpec = resources("1", "4Gi")
+    pod_template: dict[str, Any] | None = pod_template()

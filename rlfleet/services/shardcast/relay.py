@@ -191,7 +191,8 @@ def main(options: RelayOptions) -> int:
     from rlfleet.runtime import component_context
     from rlfleet.signing import run_public_key
 
-    ctx = component_context(options, "relay")
+    # Without Redis (a relay tier of a run trained in another cluster) it follows its upstream's long-poll.
+    ctx = component_context(options, "relay", redis_optional=True)
     shardcast = ctx.bundle.run.spec.shardcast
     app = make_app(
         options.upstream,

@@ -28,7 +28,7 @@ import torch
 from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
 from rlfleet.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group, open_run_store
-from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step
+from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step, withdraw
 from rlfleet.services.trainer.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -66,6 +66,8 @@ class Trainer:
         self.store = open_run_store(ctx)
         self.consumer = "trainer-0"
         self.rank, self.world = init_distributed()  # only rank 0 reads streams, publishes and commits
+        if self.rank != 0:
+            withdraw()  # its series would read 0 and halve every average over the trainer pods
         self.metrics_file = output_dir / "metrics.jsonl" if output_dir else None
         from rlfleet.models.builtin import resolve_model_path
 
@@ -294,6 +296,7 @@ class Trainer:
 class TrainerOptions(ComponentOptions):
     output_dir: Path | None = None  # where metrics.jsonl is written
     steps: int | None = None  # overrides spec.trainer.steps
+    hold_when_done: bool = False  # after the last step, wait for SIGTERM instead of exiting (in a pod)
 
 
 def main(options: TrainerOptions) -> int:
@@ -303,6 +306,10 @@ def main(options: TrainerOptions) -> int:
         options.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         Trainer(ctx, options.output_dir).run(options.steps or ctx.bundle.run.spec.trainer.steps)
+        if options.hold_when_done and not ctx.stop.is_set():
+            # A StatefulSet restarts a container that exits, even with 0; the operator scales it down instead.
+            log.info("every step is done; holding until stopped")
+            ctx.stop.wait()
     finally:
         leave_distributed()
     return 0
