@@ -113,6 +113,7 @@ def test_every_path_a_rendered_pod_names_exists_or_is_mounted(example, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # mostly the builtin model's build: 3.5 to 4.5 minutes on 2 busy cores
 def test_cpu_image_runs_the_example_read_only_without_network(tmp_path):
     """`rlfleet run examples/arithmetic/rlrun.yaml --steps 5` in the image: the builtin model is built
     in the container (nothing downloaded: no network), every write lands in the pods' cache volume."""
