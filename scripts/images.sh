@@ -87,8 +87,9 @@ build_one() {
   local file=$1 tag=$2
   step "build $tag ($file, base $BASE)"
   local start=$SECONDS
-  # --network host: RUN steps reach the package registries without a container network.
-  podman build --network host "${volumes[@]}" "${torch_args[@]}" --build-arg "BASE=$BASE" --build-arg "VERSION=$VERSION" \
+  # --network host: RUN steps reach the package registries without a container network;
+  # --force-rm: a failed build leaves no working containers behind.
+  podman build --force-rm --network host "${volumes[@]}" "${torch_args[@]}" --build-arg "BASE=$BASE" --build-arg "VERSION=$VERSION" \
     --file "$file" --tag "$tag" .
   echo "build: $tag in $((SECONDS - start)) s"
 }
