@@ -177,6 +177,7 @@ def record(system: System, topo: Topology, o: Outcome) -> dict:
         "cpu_seconds": o.cpu,
         "busiest_process": {"name": hot[0], "cpu_seconds": hot[1]},
         "machine_busy": o.busy,
+        "loadavg": os.getloadavg(),  # at the end of this system's run
         "our_cpu_share": ours,
         "cpu_limited": limited,
         "relay_pull_seconds": o.relay_pull_seconds,
