@@ -53,7 +53,8 @@ from rlfleet.testbed.commands import (
 log = logging.getLogger("rlfleet.testbed")
 
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for processes left at teardown
-_CAUGHT = (signal.SIGTERM, signal.SIGHUP)
+_CAUGHT = (signal.SIGTERM, signal.SIGHUP)  # turned into SystemExit while a testbed is open
+_HELD = (signal.SIGINT, *_CAUGHT)  # held off while a testbed is torn down
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Testbed:
         self._closed = False
         self._old_handlers: dict[int, object] = {}
         self._lock = threading.Lock()
+        self._entered = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -115,30 +117,32 @@ class Testbed:
             for sig in _CAUGHT:
                 self._old_handlers[sig] = signal.signal(sig, _raise_exit)
         atexit.register(self.close)
+        self._entered = True
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:
-        """Stop every process in the testbed's namespaces and delete them (idempotent). Signals
-        are held off meanwhile, so a second Ctrl-C cannot leave half a testbed."""
+        """Stop every process in the testbed's namespaces and delete them (idempotent). A signal
+        that arrives meanwhile is held and acted on after, so a second Ctrl-C cannot leave half a
+        testbed."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        held = {signal.SIGINT, *_CAUGHT}
-        in_main = threading.current_thread() is threading.main_thread()
-        if in_main:
-            signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        held: list[int] = []
+        saved = {}
+        if threading.current_thread() is threading.main_thread():
+            saved = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in _HELD}
         try:
             errors = self._teardown()
         finally:
-            for sig, handler in self._old_handlers.items():
+            for sig, handler in {**saved, **self._old_handlers}.items():
                 signal.signal(sig, handler)
             atexit.unregister(self.close)
-            if in_main:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+        if held:
+            raise KeyboardInterrupt if held[0] == signal.SIGINT else SystemExit(128 + held[0])
         if errors:
             raise CommandError("testbed teardown left things behind:\n  " + "\n  ".join(errors))
 
@@ -179,8 +183,8 @@ class Testbed:
 
     def _new_netns(self, role: str) -> str:
         ns = f"{self.tag}-{role}"
-        if self._closed:
-            raise RuntimeError("the testbed is closed")
+        if not self._entered or self._closed:
+            raise RuntimeError("use a testbed inside `with Testbed() as tb:` (it is not open)")
         self._netns.append(ns)  # recorded first: a failure below is still torn down
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "set", "lo", "up", netns=ns)

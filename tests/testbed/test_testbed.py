@@ -144,6 +144,30 @@ def test_an_interrupted_owner_leaves_nothing_or_a_sweepable_rest(sig):
     assert not list(NETNS_ETC.glob(f"{tag}-*"))
 
 
+STUBBORN = """
+import sys, time
+from rlfleet.testbed import Testbed
+with Testbed() as tb:
+    tb.host("a", down=10e6)
+    stubborn = tb.popen("a", ["sh", "-c", "trap '' TERM; echo ready; exec sleep 600"], stdout=-1, text=True)
+    assert stubborn.stdout.readline().strip() == "ready"  # it ignores SIGTERM: teardown waits, then SIGKILLs it
+    print(tb.tag, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_signal_during_teardown_does_not_cut_it_short():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    owner = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, text=True, env=env)
+    tag = owner.stdout.readline().strip()
+    owner.send_signal(signal.SIGTERM)  # teardown starts and waits for the stubborn process
+    time.sleep(1.0)
+    assert owner.poll() is None and [ns for ns in namespaces() if ns.startswith(tag)]
+    owner.send_signal(signal.SIGINT)  # an impatient Ctrl-C
+    assert owner.wait(30) != 0
+    assert not [ns for ns in namespaces() if ns.startswith(tag)]
+
+
 def test_refusal_names_the_reason():
     check = "from rlfleet.testbed import Testbed\nwith Testbed(): pass"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -160,6 +184,8 @@ def test_refusal_names_the_reason():
 
 
 def test_bad_names_and_rates_are_refused_before_anything_is_made():
+    with pytest.raises(RuntimeError, match="with Testbed"):
+        Testbed().host("a")
     with Testbed() as tb:
         with pytest.raises(ValueError, match="lower case"):
             tb.host("Origin")
