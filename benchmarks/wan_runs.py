@@ -107,9 +107,11 @@ def timed(bed: Bed, clients: list[subprocess.Popen], started: float, busy0: tupl
 
 def relay_bytes_out(bed: Bed, port: int) -> list[int]:
     """rlfleet_relay_bytes_out_total of each relay (asked from inside its host)."""
-    out = []
+    out, get = [], "import sys,urllib.request\nsys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())"
     for h in bed.relays:
-        text = bed.tb.run(h, ["curl", "-sf", f"http://127.0.0.1:{port}/metrics"], capture_output=True, text=True)
+        text = bed.tb.run(
+            h, [sys.executable, "-c", get, f"http://127.0.0.1:{port}/metrics"], capture_output=True, text=True
+        )
         m = re.search(r"^rlfleet_relay_bytes_out_total (\S+)$", text.stdout, re.MULTILINE)
         out.append(int(float(m.group(1))) if m else -1)
     return out
