@@ -113,10 +113,13 @@ def make_app(
         CLIENTS.inc()
         try:
             if isinstance(where, Pull) and not where.complete:
-                return await stream(request, where, index, size, open_file, BYTES_OUT.inc)
+                try:  # what escapes `stream` happened before the response's first byte
+                    return await stream(request, where, index, size, open_file, BYTES_OUT.inc)
+                except FileNotFoundError:
+                    raise
+                except (FetchError, DiskBoundError, requests.RequestException, OSError) as exc:  # the pull failed
+                    raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
             return await send_file(request, size, open_file, BYTES_OUT.inc)
-        except (FetchError, DiskBoundError, requests.RequestException) as exc:  # before the first byte
-            raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
         except FileNotFoundError:  # pruned between the check and the open
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
         finally:
