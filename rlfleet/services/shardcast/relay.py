@@ -127,6 +127,11 @@ def make_app(
 
     async def lifecycle(app: web.Application):
         relay.board.bind(app)
+
+        async def on_shutdown(app: web.Application) -> None:
+            relay.shutdown()
+
+        app.on_shutdown.append(on_shutdown)
         await asyncio.to_thread(relay.clean_start)
         stop = threading.Event()
         listener = follower = None

@@ -44,7 +44,7 @@ import requests
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
-from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, Sources
+from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, FetchError, Sources
 from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_path
 from rlfleet.services.shardcast.pull import Pull
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
@@ -294,6 +294,16 @@ class Relay:
                 except FileNotFoundError:
                     continue
         raise FileNotFoundError(name)
+
+    def shutdown(self) -> None:
+        """Stop the pulls and answer every request waiting on one at once (event-loop thread):
+        aiohttp waits for open requests before it stops, and a pull thread may sit in a read
+        from a stalled upstream for READ_TIMEOUT."""
+        self.closing.set()
+        for pull in list(self._pulls.values()):
+            if pull.error is None:
+                pull.error = FetchError("the relay is shutting down")
+            pull._wake()
 
     def prefetch(self, version: int) -> None:
         """Start pulling `version` in the background and offer it to long-polls (event-loop thread only)."""
