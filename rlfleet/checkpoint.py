@@ -29,7 +29,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rlfleet.delta.chain import base_of, check_section, retained
+from rlfleet.delta.chain import check_section, required_base, retained
 from rlfleet.store import CheckpointStore, check_key
 
 MANIFEST_NAME = "manifest.json"
@@ -279,7 +279,7 @@ def prune_versions(store: CheckpointStore, run: str, keep: int) -> None:
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     versions = list_versions(store, run)
-    kept = retained(versions, keep, lambda v: base_of(read_manifest(store, run, v) or {}))
+    kept = retained(versions, keep, lambda v: required_base(read_manifest(store, run, v) or {}))
     for version in (v for v in versions if v not in kept):
         store.delete_prefix(manifest_key(run, version))
         store.delete_prefix(version_prefix(run, version))

@@ -1,9 +1,9 @@
-"""Delta versions in manifests: the signed `delta` section, which version builds on which, retention.
+"""Delta versions in manifests: the signed `delta` section, which version needs which, retention.
 
-A policy version is published whole (a full version: its manifest's `files` are the checkpoint) or as
-a delta against an earlier version, its base (rlfleet.delta.publish). A delta version's manifest has
-the usual `files` (what travels: patch files and files shipped whole, each with size, sha256 and
-shards, so relays store and forward them like any file) and, covered by the same signature,
+A policy version is published whole (its manifest's `files` are the checkpoint), as a delta against
+the version before it, its base, or both (rlfleet.delta.publish). A manifest with a delta has the usual
+`files` (what travels: patch files, files shipped whole, each with size, sha256 and shards, so relays
+store and forward them like any file) and, covered by the same signature,
 
     "delta": {"format": 1, "base": B, "files": [
         {"name", "size", "sha256", "from": "patch", "patch": P, "base_sha256"},  # base's file + patch P
@@ -12,10 +12,13 @@ shards, so relays store and forward them like any file) and, covered by the same
 
 The section's `files` are the *resulting* version, every file a loader sees; a client checks each
 rebuilt file's size and sha256 against them before the version becomes visible (shardcast/assemble.py),
-and `base_sha256` binds the delta to the exact base bytes it was made from.
-Invariants: base < version, so following bases from any version ends at a full version (a chain);
-`retained(versions, keep)` is the newest `keep` versions plus every version their chains pass through,
-so pruning everything else (store, relay) never leaves a retained version unreachable.
+and `base_sha256` binds the delta to the exact base bytes it was made from. A version is *whole* when
+every resulting file is also in `files` (identical size and sha256): then a client without the base
+downloads those (`whole_files`), one holding the base only what the delta needs (`delta_files`).
+Invariants: base < version, so following `required_base` (the base of a version that is not whole)
+ends at a whole version; `retained(versions, keep)` is the newest `keep` versions plus every version
+those cannot be rebuilt without, so pruning everything else (store, relay) never leaves a retained
+version unreachable.
 """
 
 from __future__ import annotations
@@ -53,15 +56,60 @@ def result_files(manifest: dict) -> list[dict]:
     return section["files"] if isinstance(section, dict) else manifest["files"]
 
 
+def whole(manifest: dict) -> bool:
+    """The version can be downloaded without any base: every resulting file is among its `files`."""
+    sent = {(f["name"], f["size"], f["sha256"]) for f in manifest["files"]}
+    return all((f["name"], f["size"], f["sha256"]) in sent for f in result_files(manifest))
+
+
+def required_base(manifest: dict) -> int | None:
+    """The base the version cannot be loaded without: its delta's base unless it is also whole."""
+    section = manifest.get(DELTA) if isinstance(manifest, dict) else None
+    if not isinstance(section, dict) or not isinstance(section.get("files"), list):
+        return None
+    try:
+        return None if whole(manifest) else base_of(manifest)
+    except (KeyError, TypeError):
+        return base_of(manifest)
+
+
+def whole_files(manifest: dict) -> list[dict]:
+    """The `files` entries a client without the base downloads (only for a whole version)."""
+    names = {f["name"] for f in result_files(manifest)}
+    return [f for f in manifest["files"] if f["name"] in names]
+
+
+def delta_files(manifest: dict) -> list[dict]:
+    """The `files` entries a client holding the base downloads: patches and files shipped whole."""
+    section = manifest[DELTA]["files"]
+    wanted = {e["patch"] for e in section if e["from"] == "patch"} | {e["name"] for e in section if e["from"] == "file"}
+    return [f for f in manifest["files"] if f["name"] in wanted]
+
+
+def size_of(files: list[dict]) -> int:
+    return sum(f["size"] for f in files)
+
+
 def transfer_bytes(manifest: dict) -> int:
-    """Bytes a client downloads for this version (its `files`; the manifest itself not counted)."""
-    return sum(f["size"] for f in manifest["files"])
+    """Bytes of everything the version's `files` list (what a relay pulls; the manifest not counted)."""
+    return size_of(manifest["files"])
+
+
+def read_manifest_chain(manifest: dict, read: Callable[[int], dict | None]) -> list[dict] | None:
+    """`manifest` and the manifests before it that need their base, newest first, back to (not
+    including) a whole version; `read(v)` gives v's manifest. None when one of them is missing."""
+    chain = []
+    while manifest is not None and (base := required_base(manifest)) is not None:
+        chain.append(manifest)
+        manifest = read(base)
+    return None if manifest is None else chain
 
 
 def check_section(manifest: dict) -> None:
     """Raise ValueError naming the problem unless the `delta` section (if any) is well formed:
     format 1, an int base below the version, resulting files with unique safe names, each from one
-    source that the transferred `files` back (a patch file, or the same file shipped whole)."""
+    source that the transferred `files` back (a patch file, or the same file shipped whole), and every
+    resulting file that is also among `files` identical to it there."""
     from rlfleet.store import check_key
 
     section = manifest.get(DELTA)
@@ -101,18 +149,17 @@ def check_section(manifest: dict) -> None:
             raise ValueError(f"{where}: from {entry['from']!r} needs base_sha256 (64 hex)")
         if entry["from"] == "patch" and entry.get("patch") not in sent:
             raise ValueError(f"{where}: patch {entry.get('patch')!r} is not one of the manifest's files")
-        if entry["from"] == "file":
-            whole = sent.get(entry["name"])
-            if whole is None or (whole["size"], whole["sha256"]) != (entry["size"], entry["sha256"]):
-                raise ValueError(
-                    f"{where}: shipped whole, but the manifest's files have no identical {entry['name']!r}"
-                )
+        same = sent.get(entry["name"])  # a resulting file also sent whole must be that file exactly
+        if entry["from"] == "file" and same is None:
+            raise ValueError(f"{where}: shipped whole, but the manifest's files have no {entry['name']!r}")
+        if same is not None and (same["size"], same["sha256"]) != (entry["size"], entry["sha256"]):
+            raise ValueError(f"{where}: the manifest's files have another {entry['name']!r} (size or sha256 differ)")
 
 
 def retained(versions: Iterable[int], keep: int, base: Callable[[int], int | None]) -> set[int]:
-    """The newest `keep` of `versions` and every version their chains pass through (`base(v)` is v's
-    base, None for a full version or one whose manifest is gone). A base that is not among `versions`
-    is included (it is needed, e.g. to be pulled again) but not followed further."""
+    """The newest `keep` of `versions` and every version their chains pass through (`base(v)` is the base
+    v cannot be loaded without: None for a whole version, or one whose manifest is gone). A base that
+    is not among `versions` is included (it is needed, e.g. to be pulled again) but not followed further."""
     held = set(versions)
     kept = set(sorted(held)[-keep:]) if keep > 0 else set()
     todo = list(kept)
@@ -125,14 +172,14 @@ def retained(versions: Iterable[int], keep: int, base: Callable[[int], int | Non
     return kept
 
 
-def dir_base(version_dir: Path) -> int | None:
-    """The base named by the manifest.json in a downloaded version directory (None: full or unreadable)."""
+def dir_required_base(version_dir: Path) -> int | None:
+    """`required_base` of the manifest.json in a version directory (None: whole, or unreadable)."""
     try:
-        return base_of(json.loads((Path(version_dir) / "manifest.json").read_bytes()))
+        return required_base(json.loads((Path(version_dir) / "manifest.json").read_bytes()))
     except (OSError, ValueError):
         return None
 
 
 def dir_retained(root: Path, versions: Iterable[int], keep: int) -> set[int]:
     """`retained` over version directories `root/v{N}` (a relay's cache), bases read from their manifests."""
-    return retained(versions, keep, lambda v: dir_base(Path(root) / f"v{v}"))
+    return retained(versions, keep, lambda v: dir_required_base(Path(root) / f"v{v}"))

@@ -1,14 +1,18 @@
-"""The trainer's side of delta versions: publish each policy version whole or as a delta against the one before.
+"""The trainer's side of delta versions: publish each policy version whole, as a delta, or both.
 
-`PolicyPublisher.publish(version, local_dir)` publishes
-  - whole when deltas are off, when it has no base (the first publish of a process, or the previous
-    publish was not version - 1), when version % fullEvery == 0, when the delta would be larger than
-    maxRatio x the whole checkpoint (it does not pay), or when the deltas since the last whole
-    version would add up past maxChainRatio x the whole checkpoint (a client without a base fetches
-    the last whole version and every delta after it: never more than 1 + maxChainRatio checkpoints);
-  - else as a delta against version - 1, file by file: a file identical to the base's comes from the
-    base; a safetensors file the base also has becomes the patch `{name}.delta` (codec.encode_file)
-    unless the patch is not smaller than the file; anything else is shipped whole.
+`PolicyPublisher.publish(version, local_dir)` first makes the delta against version - 1 when deltas
+are on and it holds that version's files (not for the first publish of a process), file by file: a
+file identical to the base's comes from the base; a safetensors file the base also has becomes the
+patch `delta/{name}.delta` (codec.encode_file) unless the patch is not smaller than the file; anything else
+is shipped whole. Then it publishes
+  - the delta alone, when it pays (at most maxRatio x the whole checkpoint) and the version is not due
+    to be whole;
+  - whole *and* the delta (both in `files`, one signed manifest) when it pays but the version is due:
+    version % fullEvery == 0, or the deltas since the last whole version would add up past
+    maxChainRatio x the checkpoint. Workers holding version - 1 still download only the delta; a
+    client without a base downloads the whole files, never more than a whole version plus
+    maxChainRatio checkpoints of deltas after it;
+  - whole alone, when there is no delta or it does not pay.
 The base is the publisher's own copy of the previous version's files, never read back from the store:
 `base_sha256` in the manifest names exactly the bytes the delta was made against.
 Idempotent: a version already in the store is left as it is when its resulting files (name, size,
@@ -36,13 +40,14 @@ from rlfleet.checkpoint import (
     read_manifest,
     sha256_file,
 )
-from rlfleet.delta.chain import DELTA, FORMAT, base_of, result_files, transfer_bytes
+from rlfleet.delta.chain import DELTA, FORMAT, delta_files, read_manifest_chain, result_files, size_of, transfer_bytes
 from rlfleet.delta.codec import encode_file
 from rlfleet.store import CheckpointStore
 
 log = logging.getLogger("rlfleet.delta")
 
-PATCH_SUFFIX = ".delta"
+PATCH_DIR, PATCH_SUFFIX = "delta", ".delta"  # delta/model.safetensors.delta: names sort patches first, so
+# a relay pulling a version that is whole and a delta (files in name order) has the patches first
 
 
 def local_entries(local_dir: Path) -> list[dict]:
@@ -62,7 +67,9 @@ def _key(entries: list[dict]) -> list[tuple]:
 class PolicyPublisher:
     """Publishes one run's versions in order, keeping the last one's files as the next one's base.
     `spec` is a DeltaSpec (spec.shardcast.deltas). `last` describes the latest publish for logs and
-    benchmarks: kind ("full", "delta" or "existing"), full_bytes, sent_bytes, encode_seconds, ops."""
+    benchmarks: kind ("full", "delta", "full+delta" or "existing"), full_bytes, sent_bytes (what a
+    worker holding the previous version downloads), relay_bytes (what a relay pulls), delta_bytes,
+    encode_seconds, ops (codec bytes per op)."""
 
     def __init__(
         self,
@@ -91,23 +98,48 @@ class PolicyPublisher:
         if existing is not None:
             manifest = self._existing(existing, local_dir, version)
         else:
-            manifest = self._delta(version, local_dir, full_bytes) if self._wants_delta(version) else None
-            if manifest is None:
-                manifest = publish_version(
-                    self.store, self.run, version, local_dir, signer=self.signer, shard_size=self.shard_size
-                )
-                self.chain_bytes = 0.0
-                self.last.update(kind="full", sent_bytes=transfer_bytes(manifest))
+            with tempfile.TemporaryDirectory(prefix="rlfleet-delta-") as tmp:
+                section = self._delta(local_dir, Path(tmp)) if self._has_base(version) else None
+                manifest = self._publish(version, local_dir, Path(tmp), section, full_bytes)
         self._keep(version, local_dir, result_files(manifest))
         return manifest
 
-    def _wants_delta(self, version: int) -> bool:
-        return (
-            self.spec.enabled
-            and self.base is not None
-            and self.base[0] == version - 1
-            and version % self.spec.full_every != 0
+    def _has_base(self, version: int) -> bool:
+        return self.spec.enabled and self.base is not None and self.base[0] == version - 1
+
+    def _publish(self, version: int, local_dir: Path, out: Path, section: list | None, full_bytes: int) -> dict:
+        """Publish the delta in `out` (described by `section`), or it and the whole files, or these alone."""
+        sent = self.last.get("delta_bytes", 0)
+        pays = section is not None and 0 < sent <= self.spec.max_ratio * full_bytes
+        due = version % self.spec.full_every == 0 or self.chain_bytes + sent > self.spec.max_chain_ratio * full_bytes
+        if pays and not due:
+            kind, src = "delta", out
+        elif pays:  # whole and the delta: add the whole files beside the patches
+            kind, src = "full+delta", out
+            for entry in section:
+                if not (out / entry["name"]).exists():
+                    (out / entry["name"]).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(local_dir / entry["name"], out / entry["name"])
+        else:
+            kind, src = "full", local_dir
+        extra = {DELTA: {"format": FORMAT, "base": self.base[0], "files": section}} if pays else None
+        manifest = publish_version(
+            self.store, self.run, version, src, signer=self.signer, shard_size=self.shard_size, extra=extra
         )
+        self.chain_bytes = self.chain_bytes + sent if kind == "delta" else 0.0
+        worker = size_of(delta_files(manifest)) if pays else full_bytes  # what a worker holding version - 1 gets
+        self.last.update(kind=kind, sent_bytes=worker, relay_bytes=transfer_bytes(manifest))
+        log.info(
+            "v%d published %s: the delta %s %d of %d bytes (%.3f)%s",
+            version,
+            kind,
+            "has" if section is not None else "would have",
+            sent,
+            full_bytes,
+            sent / max(full_bytes, 1),
+            "" if pays else " (none, or it does not pay)",
+        )
+        return manifest
 
     def _existing(self, existing: dict, local_dir: Path, version: int) -> dict:
         if _key(result_files(existing)) != _key(local_entries(local_dir)):
@@ -115,72 +147,40 @@ class PolicyPublisher:
                 f"run {self.run!r} version {version} is already published with different files; "
                 "published versions are immutable, publish a new version number"
             )
-        self.chain_bytes = self._chain_in_store(existing)
+        chain = read_manifest_chain(existing, lambda v: read_manifest(self.store, self.run, v))
+        self.chain_bytes = sum(size_of(delta_files(m)) for m in chain) if chain is not None else math.inf
         self.last.update(kind="existing", sent_bytes=0)
         return existing
 
-    def _chain_in_store(self, manifest: dict) -> float:
-        """Bytes of the deltas from `manifest` back to its whole version (inf if the chain is broken)."""
-        total = 0.0
-        while (base := base_of(manifest)) is not None:
-            total += transfer_bytes(manifest)
-            manifest = read_manifest(self.store, self.run, base)
-            if manifest is None:
-                return math.inf
-        return total
-
-    def _delta(self, version: int, local_dir: Path, full_bytes: int) -> dict | None:
-        """Publish `version` as a delta against the base, or return None when it would not pay."""
-        base_version, base_dir, base_entries = self.base
+    def _delta(self, local_dir: Path, out: Path) -> list[dict]:
+        """Write the delta of `local_dir` against the base into `out`; return the section's files."""
+        _, base_dir, base_entries = self.base
         started, ops = time.monotonic(), Counter()
         entries = local_entries(local_dir)
         by_name = {e["name"]: e for e in base_entries}
         names = {e["name"] for e in entries}
         section, sent = [], 0
-        with tempfile.TemporaryDirectory(prefix="rlfleet-delta-") as tmp:
-            out = Path(tmp)
-            for entry in entries:
-                name, base = entry["name"], by_name.get(entry["name"])
-                if base is not None and (base["size"], base["sha256"]) == (entry["size"], entry["sha256"]):
-                    section.append({**entry, "from": "base", "base_sha256": base["sha256"]})
+        for entry in entries:
+            name, base = entry["name"], by_name.get(entry["name"])
+            if base is not None and (base["size"], base["sha256"]) == (entry["size"], entry["sha256"]):
+                section.append({**entry, "from": "base", "base_sha256": base["sha256"]})
+                continue
+            patch = f"{PATCH_DIR}/{name}{PATCH_SUFFIX}"
+            if base is not None and name.endswith(".safetensors") and patch not in names:
+                (out / patch).parent.mkdir(parents=True, exist_ok=True)
+                ops.update(encode_file(base_dir / name, local_dir / name, out / patch))
+                size = (out / patch).stat().st_size
+                if size < entry["size"]:
+                    section.append({**entry, "from": "patch", "patch": patch, "base_sha256": base["sha256"]})
+                    sent += size
                     continue
-                patch = name + PATCH_SUFFIX
-                if base is not None and name.endswith(".safetensors") and patch not in names:
-                    (out / patch).parent.mkdir(parents=True, exist_ok=True)
-                    ops.update(encode_file(base_dir / name, local_dir / name, out / patch))
-                    size = (out / patch).stat().st_size
-                    if size < entry["size"]:
-                        section.append({**entry, "from": "patch", "patch": patch, "base_sha256": base["sha256"]})
-                        sent += size
-                        continue
-                    (out / patch).unlink()
-                (out / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(local_dir / name, out / name)
-                section.append({**entry, "from": "file"})
-                sent += entry["size"]
-            self.last.update(encode_seconds=time.monotonic() - started, ops=dict(ops), delta_bytes=sent)
-            too_big = sent > self.spec.max_ratio * full_bytes
-            too_long = self.chain_bytes + sent > self.spec.max_chain_ratio * full_bytes
-            if sent == 0 or too_big or too_long:
-                why = "nothing changed" if sent == 0 else "it does not pay" if too_big else "the chain is long enough"
-                log.info("v%d published whole: its delta has %d of %d bytes and %s", version, sent, full_bytes, why)
-                return None
-            extra = {DELTA: {"format": FORMAT, "base": base_version, "files": section}}
-            manifest = publish_version(
-                self.store, self.run, version, out, signer=self.signer, shard_size=self.shard_size, extra=extra
-            )
-        self.chain_bytes += sent
-        self.last.update(kind="delta", sent_bytes=transfer_bytes(manifest))
-        log.info(
-            "v%d published as a delta against v%d: %d of %d bytes (%.3f) in %.2f s",
-            version,
-            base_version,
-            sent,
-            full_bytes,
-            sent / max(full_bytes, 1),
-            self.last["encode_seconds"],
-        )
-        return manifest
+                (out / patch).unlink()
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local_dir / name, out / name)
+            section.append({**entry, "from": "file"})
+            sent += entry["size"]
+        self.last.update(encode_seconds=time.monotonic() - started, ops=dict(ops), delta_bytes=sent)
+        return section
 
     def _keep(self, version: int, local_dir: Path, entries: list[dict]) -> None:
         """Make `local_dir`'s files the base of the next version (moved, not copied)."""

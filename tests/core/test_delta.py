@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from rlfleet.checkpoint import (
     read_manifest,
 )
 from rlfleet.config import DeltaSpec
-from rlfleet.delta.chain import DeltaError, base_of, result_files, retained
+from rlfleet.delta.chain import DeltaError, base_of, delta_files, required_base, result_files, retained, whole
 from rlfleet.delta.codec import apply_file, encode_file, read_index
 from rlfleet.delta.publish import PolicyPublisher, local_entries
 from rlfleet.signing import SignatureError, generate_keypair, load_private_key, make_signer, parse_public_key
@@ -142,13 +143,18 @@ def keys(tmp_path):
 
 
 def publish_all(publisher: PolicyPublisher, versions: list[Path], tmp_path: Path, start: int = 0) -> list[dict]:
-    """Publish copies of `versions` (the publisher moves files out of what it publishes)."""
+    """Publish copies of `versions` (the publisher moves files out of what it publishes); each
+    manifest gets the publisher's kind of it under "_kind" (not stored)."""
     out = []
     for v, src in enumerate(versions, start):
-        copy = tmp_path / f"pub-{v}-{id(publisher)}"
+        copy = Path(tempfile.mkdtemp(dir=tmp_path)) / f"v{v}"
         shutil.copytree(src, copy)
-        out.append(publisher.publish(v, copy))
+        out.append({**publisher.publish(v, copy), "_kind": publisher.last["kind"]})
     return out
+
+
+def kinds(manifests: list[dict]) -> list[str]:
+    return [m["_kind"] for m in manifests]
 
 
 def test_publisher_sends_deltas_and_whole_versions_by_the_rules(tmp_path, keys):
@@ -157,19 +163,21 @@ def test_publisher_sends_deltas_and_whole_versions_by_the_rules(tmp_path, keys):
     versions = trained_versions(tmp_path / "src", 7, "bfloat16")
     spec = DeltaSpec(full_every=4, max_chain_ratio=100.0)
     manifests = publish_all(PolicyPublisher(store, "r", spec, signer, 4096), versions, tmp_path)
-    kinds = ["delta" if base_of(m) is not None else "full" for m in manifests]
-    assert kinds == ["full", "delta", "delta", "delta", "full", "delta", "delta"]  # v0: no base; v4: fullEvery
+    # v0: no base; v4: fullEvery, published whole *and* as a delta against v3
+    assert kinds(manifests) == ["full", "delta", "delta", "delta", "full+delta", "delta", "delta"]
     for v, (m, src) in enumerate(zip(manifests, versions)):
+        m = {k: x for k, x in m.items() if k != "_kind"}
         raw = store.get_bytes(f"r/policy/v{v}/manifest.json")
         assert parse_manifest(raw, "r", v, public) == m  # signed, delta section included
         expected = sorted((e["name"], e["size"], e["sha256"]) for e in local_entries(src))
         assert sorted((e["name"], e["size"], e["sha256"]) for e in result_files(m)) == expected
-        if kinds[v] == "delta":
+        assert whole(m) == (v in (0, 4)) and required_base(m) == (None if v in (0, 4) else v - 1)
+        if v:
             assert base_of(m) == v - 1
             sources = {e["name"]: e["from"] for e in m["delta"]["files"]}
             assert sources["model.safetensors"] == "patch" and sources["tokenizer.json"] == "base"
-            assert [f["name"] for f in m["files"]] == ["model.safetensors.delta"]
-            assert sum(f["size"] for f in m["files"]) < 0.4 * sum(e["size"] for e in result_files(m))
+            assert [f["name"] for f in delta_files(m)] == ["delta/model.safetensors.delta"]
+            assert sum(f["size"] for f in delta_files(m)) < 0.4 * sum(e["size"] for e in result_files(m))
     # a tampered delta section breaks the signature like any other field
     forged = json.loads(store.get_bytes("r/policy/v2/manifest.json"))
     forged["delta"]["base"] = 0
@@ -180,22 +188,22 @@ def test_publisher_sends_deltas_and_whole_versions_by_the_rules(tmp_path, keys):
     # version whose delta would pass it is published whole
     store2 = open_store(f"file://{tmp_path}/store2")
     short = PolicyPublisher(store2, "r", DeltaSpec(full_every=100, max_chain_ratio=0.5), signer, 4096)
-    chain, kinds = 0, []
+    chain, seen = 0, []
     for v, src in enumerate(versions):
         manifest = publish_all(short, [src], tmp_path, start=v)[0]
-        kinds.append(short.last["kind"])
-        if v and short.last["kind"] == "full":
+        seen.append(short.last["kind"])
+        if v and short.last["kind"] == "full+delta":
             assert chain + short.last["delta_bytes"] > 0.5 * short.last["full_bytes"]
             chain = 0
         elif v:
             chain += sum(f["size"] for f in manifest["files"])
             assert chain <= 0.5 * short.last["full_bytes"]
-    assert "full" in kinds[1:] and kinds.count("delta") >= 2, kinds
+    assert seen[0] == "full" and "full+delta" in seen and seen.count("delta") >= 2, seen
     # deltas that do not pay (maxRatio) and deltas turned off
     for spec in (DeltaSpec(max_ratio=0.01), DeltaSpec(enabled=False)):
         store3 = open_store(f"file://{tmp_path}/store3-{spec.enabled}")
         manifests = publish_all(PolicyPublisher(store3, "r", spec, signer, 4096), versions[:3], tmp_path)
-        assert all(base_of(m) is None for m in manifests)
+        assert kinds(manifests) == ["full"] * 3 and all(base_of(m) is None for m in manifests)
 
 
 def test_publisher_resumes_idempotently(tmp_path, keys):
@@ -206,7 +214,9 @@ def test_publisher_resumes_idempotently(tmp_path, keys):
     assert base_of(first[2]) == 1
     # a restarted trainer re-publishes its last version: the stored delta version is kept as it is ...
     again = PolicyPublisher(store, "r", DeltaSpec(), signer, 4096)
-    assert publish_all(again, versions[2:3], tmp_path, start=2) == first[2:]
+    assert [m | {"_kind": 0} for m in publish_all(again, versions[2:3], tmp_path, start=2)] == [
+        m | {"_kind": 0} for m in first[2:]
+    ]
     assert again.last["kind"] == "existing"
     # ... and is the base of the next one
     nxt = publish_all(again, versions[3:], tmp_path, start=3)[0]
@@ -219,6 +229,7 @@ def test_manifest_delta_sections_are_checked(tmp_path, keys):
     store = open_store(f"file://{tmp_path}/store")
     versions = trained_versions(tmp_path / "src", 2, "bfloat16")
     manifest = publish_all(PolicyPublisher(store, "r", DeltaSpec(), keys[0], 4096), versions, tmp_path)[1]
+    manifest.pop("_kind")
     check_manifest(manifest, "r", 1)
     cases = {
         "format 1": lambda d: d.update(format=2),
@@ -230,7 +241,8 @@ def test_manifest_delta_sections_are_checked(tmp_path, keys):
         "is not one of the manifest's files": lambda d: next(f for f in d["files"] if f["from"] == "patch").update(
             patch="nope"
         ),
-        "no identical": lambda d: d["files"][0].update({"from": "file"}),
+        "have no 'config.json'": lambda d: d["files"][0].update({"from": "file"}),
+        "another 'delta/model": lambda d: d["files"][0].update(name="delta/model.safetensors.delta"),
         "must be a relative path": lambda d: d["files"][0].update(name="../escape"),
     }
     for message, change in cases.items():
@@ -262,8 +274,8 @@ def test_prune_never_leaves_a_kept_version_unreachable(tmp_path, keys):
             prune_versions(store, "r", keep)
             kept = list_versions(store, "r")
             assert kept[-keep:] == before[-keep:]
-            for version in kept:  # every kept version's chain ends at a full version in the store
-                while (base := base_of(read_manifest(store, "r", version))) is not None:
+            for version in kept:  # every kept version's chain ends at a whole version in the store
+                while (base := required_base(read_manifest(store, "r", version))) is not None:
                     assert base in kept, (v, keep, version, base)
                     version = base
-    assert list_versions(store, "r") == [8]  # v8 is whole (fullEvery 4): nothing older is needed
+    assert list_versions(store, "r") == [8]  # v8 is whole and a delta (fullEvery 4): nothing older is needed

@@ -18,7 +18,6 @@ from support import serving, trained_versions
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, manifest_signing_bytes
 from rlfleet.config import DeltaSpec
-from rlfleet.delta.chain import base_of
 from rlfleet.delta.publish import PolicyPublisher, local_entries
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.assemble import fetch_policy
@@ -29,12 +28,13 @@ from rlfleet.store import open_store
 
 RUN = "demo"
 SHARD = 8192
-PATCH = "model.safetensors.delta"
+PATCH = "delta/model.safetensors.delta"
 
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    """v0 whole, v1..v3 deltas (bf16, real AdamW steps), v4 whole (fullEvery 4): (store dir, sources, public key)."""
+    """v0 whole, v1..v3 deltas (bf16, real AdamW steps), v4 whole and a delta (fullEvery 4):
+    (store dir, sources, public key)."""
     tmp = tmp_path_factory.mktemp("published")
     private, public = generate_keypair(tmp / "keys")
     store = open_store(f"file://{tmp}/store")
@@ -42,21 +42,19 @@ def published(tmp_path_factory):
     publisher = PolicyPublisher(
         store, RUN, DeltaSpec(full_every=4, max_chain_ratio=100.0), make_signer(load_private_key(private)), SHARD
     )
+    kinds = []
     for v, src in enumerate(sources):
         shutil.copytree(src, tmp / f"copy{v}")
         publisher.publish(v, tmp / f"copy{v}")
-    kinds = [
-        "delta" if base_of(json.loads(store.get_bytes(f"{RUN}/policy/v{v}/manifest.json"))) is not None else "full"
-        for v in range(5)
-    ]
-    assert kinds == ["full", "delta", "delta", "delta", "full"]
+        kinds.append(publisher.last["kind"])
+    assert kinds == ["full", "delta", "delta", "delta", "full+delta"]
     return tmp / "store", sources, parse_public_key(public)
 
 
 def same_as(path: Path, src: Path) -> bool:
     """`path` holds exactly the files of `src` (and nothing but them, the manifest and .complete)."""
     want = {e["name"]: e["sha256"] for e in local_entries(src)}
-    return {e["name"]: e["sha256"] for e in local_entries(path)} == want and not list(path.glob("*.delta"))
+    return {e["name"]: e["sha256"] for e in local_entries(path)} == want and not list(path.rglob("*.delta"))
 
 
 def test_workers_rebuild_delta_versions_fetched_through_a_relay(published, tmp_path):
@@ -85,9 +83,13 @@ def test_workers_rebuild_delta_versions_fetched_through_a_relay(published, tmp_p
         shutil.copytree(tmp_path / "a" / "v1", tmp_path / "c" / "v1")
         path = fetch_policy([relay_url], RUN, 3, tmp_path / "c", public_key=public, report=report)
         assert report["chain"] == [2, 3] and same_as(path, sources[3])
-        # a full version is fetched whole
+        # v4 is whole and a delta: the worker holding v3 downloads the delta, a new one the whole files
         path = fetch_policy([relay_url], RUN, 4, tmp_path / "a", public_key=public, report=report)
-        assert report["chain"] == [4] and report["kinds"] == ["full"] and same_as(path, sources[4])
+        assert report["chain"] == [4] and report["kinds"] == ["delta"] and report["bytes"] < 0.4 * full
+        assert same_as(path, sources[4])
+        path = fetch_policy([relay_url], RUN, 4, tmp_path / "d", public_key=public, report=report)
+        assert report["chain"] == [4] and report["kinds"] == ["full"] and report["bytes"] == full
+        assert same_as(path, sources[4])
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "v3").state_dict()
@@ -115,7 +117,7 @@ def test_relay_keeps_the_chains_of_the_versions_it_keeps(published, tmp_path):
             assert report["chain"] == [0, 1, 2, 3] and same_as(path, sources[3])
         finally:
             relay_cm.__exit__(None, None, None)
-    for key in open_store(f"file://{store_dir}").list(f"{RUN}/policy/v4/"):  # v4 is whole
+    for key in open_store(f"file://{store_dir}").list(f"{RUN}/policy/v4/"):  # v4 is whole (and a delta)
         store.put_bytes(key, (store_dir / key).read_bytes())
     with (  # restarted relay over the same cache: it keeps the chain, then drops it once v4 needs none
         serving(origin.make_app(store, RUN)) as origin_url,
@@ -127,6 +129,30 @@ def test_relay_keeps_the_chains_of_the_versions_it_keeps(published, tmp_path):
         while sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir()) != ["v4"]:
             assert time.monotonic() < deadline, sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir())
             time.sleep(0.05)
+
+
+def test_a_worker_far_behind_takes_a_whole_version_when_that_is_smaller(tmp_path):
+    """fp32 at a high learning rate: deltas of ~0.7 x a checkpoint. A worker holding v1 could rebuild v3
+    from two deltas (~1.4 x) but downloads the whole v3 (1 x); one holding v2 takes v3's delta."""
+    private, public = generate_keypair(tmp_path / "keys")
+    key = parse_public_key(public)
+    store = open_store(f"file://{tmp_path}/store")
+    sources = trained_versions(tmp_path / "src", 4, "float32", lr=1e-2)
+    spec = DeltaSpec(full_every=3, max_ratio=1.0, max_chain_ratio=100.0)
+    publisher = PolicyPublisher(store, RUN, spec, make_signer(load_private_key(private)), SHARD)
+    for v, src in enumerate(sources):
+        shutil.copytree(src, tmp_path / f"copy{v}")
+        publisher.publish(v, tmp_path / f"copy{v}")
+        assert publisher.last["kind"] == ["full", "delta", "delta", "full+delta"][v]
+        assert v == 0 or 0.5 < publisher.last["delta_bytes"] / publisher.last["full_bytes"] < 1.0
+    with serving(origin.make_app(store, RUN)) as origin_url:
+        for held, chain, kinds in ((1, [3], ["full"]), (2, [3], ["delta"]), (0, [3], ["full"])):
+            dest = tmp_path / f"worker-{held}"
+            fetch_policy([origin_url], RUN, held, dest, public_key=key)
+            report = {}
+            path = fetch_policy([origin_url], RUN, 3, dest, public_key=key, report=report)
+            assert (report["chain"], report["kinds"]) == (chain, kinds), held
+            assert same_as(path, sources[3])
 
 
 def evil_relay(upstream: str, mangle) -> web.Application:

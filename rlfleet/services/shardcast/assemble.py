@@ -1,23 +1,27 @@
 """Fetch a policy version as a loader sees it: downloaded whole, or rebuilt from a held version and deltas.
 
 `fetch_policy(urls, run, N, dest_root)` is what rollout workers and the verifier call (client.fetch_version
-downloads exactly the files a manifest lists, which for a delta version are its patches):
+downloads every file a manifest lists, which for a delta version are its patches):
   1. dest_root/v{N}/.complete exists -> return it.
-  2. Plan, newest first: get N's manifest (signature first, then shape: client.Fetcher.manifest). If it
-     is a delta whose base B is held here complete with the very bytes the delta was made against
-     (each `base_sha256` equals B's own manifest entry), stop; otherwise continue with B's manifest.
-     A full version ends the walk. The plan is the one chain the publisher left: from the newest
-     held base, or, for a client that is new or too far behind, from the last full version (the
-     trainer bounds that chain at 1 + maxChainRatio checkpoints, rlfleet/delta/publish.py). A held
-     base whose recorded bytes differ from the delta's (another lineage) is discarded on the way.
-  3. Build oldest first. A full version: its shards into `.v{K}.partial/` (journaled, resumable), then
-     `.complete`, then renamed to v{K}. A delta: its patch files the same way, then every resulting
-     file (patch applied to the base's file, the base's file copied, or the file shipped whole) is
-     written and hashed, and its size and sha256 must equal the signed manifest's before `.complete`
-     is written and the directory renamed to v{K}. A rebuilt version is as verified as a downloaded one.
+  2. Plan, walking back from N through signed manifests (signature first, then shape:
+     client.Fetcher.manifest). Each version K offers one or two routes (delta.chain): its whole files
+     (a whole version) and its delta against K-1. Candidates, each with its download size:
+       whole(K) + deltas K+1..N        for every whole K on the walk
+       deltas B+1..N                   when the walk reaches a base B held here complete, with the very
+                                       bytes the delta was made against (`base_sha256` = B's manifest entry)
+     The walk stops at a held base, at a version with no delta, or once the deltas alone cost more
+     than the cheapest candidate so far; the cheapest candidate is the plan. So a worker holding N-1
+     downloads N's delta, one that is new or far behind a whole version and the deltas after it, or
+     a whole N when that is smaller. A held base whose recorded bytes differ (another lineage) is
+     discarded on the way.
+  3. Build oldest first, each version in `.v{K}.partial/` (journaled, resumable), then `.complete`,
+     then renamed to v{K}. Whole route: the whole files' shards. Delta route: the patch files' shards,
+     then every resulting file (patch applied to the base's file, the base's file copied, or the file
+     shipped whole) is written and hashed, and its size and sha256 must equal the signed manifest's
+     before `.complete` is written: a rebuilt version is as verified as a downloaded one.
   4. A delta that fails to rebuild (DeltaError: the held base's bytes are not what its manifest says,
      or the patch does not decode to the signed result) discards that base and plans again, which
-     now ends at the last full version; a second failure raises FetchError.
+     now ends at a whole version; a second failure raises FetchError.
 Intermediate versions of a chain are installed too (each verified); the caller prunes its cache.
 """
 
@@ -35,7 +39,7 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, version_dir_name
-from rlfleet.delta.chain import DeltaError, base_of, result_files, transfer_bytes
+from rlfleet.delta.chain import DeltaError, base_of, delta_files, result_files, size_of, whole, whole_files
 from rlfleet.delta.codec import apply_file
 from rlfleet.services.shardcast.client import PARALLEL, Fetcher, FetchError, Sources
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, install
@@ -77,20 +81,18 @@ def fetch_policy(
     job = _Job(sources, run, dest_root, time.monotonic() + timeout, on_bytes, stop, public_key, parallel, report)
     for attempt in (1, 2):
         plan = job.plan(version)
-        report.update(
-            chain=[v for v, _, _ in plan], kinds=["delta" if base_of(m) is not None else "full" for _, _, m in plan]
-        )
-        report["bytes"] = sum(transfer_bytes(m) for _, _, m in plan)
+        report.update(chain=[v for v, *_ in plan], kinds=[route for *_, route in plan])
+        report["bytes"] = sum(size_of(_route_files(m, route)) for _, _, m, route in plan)
         try:
-            for v, raw, manifest in plan:
-                job.build(v, raw, manifest)
+            for v, raw, manifest, route in plan:
+                job.build(v, raw, manifest, route)
             return final
         except DeltaError as exc:
             DELTAS.labels("rejected").inc()
             report["rejected"].append(str(exc))
             if attempt == 2:
-                raise FetchError(f"run {run!r} v{version}: rebuilding from a full version failed too: {exc}") from exc
-            log.warning("%s; discarding the base and starting again from the last full version", exc)
+                raise FetchError(f"run {run!r} v{version}: rebuilding from a whole version failed too: {exc}") from exc
+            log.warning("%s; discarding the base and starting again from a whole version", exc)
             job.discard(exc.base)
     raise AssertionError("unreachable")
 
@@ -129,51 +131,63 @@ class _Job:
             path.rename(trash)  # not held from here on, then deleted
             shutil.rmtree(trash, ignore_errors=True)
 
-    def plan(self, version: int) -> list[tuple[int, bytes, dict]]:
-        """(version, raw manifest, manifest) to build, oldest first (step 2 of the module docstring)."""
-        chain, v = [], version
+    def manifest(self, version: int) -> tuple[bytes, dict]:
+        fetcher = self.fetcher(version)
+        try:
+            return fetcher.manifest()
+        finally:
+            fetcher.close()
+
+    def plan(self, version: int) -> list[tuple[int, bytes, dict, str]]:
+        """(version, raw manifest, manifest, "full" or "delta") to build, oldest first (step 2 of the module
+        docstring)."""
+        walked, best, deltas, v = [], None, 0, version  # best: (bytes, index into walked, route there)
         while True:
-            if self.held(v) is not None:  # a version held here already (built by an earlier call)
-                break
-            fetcher = self.fetcher(v)
-            try:
-                raw, manifest = fetcher.manifest()
-            finally:
-                fetcher.close()
-            chain.append((v, raw, manifest))
+            raw, manifest = self.manifest(v)
+            walked.append((v, raw, manifest))
+            if whole(manifest) and (best is None or deltas + size_of(whole_files(manifest)) < best[0]):
+                best = (deltas + size_of(whole_files(manifest)), len(walked) - 1, "full")
             base = base_of(manifest)
             if base is None:
                 break
+            deltas += size_of(delta_files(manifest))
             held = self.held(base)
             if held is not None:
                 problem = _base_mismatch(held, manifest)
                 if problem is None:
+                    if best is None or deltas < best[0]:
+                        best = (deltas, len(walked) - 1, "delta")
                     break
                 self.report["rejected"].append(problem)
                 log.warning("%s; discarding it", problem)
                 self.discard(base)
+            if best is not None and deltas >= best[0]:
+                break
             v = base
-        return chain[::-1]
+        _, start, route = best
+        return [(*walked[start], route)] + [(*walked[i], "delta") for i in range(start - 1, -1, -1)]
 
-    def build(self, version: int, raw: bytes, manifest: dict) -> None:
-        """Download `version`'s files and, for a delta, rebuild its resulting files; install it verified."""
+    def build(self, version: int, raw: bytes, manifest: dict, route: str) -> None:
+        """Download `version`'s files for `route` and, for a delta, rebuild its resulting files; install it verified."""
         final = self.dest_root / version_dir_name(version)
         if (final / COMPLETE_MARKER).exists():
             return
         partial = self.dest_root / f".{final.name}.partial"
+        part = {**manifest, "files": _route_files(manifest, route)}  # what this route downloads
         fetcher = self.fetcher(version)
         try:
             with ShardJournal(partial) as journal:
-                done = journal.resume(raw, manifest)
-                fetcher.shards(manifest, partial, done, journal.record)
+                done = journal.resume(raw, part)
+                fetcher.shards(part, partial, done, journal.record)
             (partial / JOURNAL).unlink()
-            base = base_of(manifest)
-            if base is not None:
+            if route == "delta":
+                base = base_of(manifest)
                 held = self.held(base)
                 if held is None:
                     raise DeltaError(f"run {self.run!r} v{version}: its base v{base} is not held here")
                 rebuild(partial, held, manifest, version, base)
                 DELTAS.labels("rebuilt").inc()
+            _tidy(partial, {e["name"] for e in result_files(manifest)})
             (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, every file verified\n")
             install(partial, final)
         except FetchError:
@@ -185,6 +199,21 @@ class _Job:
             raise
         finally:
             fetcher.close()
+
+
+def _route_files(manifest: dict, route: str) -> list[dict]:
+    return whole_files(manifest) if route == "full" else delta_files(manifest)
+
+
+def _tidy(partial: Path, keep: set[str]) -> None:
+    """Remove from `partial` every file that is not one of the version's (a patch, or a file an earlier,
+    interrupted attempt by the other route left) but its manifest."""
+    for path in sorted(partial.rglob("*"), reverse=True):
+        name = path.relative_to(partial).as_posix()
+        if path.is_file() and name not in keep and name != MANIFEST_NAME:
+            path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
 
 
 def _base_mismatch(held: Path, manifest: dict) -> str | None:
@@ -242,10 +271,6 @@ def rebuild(partial: Path, base_dir: Path, manifest: dict, version: int, base: i
                 f"the signed manifest says {entry['size']} and {entry['sha256'][:12]}... (wrong or damaged base)",
                 base=base,
             )
-    results = {e["name"] for e in section}
-    for entry in manifest["files"]:  # patches are not part of the version
-        if entry["name"] not in results:
-            (partial / entry["name"]).unlink()
     for entry in section:
         if entry["from"] != "file":
             (partial / entry["name"]).parent.mkdir(parents=True, exist_ok=True)
