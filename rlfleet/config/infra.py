@@ -73,12 +73,19 @@ class DeltaSpec(Spec):
         "published whole instead.",
     )
     max_chain_ratio: float = Field(
-        default=1.0,
+        default=2.0,
         ge=0.0,
         le=100.0,
         description="The deltas since the last whole version may add up to at most this many whole checkpoints; the "
-        "version that would pass it is published whole. A client without a base downloads the last whole version and "
-        "the deltas after it, so it never fetches more than (1 + maxChainRatio) checkpoints.",
+        "version that would pass it is published whole. A client without a base downloads a whole version and the "
+        "deltas after it, so it never fetches more than (1 + maxChainRatio) checkpoints.",
+    )
+    delta_with_whole: bool = Field(
+        default=True,
+        description="A version published whole also carries its delta against the previous version (one manifest), "
+        "so workers holding that one still download only the delta; relays then pull both. False: whole versions "
+        "are only whole, which costs the workers a whole checkpoint every so often and the relays less. True suits "
+        "trees where the relays' fan-out to workers is the bottleneck, false the origin's uplink.",
     )
 
 

@@ -11,7 +11,7 @@ is shipped whole. Then it publishes
     version % fullEvery == 0, or the deltas since the last whole version would add up past
     maxChainRatio x the checkpoint. Workers holding version - 1 still download only the delta; a
     client without a base downloads the whole files, never more than a whole version plus
-    maxChainRatio checkpoints of deltas after it;
+    maxChainRatio checkpoints of deltas after it. With deltaWithWhole off, such a version is whole alone;
   - whole alone, when there is no delta or it does not pay.
 The base is the publisher's own copy of the previous version's files, never read back from the store:
 `base_sha256` in the manifest names exactly the bytes the delta was made against.
@@ -114,14 +114,14 @@ class PolicyPublisher:
         due = version % self.spec.full_every == 0 or self.chain_bytes + sent > self.spec.max_chain_ratio * full_bytes
         if pays and not due:
             kind, src = "delta", out
-        elif pays:  # whole and the delta: add the whole files beside the patches
+        elif pays and self.spec.delta_with_whole:  # whole and the delta: the whole files beside the patches
             kind, src = "full+delta", out
             for entry in section:
                 if not (out / entry["name"]).exists():
                     (out / entry["name"]).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(local_dir / entry["name"], out / entry["name"])
         else:
-            kind, src = "full", local_dir
+            kind, src, pays = "full", local_dir, False
         extra = {DELTA: {"format": FORMAT, "base": self.base[0], "files": section}} if pays else None
         manifest = publish_version(
             self.store, self.run, version, src, signer=self.signer, shard_size=self.shard_size, extra=extra
@@ -137,7 +137,7 @@ class PolicyPublisher:
             sent,
             full_bytes,
             sent / max(full_bytes, 1),
-            "" if pays else " (none, or it does not pay)",
+            "" if pays else " (published whole only)",
         )
         return manifest
 

@@ -199,6 +199,12 @@ def test_publisher_sends_deltas_and_whole_versions_by_the_rules(tmp_path, keys):
             chain += sum(f["size"] for f in manifest["files"])
             assert chain <= 0.5 * short.last["full_bytes"]
     assert seen[0] == "full" and "full+delta" in seen and seen.count("delta") >= 2, seen
+    # whole versions without their delta
+    store4 = open_store(f"file://{tmp_path}/store4")
+    spec = DeltaSpec(full_every=4, max_chain_ratio=100.0, delta_with_whole=False)
+    manifests = publish_all(PolicyPublisher(store4, "r", spec, signer, 4096), versions, tmp_path)
+    assert kinds(manifests) == ["full", "delta", "delta", "delta", "full", "delta", "delta"]
+    assert base_of(manifests[4]) is None and base_of(manifests[5]) == 4
     # deltas that do not pay (maxRatio) and deltas turned off
     for spec in (DeltaSpec(max_ratio=0.01), DeltaSpec(enabled=False)):
         store3 = open_store(f"file://{tmp_path}/store3-{spec.enabled}")
