@@ -174,6 +174,18 @@ def follow(store_dir: Path, count: int, dest: Path, public_key) -> list[dict]:
     return rows
 
 
+def delta_client(urls: list[str], dest: Path, public_key, held: int, timeout: float = 3600) -> float:
+    """A client for the WAN benchmark: it holds v`held` (fetched before the clock starts), waits for the
+    next version to be announced, fetches it with fetch_policy (its delta, rebuilt and verified) and
+    returns the monotonic time it was done; run one per client host, as broadcast.py runs its clients."""
+    from rlfleet.services.shardcast.assemble import fetch_policy
+    from rlfleet.services.shardcast.client import wait_for_version
+
+    version = wait_for_version(urls, RUN, held, timeout=timeout)
+    fetch_policy(urls, RUN, version, dest, timeout=timeout, public_key=public_key)
+    return time.monotonic()
+
+
 def entropy_bound(base: Path, new: Path) -> float:
     """Bits per byte any per-element lossless code of new-vs-base needs (zeroth order, module docstring)."""
     from rlfleet.delta.codec import UINT, tensor_layout
