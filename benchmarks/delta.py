@@ -26,9 +26,10 @@ and what a relay pulls (whole versions and their deltas included), both ÷ full;
 bound: the zeroth-order entropy of the per-element change in units of the last place (bit length
 histogram + the uniform bits below the top one) over the 2- and 4-byte tensors, the fewest bits a
 per-element lossless code of them needs; where a target is out of reach, this says why.
-For the WAN benchmark (benchmarks/broadcast.py --wan), `make_series` and `publish_series` are the
-pieces to reuse: publish a series, then time clients following it with fetch_policy, bound by the
-bytes `publish_series` reports. This is a script, not a test (STYLE.md 10).
+For the WAN benchmark (benchmarks/broadcast.py --wan) the pieces to reuse are `make_series` and
+`publish_series` (versions and the bytes each one sends: the bound's numerator) and `delta_client` (a
+client holding v-1 that fetches, rebuilds and verifies the next version). This is a script, not a
+test (STYLE.md 10).
 """
 
 from __future__ import annotations
