@@ -24,7 +24,9 @@ copy (unchanged) / xor / add / sparse (tried when under SPARSE_MAX of the elemen
 with no counterpart in the base are raw. Decoding (`apply_file`) checks the index (tiling, known ops,
 ranges inside both files, exact decompressed sizes) and raises DeltaError naming the file and the
 segment; it writes the result front to back and returns its size and sha256, which the caller checks
-against the signed manifest: the codec itself trusts nothing it is given.
+against the signed manifest: the codec itself trusts nothing it is given. Both sides work segment by
+segment on WORKERS threads (zstd, numpy and hashlib release the GIL), in file order, a few segments
+in memory at a time.
 Library: zstandard (the reference zstd's Python binding); planes and zigzag are numpy.
 """
 
@@ -32,8 +34,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +57,7 @@ SINT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 DTYPE_WIDTH = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 OPS = ("copy", "raw", "xor", "add", "sparse")
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+WORKERS = min(4, os.cpu_count() or 1)  # threads per file for encoding and decoding
 
 
 # ---- element transforms ------------------------------------------------------------------------
@@ -63,8 +69,8 @@ def planes(data: np.ndarray, width: int) -> bytes:
 
 
 def unplane(data: bytes, width: int) -> np.ndarray:
-    """Inverse of planes(): the elements as unsigned ints of `width` bytes."""
-    return np.ascontiguousarray(np.frombuffer(data, np.uint8).reshape(width, -1).T).view(UINT[width]).ravel()
+    """Inverse of planes(): the elements as unsigned ints of `width` bytes, in a new (writable) array."""
+    return np.frombuffer(data, np.uint8).reshape(width, -1).T.copy().view(UINT[width]).ravel()  # writable
 
 
 def zigzag(diff: np.ndarray, width: int) -> np.ndarray:
@@ -73,8 +79,12 @@ def zigzag(diff: np.ndarray, width: int) -> np.ndarray:
 
 
 def unzigzag(z: np.ndarray, width: int) -> np.ndarray:
-    one = UINT[width](1)
-    return (z >> one) ^ (UINT[width](0) - (z & one))
+    """Inverse of zigzag(), in place (z must be writable)."""
+    sign = z & UINT[width](1)
+    np.negative(sign, out=sign)  # 0 or all ones
+    z >>= UINT[width](1)
+    z ^= sign
+    return z
 
 
 # ---- encoding ----------------------------------------------------------------------------------
@@ -115,9 +125,8 @@ def tensor_layout(path: Path) -> tuple[int, dict[str, tuple[int, int, int]]] | N
 class _Writer:
     """Appends segments to an open delta file and keeps the index."""
 
-    def __init__(self, f, level: int):
+    def __init__(self, f):
         self.f, self.offset, self.segments = f, 0, []
-        self.zstd = zstandard.ZstdCompressor(level=level, write_checksum=True)  # 4 bytes a segment
         self.stats: Counter = Counter()
 
     def add(self, start: int, end: int, op: str, base_start: int = 0, width: int = 1, payload: bytes = b"") -> None:
@@ -127,77 +136,119 @@ class _Writer:
         self.stats[op] += end - start
         self.stats[f"{op}_bytes"] += len(payload)
 
-    def raw(self, start: int, data: bytes) -> None:
-        if data:
-            self.add(start, start + len(data), "raw", payload=self.zstd.compress(data))
 
-    def piece(self, start: int, new: bytes, base_start: int, base: bytes, width: int) -> None:
-        """One piece of a tensor against its counterpart in the base: the smallest encoding."""
-        if new == base:
-            self.add(start, start + len(new), "copy", base_start, width)
-            return
-        nv, bv = np.frombuffer(new, UINT[width]), np.frombuffer(base, UINT[width])
-        x = nv ^ bv
-        best = ("xor", self.zstd.compress(planes(x, width)))
-        if width > 1:
-            best = min(best, ("add", self.zstd.compress(planes(zigzag(nv - bv, width), width))), key=_size)
-        changed = np.flatnonzero(x)
-        if len(changed) < SPARSE_MAX * len(x):
-            gaps = np.diff(changed, prepend=-1).astype(np.uint32) - np.uint32(1)
-            body = struct.pack("<Q", len(changed)) + planes(gaps, 4) + planes(x[changed], width)
-            best = min(best, ("sparse", self.zstd.compress(body)), key=_size)
-        self.add(start, start + len(new), best[0], base_start, width, best[1])
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    return zstandard.ZstdCompressor(level=level, write_checksum=True)  # 4 bytes a segment
+
+
+def _encode(job: tuple, nfd: int, bfd: int, level: int) -> tuple:
+    """One segment: job = (start, end, kind, base_start, width), kind "raw", "head" (the safetensors
+    header region: copied if identical) or "piece" (a tensor piece: the smallest encoding against the
+    base's piece). Returns the _Writer.add arguments."""
+    start, end, kind, base_start, width = job
+    new = _read(nfd, start, end - start)
+    if kind == "raw":
+        return start, end, "raw", 0, 1, _compressor(level).compress(new)
+    base = _read(bfd, base_start, end - start)
+    if new == base:
+        return start, end, "copy", base_start, width, b""
+    if kind == "head":
+        return start, end, "raw", 0, 1, _compressor(level).compress(new)
+    zstd = _compressor(level)
+    nv, bv = np.frombuffer(new, UINT[width]), np.frombuffer(base, UINT[width])
+    x = nv ^ bv
+    best = ("xor", zstd.compress(planes(x, width)))
+    if width > 1:
+        best = min(best, ("add", zstd.compress(planes(zigzag(nv - bv, width), width))), key=_size)
+    changed = np.flatnonzero(x)
+    if len(changed) < SPARSE_MAX * len(x):
+        gaps = np.diff(changed, prepend=-1).astype(np.uint32) - np.uint32(1)
+        body = struct.pack("<Q", len(changed)) + planes(gaps, 4) + planes(x[changed], width)
+        best = min(best, ("sparse", zstd.compress(body)), key=_size)
+    return start, end, best[0], base_start, width, best[1]
 
 
 def _size(choice: tuple[str, bytes]) -> int:
     return len(choice[1])
 
 
-def encode_file(base: Path, new: Path, out: Path, level: int = LEVEL) -> dict[str, int]:
-    """Write the delta that rebuilds `new` from `base` to `out`; return bytes per op (result bytes
-    under `op`, payload bytes under `op_bytes`) for reports."""
-    base, new = Path(base), Path(new)
+def _jobs(new: Path, base: Path) -> list[tuple]:
+    """The segments of `new`, in order: (start, end, kind, base_start, width), see _encode."""
     new_size, base_size = new.stat().st_size, base.stat().st_size
     new_layout, base_layout = tensor_layout(new), tensor_layout(base)
-    with open(new, "rb") as nf, open(base, "rb") as bf, open(out, "wb") as f:
-        w, pos = _Writer(f, level), 0
-        if new_layout is None or base_layout is None:  # opaque bytes: position by position if sizes agree
-            regions = [(0, new_size, 0, 1)] if new_size == base_size else []
-        else:
-            (new_head, new_tensors), (base_head, base_tensors) = new_layout, base_layout
-            head = _read(nf, 0, new_head)
-            if new_head == base_head and head == _read(bf, 0, base_head):
-                w.add(0, new_head, "copy", 0, 1)
-            else:
-                w.raw(0, head)
-            pos = new_head
-            regions = []
-            for name, (width, start, end) in new_tensors.items():
-                other = base_tensors.get(name)
-                if other is not None and other[0] == width and other[2] - other[1] == end - start:
-                    regions.append((start, end, other[1], width))
-        for start, end, base_start, width in sorted(regions):
-            if start < pos:  # overlapping tensors: not a layout we rebuild piece by piece
-                continue
-            w.raw(pos, _read(nf, pos, start - pos))
-            step = max(width, PIECE - PIECE % width)
-            for at in range(start, end, step):
-                n = min(end, at + step) - at
-                w.piece(at, _read(nf, at, n), base_start + at - start, _read(bf, base_start + at - start, n), width)
-            pos = end
-        w.raw(pos, _read(nf, pos, new_size - pos))
-        index = json.dumps({"format": FORMAT, "size": new_size, "base_size": base_size, "segments": w.segments})
-        f.write(index.encode())
-        f.write(TRAILER.pack(len(index), MAGIC))
+    jobs, pos = [], 0
+    if new_layout is None or base_layout is None:  # opaque bytes: position by position if sizes agree
+        regions = [(0, new_size, 0, 1)] if new_size == base_size else []
+    else:
+        (new_head, new_tensors), (base_head, base_tensors) = new_layout, base_layout
+        if new_head:
+            jobs.append((0, new_head, "head" if new_head == base_head else "raw", 0, 1))
+        pos = new_head
+        regions = []
+        for name, (width, start, end) in new_tensors.items():
+            other = base_tensors.get(name)
+            if other is not None and other[0] == width and other[2] - other[1] == end - start:
+                regions.append((start, end, other[1], width))
+    for start, end, base_start, width in sorted(regions):
+        if start < pos:  # overlapping tensors: not a layout we rebuild piece by piece
+            continue
+        if start > pos:
+            jobs.append((pos, start, "raw", 0, 1))
+        step = max(width, PIECE - PIECE % width)
+        jobs += [(at, min(end, at + step), "piece", base_start + at - start, width) for at in range(start, end, step)]
+        pos = max(pos, end)
+    if new_size > pos:
+        jobs.append((pos, new_size, "raw", 0, 1))
+    return jobs
+
+
+def encode_file(base: Path, new: Path, out: Path, level: int = LEVEL, workers: int = WORKERS) -> dict[str, int]:
+    """Write the delta that rebuilds `new` from `base` to `out`; return bytes per op (result bytes
+    under `op`, payload bytes under `op_bytes`) for reports. Segments are encoded by `workers` threads
+    (zstd and numpy release the GIL) and written in order."""
+    base, new = Path(base), Path(new)
+    new_size, base_size = new.stat().st_size, base.stat().st_size
+    nfd, bfd = os.open(new, os.O_RDONLY), os.open(base, os.O_RDONLY)
+    try:
+        with open(out, "wb") as f:
+            w = _Writer(f)
+            for segment in _ordered(lambda job: _encode(job, nfd, bfd, level), _jobs(new, base), workers):
+                w.add(*segment)
+            index = json.dumps({"format": FORMAT, "size": new_size, "base_size": base_size, "segments": w.segments})
+            f.write(index.encode())
+            f.write(TRAILER.pack(len(index), MAGIC))
+    finally:
+        os.close(nfd)
+        os.close(bfd)
     return dict(w.stats)
 
 
-def _read(f, offset: int, n: int) -> bytes:
-    f.seek(offset)
-    data = f.read(n)
-    if len(data) != n:
-        raise DeltaError(f"{Path(f.name).name}: {n} bytes at offset {offset} wanted, {len(data)} there")
-    return data
+def _ordered(fn: Callable, jobs: Iterable, workers: int) -> Iterator:
+    """fn(job) for each job, results in job order, with at most `workers` + 1 jobs in flight (memory
+    stays a few pieces however large the file)."""
+    if workers <= 1:
+        yield from map(fn, jobs)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="delta-codec") as pool:
+        pending: deque = deque()
+        for job in jobs:
+            pending.append(pool.submit(fn, job))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _read(fd: int, offset: int, n: int) -> bytes:
+    """n bytes at `offset` of the open file `fd` (pread: threads may share the descriptor)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            raise DeltaError(f"{n} bytes at offset {offset} wanted, {got} there (a file shorter than its index says)")
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 # ---- decoding ----------------------------------------------------------------------------------
@@ -263,16 +314,17 @@ def _decompress(z: zstandard.ZstdDecompressor, data: bytes, expected: int, what:
     return out
 
 
-def _segment(z, seg: list, bf, df, what: str) -> bytes:
-    """The result bytes of one (checked) segment, from the open base and delta files."""
+def _segment(seg: list, bfd: int, dfd: int, what: str):
+    """The result bytes of one (checked) segment, from the open base and delta files (bytes or a
+    contiguous array; thread-safe)."""
     start, end, op, base_start, width, offset, length = seg
     n = end - start
     if op == "copy":
-        return _read(bf, base_start, n)
-    data = _read(df, offset, length)
+        return _read(bfd, base_start, n)
+    z, data = zstandard.ZstdDecompressor(), _read(dfd, offset, length)
     if op == "raw":
         return _decompress(z, data, n, what)
-    b = np.frombuffer(_read(bf, base_start, n), UINT[width])
+    b = np.frombuffer(_read(bfd, base_start, n), UINT[width])
     if op == "sparse":
         try:
             body = z.decompress(data, max_output_size=8 + (n // width) * (4 + width))
@@ -286,24 +338,36 @@ def _segment(z, seg: list, bf, df, what: str) -> bytes:
             raise DeltaError(f"{what}: sparse indices run past the segment")
         out = b.copy()
         out[idx] ^= unplane(body[8 + 4 * k :], width)
-        return out.tobytes()
+        return out
     d = unplane(_decompress(z, data, n, what), width)
-    return (b ^ d if op == "xor" else b + unzigzag(d, width)).tobytes()
+    if op == "xor":
+        d ^= b
+    else:
+        unzigzag(d, width)
+        d += b
+    return d
 
 
-def apply_file(base: Path, delta: Path, out: Path) -> tuple[int, str]:
+def apply_file(base: Path, delta: Path, out: Path, workers: int = WORKERS) -> tuple[int, str]:
     """Rebuild a file from `base` and the delta file `delta` into `out`; return (size, sha256) of what
-    was written. Raises DeltaError for a malformed delta or a base of another size."""
+    was written. Segments are decoded by `workers` threads, hashed and written in order. Raises
+    DeltaError for a malformed delta or a base of another size."""
     base, delta = Path(base), Path(delta)
     index, payload_end = read_index(delta)
     if base.stat().st_size != index["base_size"]:
         raise DeltaError(
             f"{delta.name}: made against a base of {index['base_size']} bytes, {base.name} has {base.stat().st_size}"
         )
-    digest, z = hashlib.sha256(), zstandard.ZstdDecompressor()
-    with open(base, "rb") as bf, open(delta, "rb") as df, open(out, "wb") as f:
-        for i, seg in enumerate(index["segments"]):
-            data = _segment(z, seg, bf, df, f"{delta.name} segment {i}")
-            digest.update(data)
-            f.write(data)
+    digest = hashlib.sha256()
+    bfd, dfd = os.open(base, os.O_RDONLY), os.open(delta, os.O_RDONLY)
+    try:
+        with open(out, "wb") as f:
+            jobs = [(i, seg) for i, seg in enumerate(index["segments"])]
+            decode = lambda job: _segment(job[1], bfd, dfd, f"{delta.name} segment {job[0]}")  # noqa: E731
+            for data in _ordered(decode, jobs, workers):
+                digest.update(data)
+                f.write(data)
+    finally:
+        os.close(bfd)
+        os.close(dfd)
     return index["size"], digest.hexdigest()
