@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -58,6 +59,15 @@ def local_entries(local_dir: Path) -> list[dict]:
         if name not in (MANIFEST_NAME, COMPLETE_MARKER):
             entries.append({"name": name, "size": path.stat().st_size, "sha256": sha256_file(path)})
     return entries
+
+
+def _link(src: Path, dest: Path) -> None:
+    """`dest` gets `src`'s bytes: a hard link (no copy of a large file), or a copy across filesystems."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
 
 
 def _key(entries: list[dict]) -> list[tuple]:
@@ -118,8 +128,7 @@ class PolicyPublisher:
             kind, src = "full+delta", out
             for entry in section:
                 if not (out / entry["name"]).exists():
-                    (out / entry["name"]).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(local_dir / entry["name"], out / entry["name"])
+                    _link(local_dir / entry["name"], out / entry["name"])
         else:
             kind, src, pays = "full", local_dir, False
         extra = {DELTA: {"format": FORMAT, "base": self.base[0], "files": section}} if pays else None
@@ -175,8 +184,7 @@ class PolicyPublisher:
                     sent += size
                     continue
                 (out / patch).unlink()
-            (out / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local_dir / name, out / name)
+            _link(local_dir / name, out / name)
             section.append({**entry, "from": "file"})
             sent += entry["size"]
         self.last.update(encode_seconds=time.monotonic() - started, ops=dict(ops), delta_bytes=sent)
