@@ -1,6 +1,7 @@
 """Sharded data parallel (`trainer.sharding: fsdp`): two CPU processes (gloo, torchrun-style env)
 with FSDP2 give the same weights as one unsharded process, through a save and a restore of the
-sharded optimizer state; the checkpoints they publish (v0 whole, then deltas) rebuild to whole safetensors a plain model loads."""
+sharded optimizer state; the checkpoints they publish (v0 whole, then deltas) rebuild to whole
+safetensors a plain model loads."""
 
 from __future__ import annotations
 
