@@ -35,7 +35,7 @@ from rlfleet.runtime import ComponentOptions, Context, component_context, latest
 from rlfleet.services.ingest.client import post_group, rollouts_url
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.shardcast.client import Sources, fetch_version
-from rlfleet.services.toploc.proof import build_proofs
+from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.signing import run_public_key
 from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
 from rlfleet.tasks import make_run_task
@@ -202,13 +202,13 @@ class Worker:
         finally:
             IN_FLIGHT.set(0)
         samples = []
-        for gen in gens:
-            proofs = build_proofs(
-                gen.hidden,
-                prompt_len=len(prompt_ids),
-                decode_batching_size=toploc.decode_batching_size,
-                topk=toploc.topk,
-            )
+        group_proofs = build_proofs_many(  # the whole group's chunks in one vectorised pass
+            [gen.hidden for gen in gens],
+            prompt_len=len(prompt_ids),
+            decode_batching_size=toploc.decode_batching_size,
+            topk=toploc.topk,
+        )
+        for gen, proofs in zip(gens, group_proofs):
             text = self.engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
             samples.append(
                 Sample(
