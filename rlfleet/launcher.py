@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rlfleet import env
 from rlfleet.config import Bundle, load_bundle
+from rlfleet.progress import BuildProgress, Progress, startup_status
 from rlfleet.redis_server import EmbeddedRedis, free_port
 from rlfleet.report import read_metrics, write_reports
 from rlfleet.streams import RunKeys
@@ -186,40 +187,6 @@ def stop_all(comps: list[Component]) -> None:
             c.proc.wait()
 
 
-class Progress:
-    """A tqdm bar over trainer steps (or one line per step without a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr) if enabled else None
-        self.seen = 0
-
-    def update(self, records: list[dict], queue_depth: int) -> None:
-        new = records[self.seen :]
-        if not new:
-            return
-        self.seen = len(records)
-        r = new[-1]
-        fields = {
-            "v": r["policy_version"],
-            "reward": f"{r['reward_mean']:.2f}",
-            "acc": r["accepted"],
-            "rej": r["rejected"],
-            "queue": queue_depth,
-            "lag": f"{r['staleness_mean']:.1f}",
-        }
-        if self.bar:
-            self.bar.set_postfix(fields, refresh=False)
-            self.bar.update(len(new))
-        else:
-            print(f"step {r['step']} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()
-
-
 def run_local(file: str, run_dir: str | None = None, steps: int | None = None, progress: bool = True) -> int:
     bundle = load_bundle(file)
     bundle_graph(bundle, file)  # a relay tree that cannot be built fails before anything starts
@@ -234,14 +201,22 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     from rlfleet.models.builtin import resolve_model_path
 
     t0 = time.monotonic()
-    model_dir = resolve_model_path(bundle.run.spec.model, bundle.run.spec.task, seed=bundle.run.spec.trainer.seed)
+    build = BuildProgress(bundle.run.spec.model.path, progress and sys.stderr.isatty())
+    try:
+        model_dir = resolve_model_path(
+            bundle.run.spec.model, bundle.run.spec.task, seed=bundle.run.spec.trainer.seed, progress=build
+        )
+    finally:
+        build.close()
     print(
         f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)",
         file=sys.stderr,
     )
-    from rlfleet.services.rollout.engines import check_supported
-
     for pool in bundle.pools:  # refused here, not after every other process has started
+        if pool.spec.engine == "torch":
+            continue  # serves any model; and importing the engines (torch) costs seconds before anything starts
+        from rlfleet.services.rollout.engines import check_supported
+
         try:
             check_supported(pool.spec.engine, model_dir)
         except (ImportError, ValueError) as exc:
@@ -287,9 +262,12 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
                         start_new_session=True,
                         env={**environ, **c.env, **(signing_env if c.name == "trainer" else {})},
                     )
-            trainer = comps[-1]
+            trainer, keys = comps[-1], RunKeys(name)
             while True:
-                bar.update(read_metrics(run_path / "metrics.jsonl"), client.xlen(RunKeys(name).rollouts))
+                records = read_metrics(run_path / "metrics.jsonl")
+                if not records:
+                    bar.waiting(startup_status(client, keys, bundle.run.spec.trainer.batch_size))
+                bar.update(records, client.xlen(keys.rollouts))
                 if trainer.proc.poll() == 0:
                     break
                 # Other trainer ranks finish their last step before rank 0 has published it.
