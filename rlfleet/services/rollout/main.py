@@ -30,6 +30,7 @@ from prometheus_client import Counter, Gauge
 
 from rlfleet import env
 from rlfleet.checkpoint import parse_version_dir
+from rlfleet.models.builtin import local_model_path
 from rlfleet.policy import configure_torch_threads
 from rlfleet.runtime import ComponentOptions, Context, component_context, latest_announced_version
 from rlfleet.services.ingest.client import post_group, rollouts_url
@@ -147,13 +148,28 @@ class Worker:
         self.engine: Engine | None = None
 
     def wait_first_version(self) -> bool:
+        """Start the engine and load the first announced version. The engine starts from the run's base
+        model when this machine has it (a shipped or cached builtin, a local directory), while the
+        first version is being published and downloaded (vLLM takes most of a minute to start on a
+        few CPU cores); it generates nothing before that version's weights are loaded in."""
         self.follower.start()
+        spec = self.spec
+        base = local_model_path(spec.model, spec.task, spec.trainer.seed)
+        if base is not None:
+            self.engine = make_engine(self.engine_kind, base, -1, spec.model.dtype)
         while not self.ctx.stop.is_set():
             self._raise_follower_error()
             ready = self.follower.take(-1)
             if ready:
                 version, path, _ = ready
-                self.engine = make_engine(self.engine_kind, path, version, self.spec.model.dtype)
+                if self.engine is None:
+                    self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype)
+                else:
+                    try:
+                        self.engine.load_weights(path, version)
+                    except ValueError:  # the local base model is another architecture: start from this version
+                        self.engine.close()
+                        self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype)
                 VERSION.set(version)
                 return True
             time.sleep(0.05)
