@@ -212,11 +212,9 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)",
         file=sys.stderr,
     )
-    for pool in bundle.pools:  # refused here, not after every other process has started
-        if pool.spec.engine == "torch":
-            continue  # serves any model; and importing the engines (torch) costs seconds before anything starts
-        from rlfleet.services.rollout.engines import check_supported
+    from rlfleet.services.rollout.engines import check_supported  # imports neither torch nor vLLM
 
+    for pool in bundle.pools:  # refused here, not after every other process has started
         try:
             check_supported(pool.spec.engine, model_dir)
         except (ImportError, ValueError) as exc:

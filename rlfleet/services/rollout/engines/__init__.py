@@ -36,9 +36,7 @@ def check_supported(kind: str, model_dir: Path) -> None:
     """Raise ImportError/ValueError naming the fix when engine `kind` cannot serve the model in
     `model_dir` on this machine (asked before any process starts; engines fail later otherwise)."""
     if resolve_kind(kind) == "vllm":
-        from rlfleet.services.rollout.engines.vllm_engine import (
-            check_supported as vllm_check,  # ImportError names the extra
-        )
+        from rlfleet.services.rollout.engines.vllm_pin import check_supported as vllm_check  # no vLLM import
 
         vllm_check(Path(model_dir))
 
