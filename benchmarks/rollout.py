@@ -123,7 +123,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engines", default="torch,vllm")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engines = args.engines.split(",")
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-rollout-") as tmp:
         work = Path(tmp)
