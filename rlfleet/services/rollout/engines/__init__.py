@@ -43,9 +43,8 @@ def check_supported(kind: str, model_dir: Path) -> None:
 
 def make_engine(kind: str, model_dir: Path, version: int, dtype: str = "float32") -> Engine:
     """Factory keyed by InferencePool `engine`: torch; vllm; auto = vllm when vLLM is installed and
-    a GPU is present, else torch. vLLM on CPU works but must be asked for: its start takes most of
-    a minute on a few cores, it needs head size >= 32, and its gain over torch there is small and
-    load-dependent (benchmarks/rollout.py)."""
+    a GPU is present, else torch. vLLM on CPU works but must be asked for: its start takes tens of
+    seconds on a few cores and it needs head size >= 32 (its throughput there: benchmarks/rollout.py)."""
     kind = resolve_kind(kind)
     if kind == "vllm":
         from rlfleet.services.rollout.engines.vllm_engine import VLLMEngine  # ImportError names the install extra
