@@ -14,10 +14,12 @@ processes, as vLLM does by default on GPU, or in this one, as we run it on CPU):
   ties generation to speculative decoding, so it is not used.
   Coverage: prompt rows come from the group's first request, which skips *reading* the prefix
   cache (`skip_reading_prefix_cache`) so all its prompt rows are computed; a completion's tokens
-  t_0..t_{T-2} are fed by its own decode steps. The last token t_{T-1} is never fed by vLLM (it
-  stops after sampling it), so every finished completion gets a 1-token continuation request
-  (prompt + completion, greedy, output discarded) that reads the prefix cache: it recomputes only
-  the rows after the last full cached KV block (at most one block) and yields t_{T-1}'s row.
+  t_0..t_{T-2} are fed by its own decode steps. vLLM never feeds the last token t_{T-1} (it stops
+  after sampling it), so each request may sample one token past the group's limit: a completion
+  that runs to the limit gets t_{T-1}'s row from the decode step that samples that extra token
+  (dropped, with its row and logprob). One that stops at EOS earlier gets a 1-token continuation
+  request (prompt + completion, greedy, output discarded) that reads the prefix cache: it
+  recomputes only the rows after the last full cached KV block and yields t_{T-1}'s row.
 - Token logprobs: vLLM's own logprobs are `log_softmax(logits)` before temperature
   (`logprobs_mode="raw_logprobs"`) or after temperature *and* top-k/top-p renormalisation
   (`processed_logprobs`); neither is the contract of engine.py (`log_softmax(logits / T)` over the
@@ -251,8 +253,8 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        # Each completion's last hidden row comes from a 1-token continuation of prompt + completion,
-        # so a completion may fill the context window but for that one position.
+        # A completion's last hidden row comes from one more decode step or a 1-token continuation
+        # (module docstring), so a completion may fill the context window but for that one position.
         room = self.max_model_len - len(prompt_ids) - 1
         if room < 1:
             raise ValueError(
@@ -260,6 +262,7 @@ class VLLMEngine(Engine):
                 f"{self.max_model_len}-token context (one position is kept for the TOPLOC capture); "
                 f"shorten spec.task's prompts or serve a model with a longer context"
             )
+        limit = min(params.max_tokens, room)
         with self._lock:
             sampling = [
                 VSamplingParams(
@@ -267,7 +270,7 @@ class VLLMEngine(Engine):
                     temperature=params.temperature,
                     top_p=params.top_p,
                     top_k=params.top_k,
-                    max_tokens=min(params.max_tokens, room),
+                    max_tokens=limit + 1,  # the extra token's decode step feeds the last one (docstring)
                     seed=sample_seed(params.seed, i),
                     detokenize=False,
                     skip_reading_prefix_cache=(i == 0),
@@ -275,27 +278,33 @@ class VLLMEngine(Engine):
                 for i in range(n)
             ]
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))] * n, sampling, use_tqdm=False)
-            completions = [list(o.outputs[0].token_ids) for o in outs]
-            finish = [o.outputs[0].finish_reason for o in outs]
-            tails = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(prompt_ids) + c) for c in completions],
-                VSamplingParams(n=1, temperature=0.0, max_tokens=1, detokenize=False),
-                use_tqdm=False,
+            sampled_ids = [list(o.outputs[0].token_ids) for o in outs]
+            completions = [ids[:limit] for ids in sampled_ids]
+            stopped = [i for i, ids in enumerate(sampled_ids) if len(ids) <= limit]  # at EOS: its row was not fed
+            tails = (
+                self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(prompt_ids) + completions[i]) for i in stopped],
+                    VSamplingParams(n=1, temperature=0.0, max_tokens=1, detokenize=False),
+                    use_tqdm=False,
+                )
+                if stopped
+                else []
             )
             captured = self.llm.collective_rpc("rlfleet_drain_capture")[0]  # TP ranks hold identical rows
             version = self.version
         prompt_rows, _ = _decode_capture(captured[outs[0].request_id])
+        tail_of = {i: tail for i, tail in zip(stopped, tails)}
         result = []
-        for out, tail, completion, reason in zip(outs, tails, completions, finish):
+        for i, (out, completion) in enumerate(zip(outs, completions)):
             rows, sampled = _decode_capture(captured[out.request_id])
-            tail_rows, _ = _decode_capture(captured[tail.request_id])
+            tail_rows = _decode_capture(captured[tail_of[i].request_id])[0] if i in tail_of else {}
             hidden, logprobs = _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled)
             result.append(
                 Generation(
                     completion_ids=completion,
                     logprobs=logprobs,
                     hidden=hidden,
-                    finish_reason="stop" if reason == "stop" else "length",
+                    finish_reason="stop" if i in tail_of else "length",
                     version=version,
                 )
             )
