@@ -30,9 +30,9 @@ import redis
 import torch
 
 from rlfleet.config import RejectionReason, RLRunSpec
-from rlfleet.policy import score
+from rlfleet.policy import Scored, score
 from rlfleet.runtime import latest_announced_version
-from rlfleet.services.toploc.proof import ProofFormatError, Thresholds, chunk_rows, verify_proofs
+from rlfleet.services.toploc.proof import ProofFormatError, Thresholds, chunk_rows, verify_proofs_many
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys
 from rlfleet.tasks import make_run_task
@@ -189,24 +189,26 @@ class Checker:
                 if len(proof) != want:
                     raise Rejection("toploc", f"samples[{i}] proof {c} is {len(proof)} bytes, expected {want}")
 
-    def prefill_checks(self, group: RolloutGroup, model, tokenizer) -> None:
-        """Checks 3 (TOPLOC) then 4 (logprobs, possible tokens), from one batched prefill."""
+    def prefill_checks(self, group: RolloutGroup, model, tokenizer, scored: Scored | None = None) -> None:
+        """Checks 3 (TOPLOC) then 4 (logprobs, possible tokens), from one batched prefill (`scored`: this
+        group's rows already prefilled with the group's version, e.g. by batch.py with other groups)."""
         t, v, sp = self.spec.verifier.toploc, self.spec.verifier, group.sampling
         prompt_len = len(group.prompt_ids)
-        rows = [group.prompt_ids + s.completion_ids for s in group.samples]
-        with torch.inference_mode():
-            scored = score(model, rows, sp.temperature, tokenizer.pad_token_id, want_hidden=True)
-        for i, sample in enumerate(group.samples):
-            try:
-                results = verify_proofs(
-                    scored.hidden[i],
-                    sample.proofs,
-                    prompt_len=prompt_len,
-                    decode_batching_size=t.decode_batching_size,
-                    topk=t.topk,
-                )
-            except ProofFormatError as exc:
-                raise Rejection("toploc", f"samples[{i}]: malformed proof: {exc}") from None
+        if scored is None:
+            rows = [group.prompt_ids + s.completion_ids for s in group.samples]
+            with torch.inference_mode():
+                scored = score(model, rows, sp.temperature, tokenizer.pad_token_id, want_hidden=True)
+        try:  # every sample's chunks in one vectorised pass; an error names its sample
+            per_sample = verify_proofs_many(
+                scored.hidden,
+                [s.proofs for s in group.samples],
+                prompt_len=prompt_len,
+                decode_batching_size=t.decode_batching_size,
+                topk=t.topk,
+            )
+        except ProofFormatError as exc:
+            raise Rejection("toploc", f"malformed proof: {exc}") from None
+        for i, results in enumerate(per_sample):
             bad = [(c, r) for c, r in enumerate(results) if not self.thresholds.accepts(r)]
             if bad:
                 raise Rejection("toploc", f"samples[{i}] chunk {bad[0][0]}: {bad[0][1]}")

@@ -4,7 +4,9 @@ Each inbox group goes through the checks of checks.py in order (envelope, prompt
 sampling, reward); the first failure rejects the whole group with that check's reason. A
 `spotCheckFraction` of the groups, drawn unpredictably, gets the prefill checks (TOPLOC, logprobs,
 sampling); every group gets the others. Accepted groups go to `verified` with the trusted rewards,
-rejected ones to `rejected` with the reason and the original message (audit).
+rejected ones to `rejected` with the reason and the original message (audit). Entries read
+together share their prefills (batch.py) and are committed in order, each with the verdict it would
+get alone.
 
 Exactly once: the verdict is committed by one Lua script that XACKs the entry first and does
 nothing more if the XACK acknowledged nothing (another replica committed it); otherwise it
@@ -31,6 +33,7 @@ from prometheus_client import Counter
 from rlfleet.policy import configure_torch_threads, load_policy
 from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.services.shardcast.assemble import fetch_policy
+from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.reputation import ban_plan, field
 from rlfleet.signing import run_public_key
@@ -39,6 +42,8 @@ from rlfleet.streams import RolloutGroup, encode_json
 __all__ = ["REASONS", "Gate", "Rejection", "main"]
 
 log = logging.getLogger("rlfleet.verifier")
+
+READ_BATCH = 8  # inbox entries read (and prefilled) together
 
 VERDICTS = Counter("rlfleet_verifier_groups_total", "Groups verified", ["verdict", "reason"])
 REWARD_MISMATCH = Counter(
@@ -118,15 +123,28 @@ class Gate:
         except Rejection as exc:
             return group, exc
 
+    def draw(self) -> float:
+        """Uniform in [0, 1): a group gets the prefill checks when this is below spotCheckFraction."""
+        return self._draw.random()
+
     def handle(self, msg_id: bytes, fields: dict) -> int:
         """Check one inbox entry and commit the verdict; the commit script's answer (0 = already committed)."""
-        keys, v = self.ctx.keys, self.spec.verifier
+        return self.commit(msg_id, fields, *self.judge(msg_id, fields))
+
+    def judge(self, msg_id: bytes, fields: dict) -> tuple[RolloutGroup | None, Outcome | Rejection]:
+        """The verdict on one inbox entry, nothing committed: (the group if it decoded, Outcome or Rejection)."""
         group = None
         try:
-            group = decode_group(fields, v.max_message_bytes)
-            prefill = self._draw.random() < v.spot_check_fraction
-            outcome = self.checker.check(group, msg_id, prefill)
+            group = decode_group(fields, self.spec.verifier.max_message_bytes)
+            return group, self.checker.check(group, msg_id, self.draw() < self.spec.verifier.spot_check_fraction)
         except Rejection as exc:
+            return group, exc
+
+    def commit(self, msg_id: bytes, fields: dict, group: RolloutGroup | None, result: Outcome | Rejection) -> int:
+        """Commit one entry's verdict (module docstring); the script's answer: 0 already committed, 2 banned."""
+        keys, v = self.ctx.keys, self.spec.verifier
+        if isinstance(result, Rejection):
+            exc = result
             worker = exc.worker_id
             log.warning("rejected %s from %s: %s: %s", msg_id.decode(), worker, exc.reason, exc.detail)
             record = {
@@ -145,6 +163,7 @@ class Gate:
                 plan["ban"] = ban_plan(v.ban, worker, exc.reason, exc.detail, record["rollout_id"])
             stream, verdict, reason = keys.rejected, "rejected", exc.reason
         else:
+            outcome = result
             for sample, reward in zip(group.samples, outcome.rewards):
                 sample.reward = reward
             w = group.worker_id
@@ -157,11 +176,11 @@ class Gate:
                 plan["stats"]["unchecked"] = plan["workers"][field(w, "unchecked")] = 1
             out, stream, verdict, reason, worker = group.encode(), keys.verified, "accepted", "", w
         flat = [x for kv in out.items() for x in kv]
-        result = self._commit(
+        answer = self._commit(
             keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned],
             args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(plan), *flat],
         )
-        if result == 0:
+        if answer == 0:
             DUPLICATES.inc()
             log.info("entry %s was committed by another replica; dropped this verdict", msg_id.decode())
             return 0
@@ -170,10 +189,10 @@ class Gate:
             REWARD_MISMATCH.inc(outcome.reward_mismatches)
             UNCHECKED.inc(0 if outcome.prefill_checked else 1)
             TOKENS.labels(str(outcome.prefill_checked).lower()).inc(outcome.tokens)
-        if result == 2:
+        if answer == 2:
             BANS.labels(reason).inc()
             log.warning("banned worker %s (%s)", worker, reason)
-        return int(result)
+        return int(answer)
 
     def read(self, count: int = 4, block_ms: int = 500) -> list[tuple[bytes, dict]]:
         """New entries for this consumer (they stay pending here until committed)."""
@@ -199,10 +218,9 @@ class Gate:
                 entries = self.claim()
                 next_claim = time.monotonic() + idle_s / 3
             if not entries:
-                entries = self.read(block_ms=int(min(500, max(10, idle_s * 1000 / 3))))
-            for msg_id, fields in entries:
-                if fields:  # a claimed entry trimmed meanwhile has no fields
-                    self.handle(msg_id, fields)
+                entries = self.read(count=READ_BATCH, block_ms=int(min(500, max(10, idle_s * 1000 / 3))))
+            # A claimed entry trimmed meanwhile has no fields. Entries read together share prefills (batch.py).
+            handle_batch(self, [(msg_id, fields) for msg_id, fields in entries if fields])
 
 
 @dataclass(frozen=True, kw_only=True)

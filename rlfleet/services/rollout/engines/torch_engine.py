@@ -1,7 +1,9 @@
 """The torch engine: any HF causal LM, CPU or GPU, batched sampling with a KV cache.
 
-`TorchEngine.generate` samples G completions of one prompt as a batch of G identical rows (no
-padding needed), with a KV cache. Each step feeds the previously sampled token, so the final
+`TorchEngine.generate` samples G completions of one prompt as a batch of G rows (no padding needed),
+with a KV cache: the prompt is prefilled once and its cache repeated G times (the rows are identical
+until the first sampled token; this is most of a 1-token group's time, e.g. the first token after
+a weight swap). Each step feeds the previously sampled token, so the final
 hidden state of every completion position is produced by the decode itself; the last token is
 fed once more after sampling stops, so proofs cover every completion token without a second
 prefill. Token logprobs are those of `log_softmax(logits / temperature)` over the full vocabulary
@@ -47,9 +49,11 @@ class TorchEngine(Engine):
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
         gen = torch.Generator().manual_seed(params.seed)
         body = self.model.model
-        ids = torch.tensor([prompt_ids] * n, dtype=torch.long)  # (n, P)
+        ids = torch.tensor([prompt_ids], dtype=torch.long)  # (1, P): the n rows share it
         out = body(input_ids=ids, use_cache=True)
-        cache, hidden = out.past_key_values, [out.last_hidden_state]  # [(n, P, H)]
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)  # every layer's keys and values (1, heads, P, d) -> (n, heads, P, d)
+        hidden = [out.last_hidden_state.expand(n, -1, -1)]  # [(n, P, H)]
         tokens, logprobs = [], []
         done = torch.zeros(n, dtype=torch.bool)
         for _ in range(params.max_tokens):
