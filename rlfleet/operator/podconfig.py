@@ -7,7 +7,8 @@ in, and what is hashed, is a projection of the documents:
                  suspend, deadlines...): left out of every document, so `kubectl scale`, an HPA or KEDA,
                  or a scheduling change never changes a config or a config hash (the pod template
                  changes by itself where such a field matters to it);
-  other readers  every component but the trainer reads only `trainer.maxAsyncLevel` of spec.trainer
+  other readers  every component but the trainer reads only `trainer.maxAsyncLevel` and `trainer.seed`
+                 (a worker starts its engine from the builtin build of that seed) of spec.trainer
                  (tests/operator/test_pod_config.py keeps this true), so their hash leaves out the rest:
                  `trainer.steps` restarts the trainer alone;
   UNTRUSTED      workers that post to an ingest, and every pod of a run trained in another cluster, get
@@ -61,7 +62,7 @@ ORCHESTRATION = {
     ],
 }
 UNTRUSTED = [("spec", "redis", "url"), ("spec", "store"), ("spec", "ingest")]
-TRAINER_FIELDS_OTHERS_READ = ("maxAsyncLevel",)
+TRAINER_FIELDS_OTHERS_READ = ("maxAsyncLevel", "seed")
 
 
 def _drop(doc: dict, paths) -> dict:

@@ -9,9 +9,10 @@ import yaml
 from support import REPO
 from test_builders import NS, _bundle
 
-from rlfleet.config import parse_bundle
+from rlfleet.config import TrainerSpec, parse_bundle
 from rlfleet.operator import builders as b
 from rlfleet.operator import names
+from rlfleet.operator.podconfig import TRAINER_FIELDS_OTHERS_READ
 
 
 def _pool(bundle, **spec):
@@ -82,10 +83,11 @@ def test_the_configs_pods_read_still_parse_as_the_components_read_them():
     assert "replicas" not in yaml.safe_load_all(pool_doc).__next__()["spec"].get("verifier", {})
 
 
-def test_components_other_than_the_trainer_read_only_max_async_level_of_spec_trainer():
-    """The projection above drops spec.trainer (but maxAsyncLevel) from every other pod's config hash.
-    This keeps it honest: no module outside services/trainer reads another spec.trainer field."""
-    allowed = {"max_async_level"}
+def test_components_other_than_the_trainer_read_only_the_projected_fields_of_spec_trainer():
+    """The projection drops spec.trainer (but TRAINER_FIELDS_OTHERS_READ) from every other pod's config
+    hash. This keeps it honest: no module outside services/trainer reads another spec.trainer field."""
+    allowed = {name for name, field in TrainerSpec.model_fields.items() if field.alias in TRAINER_FIELDS_OTHERS_READ}
+    assert len(allowed) == len(TRAINER_FIELDS_OTHERS_READ)
     found = {}
     for path in (REPO / "rlfleet").rglob("*.py"):
         rel = path.relative_to(REPO).as_posix()
