@@ -275,7 +275,9 @@ def parse_args(argv: list[str]):
         "--delta-series", nargs="+", default=None, help="series for --delta (default: all of wan_delta.SERIES)"
     )
     ap.add_argument("--delta-steps", type=int, default=3, help="GRPO steps per series (versions v0..vK)")
-    ap.add_argument("--delta-lr", type=float, default=1e-4, help="learning rate of the series' steps")
+    ap.add_argument(
+        "--delta-lr", nargs="+", type=float, default=[1e-4], help="learning rates of the series' steps (a series each)"
+    )
     ap.add_argument("--series-dir", type=Path, default=None, help="keep the series' versions here and reuse them")
     ap.add_argument("--no-cut-through", action="store_true", help="also run tree-sf (relays store and forward)")
     for name in ("size-mib", "clients", "relays"):
@@ -297,8 +299,13 @@ def parse_args(argv: list[str]):
 
         args.delta_series = args.delta_series or list(SERIES)
         unknown = [s for s in args.delta_series if s not in SERIES]
-        if unknown or args.delta_steps < 1:
-            raise SystemExit(f"--delta-series takes {', '.join(SERIES)} (got {unknown}); --delta-steps must be >= 1")
+        for bad, message in (
+            (unknown, f"--delta-series: {unknown} unknown; choose from {', '.join(SERIES)}"),
+            (args.delta_steps < 1, "--delta-steps: at least 1 (a version to send after v0)"),
+            (min(args.delta_lr) <= 0, "--delta-lr: learning rates are > 0"),
+        ):
+            if bad:
+                raise SystemExit(message)
     elif not args.systems:
         raise SystemExit("--systems: name at least one system, or add --delta")
     if args.no_cut_through and "tree-sf" not in args.systems:
@@ -339,7 +346,9 @@ def main(argv: list[str]) -> int:
         if args.delta:  # made before any testbed: training is not part of the measurement
             import wan_delta
 
-            series = {name: wan_delta.series_versions(name, args, scratch) for name in args.delta_series}
+            for lr in args.delta_lr:
+                for name in args.delta_series:
+                    series[f"{name}@{lr:g}"] = (name, lr, wan_delta.series_versions(name, lr, args, scratch))
         for name in args.topology:
             work = Path(args.workdir or tempfile.mkdtemp(prefix="rlfleet-wan-")) / name
             work.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,13 @@
 """`benchmarks/broadcast.py --wan --delta`: delta versions of real GRPO steps over the simulated WAN, each
 next to the same version sent whole, on the same testbed hosts and links (broadcast_wan.py's topology).
 
-    python benchmarks/broadcast.py --wan --delta [--delta-series ...] [--delta-steps 3] [--delta-lr 1e-4]
-                                                 [--series-dir DIR] [--json PATH]
+    python benchmarks/broadcast.py --wan --delta [--topology default] [--delta-series ...] [--delta-steps 3]
+                                                 [--delta-lr 1e-4 1e-6] [--series-dir DIR] [--json PATH]
 
 Series (SERIES): K + 1 consecutive policy versions v0..vK made by K real GRPO steps (benchmarks/delta.py
 make_series): the builtin model at fp32 and at bf16, and the large builtin-style model (>= 256 MiB) at bf16
-and at fp32, all at --delta-lr (default 1e-4, trainer.learningRate's default). Training is not measured;
+and at fp32, each at every --delta-lr (default 1e-4, trainer.learningRate's default; GRPO on LLMs uses
+1e-6 and below): a series is named <series>@<lr>. Training is not measured;
 with --series-dir the versions are kept there and reused by the next run (the large ones take minutes).
 Per series, two phases, each a fresh set of processes on the tree (origin -> relays, cut-through -> clients,
 wan_runs.start_rlfleet):
@@ -24,8 +25,10 @@ and a client downloads the files of its route (the patch files, or the whole fil
 KiB) are left out.
 Reported per version and phase: MiB per client and ÷ the whole checkpoint, seconds, bound, x bound, the
 last client's seconds after its last byte (the rebuild's tail), CPU seconds of the clients and relays
-during that version, the machine's busy share and load. `delta_bytes_ratio` (per series, in --json) is
-the mean over v1..vK of a delta client's bytes ÷ the whole checkpoint's.
+during that version, the machine's busy share and load; then per series, side by side, the ratios
+delta ÷ whole: `delta_bytes_ratio` (the mean over v1..vK of a delta client's bytes ÷ the whole
+checkpoint's) and `delta_time_ratio` (the mean over v1..vK of the seconds to the last verified client,
+delta ÷ whole), both per series in --json.
 This is a script, not a test (STYLE.md 10).
 """
 
@@ -55,40 +58,46 @@ SERIES = {
 PHASES = ("whole", "delta")
 
 
-def series_versions(name: str, args, scratch: Path) -> list[Path]:
-    """v0..vK of series `name` (made now, or reused from --series-dir)."""
+def series_versions(name: str, lr: float, args, scratch: Path) -> list[Path]:
+    """v0..vK of series `name` at learning rate `lr` (made now, or reused from --series-dir)."""
     kind, dtype = SERIES[name]
     root = args.series_dir or scratch
-    where = root / f"{name}-lr{args.delta_lr:g}-steps{args.delta_steps}"
+    where = root / f"{name}-lr{lr:g}-steps{args.delta_steps}"
     paths = [where / f"v{v}" for v in range(args.delta_steps + 1)]
     if (where / "made").exists():
         return paths
     shutil.rmtree(where, ignore_errors=True)
-    print(f"{name}: {args.delta_steps} GRPO steps at lr {args.delta_lr:g} (load {load()})", file=sys.stderr)
+    print(f"{name}: {args.delta_steps} GRPO steps at lr {lr:g} (load {load()})", file=sys.stderr)
     started = time.monotonic()
-    made = make_series(kind, dtype, args.delta_lr, args.delta_steps, where)
+    made = make_series(kind, dtype, lr, args.delta_steps, where)
     assert made == paths, made
     shutil.rmtree(where / "init", ignore_errors=True)  # the large model's starting point (v0 is its copy)
     (where / "made").write_text(f"{time.monotonic() - started:.0f} s\n")
     return paths
 
 
-def run_series(bed: Bed, name: str, paths: list[Path], keys: tuple) -> dict:
+def run_series(bed: Bed, label: str, name: str, lr: float, paths: list[Path], keys: tuple) -> dict:
     """Both phases of one series on the testbed; its JSON record."""
     whole_bytes = sum(p.stat().st_size for p in paths[0].rglob("*") if p.is_file())
-    phases = {phase: run_phase(bed, name, phase, paths, keys) for phase in PHASES}
+    phases = {phase: run_phase(bed, label, phase, paths, keys) for phase in PHASES}
     versions = []
     for v in range(1, len(paths)):
         versions.append({"version": v, **{phase: phases[phase].get(v) for phase in PHASES}})
-    ratios = [r["delta"]["client_bytes"] / r["delta"]["whole_bytes"] for r in versions if r["delta"]]
+    both = [r for r in versions if r["whole"] and r["delta"]]
     return {
-        "series": name,
+        "series": label,
         "model": SERIES[name][0],
         "dtype": SERIES[name][1],
+        "learning_rate": lr,
         "whole_bytes": whole_bytes,
-        "delta_bytes_ratio": sum(ratios) / len(ratios) if ratios else None,
+        "delta_bytes_ratio": mean([r["delta"]["client_bytes"] / r["delta"]["whole_bytes"] for r in both]),
+        "delta_time_ratio": mean([r["delta"]["seconds"] / r["whole"]["seconds"] for r in both]),
         "versions": versions,
     }
+
+
+def mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def run_phase(bed: Bed, name: str, phase: str, paths: list[Path], keys: tuple) -> dict[int, dict]:
@@ -184,14 +193,19 @@ def describe(r: dict) -> str:
     )
 
 
-def run_all(bed: Bed, series: dict[str, list[Path]]) -> dict:
-    """Every series on this testbed: the run record's `delta` part."""
+def run_all(bed: Bed, series: dict[str, tuple[str, float, list[Path]]]) -> dict:
+    """Every series ({label: (SERIES name, learning rate, v0..vK)}) on this testbed: the run record's `delta`
+    part."""
     from rlfleet.signing import generate_keypair, load_private_key, make_signer
 
     private, public = generate_keypair(bed.work / "delta-keys")
     keys = (make_signer(load_private_key(private)), public)
-    results = [run_series(bed, name, paths, keys) for name, paths in series.items()]
-    return {"delta_bytes_ratio": {r["series"]: r["delta_bytes_ratio"] for r in results}, "series": results}
+    results = [run_series(bed, label, *what, keys) for label, what in series.items()]
+    return {
+        "delta_bytes_ratio": {r["series"]: r["delta_bytes_ratio"] for r in results},
+        "delta_time_ratio": {r["series"]: r["delta_time_ratio"] for r in results},
+        "series": results,
+    }
 
 
 def report(topo: Topology, delta: dict) -> None:
@@ -201,7 +215,7 @@ def report(topo: Topology, delta: dict) -> None:
         f"({os.cpu_count()} cores, load {load()})"
     )
     print(
-        f"{'series':<18} {'v':>2} {'sent':<5} {'MiB/client':>10} {'/ whole':>7} {'seconds':>8} {'bound s':>8} "
+        f"{'series':<24} {'v':>2} {'sent':<5} {'MiB/client':>10} {'/ whole':>7} {'seconds':>8} {'bound s':>8} "
         f"{'x bound':>7} {'tail s':>6} {'cpu clients max/sum':>19} {'relays':>6} {'busy':>5} {'load':>5}  limited by"
     )
     for s in delta["series"]:
@@ -209,21 +223,44 @@ def report(topo: Topology, delta: dict) -> None:
             for phase in PHASES:
                 r = row[phase]
                 if r is None:
-                    print(f"{s['series']:<18} {row['version']:>2} {phase:<5} not every client finished")
+                    print(f"{s['series']:<24} {row['version']:>2} {phase:<5} not every client finished")
                     continue
                 clients = [c for n, c in r["cpu_seconds"].items() if n.startswith("client")]
                 relays = sum(c for n, c in r["cpu_seconds"].items() if n.startswith("relay"))
                 print(
-                    f"{s['series']:<18} {row['version']:>2} {phase:<5} {r['client_bytes'] / 2**20:>10.2f} "
+                    f"{s['series']:<24} {row['version']:>2} {phase:<5} {r['client_bytes'] / 2**20:>10.2f} "
                     f"{r['client_bytes'] / r['whole_bytes']:>7.3f} {r['seconds']:>8.2f} {r['bound_seconds']:>8.2f} "
                     f"{r['seconds'] / r['bound_seconds']:>7.2f} {max(r['after_last_byte_seconds']):>6.2f} "
                     f"{max(clients):>9.1f}/{sum(clients):<9.1f} {relays:>6.1f} {r['machine_busy']:>5.0%} "
                     f"{r['loadavg'][0]:>5.1f}  {'CPU' if r['cpu_limited'] else 'links'}"
                 )
-        ratio = s["delta_bytes_ratio"]
-        print(f"  {s['series']}: delta_bytes_ratio {'-' if ratio is None else f'{ratio:.3f}'}")
     print(
         "  tail s: the last client's seconds between its last byte and the version installed verified (the "
         f"rebuild's part not overlapped with the download); busy: the machine's CPU use (everyone's); CPU-limited "
         f"when busy >= {CPU_LIMIT:.0%} or one process used >= {CPU_LIMIT:.0%} of a core"
+    )
+    summary(delta["series"])
+
+
+def summary(series: list[dict]) -> None:
+    """Per series, means over the versions both phases finished: delta ÷ whole in bytes and in time."""
+    print(
+        f"\n{'series':<24} {'whole MiB':>9} {'bytes d/w':>9} {'whole s':>8} {'delta s':>8} {'time d/w':>8} "
+        f"{'x bound whole':>13} {'x bound delta':>13}"
+    )
+    for s in series:
+        both = [r for r in s["versions"] if r["whole"] and r["delta"]]
+        if not both:
+            print(f"{s['series']:<24} no version finished in both phases")
+            continue
+        seconds = {p: mean([r[p]["seconds"] for r in both]) for p in PHASES}
+        x = {p: mean([r[p]["seconds"] / r[p]["bound_seconds"] for r in both]) for p in PHASES}
+        print(
+            f"{s['series']:<24} {s['whole_bytes'] / 2**20:>9.1f} {s['delta_bytes_ratio']:>9.3f} "
+            f"{seconds['whole']:>8.2f} {seconds['delta']:>8.2f} {s['delta_time_ratio']:>8.3f} "
+            f"{x['whole']:>13.2f} {x['delta']:>13.2f}"
+        )
+    print(
+        "  means over v1..vK; bytes d/w: a client's bytes, delta ÷ whole (delta_bytes_ratio); time d/w: seconds to "
+        "the last verified client, delta ÷ whole (delta_time_ratio); x bound: seconds ÷ the bound of the bytes sent"
     )
