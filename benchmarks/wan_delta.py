@@ -246,7 +246,7 @@ def summary(series: list[dict]) -> None:
     """Per series, means over the versions both phases finished: delta ÷ whole in bytes and in time."""
     print(
         f"\n{'series':<24} {'whole MiB':>9} {'bytes d/w':>9} {'whole s':>8} {'delta s':>8} {'time d/w':>8} "
-        f"{'x bound whole':>13} {'x bound delta':>13}"
+        f"{'x bound whole':>13} {'x bound delta':>13} {'cpu s/client w/d':>16}"
     )
     for s in series:
         both = [r for r in s["versions"] if r["whole"] and r["delta"]]
@@ -255,12 +255,20 @@ def summary(series: list[dict]) -> None:
             continue
         seconds = {p: mean([r[p]["seconds"] for r in both]) for p in PHASES}
         x = {p: mean([r[p]["seconds"] / r[p]["bound_seconds"] for r in both]) for p in PHASES}
+        cpu = {p: mean([client_cpu(r[p]) for r in both]) for p in PHASES}
         print(
             f"{s['series']:<24} {s['whole_bytes'] / 2**20:>9.1f} {s['delta_bytes_ratio']:>9.3f} "
             f"{seconds['whole']:>8.2f} {seconds['delta']:>8.2f} {s['delta_time_ratio']:>8.3f} "
-            f"{x['whole']:>13.2f} {x['delta']:>13.2f}"
+            f"{x['whole']:>13.2f} {x['delta']:>13.2f} {cpu['whole']:>8.1f}/{cpu['delta']:<7.1f}"
         )
     print(
         "  means over v1..vK; bytes d/w: a client's bytes, delta ÷ whole (delta_bytes_ratio); time d/w: seconds to "
-        "the last verified client, delta ÷ whole (delta_time_ratio); x bound: seconds ÷ the bound of the bytes sent"
+        "the last verified client, delta ÷ whole (delta_time_ratio); x bound: seconds ÷ the bound of the bytes "
+        "sent; cpu s/client: a client's CPU seconds for the version (whole: receive and sha256; delta: receive, "
+        "rebuild from the version held and sha256)"
     )
+
+
+def client_cpu(row: dict) -> float:
+    """Mean CPU seconds of the clients during one version."""
+    return mean([c for n, c in row["cpu_seconds"].items() if n.startswith("client")])
