@@ -4,6 +4,8 @@
                                              [--reference-polls 30 1]
     .venv/bin/python benchmarks/broadcast.py --wan ...   (root: every node a host of a simulated
                                              WAN with shaped links; see broadcast_wan.py)
+    .venv/bin/python benchmarks/broadcast.py --wan --delta ...   (delta versions of real GRPO steps on
+                                             that WAN, next to whole ones; see wan_delta.py)
 
 Systems (each a fresh set of OS processes; clients are processes too, so nothing shares a GIL):
   tree       origin -> `--relays` tier-0 relays (`rlfleet relay`, cut-through) -> clients, each
@@ -132,8 +134,15 @@ def reference_client(servers: list[str], out_dir: str, poll: int) -> None:
     print(json.dumps({"done": time.monotonic()}), flush=True)
 
 
+def delta_client(*args) -> None:
+    from delta import delta_client as role  # benchmarks/delta.py: the --wan --delta client
+
+    role(*args)
+
+
 ROLES = {
     "--client": rlfleet_client,
+    "--delta-client": delta_client,
     "--ref-origin": reference_origin,
     "--ref-middle": reference_middle,
     "--ref-client": reference_client,
@@ -395,6 +404,8 @@ def main() -> int:
         role, rest = ROLES[sys.argv[1]], sys.argv[2:]
         if sys.argv[1] == "--client":
             role(json.loads(rest[0]), *rest[1:])
+        elif sys.argv[1] == "--delta-client":
+            role(json.loads(rest[0]), rest[1], rest[2], json.loads(rest[3]))
         elif sys.argv[1] == "--ref-origin":
             role(rest[0], int(rest[1]), rest[2])
         elif sys.argv[1] == "--ref-middle":

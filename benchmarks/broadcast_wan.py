@@ -143,12 +143,13 @@ SYSTEMS = {
 # ---- one run ----------------------------------------------------------------------------------
 
 
-def run_topology(topo: Topology, systems: list[System], args, work: Path) -> dict:
-    """Every system on one testbed of `topo`; the JSON record of the run."""
-    results = {}
+def run_topology(topo: Topology, systems: list[System], args, work: Path, series: dict | None = None) -> dict:
+    """Every system, then every delta series (wan_delta.py), on one testbed of `topo`; the JSON record of the run."""
+    results, delta = {}, None
     with Testbed() as tb:
         bed = Bed(tb, topo, work, args)
-        prepare(bed)
+        if systems:
+            prepare(bed)
         for system in systems:
             timeout = args.timeout or max(600.0, 10 * bound_seconds(system.plan(topo), topo))
             bed.args = argparse.Namespace(**{**vars(args), "timeout_s": timeout})
@@ -159,8 +160,14 @@ def run_topology(topo: Topology, systems: list[System], args, work: Path) -> dic
             for d in work.iterdir():  # the receivers' copies; the checkpoint and store stay
                 if d.is_dir() and d.name.startswith(("client", "relay", "ref-")):
                     shutil.rmtree(d)
+        if series:
+            import wan_delta
+
+            bed.args = argparse.Namespace(**{**vars(args), "timeout_s": args.timeout})
+            delta = wan_delta.run_all(bed, series)
         tag = tb.tag
-    return {"topology": asdict(topo), "testbed": tag, "systems": results, "machine": machine()}
+    run = {"topology": asdict(topo), "testbed": tag, "systems": results, "machine": machine()}
+    return run if delta is None else {**run, "delta": delta}
 
 
 def record(system: System, topo: Topology, o: Outcome) -> dict:
@@ -202,6 +209,12 @@ def machine() -> dict:
 
 def report(run: dict) -> None:
     topo, systems = Topology(**run["topology"]), run["systems"]
+    if "delta" in run:
+        import wan_delta
+
+        wan_delta.report(topo, run["delta"])
+    if not systems:
+        return
     print(
         f"\nWAN {topo.name}: {topo.size_mib} MiB; origin up {topo.origin_up / MBIT:g} Mbit/s; {topo.relays} relays up "
         f"{topo.relay_up / MBIT:g} Mbit/s; {topo.clients} clients down {topo.client_down / MBIT:g} Mbit/s "
@@ -248,7 +261,24 @@ def parse_args(argv: list[str]):
     ap = argparse.ArgumentParser(prog="broadcast.py --wan", description=__doc__.split("\n")[0])
     ap.add_argument("--wan", action="store_true")
     ap.add_argument("--topology", nargs="+", default=["default"], choices=sorted(TOPOLOGIES))
-    ap.add_argument("--systems", nargs="+", default=["tree", "direct", "reference"], choices=list(SYSTEMS))
+    ap.add_argument(
+        "--systems",
+        nargs="*",
+        default=None,
+        choices=list(SYSTEMS),
+        help="default: tree direct reference (none with --delta)",
+    )
+    ap.add_argument(
+        "--delta", action="store_true", help="delta versions of real GRPO steps, next to whole (wan_delta.py)"
+    )
+    ap.add_argument(
+        "--delta-series", nargs="+", default=None, help="series for --delta (default: all of wan_delta.SERIES)"
+    )
+    ap.add_argument("--delta-steps", type=int, default=3, help="GRPO steps per series (versions v0..vK)")
+    ap.add_argument(
+        "--delta-lr", nargs="+", type=float, default=[1e-4], help="learning rates of the series' steps (a series each)"
+    )
+    ap.add_argument("--series-dir", type=Path, default=None, help="keep the series' versions here and reuse them")
     ap.add_argument("--no-cut-through", action="store_true", help="also run tree-sf (relays store and forward)")
     for name in ("size-mib", "clients", "relays"):
         ap.add_argument(f"--{name}", type=int, default=None, help="overrides the topology's")
@@ -262,6 +292,22 @@ def parse_args(argv: list[str]):
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir, deleted)")
     args = ap.parse_args(argv)
+    if args.systems is None:
+        args.systems = [] if args.delta else ["tree", "direct", "reference"]
+    if args.delta:
+        from wan_delta import SERIES
+
+        args.delta_series = args.delta_series or list(SERIES)
+        unknown = [s for s in args.delta_series if s not in SERIES]
+        for bad, message in (
+            (unknown, f"--delta-series: {unknown} unknown; choose from {', '.join(SERIES)}"),
+            (args.delta_steps < 1, "--delta-steps: at least 1 (a version to send after v0)"),
+            (min(args.delta_lr) <= 0, "--delta-lr: learning rates are > 0"),
+        ):
+            if bad:
+                raise SystemExit(message)
+    elif not args.systems:
+        raise SystemExit("--systems: name at least one system, or add --delta")
     if args.no_cut_through and "tree-sf" not in args.systems:
         args.systems.insert(args.systems.index("tree") + 1 if "tree" in args.systems else 0, "tree-sf")
     return args
@@ -294,19 +340,37 @@ def main(argv: list[str]) -> int:
             raise SystemExit("--wan reference: `pip install shardcast==0.3.2` (or drop it from --systems)") from None
         if shutil.which("wget") is None:
             raise SystemExit("--wan reference: shardcast downloads with `wget`, which is not on PATH")
+    series, scratch = {}, Path(tempfile.mkdtemp(prefix="rlfleet-wan-series-"))
     runs = []
-    for name in args.topology:
-        work = Path(args.workdir or tempfile.mkdtemp(prefix="rlfleet-wan-")) / name
-        work.mkdir(parents=True, exist_ok=True)
-        try:
-            runs.append(run_topology(topology(name, args), [SYSTEMS[s] for s in args.systems], args, work))
-        finally:
-            if not args.workdir:
-                shutil.rmtree(work.parent, ignore_errors=True)
-        report(runs[-1])
-        if args.json:  # after every topology: a later failure keeps what was measured
-            args.json.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+    try:
+        if args.delta:  # made before any testbed: training is not part of the measurement
+            import wan_delta
+
+            for lr in args.delta_lr:
+                for name in args.delta_series:
+                    series[f"{name}@{lr:g}"] = (name, lr, wan_delta.series_versions(name, lr, args, scratch))
+        for name in args.topology:
+            work = Path(args.workdir or tempfile.mkdtemp(prefix="rlfleet-wan-")) / name
+            work.mkdir(parents=True, exist_ok=True)
+            try:
+                runs.append(run_topology(topology(name, args), [SYSTEMS[s] for s in args.systems], args, work, series))
+            finally:
+                if not args.workdir:
+                    shutil.rmtree(work.parent, ignore_errors=True)
+            report(runs[-1])
+            if args.json:  # after every topology: a later failure keeps what was measured
+                args.json.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     failed = [f"{r['topology']['name']}/{s}" for r in runs for s, v in r["systems"].items() if v["seconds"] is None]
+    failed += [
+        f"{r['topology']['name']}/{s['series']}/v{row['version']}/{phase}"
+        for r in runs
+        for s in r.get("delta", {}).get("series", [])
+        for row in s["versions"]
+        for phase in ("whole", "delta")
+        if row[phase] is None
+    ]
     if failed:
         print(f"not every client finished: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

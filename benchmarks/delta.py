@@ -26,10 +26,9 @@ and what a relay pulls (whole versions and their deltas included), both ÷ full;
 bound: the zeroth-order entropy of the per-element change in units of the last place (bit length
 histogram + the uniform bits below the top one) over the 2- and 4-byte tensors, the fewest bits a
 per-element lossless code of them needs; where a target is out of reach, this says why.
-For the WAN benchmark (benchmarks/broadcast.py --wan) the pieces to reuse are `make_series` and
-`publish_series` (versions and the bytes each one sends: the bound's numerator) and `delta_client` (a
-client holding v-1 that fetches, rebuilds and verifies the next version). This is a script, not a
-test (STYLE.md 10).
+The WAN benchmark (benchmarks/broadcast.py --wan --delta, benchmarks/wan_delta.py) reuses `make_series`,
+`publish_series` and `delta_client` (its client role: it follows the versions, holding v-1 each time).
+This is a script, not a test (STYLE.md 10).
 """
 
 from __future__ import annotations
@@ -132,12 +131,14 @@ def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path) -> lis
     return paths
 
 
-def publish_series(paths: list[Path], store_dir: Path, deltas, signer) -> list[dict]:
+def publish_series(paths: list[Path], store_dir: Path, deltas, signer, shard_size: int | None = None) -> list[dict]:
     """Publish the versions in order through the trainer's PolicyPublisher; per version its `last` record."""
+    from rlfleet.checkpoint import DEFAULT_SHARD_SIZE
     from rlfleet.delta.publish import PolicyPublisher
     from rlfleet.store import open_store
 
-    publisher = PolicyPublisher(open_store(f"file://{store_dir}"), RUN, deltas, signer)
+    store = open_store(f"file://{store_dir}")
+    publisher = PolicyPublisher(store, RUN, deltas, signer, shard_size or DEFAULT_SHARD_SIZE)
     records = []
     for v, path in enumerate(paths):
         copy = store_dir.parent / f".publish-{store_dir.name}-v{v}"
@@ -175,16 +176,35 @@ def follow(store_dir: Path, count: int, dest: Path, public_key) -> list[dict]:
     return rows
 
 
-def delta_client(urls: list[str], dest: Path, public_key, held: int, timeout: float = 3600) -> float:
-    """A client for the WAN benchmark: it holds v`held` (fetched before the clock starts), waits for the
-    next version to be announced, fetches it with fetch_policy (its delta, rebuilt and verified) and
-    returns the monotonic time it was done; run one per client host, as broadcast.py runs its clients."""
+def delta_client(urls: list[str], dest: str, public_key: str, versions: list[int], timeout: float = 3600) -> None:
+    """The client role of `benchmarks/broadcast.py --wan --delta` (one process per client host): for each of
+    `versions` in turn it waits for that version to be announced, fetches it with fetch_policy (its delta against
+    the version held here, rebuilt and checked against the signed manifest, or the whole version when it holds no
+    base) and prints one JSON line: version, done (monotonic time the version was installed, verified), first
+    and last byte (monotonic), bytes received and the plan (fetch_policy's report). It then drops the version
+    before the one it holds. "waiting" is printed once the process is ready."""
     from rlfleet.services.shardcast.assemble import fetch_policy
-    from rlfleet.services.shardcast.client import wait_for_version
+    from rlfleet.services.shardcast.client import Sources, wait_for_version
+    from rlfleet.signing import parse_public_key
 
-    version = wait_for_version(urls, RUN, held, timeout=timeout)
-    fetch_policy(urls, RUN, version, dest, timeout=timeout, public_key=public_key)
-    return time.monotonic()
+    key, sources, dest = parse_public_key(public_key), Sources(urls), Path(dest)
+    print("waiting", flush=True)
+    for version in versions:
+        wait_for_version(urls, RUN, version - 1, timeout=timeout)
+        got = {"bytes": 0, "first": None, "last": None}
+
+        def on_bytes(n: int) -> None:
+            now = time.monotonic()
+            got["first"] = got["first"] or now
+            got["bytes"], got["last"] = got["bytes"] + n, now
+
+        report: dict = {}
+        fetch_policy(
+            urls, RUN, version, dest, timeout=timeout, public_key=key, sources=sources, on_bytes=on_bytes, report=report
+        )
+        done = time.monotonic()
+        print(json.dumps({"version": version, "done": done, **got, "report": report}), flush=True)
+        shutil.rmtree(dest / f"v{version - 2}", ignore_errors=True)
 
 
 def entropy_bound(base: Path, new: Path) -> float:

@@ -120,40 +120,50 @@ def relay_bytes_out(bed: Bed, port: int) -> list[int]:
 # ---- rlfleet ---------------------------------------------------------------------------------
 
 
-def run_rlfleet(bed: Bed, system: System) -> Outcome:
+def start_rlfleet(bed: Bed, config: Path, public: str, via_relays: bool, home: Path):
+    """redis-server and `rlfleet origin` on the origin host and, `via_relays`, an `rlfleet relay` per relay
+    host (its cache home/<host>), all answering: (the URLs clients pull from, their environment, a Redis
+    client on the announcements' server)."""
     import redis
 
     from rlfleet import env as rlfleet_env
     from rlfleet.redis_server import redis_server_binary
-    from rlfleet.streams import RunKeys, encode_json
 
-    work, store, (key, manifest) = bed.work, bed.store, bed.manifest
-    (work / "redis").mkdir(exist_ok=True)
-    sock = work / "redis" / "redis.sock"
+    redis_dir = home / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    sock = redis_dir / "redis.sock"
     bed.start(
         bed.origin,
         [redis_server_binary(), "--port", REDIS_PORT, "--bind", "0.0.0.0", "--protected-mode", "no",
-         "--unixsocket", sock, "--save", "", "--appendonly", "no", "--dir", work / "redis"],
+         "--unixsocket", sock, "--save", "", "--appendonly", "no", "--dir", redis_dir],
         "redis",
     )  # fmt: skip
     env = {
         **os.environ,
-        rlfleet_env.PUBLIC_KEY: bed.public,
+        rlfleet_env.PUBLIC_KEY: public,
         rlfleet_env.REDIS_URL: f"redis://origin:{REDIS_PORT}/0",
         "PYTHONPATH": str(ROOT),
     }
     cli = [sys.executable, "-m", "rlfleet.cli"]
-    config = ["--config", work / "rlrun.yaml", "--port", PORT, "--host", "0.0.0.0"]
-    bed.start(bed.origin, [*cli, "origin", *config], "origin", env)
+    options = ["--config", config, "--port", PORT, "--host", "0.0.0.0"]
+    bed.start(bed.origin, [*cli, "origin", *options], "origin", env)
     bed.wait_http(bed.origin, f"http://origin:{PORT}/healthz", "origin")
     urls = [f"http://origin:{PORT}"]
-    if system.via_relays:
+    if via_relays:
         urls = [f"http://{h.name}:{PORT}" for h in bed.relays]
         for h in bed.relays:
-            argv = [*cli, "relay", *config, "--upstream", f"http://origin:{PORT}", "--cache-dir", work / h.name]
+            argv = [*cli, "relay", *options, "--upstream", f"http://origin:{PORT}", "--cache-dir", home / h.name]
             bed.start(h, [*argv, "--keep-versions", "1"], h.name, env)
         for h, url in zip(bed.relays, urls):
             bed.wait_http(h, url + "/healthz", h.name)
+    return urls, env, redis.Redis(unix_socket_path=str(sock))
+
+
+def run_rlfleet(bed: Bed, system: System) -> Outcome:
+    from rlfleet.streams import RunKeys, encode_json
+
+    work, store, (key, manifest) = bed.work, bed.store, bed.manifest
+    urls, env, client = start_rlfleet(bed, work / "rlrun.yaml", bed.public, system.via_relays, work)
     mode = "cut-through" if system.cut_through else "store-and-forward"
     clients = [
         bed.role(h, "--client", json.dumps(urls), work / h.name, bed.public, mode, name=h.name, env=env)
@@ -161,7 +171,6 @@ def run_rlfleet(bed: Bed, system: System) -> Outcome:
     ]
     for h, c in zip(bed.clients, clients):
         expect_line(c, h.name)
-    client = redis.Redis(unix_socket_path=str(sock))
     bed.clock_starts()
     busy0, started = machine_busy(), time.monotonic()
     store.put_bytes(key, manifest)  # the version becomes visible...
