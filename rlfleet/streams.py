@@ -8,18 +8,26 @@ Streams (keys built only by `RunKeys`):
 A message is one Redis field `m` holding compact JSON; token ids, logprobs and proofs travel as
 base64 of little-endian int32 / float32 / raw bytes. `SCHEMA_VERSION` changes with any
 incompatible change; a consumer dead-letters what it cannot decode and keeps running.
+Schema 2: samples are drawn as rlfleet/sampling.py says (seed per sample, replayable), and a group
+records the `engine` that drew it and, when the run assigns work, its `ticket`.
+
+What a group *is* (`content_digest`): its prompt tokens, sampling parameters (not the seed) and the
+multiset of its completions. The gate's replay guard, the trainer's exactly-once and the ingest's
+idempotency all key on it, never on ids the worker chooses (rollout id, worker id, seed, task id).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import struct
 import uuid
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MESSAGE_FIELD = b"m"
 
 
@@ -34,17 +42,36 @@ class RunKeys:
         self.rejected = f"{prefix}:rejected"
         self.policy = f"{prefix}:policy"
         self.stats = f"{prefix}:stats"
-        self.trained = f"{prefix}:trained"  # sorted set: rollout id -> policy version it trained
+        self.trained = f"{prefix}:trained"  # sorted set: content digest -> policy version it trained
         # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
         self.workers = f"{prefix}:workers"
         self.banned = f"{prefix}:banned"  # hash: worker id -> JSON ban record (why, when)
+        self.tickets = f"{prefix}:tickets"  # hash: worker id -> work tickets issued (rlfleet/assignment.py)
         self._seen_prefix = f"{prefix}:seen:"
+        self._ticket_prefix = f"{prefix}:ticket:"
+        self._submitted_prefix = f"{prefix}:submitted:"
         self.verifier_group = "verifiers"
         self.trainer_group = "trainer"
 
-    def seen(self, rollout_id: str) -> str:
-        """Replay guard of one rollout id (a key with a TTL, so the guard stays bounded)."""
-        return f"{self._seen_prefix}{rollout_id}"
+    def seen(self, digest: str) -> str:
+        """Replay guard of one piece of work, by its content digest (a key with a TTL, so the guard stays bounded)."""
+        return f"{self._seen_prefix}{digest}"
+
+    def ticket(self, worker_id: str, ticket: int) -> str:
+        """Guard of one work ticket of a worker (used once; a key with a TTL)."""
+        return f"{self._ticket_prefix}{ticket}:{worker_id}"
+
+    def submitted(self, digest: str) -> str:
+        """The ingest's idempotency record of one submission, by content digest (a key with a TTL)."""
+        return f"{self._submitted_prefix}{digest}"
+
+    def patterns(self) -> dict[str, str]:
+        """Glob patterns of the per-item keys (for Redis ACL key rules, rlfleet/redis_acl.py)."""
+        return {
+            "seen": f"{self._seen_prefix}*",
+            "ticket": f"{self._ticket_prefix}*",
+            "submitted": f"{self._submitted_prefix}*",
+        }
 
     def all(self) -> list[str]:
         """Fixed keys of the run (the per-rollout replay guards expire by themselves)."""
@@ -57,6 +84,7 @@ class RunKeys:
             self.trained,
             self.workers,
             self.banned,
+            self.tickets,
         ]
 
 
@@ -116,7 +144,7 @@ class SamplingParams:
     top_p: float
     top_k: int
     max_tokens: int
-    seed: int
+    seed: int  # the group's; sample i draws with rlfleet.sampling.sample_seed(seed, i)
 
 
 @dataclass
@@ -130,6 +158,8 @@ class RolloutGroup:
     sampling: SamplingParams
     samples: list[Sample]
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    engine: str = "torch"  # what drew the samples: "torch" (replayable, rlfleet/sampling.py) or "vllm"
+    ticket: int | None = None  # the run-assigned work ticket (spec.sampling.assignment: run), else None
     schema: int = SCHEMA_VERSION
 
     def encode(self) -> dict[bytes, bytes]:
@@ -142,7 +172,10 @@ class RolloutGroup:
             "prompt": encode_ints(self.prompt_ids),
             "sampling": asdict(self.sampling),
             "samples": [s.to_wire() for s in self.samples],
+            "engine": self.engine,
         }
+        if self.ticket is not None:
+            body["ticket"] = self.ticket
         return {MESSAGE_FIELD: json.dumps(body, separators=(",", ":")).encode()}
 
     @classmethod
@@ -168,6 +201,8 @@ class RolloutGroup:
                 sampling=SamplingParams(**body["sampling"]),
                 samples=[Sample.from_wire(s) for s in body["samples"]],
                 rollout_id=str(body["rollout_id"]),
+                engine=str(body["engine"]),
+                ticket=None if body.get("ticket") is None else int(body["ticket"]),
                 schema=body["schema"],
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -176,6 +211,24 @@ class RolloutGroup:
             if len(s.completion_ids) != len(s.logprobs):
                 raise MessageError(f"samples[{i}]: {len(s.completion_ids)} tokens but {len(s.logprobs)} logprobs")
         return group
+
+
+def content_digest(group: RolloutGroup) -> str:
+    """What the work is, as a hex sha256: prompt tokens, sampling parameters but the seed, and the
+    completions as a multiset (sorted), so a replay under new ids, another seed or task id, or with
+    its samples reordered has the same digest. The one helper for every dedup of groups."""
+    h = hashlib.sha256(b"rlfleet-work-1\0")
+
+    def part(data: bytes) -> None:
+        h.update(struct.pack("<Q", len(data)))
+        h.update(data)
+
+    s = group.sampling
+    part(np.asarray(group.prompt_ids, dtype="<i4").tobytes())
+    part(json.dumps([float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)]).encode())
+    for completion in sorted(np.asarray(c.completion_ids, dtype="<i4").tobytes() for c in group.samples):
+        part(completion)
+    return h.hexdigest()
 
 
 def encode_json(payload: dict) -> dict[bytes, bytes]:

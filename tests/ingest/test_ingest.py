@@ -22,7 +22,7 @@ from rlfleet.config import ConfigError, IngestSpec, parse_bundle
 from rlfleet.redis_server import free_port
 from rlfleet.services.ingest.app import load_tokens, make_app
 from rlfleet.services.ingest.client import post_group, rollouts_url
-from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, RunKeys, Sample, SamplingParams
+from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, RolloutGroup, RunKeys, Sample, SamplingParams
 
 RUN = "demo"
 TOKENS = {"w1": "token-of-w1", "w2": "token-of-w2"}
@@ -114,7 +114,7 @@ def test_oversized_body_is_413_by_length_and_while_reading(redis_url):
         (b"not json", "not JSON"),
         (b"[1, 2]", "not a JSON object"),
         (json.dumps({"schema": 99}).encode(), "schema"),
-        (json.dumps({"schema": 1, "worker_id": "w1"}).encode(), "malformed field"),
+        (json.dumps({"schema": SCHEMA_VERSION, "worker_id": "w1"}).encode(), "malformed field"),
         (b"", "no 'm' field"),
     ],
     ids=["text", "list", "schema", "fields", "empty"],

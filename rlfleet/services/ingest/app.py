@@ -2,6 +2,7 @@
 
   POST /v1/{run}/rollouts   body: a group message (the JSON RolloutGroup.encode() puts in field `m`),
                             header `Authorization: Bearer <token>`; 202 {"id": stream id} when enqueued
+  POST /v1/{run}/tickets    a work ticket for the token's worker (runs with spec.sampling.assignment: run)
   GET  /healthz             Redis reachable, inbox backlog
   GET  /metrics             Prometheus metrics of this process (rlfleet_ingest_*)
 
@@ -34,9 +35,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from rlfleet.assignment import issue_ticket
 from rlfleet.config import ConfigError, IngestSpec
 from rlfleet.runtime import ComponentOptions
-from rlfleet.services.ingest.client import ROLLOUTS_PATH
+from rlfleet.services.ingest.client import ROLLOUTS_PATH, TICKETS_PATH
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys
 
@@ -166,6 +168,18 @@ def make_app(
             if len(body) > limit:
                 return _refuse(413, f"body is over maxBodyBytes {limit}")
         return await run_in_threadpool(admit, worker, bytes(body))
+
+    @app.post(TICKETS_PATH, summary="Take a work ticket (runs that assign work)")
+    def ticket(run: str, request: Request) -> Response:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        worker = book.worker_for(token) if scheme.lower() == "bearer" and token else None
+        if worker is None:
+            return _refuse(401, "missing or unknown token: send `Authorization: Bearer <token>`")
+        if run != keys.run:
+            return _refuse(404, f"run {run!r} is not served here (this ingest serves {keys.run!r})")
+        if is_banned(client, keys, worker):
+            return _refuse(403, f"worker {worker!r} is banned from run {run!r}")
+        return JSONResponse({"ticket": issue_ticket(client, keys, worker)}, status_code=200)
 
     @app.get("/healthz", summary="Liveness and backlog")
     def healthz() -> dict:

@@ -14,11 +14,17 @@ import requests
 log = logging.getLogger("rlfleet.ingest.client")
 
 ROLLOUTS_PATH = "/v1/{run}/rollouts"
+TICKETS_PATH = "/v1/{run}/tickets"
 
 
 def rollouts_url(base_url: str, run: str) -> str:
     """Where a worker POSTs its groups."""
     return base_url.rstrip("/") + ROLLOUTS_PATH.format(run=run)
+
+
+def tickets_url(base_url: str, run: str) -> str:
+    """Where a worker asks for a work ticket (runs with spec.sampling.assignment: run)."""
+    return base_url.rstrip("/") + TICKETS_PATH.format(run=run)
 
 
 RETRY_STATUSES = (429, 503)  # the ingest's backpressure: wait and resend the same group
@@ -64,4 +70,22 @@ def post_group(
             stop.wait(wait)
             continue
         raise RuntimeError(f"ingest {url} refused the group: HTTP {resp.status_code} {resp.text}")
+    return None
+
+
+def request_ticket(session: requests.Session, url: str, token: str, stop: threading.Event) -> int | None:
+    """A work ticket for this token's worker (None if `stop` was set); waits and asks again on 429/503."""
+    while not stop.is_set():
+        try:
+            resp = session.post(url, timeout=60, headers={"Authorization": f"Bearer {token}"})
+        except requests.ConnectionError as exc:
+            log.warning("ingest %s unreachable (%s); asking again in 1s", url, exc)
+            stop.wait(1.0)
+            continue
+        if resp.status_code == 200:
+            return int(resp.json()["ticket"])
+        if resp.status_code in RETRY_STATUSES:
+            stop.wait(float(resp.headers.get("Retry-After") or 1))
+            continue
+        raise RuntimeError(f"ingest {url} refused a ticket: HTTP {resp.status_code} {resp.text}")
     return None

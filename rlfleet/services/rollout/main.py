@@ -1,6 +1,7 @@
 """`rlfleet rollout`: a worker of an InferencePool.
 
-Loop: draw a task id, sample G completions with the current policy version, build TOPLOC proofs of
+Loop: draw a task id and seed (or, when the run assigns work, take a ticket that fixes them:
+rlfleet/assignment.py), sample G completions with the current policy version, build TOPLOC proofs of
 their final hidden states, XADD the group to the inbox (or, when the pool has `ingestUrl`, POST it
 to the run's ingest with the token in env RLFLEET_WORKER_TOKEN; rlfleet/services/ingest/). A background
 thread follows the `policy`
@@ -29,10 +30,12 @@ import requests
 from prometheus_client import Counter, Gauge
 
 from rlfleet import env
+from rlfleet.assignment import assigned_work, issue_ticket
 from rlfleet.checkpoint import parse_version_dir
 from rlfleet.policy import configure_torch_threads
 from rlfleet.runtime import ComponentOptions, Context, component_context, latest_announced_version
-from rlfleet.services.ingest.client import post_group, rollouts_url
+from rlfleet.sampling import completion_text
+from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.shardcast.client import Sources, fetch_version
 from rlfleet.services.toploc.proof import build_proofs
@@ -132,6 +135,7 @@ class Worker:
         self.engine_kind = pool.engine
         self.max_pending = pool.max_pending
         self.ingest_url = rollouts_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
+        self.tickets_url = tickets_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
         self.token = env.get(env.WORKER_TOKEN) or ""
         if self.ingest_url and not self.token:
             raise SystemExit(
@@ -185,16 +189,26 @@ class Worker:
             return "backlog"
         return None
 
-    def make_group(self) -> RolloutGroup:
+    def next_work(self) -> tuple[str, int, int | None] | None:
+        """(task id, group seed, ticket) of the next group: drawn here, or assigned by the run
+        (spec.sampling.assignment: run; a ticket from Redis or the ingest). None if stopped meanwhile."""
+        if self.spec.sampling.assignment == "worker":
+            return self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31)), None
+        if self.ingest_url:
+            ticket = request_ticket(self.session, self.tickets_url, self.token, self.ctx.stop)
+            if ticket is None:
+                return None
+        else:
+            ticket = issue_ticket(self.ctx.redis, self.ctx.keys, self.worker_id)
+        task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
+        return task_id, seed, ticket
+
+    def make_group(self, task_id: str, seed: int, ticket: int | None = None) -> RolloutGroup:
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
-        problem = self.task.problem(self.task.sample_id(self.rng))
+        problem = self.task.problem(task_id)
         prompt_ids = self.engine.tokenizer(problem.prompt)["input_ids"]
         params = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=s.max_tokens,
-            seed=int(self.rng.integers(0, 2**31)),
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, seed=seed
         )
         IN_FLIGHT.set(s.group_size)
         try:
@@ -209,7 +223,7 @@ class Worker:
                 decode_batching_size=toploc.decode_batching_size,
                 topk=toploc.topk,
             )
-            text = self.engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
+            text = completion_text(self.engine.tokenizer, gen.completion_ids, self.engine.stop_ids)
             samples.append(
                 Sample(
                     completion_ids=gen.completion_ids,
@@ -228,6 +242,8 @@ class Worker:
             prompt_ids=prompt_ids,
             sampling=params,
             samples=samples,
+            engine=self.engine.name,
+            ticket=ticket,
         )
 
     def run(self) -> None:
@@ -242,7 +258,10 @@ class Worker:
                 PAUSED.labels(reason).inc(0.02)
                 time.sleep(0.02)
                 continue
-            group = self.make_group()
+            work = self.next_work()
+            if work is None:
+                return  # stopped while the ingest held the ticket back
+            group = self.make_group(*work)
             if self.ingest_url:
                 if (
                     post_group(

@@ -3,8 +3,9 @@
 Each inbox group goes through the checks of checks.py in order (envelope, prompt, TOPLOC,
 sampling, reward); the first failure rejects the whole group with that check's reason. A
 `spotCheckFraction` of the groups, drawn unpredictably, gets the prefill checks (TOPLOC, logprobs,
-sampling); every group gets the others. Accepted groups go to `verified` with the trusted rewards,
-rejected ones to `rejected` with the reason and the original message (audit).
+seed replay); every group gets the others. Accepted groups go to `verified` with the trusted rewards
+(and, when prefilled, the recomputed logprobs: `forward_trusted`), rejected ones to `rejected` with
+the reason and the original message (audit).
 
 Exactly once: the verdict is committed by one Lua script that XACKs the entry first and does
 nothing more if the XACK acknowledged nothing (another replica committed it); otherwise it
@@ -76,6 +77,16 @@ return 1
 """
 
 
+def forward_trusted(group: RolloutGroup, outcome: Outcome) -> None:
+    """What the trainer gets of an accepted group: the trusted rewards and, where the prefill ran, the
+    recomputed token logprobs instead of the worker's (a shift inside the tolerance would skew every
+    importance ratio)."""
+    for i, (sample, reward) in enumerate(zip(group.samples, outcome.rewards)):
+        sample.reward = reward
+        if outcome.logprobs is not None:
+            sample.logprobs = outcome.logprobs[i]
+
+
 class Gate:
     def __init__(self, ctx: Context, consumer: str, origin_url: str, cache_dir: Path):
         self.ctx, self.consumer, self.origin_url, self.cache_dir = ctx, consumer, origin_url, cache_dir
@@ -145,10 +156,11 @@ class Gate:
                 plan["ban"] = ban_plan(v.ban, worker, exc.reason, exc.detail, record["rollout_id"])
             stream, verdict, reason = keys.rejected, "rejected", exc.reason
         else:
-            for sample, reward in zip(group.samples, outcome.rewards):
-                sample.reward = reward
+            forward_trusted(group, outcome)
             w = group.worker_id
             plan = {"stats": {"accepted": 1}, "workers": {field(w, "accepted"): 1}}
+            if group.ticket is not None and self.spec.sampling.assignment == "run":
+                plan["workers"][field(w, "tickets_used")] = 1
             if outcome.reward_mismatches:
                 plan["stats"]["reward_mismatch"] = plan["workers"][field(w, "reward_mismatch")] = (
                     outcome.reward_mismatches
