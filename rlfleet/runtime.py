@@ -31,6 +31,7 @@ class Context:
     redis: redis.Redis
     keys: RunKeys
     stop: threading.Event
+    redis_url: str = ""  # what `redis` connects to (a component that needs other client settings reconnects)
 
     @property
     def run_name(self) -> str:
@@ -67,7 +68,7 @@ def component_context(options: ComponentOptions, component: str) -> Context:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop)
+    return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop, redis_url=url)
 
 
 def open_run_store(ctx: Context, source: str = "config"):

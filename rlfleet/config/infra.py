@@ -114,6 +114,30 @@ class IngestSpec(Spec):
     max_backlog: int = Field(
         default=1000,
         ge=1,
-        description="While the inbox holds more than this many unverified groups, submissions get 503 with "
-        "Retry-After (the workers wait and resend).",
+        description="While the inbox holds this many unverified groups, submissions get 503 with Retry-After (the "
+        "workers wait and resend); checked and added atomically, so the inbox never holds more. Must be below "
+        "spec.redis.streamMaxLen.",
+    )
+    max_buffered_bytes: int = Field(
+        default=128 * 2**20,
+        ge=1024,
+        description="Request bodies all submissions in flight may hold together; a submission that would go over it "
+        "gets 503 with Retry-After before its body is read.",
+    )
+    request_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description="A connection must deliver a whole request (headers and body) within this many seconds of "
+        "opening or of its previous response, else it is closed (slow clients); a slow body gets 408.",
+    )
+    max_connections: int = Field(
+        default=512, ge=1, description="Requests served at once; more get 503 at once (uvicorn limit_concurrency)."
+    )
+    redis_timeout_seconds: float = Field(
+        default=2.0,
+        gt=0.0,
+        le=60.0,
+        description="Longest wait for Redis on a submission; a Redis that is down or stalled gives 503 with "
+        "Retry-After, never an error or a hang.",
     )

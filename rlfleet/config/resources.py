@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlfleet.config.base import NAME_PATTERN, Metadata, Spec
 from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
@@ -41,6 +41,16 @@ class RLRunSpec(Spec):
         description="Cluster only: container image of every component of the run (default: the operator's "
         "RLFLEET_IMAGE).",
     )
+
+    @model_validator(mode="after")
+    def _inbox_below_max_len(self) -> RLRunSpec:
+        if self.ingest.max_backlog >= self.redis.stream_max_len:
+            raise ValueError(
+                f"ingest.maxBacklog ({self.ingest.max_backlog}) must be below redis.streamMaxLen "
+                f"({self.redis.stream_max_len}): the inbox would outgrow the streams' bound; lower maxBacklog or "
+                f"raise streamMaxLen"
+            )
+        return self
 
 
 class InferencePoolSpec(Spec):

@@ -6,6 +6,7 @@ in the inbox as exactly the bytes the worker posted.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -29,14 +30,22 @@ TOKENS = {"w1": "token-of-w1", "w2": "token-of-w2"}
 KEYS = RunKeys(RUN)
 
 
-def group_bytes(worker_id: str = "w1") -> bytes:
+_distinct = itertools.count()
+
+
+def group_bytes(worker_id: str = "w1", work: int | None = None) -> bytes:
+    """A group message; each call is other work (another completion) unless `work` names the same one."""
+    n = next(_distinct) if work is None else work
     group = RolloutGroup(
         task_id="arith-1",
         worker_id=worker_id,
         policy_version=0,
         prompt_ids=[1, 2, 3],
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, seed=7),
-        samples=[Sample(completion_ids=[4, 5], logprobs=[-0.5, -1.0], proofs=[b"p" * 8], reward=1.0) for _ in range(2)],
+        samples=[
+            Sample(completion_ids=[4, 5, n], logprobs=[-0.5, -1.0, -1.0], proofs=[b"p" * 8], reward=1.0)
+            for _ in range(2)
+        ],
     )
     return group.encode()[MESSAGE_FIELD]
 
@@ -53,6 +62,13 @@ def ingest(redis_url: str, **spec):
     finally:
         server.stop()
         client.close()
+
+
+def wait_until(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 def post(base: str, body, token: str | None = "token-of-w1", run: str = RUN) -> requests.Response:
@@ -75,7 +91,8 @@ def test_honest_group_is_enqueued_byte_for_byte(redis_url):
         assert [e[0].decode() for e in entries] == [resp.json()["id"]]
         assert entries[0][1] == {MESSAGE_FIELD: body}
         assert RolloutGroup.decode(entries[0][1]).rollout_id == resp.json()["rollout_id"]
-        assert requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1
+        # /healthz answers from the Redis watch, which reads the backlog about once a second
+        wait_until(lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1)
         metrics = requests.get(base + "/metrics", timeout=5).text
         assert 'rlfleet_ingest_requests_total{code="202"}' in metrics
 
@@ -251,3 +268,17 @@ def test_cli_serves_the_ingest(redis_url, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_work_tickets_are_issued_to_the_tokens_worker(redis_url):
+    from rlfleet.services.ingest.client import request_ticket, tickets_url
+
+    with ingest(redis_url) as (base, client):
+        url = tickets_url(base, RUN)
+        with requests.Session() as session:
+            got = [request_ticket(session, url, TOKENS["w1"], threading.Event()) for _ in range(2)]
+            assert got == [0, 1]
+            assert request_ticket(session, url, TOKENS["w2"], threading.Event()) == 0  # per worker
+            with pytest.raises(RuntimeError, match="HTTP 401"):
+                request_ticket(session, url, "nope", threading.Event())
+        assert client.hget(KEYS.tickets, "w1") == b"2"

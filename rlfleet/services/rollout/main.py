@@ -249,7 +249,6 @@ class Worker:
     def run(self) -> None:
         if not self.wait_first_version():
             return
-        maxlen = self.spec.redis.stream_max_len
         while not self.ctx.stop.is_set():
             self._raise_follower_error()
             self.maybe_swap()
@@ -276,7 +275,8 @@ class Worker:
                 ):
                     return  # stopped while the ingest held it back
             else:
-                self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode(), maxlen=maxlen, approximate=True)
+                # Never trimmed (no MAXLEN): the inbox holds only unverified groups; maxPending bounds it.
+                self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode())
             GROUPS.inc()
 
 
