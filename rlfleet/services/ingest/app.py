@@ -136,6 +136,7 @@ def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        await asyncio.to_thread(watch.check)  # /healthz tells the truth from the first request on
         watch.start()
         yield
         watch.stop.set()
