@@ -11,6 +11,9 @@ its log file.
 Manifests are signed: a run key pair is generated in RUN_DIR/keys (unless RLFLEET_SIGNING_KEY_FILE
 is set); only the trainer gets the private key file, every component gets the public key
 (env RLFLEET_PUBLIC_KEY).
+Redis has one ACL user per role with a fresh password (rlfleet/redis_acl.py; the default user is
+off): each component gets its role's URL (a worker can add to the inbox and read the policy stream,
+nothing more), the launcher itself the run's admin user.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from rlfleet import env
 from rlfleet.config import Bundle, load_bundle
+from rlfleet.redis_acl import ADMIN, COMPONENT_ROLES, WORKER_ROLES, RunAcl, user_name
 from rlfleet.redis_server import EmbeddedRedis, free_port
 from rlfleet.report import read_metrics, write_reports
 from rlfleet.streams import RunKeys
@@ -41,6 +45,20 @@ class Component:
     log: Path
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
+    role: str = ""  # its Redis ACL role (rlfleet/redis_acl.py); "" = the one of its `rlfleet` subcommand
+
+    @property
+    def redis_role(self) -> str:
+        return self.role or COMPONENT_ROLES[self.argv[3]]  # argv: python -m rlfleet.cli <subcommand>
+
+    def redis_env(self, acl: RunAcl, base_url: str) -> dict[str, str]:
+        """The Redis URLs of its role(s): a rollout worker reads and takes tickets as other users."""
+        out = {env.REDIS_URL: acl.url(base_url, self.redis_role)}
+        if self.argv[3] == "rollout":
+            out[env.REDIS_READ_URL] = acl.url(base_url, WORKER_ROLES["read"])
+            if self.redis_role == WORKER_ROLES["write"]:  # a pool behind an ingest takes tickets there
+                out[env.REDIS_TICKETS_URL] = acl.url(base_url, WORKER_ROLES["tickets"])
+        return out
 
 
 def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
@@ -109,14 +127,21 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
             )
         )
     # A file without InferencePool documents still gets the default pool (its workers take no --pool).
+    # A pool that submits through an ingest only reads Redis (policy stream, inbox length).
     pools = [
-        (p.metadata.name, p.spec.replicas, ["--pool", p.metadata.name], graph.pool_sources(p.metadata.name))
+        (
+            p.metadata.name,
+            p.spec.replicas,
+            ["--pool", p.metadata.name],
+            graph.pool_sources(p.metadata.name),
+            "reader" if p.spec.ingest_url else "worker",
+        )
         for p in bundle.pools
     ]
     if not pools:
         name, default_pool = bundle.pool(None)
-        pools = [(name, default_pool.replicas, [], graph.default_sources)]
-    for pool_name, replicas, pool_args, sources in pools:
+        pools = [(name, default_pool.replicas, [], graph.default_sources, "worker")]
+    for pool_name, replicas, pool_args, sources, role in pools:
         relay_args = [arg for node in sources for url in urls(node) for arg in ("--relay-url", url)]
         for i in range(replicas):
             worker = f"{pool_name}-{i}"
@@ -135,6 +160,7 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
                         str(cache / worker),
                     ],
                     logs / f"rollout-{worker}.log",
+                    role=role,
                 )
             )
     # trainer.replicas > 1: one process per rank with the torchrun-style environment the operator
@@ -257,7 +283,9 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     started = time.monotonic()
     failed: Component | None = None
     interrupted = False
-    with EmbeddedRedis(run_path / "redis") as redis_url:
+    acl = RunAcl.generate(name)
+    server = EmbeddedRedis(run_path / "redis", acl=acl.acl_file(), auth=(user_name(ADMIN, name), acl.passwords[ADMIN]))
+    with server as redis_url:
         import redis
 
         client = redis.Redis.from_url(redis_url)
@@ -285,7 +313,12 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
-                        env={**environ, **c.env, **(signing_env if c.name == "trainer" else {})},
+                        env={
+                            **environ,
+                            **c.redis_env(acl, server.base_url),
+                            **c.env,
+                            **(signing_env if c.name == "trainer" else {}),
+                        },
                     )
             trainer = comps[-1]
             while True:

@@ -1,5 +1,6 @@
 """An embedded `redis-server` for `rlfleet run` and the tests: a free loopback port, its own data
-directory, stopped (and its pid reaped) when the context exits."""
+directory, stopped (and its pid reaped) when the context exits. With `acl` (a redis-server aclfile's
+text, rlfleet/redis_acl.py) it serves only those users and `url` carries the credentials of `auth`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -39,21 +41,39 @@ def redis_server_binary() -> str:
 class EmbeddedRedis:
     """`with EmbeddedRedis(dir) as url:` runs a private redis-server until the block ends."""
 
-    def __init__(self, data_dir: str | Path, port: int | None = None):
+    def __init__(
+        self, data_dir: str | Path, port: int | None = None, acl: str | None = None, auth: tuple[str, str] | None = None
+    ):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        self.acl, self.auth = acl, auth
         self.proc: subprocess.Popen | None = None
 
     @property
-    def url(self) -> str:
+    def base_url(self) -> str:
+        """The URL without credentials."""
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def url(self) -> str:
+        if self.auth is None:
+            return self.base_url
+        user, password = (quote(x, safe="") for x in self.auth)
+        return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
 
     def start(self) -> str:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        acl_args = []
+        if self.acl is not None:
+            acl_file = self.data_dir / "users.acl"
+            acl_file.touch(mode=0o600)
+            acl_file.write_text(self.acl)
+            acl_args = ["--aclfile", str(acl_file)]
         log = open(self.data_dir / "redis.log", "ab")
         self.proc = subprocess.Popen(
             [
                 redis_server_binary(),
+                *acl_args,
                 "--port",
                 str(self.port),
                 "--bind",

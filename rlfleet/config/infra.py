@@ -23,6 +23,19 @@ class RedisSpec(Spec):
     stream_max_len: int = Field(
         default=10000, ge=100, description="Approximate MAXLEN of every stream; nothing grows without bound."
     )
+    role_urls: bool = Field(
+        default=False,
+        description="Cluster only: urlSecret also holds one URL per Redis ACL role (rlfleet/redis_acl.py; the chart's "
+        "redis.acl.users), keys url-trainer, url-verifier, url-ingest, url-reader (origin, relays, worker reads), "
+        "url-worker and url-tickets (worker writes); each pod gets its role's, so a worker can only add to the "
+        "inbox. `url` stays the operator's.",
+    )
+
+    @model_validator(mode="after")
+    def _role_urls_need_a_secret(self) -> RedisSpec:
+        if self.role_urls and not self.url_secret:
+            raise ValueError("roleUrls: needs urlSecret (the Secret that holds the url-<role> keys)")
+        return self
 
 
 class StoreSpec(Spec):

@@ -337,7 +337,12 @@ def build_rollout_deployment(
         f"{names.CACHE_DIR}/rollout",
     ]
     main = build_container(
-        run, names.ROLLOUT, args, pool.spec.image or image_of(run, default_image), gpus=pool.spec.gpus
+        run,
+        names.ROLLOUT,
+        args,
+        pool.spec.image or image_of(run, default_image),
+        gpus=pool.spec.gpus,
+        redis_reads_only=bool(pool.spec.ingest_url),  # it submits through the ingest
     )
     return deployment(
         names.rollout(n),

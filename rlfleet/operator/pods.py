@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import yaml
 from pydantic import BaseModel
 
-from rlfleet import env
+from rlfleet import env, redis_acl
 from rlfleet.config import API_VERSION, InferencePool, RLRun
 from rlfleet.operator import names
 
@@ -63,18 +63,31 @@ def meta(name: str, namespace: str, labels: dict, owner: Owner | None) -> dict:
     return meta
 
 
-def pod_env(run: RLRun) -> list[dict]:
+def redis_env(run: RLRun, component: str, reads_only: bool = False) -> list[dict]:
+    """env.REDIS_URL of a pod: spec.redis.url, the urlSecret's `url`, or with roleUrls its role's
+    `url-<role>` (a rollout worker also gets its reader's and tickets' URLs; one behind an ingest only reads)."""
     redis = run.spec.redis
-    if redis.url_secret:
-        redis_env = {
-            "name": env.REDIS_URL,
-            "valueFrom": {"secretKeyRef": {"name": redis.url_secret, "key": names.REDIS_URL_KEY}},
-        }
-    else:
-        redis_env = {"name": env.REDIS_URL, "value": redis.url or ""}
+    if not redis.url_secret:
+        return [{"name": env.REDIS_URL, "value": redis.url or ""}]
+
+    def from_secret(name: str, key: str) -> dict:
+        return {"name": name, "valueFrom": {"secretKeyRef": {"name": redis.url_secret, "key": key}}}
+
+    if not redis.role_urls:
+        return [from_secret(env.REDIS_URL, names.REDIS_URL_KEY)]
+    role = "reader" if reads_only else redis_acl.COMPONENT_ROLES[component]
+    out = [from_secret(env.REDIS_URL, names.redis_role_url_key(role))]
+    if component == names.ROLLOUT:
+        out.append(from_secret(env.REDIS_READ_URL, names.redis_role_url_key(redis_acl.WORKER_ROLES["read"])))
+        if not reads_only:
+            out.append(from_secret(env.REDIS_TICKETS_URL, names.redis_role_url_key(redis_acl.WORKER_ROLES["tickets"])))
+    return out
+
+
+def pod_env(run: RLRun, component: str, reads_only: bool = False) -> list[dict]:
     return [
         {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        redis_env,
+        *redis_env(run, component, reads_only),
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": env.CACHE, "value": f"{names.CACHE_DIR}/models"},
     ]
@@ -107,13 +120,14 @@ def build_container(
     store_access: bool = False,
     ports: list[dict] | None = None,
     extra_env: list[dict] | None = None,
+    redis_reads_only: bool = False,
 ) -> dict:
     c = {
         "name": component,
         "image": image,
         "command": ["rlfleet", component],
         "args": ["--config", names.CONFIG_PATH, "--metrics-port", str(names.METRICS_PORT), *args],
-        "env": pod_env(run) + signing_env(run, component) + (extra_env or []),
+        "env": pod_env(run, component, redis_reads_only) + signing_env(run, component) + (extra_env or []),
         "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
         "volumeMounts": [
             {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},

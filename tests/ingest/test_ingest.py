@@ -282,3 +282,23 @@ def test_work_tickets_are_issued_to_the_tokens_worker(redis_url):
             with pytest.raises(RuntimeError, match="HTTP 401"):
                 request_ticket(session, url, "nope", threading.Event())
         assert client.hget(KEYS.tickets, "w1") == b"2"
+
+
+def test_the_ingest_works_with_its_own_redis_user(tmp_path):
+    """Its ACL user (rlfleet/redis_acl.py) is enough for admission, idempotency, tickets, bans and health."""
+    from rlfleet.redis_acl import ADMIN, RunAcl, user_name
+    from rlfleet.redis_server import EmbeddedRedis
+    from rlfleet.services.ingest.client import request_ticket, tickets_url
+
+    acl = RunAcl.generate(RUN)
+    server = EmbeddedRedis(tmp_path / "redis", acl=acl.acl_file(), auth=(user_name(ADMIN, RUN), acl.passwords[ADMIN]))
+    with server, ingest(acl.url(server.base_url, "ingest")) as (base, client):
+        body = group_bytes()
+        assert post(base, body).status_code == 202 and post(base, body).json()["duplicate"] is True
+        assert request_ticket(requests.Session(), tickets_url(base, RUN), TOKENS["w1"], threading.Event()) == 0
+        wait_until(lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1)
+        admin = redis.Redis.from_url(server.url)
+        admin.hset(KEYS.banned, "w2", "{}")
+        assert post(base, group_bytes("w2"), token="token-of-w2").status_code == 403
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.xadd(KEYS.verified, {MESSAGE_FIELD: body})

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis
 import requests
 from prometheus_client import Counter, Gauge
 
@@ -63,9 +64,10 @@ SWAP_SECONDS = Gauge(
 class VersionFollower(threading.Thread):
     """Follows the policy stream and downloads each new version; `ready` holds the newest local one."""
 
-    def __init__(self, ctx: Context, relay_urls: list[str], cache_dir: Path, keep: int):
+    def __init__(self, ctx: Context, reader: redis.Redis, relay_urls: list[str], cache_dir: Path, keep: int):
         super().__init__(daemon=True, name="version-follower")
         self.ctx, self.relay_urls, self.cache_dir, self.keep = ctx, relay_urls, cache_dir, keep
+        self.reader = reader  # reads the policy stream (the worker's read-only Redis user)
         self.public_key = run_public_key(ctx.bundle.run.spec.shardcast)  # manifests must verify with it
         self.sources = Sources(relay_urls) if relay_urls else None  # relay measurements kept across versions
         self.announced = -1
@@ -83,7 +85,7 @@ class VersionFollower(threading.Thread):
         last_id = "0-0"
         keys = self.ctx.keys
         while not self.ctx.stop.is_set():
-            resp = self.ctx.redis.xread({keys.policy: last_id}, block=500)
+            resp = self.reader.xread({keys.policy: last_id}, block=500)
             newest = None
             for _, entries in resp or []:
                 for msg_id, fields in entries:
@@ -147,7 +149,14 @@ class Worker:
         self.task = make_run_task(self.spec)
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
         self.rng = np.random.default_rng(seed)
-        self.follower = VersionFollower(ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions)
+        # Redis users per job (rlfleet/redis_acl.py): ctx.redis only adds to the inbox.
+        self.reader = redis.Redis.from_url(env.get(env.REDIS_READ_URL)) if env.get(env.REDIS_READ_URL) else ctx.redis
+        self.tickets = (
+            redis.Redis.from_url(env.get(env.REDIS_TICKETS_URL)) if env.get(env.REDIS_TICKETS_URL) else ctx.redis
+        )
+        self.follower = VersionFollower(
+            ctx, self.reader, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions
+        )
         self.engine: Engine | None = None
 
     def wait_first_version(self) -> bool:
@@ -180,12 +189,12 @@ class Worker:
 
     def paused(self) -> str | None:
         """Why generation should wait now, or None."""
-        newest = latest_announced_version(self.ctx.redis, self.ctx.keys)
+        newest = latest_announced_version(self.reader, self.ctx.keys)
         lag = (newest or 0) - self.engine.version
         LAG.set(lag)
         if lag > self.spec.trainer.max_async_level:
             return "version_lag"
-        if self.ctx.redis.xlen(self.ctx.keys.rollouts) > self.max_pending:
+        if self.reader.xlen(self.ctx.keys.rollouts) > self.max_pending:
             return "backlog"
         return None
 
@@ -199,7 +208,7 @@ class Worker:
             if ticket is None:
                 return None
         else:
-            ticket = issue_ticket(self.ctx.redis, self.ctx.keys, self.worker_id)
+            ticket = issue_ticket(self.tickets, self.ctx.keys, self.worker_id)
         task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
         return task_id, seed, ticket
 
