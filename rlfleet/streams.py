@@ -11,7 +11,7 @@ incompatible change; a consumer dead-letters what it cannot decode and keeps run
 Schema 2: samples are drawn as rlfleet/sampling.py says (seed per sample, replayable), and a group
 records the `engine` that drew it and, when the run assigns work, its `ticket`.
 
-What a group *is* (`content_digest`): its prompt tokens, sampling parameters (not the seed) and the
+What a group *is* (`group_digest`): its prompt tokens, sampling parameters (not the seed) and the
 multiset of its completions. The gate's replay guard, the trainer's exactly-once and the ingest's
 idempotency all key on it, never on ids the worker chooses (rollout id, worker id, seed, task id).
 """
@@ -213,7 +213,7 @@ class RolloutGroup:
         return group
 
 
-def content_digest(group: RolloutGroup) -> str:
+def group_digest(group: RolloutGroup) -> str:
     """What the work is, as a hex sha256: prompt tokens, sampling parameters but the seed, and the
     completions as a multiset (sorted), so a replay under new ids, another seed or task id, or with
     its samples reordered has the same digest. The one helper for every dedup of groups."""

@@ -28,7 +28,7 @@ from rlfleet.services.toploc.reputation import is_banned, one_worker_stats
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.store import open_store
-from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, content_digest, decode_json, encode_json
+from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, decode_json, encode_json, group_digest
 from rlfleet.tasks import make_task
 
 CONFIG = """
@@ -171,7 +171,7 @@ def test_verified_groups_train_once_even_when_redelivered(system):
         groups, ack, _ = trainer.collect()
         trainer.step(groups)
         trainer.version += 1
-        trainer.commit([content_digest(g) for g in groups], ack, trainer.version)
+        trainer.commit([group_digest(g) for g in groups], ack, trainer.version)
         trained += [g.rollout_id for g in groups]
     assert sorted(trained) == sorted([honest.rollout_id, other.rollout_id])
     r.xadd(keys.verified, honest.encode())

@@ -19,7 +19,7 @@ from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.sharding import full_model_state
-from rlfleet.streams import content_digest
+from rlfleet.streams import group_digest
 
 
 def test_each_component_works_with_its_own_redis_user(tmp_path):
@@ -55,7 +55,7 @@ def test_each_component_works_with_its_own_redis_user(tmp_path):
         groups, ack, _ = trainer.collect()
         trainer.step(groups)
         trainer.version += 1
-        trainer.commit([content_digest(g) for g in groups], ack, trainer.version)
+        trainer.commit([group_digest(g) for g in groups], ack, trainer.version)
         trainer.publish(full_model_state(trainer.model))
         assert [g.rollout_id for g in groups] == [good.rollout_id]
         assert as_role["reader"].xrevrange(ctx.keys.policy, count=1)  # the announcement workers read

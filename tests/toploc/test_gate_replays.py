@@ -1,6 +1,6 @@
 """Issue 16 item 1: the same work is accepted and trained once, whatever ids a worker puts on it.
 
-The gate's replay guard and the trainer's exactly-once key on what the work is (streams.content_digest:
+The gate's replay guard and the trainer's exactly-once key on what the work is (streams.group_digest:
 prompt tokens, sampling parameters, the multiset of completions), not on the rollout id, worker id,
 seed or task id a worker chooses.
 """
@@ -73,7 +73,7 @@ def test_the_trainer_trains_the_same_work_once_under_any_ids(system):
 def _commit_args(trainer, groups) -> list:
     """What Trainer.commit records as trained: content digests (rollout ids before issue 16)."""
     try:
-        from rlfleet.streams import content_digest
+        from rlfleet.streams import group_digest
     except ImportError:
         return [[g.rollout_id for g in groups]]
-    return [[content_digest(g) for g in groups]]
+    return [[group_digest(g) for g in groups]]

@@ -33,7 +33,7 @@ def trainer(tmp_path, redis_url):
 
 
 def group(rollout_id: str, rewards: list[float], version: int = 0) -> RolloutGroup:
-    """Each rollout id gets its own completions: the trainer dedups on content (streams.content_digest)."""
+    """Each rollout id gets its own completions: the trainer dedups on content (streams.group_digest)."""
     c = zlib.crc32(rollout_id.encode())
     ids = [3 + c % 13, 3 + (c // 13) % 13, 2]
     samples = [Sample(completion_ids=ids, logprobs=[-2.0, -2.0, -2.0], proofs=[], reward=r) for r in rewards]

@@ -49,7 +49,7 @@ from rlfleet.runtime import ComponentOptions
 from rlfleet.services.ingest.client import ROLLOUTS_PATH, TICKETS_PATH
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, content_digest
+from rlfleet.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, group_digest
 
 log = logging.getLogger("rlfleet.ingest")
 
@@ -173,7 +173,7 @@ def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, 
         wait = limiter.take(worker)
         if wait > 0:
             return _refuse(429, f"worker {worker!r} is over {spec.rate_per_minute} groups per minute", retry_after=wait)
-        record = keys.submitted(f"{content_digest(group)}:{worker}")
+        record = keys.submitted(f"{group_digest(group)}:{worker}")
         try:
             kind, value = admit_script(keys=[keys.rollouts, record], args=[spec.max_backlog, body, SUBMITTED_TTL_S])
         except redis.RedisError as exc:

@@ -47,7 +47,7 @@ from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs
 from rlfleet.services.toploc.replay import group_replay
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys, content_digest
+from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys, group_digest
 from rlfleet.tasks import make_run_task
 
 REASONS: tuple[str, ...] = get_args(RejectionReason)
@@ -206,7 +206,7 @@ class Checker:
         if msg_id is None:
             return
         # The guards store the inbox entry id, so a redelivery of the same entry is not a replay.
-        digest = content_digest(group)
+        digest = group_digest(group)
         if not self._once(self.keys.seen(digest), msg_id):
             raise Rejection(
                 "replay", f"the same work (prompt, sampling, completions; digest {digest[:16]}) was already submitted"

@@ -3,7 +3,7 @@
 One step:
   1. read verified groups (consumer group `trainer`) until `batchSize` fresh groups are held;
      a group is fresh while (current version - its policy version) <= maxAsyncLevel, older ones are
-     dropped and acknowledged; work trained before (same content digest, streams.content_digest:
+     dropped and acknowledged; work trained before (same content digest, streams.group_digest:
      prompt, sampling, completions, whatever ids the worker gave it) is acknowledged and skipped
      (at-least-once delivery made exactly-once);
   2. group-normalized advantages, GRPO loss with two-sided clipping (loss.py), grad-norm clip, AdamW;
@@ -40,7 +40,7 @@ from rlfleet.services.trainer.sharding import (
 from rlfleet.services.trainer.state import load_state, save_state
 from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
 from rlfleet.signing import run_signer
-from rlfleet.streams import MessageError, RolloutGroup, content_digest, encode_json
+from rlfleet.streams import MessageError, RolloutGroup, encode_json, group_digest
 
 log = logging.getLogger("rlfleet.trainer")
 TRAINED_DIGESTS_KEPT = 200_000
@@ -144,8 +144,8 @@ class Trainer:
                         log.error("undecodable verified message %s: %s", msg_id, exc)
                         drops["malformed"] += 1
                         continue
-                    digest = content_digest(group)
-                    if r.zscore(keys.trained, digest) is not None or any(content_digest(g) == digest for g in batch):
+                    digest = group_digest(group)
+                    if r.zscore(keys.trained, digest) is not None or any(group_digest(g) == digest for g in batch):
                         drops["duplicate"] += 1
                     elif self.version - group.policy_version > max_lag:
                         drops["stale"] += 1
@@ -224,7 +224,7 @@ class Trainer:
             if self.rank != 0:
                 continue
             rollout_ids = [g.rollout_id for g in groups]
-            digests = [content_digest(g) for g in groups]
+            digests = [group_digest(g) for g in groups]
             save_state(
                 self.store,
                 self.ctx.run_name,
