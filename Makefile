@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup run test test-fast clean
+.PHONY: setup run test test-fast lint images clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ test: setup
 # Everything except the end-to-end runs marked slow.
 test-fast: setup
 	$(BIN)/python -m pytest -ra -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+# The container images with podman, no registry (scripts/images.sh; docs/kubernetes.md): the local
+# Debian base, the operator and the CPU image; every Dockerfile linted; sizes printed.
+images: setup
+	HADOLINT=$(BIN)/hadolint scripts/images.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,4 +1,4 @@
-"""`rlfleet` command line: one subcommand per process, plus `run`, `validate`, `crds` and `toploc`.
+"""`rlfleet` command line: one subcommand per process, plus `run`, `validate`, `render`, `crds` and `toploc`.
 
 Each subcommand parses its arguments and hands off to one function; a component's `main` takes
 its typed options (a dataclass whose fields are the argument names), and heavy imports (torch)
@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_component_args(p)
     p.add_argument("--output-dir", default=None, type=Path, help="where metrics.jsonl is written")
     p.add_argument("--steps", type=int, default=None, help="override spec.trainer.steps")
+    p.add_argument(
+        "--hold-when-done",
+        action="store_true",
+        help="after the last step wait for SIGTERM instead of exiting (what the operator's pods do)",
+    )
 
     p = sub.add_parser("rollout", help="rollout worker process")
     _add_component_args(p)
@@ -109,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--verbose", action="store_true")
 
+    p = sub.add_parser(
+        "render", help="print every Kubernetes object the operator would create for a config file (like helm template)"
+    )
+    p.add_argument("file", help="multi-document RLRun YAML, with what a cluster needs (spec.redis, spec.store, ...)")
+    p.add_argument("--namespace", "-n", default="default", help="namespace of the objects (default: default)")
+    p.add_argument("--image", default=None, help="image of components that name none (the operator's RLFLEET_IMAGE)")
+    p.add_argument("--gpu-image", default=None, help="image of components with GPUs (RLFLEET_GPU_IMAGE)")
+    p.add_argument("--pull-policy", default=None, choices=["Always", "IfNotPresent", "Never"], help="imagePullPolicy")
+    p.add_argument(
+        "--pull-secret", dest="pull_secrets", action="append", default=[], help="imagePullSecrets name (repeatable)"
+    )
+
     p = sub.add_parser("crds", help="write the CustomResourceDefinitions generated from the config models")
     p.add_argument(
         "--out", default=None, help="directory to write one YAML file per CRD into (default: print to stdout)"
@@ -147,11 +164,30 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from rlfleet.launcher import run_local
 
-        return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)
+        try:
+            return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)
+        except KeyboardInterrupt:  # before any component started (e.g. while the builtin model is built)
+            print("rlfleet: interrupted before the run started", file=sys.stderr)
+            return 130
     if args.command == "operator":
         from rlfleet.operator.handlers import run_operator
+        from rlfleet.operator.options import OperatorOptions
 
-        return run_operator(namespaces=args.namespace, liveness=args.liveness, verbose=args.verbose)
+        return run_operator(OperatorOptions.from_env(args.namespace, args.liveness, args.verbose))
+    if args.command == "render":
+        from rlfleet.config import load_bundle
+        from rlfleet.operator import names
+        from rlfleet.operator.pods import ClusterDefaults
+        from rlfleet.operator.render import render_text
+
+        defaults = ClusterDefaults(
+            image=args.image or names.DEFAULT_IMAGE,
+            gpu_image=args.gpu_image or names.DEFAULT_GPU_IMAGE,
+            pull_policy=args.pull_policy,
+            pull_secrets=tuple(args.pull_secrets),
+        )
+        print(render_text(load_bundle(args.file), args.namespace, defaults, args.file), end="")
+        return 0
     if args.command == "crds":
         from rlfleet.operator.crd import crd_files, write_crds
 

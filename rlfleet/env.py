@@ -18,6 +18,7 @@ STORE_URI = "RLFLEET_STORE_URI"  # overrides spec.store.uri (the launcher's RUN_
 PUBLIC_KEY = "RLFLEET_PUBLIC_KEY"  # manifest verification key, overrides spec.shardcast.publicKey
 SIGNING_KEY_FILE = "RLFLEET_SIGNING_KEY_FILE"  # the trainer's private signing key (PEM file)
 WORKER_TOKEN = "RLFLEET_WORKER_TOKEN"  # a remote worker's ingest token
+WORKER_TOKEN_FILE = "RLFLEET_WORKER_TOKEN_FILE"  # ... or the file holding it (a pod's key of the pool's Secret)
 TORCH_THREADS = "RLFLEET_TORCH_THREADS"  # intra-op threads of torch (the launcher sets 1)
 LOCAL = "RLFLEET_LOCAL"  # set by `rlfleet run`: bind /metrics to 127.0.0.1 only
 LOG_LEVEL = "RLFLEET_LOG_LEVEL"
@@ -25,6 +26,9 @@ CACHE = "RLFLEET_CACHE"  # builtin model cache (default ~/.cache/rlfleet)
 VLLM_KV_CACHE_BYTES = "RLFLEET_VLLM_KV_CACHE_BYTES"  # vLLM's KV cache on CPU
 # Read by `rlfleet operator` (set by the Helm chart).
 IMAGE = "RLFLEET_IMAGE"  # default image of every component
+GPU_IMAGE = "RLFLEET_GPU_IMAGE"  # default image of the components that ask for GPUs
+IMAGE_PULL_POLICY = "RLFLEET_IMAGE_PULL_POLICY"  # imagePullPolicy of every container (Always, IfNotPresent, Never)
+IMAGE_PULL_SECRETS = "RLFLEET_IMAGE_PULL_SECRETS"  # comma-separated Secret names: imagePullSecrets of every pod
 RESYNC_INTERVAL = "RLFLEET_RESYNC_INTERVAL"  # seconds between re-applies and status reads
 
 DEFAULT_LOG_LEVEL = "INFO"

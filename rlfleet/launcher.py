@@ -1,64 +1,46 @@
 """`rlfleet run FILE`: the whole system on one machine, one OS process per component.
 
-It starts an embedded redis-server, builds the builtin model if needed (so components never race
-to build it), then the Shardcast origin, each RelayTier's relays (tier 0 from the origin, tier k
-from tier k-1), the verifier replicas, each InferencePool's workers and the trainer (one process per
-rank when trainer.replicas > 1, with the torchrun-style environment of the trainer pods), with the
-same `rlfleet <component>` entrypoints the containers use. It shows progress from the trainer's
-metrics.jsonl, ends when the trainer finishes its steps, and stops everything on Ctrl-C. If any
-component dies, every other one is stopped and the run exits non-zero naming the component and
-its log file.
-Manifests are signed: a run key pair is generated in RUN_DIR/keys (unless RLFLEET_SIGNING_KEY_FILE
+It builds the builtin model if needed (so components never race to build it), then starts an
+embedded redis-server (append-only file, rlfleet/redis_server.py), the Shardcast origin, each
+RelayTier's relays (the tree of rlfleet/topology.py), the verifier replicas, each InferencePool's
+workers and the trainer (one process per rank when trainer.replicas > 1, with the torchrun-style
+environment of the trainer pods), with the same `rlfleet <component>` entrypoints the containers use.
+Components run under a restart policy with back-off, as pods would (rlfleet/supervisor.py): a
+crash costs seconds, not the run; a component that crash-loops stops the run, named with its log.
+The run ends when the trainer finishes its steps; Ctrl-C (or SIGTERM) stops everything, a second
+Ctrl-C kills what is still stopping; `summary.json` is written either way. A run directory holds
+everything a run needs to resume: relaunching with the same `--run-dir` reloads the queue from
+Redis's append-only file and the trainer's state from the store, and reuses the run's keys.
+Manifests are signed: a run key pair is kept in RUN_DIR/keys (unless RLFLEET_SIGNING_KEY_FILE
 is set); only the trainer gets the private key file, every component gets the public key
 (env RLFLEET_PUBLIC_KEY).
-Redis has one ACL user per role with a fresh password (rlfleet/redis_acl.py; the default user is
-off): each component gets its role's URL (a worker can add to the inbox and read the policy stream,
-nothing more), the launcher itself the run's admin user.
+Redis has one ACL user per role with fresh passwords on each launch (rlfleet/redis_acl.py; the
+default user is off, the aclfile RUN_DIR/redis/users.acl is the owner's only): each component gets
+its role's URLs (`redis_env`: a worker can add to the inbox and read the policy stream, nothing
+more), the launcher and endpoints.json the run's admin user.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet import env
-from rlfleet.config import Bundle, load_bundle
-from rlfleet.redis_acl import ADMIN, COMPONENT_ROLES, WORKER_ROLES, RunAcl, user_name
-from rlfleet.redis_server import EmbeddedRedis, free_port
-from rlfleet.report import read_metrics, write_reports
+from rlfleet.config import Bundle, ConfigError, load_bundle
+from rlfleet.redis_acl import ADMIN, COMPONENT_ROLES, WORKER_ROLES, RunAcl
+from rlfleet.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
+from rlfleet.report import Progress, read_metrics, write_reports
 from rlfleet.streams import RunKeys
+from rlfleet.supervisor import Component, Supervisor
 from rlfleet.topology import ORIGIN, Node, bundle_graph
 
-STOP_GRACE_S = 20
-
-
-@dataclass
-class Component:
-    name: str
-    argv: list[str]
-    log: Path
-    proc: subprocess.Popen | None = None
-    env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
-    role: str = ""  # its Redis ACL role (rlfleet/redis_acl.py); "" = the one of its `rlfleet` subcommand
-
-    @property
-    def redis_role(self) -> str:
-        return self.role or COMPONENT_ROLES[self.argv[3]]  # argv: python -m rlfleet.cli <subcommand>
-
-    def redis_env(self, acl: RunAcl, base_url: str) -> dict[str, str]:
-        """The Redis URLs of its role(s): a rollout worker reads and takes tickets as other users."""
-        out = {env.REDIS_URL: acl.url(base_url, self.redis_role)}
-        if self.argv[3] == "rollout":
-            out[env.REDIS_READ_URL] = acl.url(base_url, WORKER_ROLES["read"])
-            if self.redis_role == WORKER_ROLES["write"]:  # a pool behind an ingest takes tickets there
-                out[env.REDIS_TICKETS_URL] = acl.url(base_url, WORKER_ROLES["tickets"])
-        return out
+# `rlfleet run` starts one process per replica; more than this on one machine is a mistake, not a run.
+MAX_LOCAL_PROCESSES = 64
 
 
 def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
@@ -127,21 +109,14 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
             )
         )
     # A file without InferencePool documents still gets the default pool (its workers take no --pool).
-    # A pool that submits through an ingest only reads Redis (policy stream, inbox length).
     pools = [
-        (
-            p.metadata.name,
-            p.spec.replicas,
-            ["--pool", p.metadata.name],
-            graph.pool_sources(p.metadata.name),
-            "reader" if p.spec.ingest_url else "worker",
-        )
+        (p.metadata.name, p.spec.replicas, ["--pool", p.metadata.name], graph.pool_sources(p.metadata.name))
         for p in bundle.pools
     ]
     if not pools:
         name, default_pool = bundle.pool(None)
-        pools = [(name, default_pool.replicas, [], graph.default_sources, "worker")]
-    for pool_name, replicas, pool_args, sources, role in pools:
+        pools = [(name, default_pool.replicas, [], graph.default_sources)]
+    for pool_name, replicas, pool_args, sources in pools:
         relay_args = [arg for node in sources for url in urls(node) for arg in ("--relay-url", url)]
         for i in range(replicas):
             worker = f"{pool_name}-{i}"
@@ -160,7 +135,6 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
                         str(cache / worker),
                     ],
                     logs / f"rollout-{worker}.log",
-                    role=role,
                 )
             )
     # trainer.replicas > 1: one process per rank with the torchrun-style environment the operator
@@ -179,71 +153,43 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
                 [*cli, "trainer", *common, "--output-dir", str(run_dir)],
                 logs / ("trainer.log" if rank == 0 else f"trainer-{rank}.log"),
                 env={**master, "RANK": str(rank)} if replicas > 1 else {},
+                done_on_success=True,
             )
         )
     return comps
 
 
+def redis_env(c: Component, bundle: Bundle, acl: RunAcl, base_url: str) -> dict[str, str]:
+    """The Redis URLs of a component: its role's; a worker's reader and tickets users besides; none for a
+    worker of a pool that submits through an ingest (it never touches Redis)."""
+    command = c.argv[3]  # argv: python -m rlfleet.cli <subcommand> ...
+    if command != "rollout":
+        return {env.REDIS_URL: acl.url(base_url, COMPONENT_ROLES[command])}
+    pool = c.argv[c.argv.index("--pool") + 1] if "--pool" in c.argv else None
+    if bundle.pool(pool)[1].ingest_url:
+        return {env.REDIS_URL: ""}
+    return {
+        env.REDIS_URL: acl.url(base_url, WORKER_ROLES["write"]),
+        env.REDIS_READ_URL: acl.url(base_url, WORKER_ROLES["read"]),
+        env.REDIS_TICKETS_URL: acl.url(base_url, WORKER_ROLES["tickets"]),
+    }
+
+
 def run_keys(environ: dict, key_dir: Path) -> dict:
     """Set environ's RLFLEET_PUBLIC_KEY for every component; return the trainer-only env naming the
-    private key (a fresh pair in `key_dir` unless RLFLEET_SIGNING_KEY_FILE was given)."""
-    from rlfleet.signing import generate_keypair, load_private_key, public_key_text
+    private key: RLFLEET_SIGNING_KEY_FILE if given, else the pair in `key_dir` (made on the run's
+    first launch, reused when it resumes, so the versions it already signed still verify)."""
+    from rlfleet.signing import PRIVATE_KEY_FILE, generate_keypair, load_private_key, public_key_text
 
-    given = environ.pop(env.SIGNING_KEY_FILE, None)
+    given = environ.pop(env.SIGNING_KEY_FILE, None) or (
+        key_dir / PRIVATE_KEY_FILE if (key_dir / PRIVATE_KEY_FILE).exists() else None
+    )
     if given:
         private, public = Path(given).resolve(), public_key_text(load_private_key(Path(given)))
     else:
         private, public = generate_keypair(key_dir)
     environ[env.PUBLIC_KEY] = public
     return {env.SIGNING_KEY_FILE: str(private)}
-
-
-def stop_all(comps: list[Component]) -> None:
-    """SIGTERM every running component, then SIGKILL what is left after the grace period."""
-    running = [c for c in comps if c.proc and c.proc.poll() is None]
-    for c in running:
-        c.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for c in running:
-        try:
-            c.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
-            c.proc.wait()
-
-
-class Progress:
-    """A tqdm bar over trainer steps (or one line per step without a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr) if enabled else None
-        self.seen = 0
-
-    def update(self, records: list[dict], queue_depth: int) -> None:
-        new = records[self.seen :]
-        if not new:
-            return
-        self.seen = len(records)
-        r = new[-1]
-        fields = {
-            "v": r["policy_version"],
-            "reward": f"{r['reward_mean']:.2f}",
-            "acc": r["accepted"],
-            "rej": r["rejected"],
-            "queue": queue_depth,
-            "lag": f"{r['staleness_mean']:.1f}",
-        }
-        if self.bar:
-            self.bar.set_postfix(fields, refresh=False)
-            self.bar.update(len(new))
-        else:
-            print(f"step {r['step']} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()
 
 
 def run_local(file: str, run_dir: str | None = None, steps: int | None = None, progress: bool = True) -> int:
@@ -257,6 +203,8 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     total = steps or bundle.run.spec.trainer.steps
 
     print(f"rlfleet: run {name} in {run_path}", file=sys.stderr)
+    # Until components run (supervise() takes over), SIGTERM interrupts like Ctrl-C: nothing to stop yet.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     from rlfleet.models.builtin import resolve_model_path
 
     t0 = time.monotonic()
@@ -273,85 +221,95 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         except (ImportError, ValueError) as exc:
             raise SystemExit(f"rlfleet run: InferencePool {pool.metadata.name}: {exc}") from None
 
-    # SIGTERM (a supervisor, `kill`) stops the run the same way Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     comps = plan(bundle, config, run_path)
+    check_local_size(bundle, comps, file)
     if steps:
         for c in comps:
             if c.name.startswith("trainer"):
                 c.argv += ["--steps", str(steps)]
-    started = time.monotonic()
-    failed: Component | None = None
-    interrupted = False
+    redis_port = free_port()
+    base_url = f"redis://127.0.0.1:{redis_port}/0"
     acl = RunAcl.generate(name)
-    server = EmbeddedRedis(run_path / "redis", acl=acl.acl_file(), auth=(user_name(ADMIN, name), acl.passwords[ADMIN]))
-    with server as redis_url:
-        import redis
+    redis_url = acl.url(base_url, ADMIN)
+    acl_file = write_acl_file(run_path / "redis" / "users.acl", acl.acl_file())
+    redis_comp = Component(
+        "redis",
+        redis_server_argv(run_path / "redis", redis_port, persistent=True, acl_file=acl_file),
+        run_path / "logs" / "redis.log",
+        stop_last=True,
+    )
+    environ = {
+        **os.environ,
+        env.REDIS_URL: redis_url,
+        env.TORCH_THREADS: "1",
+        "OMP_NUM_THREADS": "1",
+        env.LOCAL: "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if not bundle.run.spec.store.uri:
+        environ[env.STORE_URI] = f"file://{run_path / 'store'}"
+    trainer_env = run_keys(environ, run_path / "keys")
+    for c in comps:
+        c.env.update(redis_env(c, bundle, acl, base_url))
+        if c.name == "trainer":
+            c.env.update(trainer_env)
+    (run_path / "redis").mkdir(exist_ok=True)
+    write_endpoints(run_path / "endpoints.json", redis_url, comps)
+    supervisor = Supervisor([redis_comp, *comps], environ)
+    return supervise(supervisor, redis_comp, comps[-1], run_path, name, total, progress)
 
-        client = redis.Redis.from_url(redis_url)
-        environ = {
-            **os.environ,
-            env.REDIS_URL: redis_url,
-            env.TORCH_THREADS: "1",
-            "OMP_NUM_THREADS": "1",
-            env.LOCAL: "1",
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-        }
-        if not bundle.run.spec.store.uri:
-            environ[env.STORE_URI] = f"file://{run_path / 'store'}"
-        signing_env = run_keys(environ, run_path / "keys")
-        bar = Progress(total, progress and sys.stderr.isatty())
-        try:
-            for c in comps:
-                with open(c.log, "ab") as log:
-                    c.proc = subprocess.Popen(
-                        c.argv,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        env={
-                            **environ,
-                            **c.redis_env(acl, server.base_url),
-                            **c.env,
-                            **(signing_env if c.name == "trainer" else {}),
-                        },
-                    )
-            trainer = comps[-1]
-            while True:
-                bar.update(read_metrics(run_path / "metrics.jsonl"), client.xlen(RunKeys(name).rollouts))
-                if trainer.proc.poll() == 0:
-                    break
-                # Other trainer ranks finish their last step before rank 0 has published it.
-                failed = next(
-                    (
-                        c
-                        for c in comps
-                        if c.proc.poll() is not None and not (c.name.startswith("trainer/") and c.proc.returncode == 0)
-                    ),
-                    None,
-                )
-                if failed:
-                    break
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            bar.close()
-            stop_all(comps)
-            client.close()
+
+def write_endpoints(path: Path, redis_url: str, comps: list[Component]) -> None:
+    """Where the run's services listen (Redis, and each component's HTTP port), for tools and people."""
+    http = {}
+    for c in comps:
+        for flag in ("--port", "--api-port"):
+            if flag in c.argv:
+                http[c.name] = f"http://127.0.0.1:{c.argv[c.argv.index(flag) + 1]}"
+    path.write_text(json.dumps({"redis": redis_url, "http": http}, indent=2) + "\n")
+
+
+def check_local_size(bundle: Bundle, comps: list[Component], source: str) -> None:
+    """Refuse a run this machine should not start: too many processes, or no worker to feed the trainer."""
+    problems = []
+    if len(comps) > MAX_LOCAL_PROCESSES:
+        problems.append(f"replicas: the run would start {len(comps)} processes on this machine (at most "
+                        f"{MAX_LOCAL_PROCESSES}); lower the InferencePool/RelayTier/verifier/trainer replicas, or "
+                        "run it on a cluster")  # fmt: skip
+    if not any(c.name.startswith("rollout/") for c in comps):
+        problems.append("InferencePool spec.replicas: every pool has 0 workers, so no group would ever reach the "
+                        "trainer; give a pool at least 1 replica")  # fmt: skip
+    if problems:
+        raise ConfigError(source, problems)
+
+
+def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, name: str,
+              total: int, progress: bool) -> int:  # fmt: skip
+    """Run until the trainer finishes, a component crash-loops or the user interrupts; then stop
+    everything and write the reports."""
+    interrupts = Interrupts()
+    previous = {sig: signal.signal(sig, interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    try:
+        failed = run_components(supervisor, redis_comp, trainer, run_path, name, total, progress, interrupts)
+    finally:
+        supervisor.stop_all(force=lambda: interrupts.count >= 2)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     summary = write_reports(run_path, time.monotonic() - started, f"rlfleet run {name}")
-    if interrupted:
+    if interrupts.requested:
         print(f"rlfleet: interrupted; every component stopped. Logs in {run_path / 'logs'}", file=sys.stderr)
         return 130
+    if failed is redis_comp and not failed.failures:
+        print(f"rlfleet: redis-server did not start; see {redis_comp.log}", file=sys.stderr)
+        return 1
     if failed:
-        print(
-            f"rlfleet: component {failed.name} exited with code {failed.proc.returncode}; see {failed.log}",
-            file=sys.stderr,
-        )
+        print(f"rlfleet: component {failed.name} keeps failing (exit code {failed.proc.returncode}, "
+              f"{failed.failures} times in a row); see {failed.log}", file=sys.stderr)  # fmt: skip
         return 1
     print(
         f"rlfleet: done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s, reward "
@@ -360,3 +318,58 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         file=sys.stderr,
     )
     return 0
+
+
+def run_components(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, name: str,
+                   total: int, progress: bool, interrupts: Interrupts) -> Component | None:  # fmt: skip
+    """Start Redis, then every component; supervise until the trainer is done or a signal came.
+    Returns the component that failed the run, if one did."""
+    import redis
+
+    supervisor.start(redis_comp)
+    url = supervisor.environ[env.REDIS_URL]
+    try:
+        wait_until_ready(url, redis_comp.proc, redis_comp.log, cancelled=lambda: interrupts.requested)
+    except RuntimeError:
+        return redis_comp
+    for comp in supervisor.comps[1:]:
+        if interrupts.requested:
+            return None
+        supervisor.start(comp)
+    bar = Progress(total, progress and sys.stderr.isatty())
+    client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        while not interrupts.requested:
+            try:
+                depth = client.xlen(RunKeys(name).rollouts)
+            except redis.RedisError:
+                depth = "?"  # Redis is restarting; its append-only file brings the queue back
+            bar.update(read_metrics(run_path / "metrics.jsonl"), depth)
+            if trainer.finished:
+                return None
+            failed = supervisor.poll()
+            if failed:
+                return failed
+            time.sleep(0.5)
+        return None
+    finally:
+        bar.close()
+        client.close()
+
+
+class Interrupts:
+    """The launcher's SIGINT/SIGTERM handler while components run. A signal is only counted, never
+    raised: a KeyboardInterrupt can be swallowed (raised inside a finalizer, it is printed and
+    dropped) or land between starting a process and recording it; the loops check `requested`
+    every half second instead. The first signal stops the run, a second one makes the stop kill
+    what is left at once."""
+
+    def __init__(self):
+        self.count = 0
+
+    @property
+    def requested(self) -> bool:
+        return self.count >= 1
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1

@@ -6,7 +6,7 @@ whatever the worker wrote: only the ingest binds worker ids to tokens.
 
   worker    XADD / XLEN the inbox: the only key a rollout worker writes
   reader    read the policy stream, XLEN the inbox: a worker's reads (a second client, env
-            RLFLEET_REDIS_READ_URL), a worker of a pool with `ingestUrl` (nothing else), origin, relays
+            RLFLEET_REDIS_READ_URL), the origin, relays
   tickets   HINCRBY the work-ticket counters (spec.sampling.assignment: run; env RLFLEET_REDIS_TICKETS_URL)
   ingest    the inbox (its admission script: XLEN, XADD, GET/SET of its submission records), ban
             lookups, work tickets
@@ -27,9 +27,9 @@ gives each pod the urlSecret's `url-{role}` keys.
 
 What ACLs cannot express: command arguments. A worker may XADD with MAXLEN and trim its run's inbox,
 or flood it. Untrusted pools therefore submit through the ingest (`InferencePool.spec.ingestUrl`),
-which authenticates each worker by its token, never trims, bounds the backlog and rate, while their
-workers read Redis as `reader` only; direct Redis writes are for workers the run's operator trusts
-that far.
+which authenticates each worker by its token, never trims, bounds the backlog and rate, and their
+workers get no Redis credentials at all; direct Redis writes are for workers the run's operator
+trusts that far.
 """
 
 from __future__ import annotations

@@ -1,6 +1,15 @@
 """An embedded `redis-server` for `rlfleet run` and the tests: a free loopback port, its own data
-directory, stopped (and its pid reaped) when the context exits. With `acl` (a redis-server aclfile's
-text, rlfleet/redis_acl.py) it serves only those users and `url` carries the credentials of `auth`."""
+directory, stopped (and its pid reaped) when the context exits.
+
+Persistence (`rlfleet run`): an append-only file with `appendfsync everysec`. Every write reaches
+the file through the kernel at once, so a killed or crashed redis-server loses nothing and a
+restart on the same directory reloads every stream (the queue of accepted, untrained groups
+included); only a crash of the whole machine can lose up to the last second of writes, which
+`always` would avoid at the cost of one fsync per write. Tests run without persistence.
+
+ACL (`acl_file`, written by rlfleet/redis_acl.py): the server then serves only the users of that
+file (the default user off), and EmbeddedRedis's `url` carries the credentials of `auth`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -38,14 +48,59 @@ def redis_server_binary() -> str:
     )
 
 
+def redis_server_argv(data_dir: Path, port: int, persistent: bool, acl_file: Path | None = None) -> list[str]:
+    """The command line of a private redis-server on 127.0.0.1:`port` keeping its files in `data_dir`
+    (with `acl_file`, only its users)."""
+    aof = ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
+    acl = ["--aclfile", str(acl_file)] if acl_file else []
+    return [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
+            *aof, "--protected-mode", "yes", *acl]  # fmt: skip
+
+
+def write_acl_file(path: Path, text: str) -> Path:
+    """An aclfile readable by its owner only (it holds the run's Redis passwords)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(text)
+    return path
+
+
+def wait_until_ready(
+    url: str, proc: subprocess.Popen, log: Path, timeout: float = 20.0, cancelled: Callable[[], bool] = lambda: False
+) -> None:
+    """Block until the server at `url` answers PING (it loads its append-only file first), or
+    `cancelled()` turns true."""
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout
+    try:
+        while not cancelled():
+            try:
+                client.ping()
+                return
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start; see {log}") from None
+                time.sleep(0.05)
+    finally:
+        client.close()
+
+
 class EmbeddedRedis:
     """`with EmbeddedRedis(dir) as url:` runs a private redis-server until the block ends."""
 
     def __init__(
-        self, data_dir: str | Path, port: int | None = None, acl: str | None = None, auth: tuple[str, str] | None = None
+        self,
+        data_dir: str | Path,
+        port: int | None = None,
+        persistent: bool = False,
+        acl: str | None = None,
+        auth: tuple[str, str] | None = None,
     ):
+        """`acl`: an aclfile's text (rlfleet/redis_acl.py); `auth`: the (user, password) `url` carries."""
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        self.persistent = persistent
         self.acl, self.auth = acl, auth
         self.proc: subprocess.Popen | None = None
 
@@ -62,45 +117,21 @@ class EmbeddedRedis:
         return f"redis://{user}:{password}@127.0.0.1:{self.port}/0"
 
     def start(self) -> str:
+        """Start the server and wait until it answers; a failure (or Ctrl-C) while it starts stops it."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        acl_args = []
-        if self.acl is not None:
-            acl_file = self.data_dir / "users.acl"
-            acl_file.touch(mode=0o600)
-            acl_file.write_text(self.acl)
-            acl_args = ["--aclfile", str(acl_file)]
-        log = open(self.data_dir / "redis.log", "ab")
-        self.proc = subprocess.Popen(
-            [
-                redis_server_binary(),
-                *acl_args,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.data_dir),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return self.url
-            except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start; see {self.data_dir / 'redis.log'}") from None
-                time.sleep(0.05)
+        try:
+            with open(self.data_dir / "redis.log", "ab") as log:
+                acl_file = write_acl_file(self.data_dir / "users.acl", self.acl) if self.acl is not None else None
+                self.proc = subprocess.Popen(
+                    redis_server_argv(self.data_dir, self.port, self.persistent, acl_file),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            wait_until_ready(self.url, self.proc, self.data_dir / "redis.log")
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -28,7 +28,7 @@ class ComponentOptions:
 @dataclass
 class Context:
     bundle: Bundle
-    redis: redis.Redis
+    redis: redis.Redis | None  # None only for a component that may run without it (component_context)
     keys: RunKeys
     stop: threading.Event
     redis_url: str = ""  # what `redis` connects to (a component that needs other client settings reconnects)
@@ -46,17 +46,19 @@ def setup_logging(component: str) -> logging.Logger:
     return logging.getLogger(f"rlfleet.{component}")
 
 
-def component_context(options: ComponentOptions, component: str) -> Context:
-    """Load the config, connect Redis, start /metrics, and turn SIGTERM/SIGINT into `stop`."""
+def component_context(options: ComponentOptions, component: str, redis_optional: bool = False) -> Context:
+    """Load the config, connect Redis, start /metrics, and turn SIGTERM/SIGINT into `stop`.
+    `redis_optional`: a component that can work without Redis (a relay following its upstream, a worker
+    posting to an ingest) gets `redis=None` when no URL is given instead of an error."""
     setup_logging(component)
     bundle = load_bundle(options.config)
     url = options.redis_url or env.get(env.REDIS_URL) or bundle.run.spec.redis.url
-    if not url:
+    if not url and not redis_optional:
         raise ConfigError(
             str(options.config),
             [f"spec.redis.url: required outside `rlfleet run` (or pass --redis-url / {env.REDIS_URL})"],
         )
-    client = redis.Redis.from_url(url)
+    client = connect_redis(url) if url else None
     if options.metrics_port:
         from prometheus_client import start_http_server
 
@@ -69,6 +71,25 @@ def component_context(options: ComponentOptions, component: str) -> Context:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop, redis_url=url)
+
+
+# A component rides out a Redis restart (a pod rescheduled, the local launcher's restart with its
+# append-only file) by retrying for about half a minute before an error reaches its code.
+REDIS_RETRIES = 20
+
+
+def connect_redis(url: str) -> redis.Redis:
+    """A client that retries a command on connection errors with exponential back-off (0.1 s doubling to
+    2 s, REDIS_RETRIES times). A retried write can apply twice if the reply was lost; the stream
+    consumers tolerate that (the gate's commit acknowledges first, the trainer keeps trained ids)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    return redis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), REDIS_RETRIES),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
 
 
 def open_run_store(ctx: Context, source: str = "config"):

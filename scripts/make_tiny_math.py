@@ -1,4 +1,5 @@
-"""Write data/samples/tiny-math.jsonl: the math sample set of `builtin://tiny-math` and examples/math.
+"""Write rlfleet/tasks/samples/tiny-math.jsonl: the data set `builtin://tiny-math`, on which the model
+`builtin://tiny-math` warm-starts and examples/math train.
 
 Four families of short problems with exact rational answers, written the way the math task scores
 them (rlfleet/tasks/math.py: the answer in `\\boxed{}`, compared by value, so `10/12` counts for `5/6`):
@@ -8,7 +9,7 @@ them (rlfleet/tasks/math.py: the answer in `\\boxed{}`, compared by value, so `1
 Answers are written reduced ("5/6", "-1/2", "2"). Rows are drawn without repetition by a fixed
 seed, so the file is the same on every run of this script:
 
-    python scripts/make_tiny_math.py            # rewrites data/samples/tiny-math.jsonl
+    python scripts/make_tiny_math.py            # rewrites rlfleet/tasks/samples/tiny-math.jsonl
     python scripts/make_tiny_math.py --check    # fails if the file differs from what it would write
 """
 
@@ -21,7 +22,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "data" / "samples" / "tiny-math.jsonl"
+OUT = Path(__file__).resolve().parents[1] / "rlfleet" / "tasks" / "samples" / "tiny-math.jsonl"
 SEED = 20260
 PER_FAMILY = 160
 DENOMINATORS = range(2, 7)

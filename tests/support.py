@@ -86,3 +86,21 @@ def start_trainer(
         stderr=subprocess.STDOUT,
         env={**os.environ, "RLFLEET_TORCH_THREADS": "1", **(env or {})},
     )
+
+
+CHART = REPO / "charts" / "rlfleet"
+
+
+def render_chart(chart, values: dict, release: str = "rl", namespace: str = "rlfleet") -> list[dict]:
+    """Every object the chart renders with `values` (the real Helm SDK: `chart` from helm_python.Chart.load)."""
+    import yaml
+
+    objects = []
+    for path, text in sorted(chart.render(values, name=release, namespace=namespace, is_install=True).items()):
+        if not path.endswith(".txt"):
+            objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    return objects
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]

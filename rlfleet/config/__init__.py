@@ -101,8 +101,9 @@ class Bundle:
             chosen = next((p for p in self.pools if p.metadata.name == name), None)
             if chosen is None:
                 listed = ", ".join(names) or "none (the file has no InferencePool documents)"
-                asked = f"--pool {name!r} is not" if name else "--pool is required: there are several"
-                raise ConfigError(source, [f"{asked} InferencePool of this file; its pools: {listed}"])
+                problem = (f"--pool {name!r} is not an InferencePool of this file; its pools: {listed}" if name
+                           else f"--pool is required: this file has several InferencePools: {listed}")  # fmt: skip
+                raise ConfigError(source, [problem])
         if chosen is None:
             return LOCAL_POOL, InferencePoolSpec(run=self.run.metadata.name)
         return chosen.metadata.name, chosen.spec
@@ -166,9 +167,12 @@ def parse_bundle(text: str, source: str = "<config>") -> Bundle:
     problems: list[str] = []
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        parsed = [_parse_document(i, d, problems) for i, d in enumerate(docs)]
     except yaml.YAMLError as exc:
         raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
-    parsed = [_parse_document(i, d, problems) for i, d in enumerate(docs)]
+    except RecursionError:
+        raise ConfigError(source, ["nested too deeply to read (thousands of levels); an rlfleet config is a "
+                                   "few levels deep: check the file for runaway brackets"]) from None  # fmt: skip
     runs = [p for p in parsed if isinstance(p, RLRun)]
     pools = [p for p in parsed if isinstance(p, InferencePool)]
     relays = [p for p in parsed if isinstance(p, RelayTier)]
@@ -210,7 +214,10 @@ def load_bundle(path: str | Path) -> Bundle:
     """Read and validate a config file (see parse_bundle)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), [f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                                      "save the file as UTF-8"]) from None  # fmt: skip
     return parse_bundle(text, str(path))

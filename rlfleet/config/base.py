@@ -12,7 +12,7 @@ NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 class Spec(BaseModel):
     """Base of every config model: camelCase aliases, unknown fields rejected."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", allow_inf_nan=False)
 
 
 class Metadata(Spec):

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from rlfleet.config.base import NAME_PATTERN, Spec
+from rlfleet.config.workload import ResourcesSpec, pod_template, resources
 
 
 class RedisSpec(Spec):
@@ -154,3 +157,5 @@ class IngestSpec(Spec):
         description="Longest wait for Redis on a submission; a Redis that is down or stalled gives 503 with "
         "Retry-After, never an error or a hang.",
     )
+    resources: ResourcesSpec = resources("250m", "256Mi")
+    pod_template: dict[str, Any] | None = pod_template()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -11,6 +11,15 @@ from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
 from rlfleet.config.tasks import LengthPenaltySpec, ModelSpec, TaskSpec
 from rlfleet.config.training import SamplingSpec, TrainerSpec
 from rlfleet.config.verifier import VerifierSpec
+from rlfleet.config.workload import (
+    IntOrPercent,
+    OriginSpec,
+    ResourcesSpec,
+    gpu_resource,
+    max_unavailable,
+    pod_template,
+    resources,
+)
 
 
 class RLRunSpec(Spec):
@@ -39,7 +48,22 @@ class RLRunSpec(Spec):
     image: str | None = Field(
         default=None,
         description="Cluster only: container image of every component of the run (default: the operator's "
-        "RLFLEET_IMAGE).",
+        "RLFLEET_IMAGE, or RLFLEET_GPU_IMAGE for a component that asks for GPUs).",
+    )
+    origin: OriginSpec = Field(
+        default_factory=OriginSpec, description="Cluster only: the origin's pods (serves the store to the relays)."
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Cluster only: seconds from the run's creation after which an unfinished run fails (condition "
+        "Failed, reason DeadlineExceeded) and its workloads are scaled to 0. Empty: no deadline.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        description="Cluster only: seconds after the run completes or fails after which the operator deletes it, "
+        "and with it its children, pools and relay tiers. Empty: kept until you delete it.",
     )
 
     @model_validator(mode="after")
@@ -55,7 +79,9 @@ class RLRunSpec(Spec):
 
 class InferencePoolSpec(Spec):
     run: str = Field(pattern=NAME_PATTERN, description="Name of the RLRun this pool generates for.")
-    replicas: int = Field(default=2, ge=0, description="Rollout workers.")
+    replicas: int = Field(
+        default=2, ge=0, le=100_000, description="Rollout workers (`rlfleet run` starts one process each)."
+    )
     engine: Literal["torch", "vllm", "auto"] = Field(
         default="torch",
         description="Inference engine: torch (any model, CPU or GPU); vllm (vLLM 0.32.0, install extra vllm or "
@@ -68,25 +94,39 @@ class InferencePoolSpec(Spec):
     relay: str | None = Field(
         default=None, description="RelayTier to download checkpoints from (default: the highest tier of the run)."
     )
-    gpus: int = Field(default=0, ge=0, description="GPUs per worker (cluster only).")
+    gpus: int = Field(default=0, ge=0, le=64, description="GPUs per worker (cluster only).")
+    gpu_resource: str = gpu_resource()
     image: str | None = Field(
         default=None,
         description="Cluster only: container image of this pool's workers, e.g. one with vLLM (default: the run's "
-        "image).",
+        "image, else the operator's RLFLEET_GPU_IMAGE when gpus > 0, else RLFLEET_IMAGE).",
     )
     ingest_url: str | None = Field(
         default=None,
         pattern=r"^https?://[^\s]+$",
-        description="Base URL of the run's ingest (`rlfleet ingest`): workers POST their groups there with the token "
-        "in env RLFLEET_WORKER_TOKEN instead of writing to Redis. Empty: workers XADD to the inbox "
-        "directly.",
+        description="Base URL of the run's ingest (`rlfleet ingest`): workers POST their groups there with their "
+        "token (env RLFLEET_WORKER_TOKEN, or on a cluster the key named after the pod in workerTokens) and "
+        "follow policy versions through the relays, never touching Redis. Empty: workers XADD to the "
+        "inbox directly.",
     )
+    worker_tokens: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only, with ingestUrl: name of a Secret with one key per worker pod, named after the pod "
+        "(POOL-rollout-0, POOL-rollout-1, ...), whose value is that worker's ingest token; the ingest's "
+        "tokens.yaml maps the same names to the same tokens. Each pod reads the file named after it (the "
+        "Secret is mounted whole: a pool's pods share one trust domain; tokens tell its workers apart for "
+        "reputation and bans).",
+    )
+    resources: ResourcesSpec = resources("1", "2Gi")
+    pod_template: dict[str, Any] | None = pod_template()
+    max_unavailable: IntOrPercent = max_unavailable("25%")
 
 
 class RelayTierSpec(Spec):
     run: str = Field(pattern=NAME_PATTERN, description="Name of the RLRun whose checkpoints this tier relays.")
-    tier: int = Field(default=0, ge=0, description="Tier 0 pulls from the origin; tier k from tier k-1.")
-    replicas: int = Field(default=1, ge=1, description="Relay pods in this tier.")
+    tier: int = Field(default=0, ge=0, le=64, description="Tier 0 pulls from the origin; tier k from tier k-1.")
+    replicas: int = Field(default=1, ge=1, le=1024, description="Relay pods in this tier.")
     upstream: str | None = Field(
         default=None,
         description="Explicit upstream RelayTier name (default: tier-1 of the same run, or the origin for tier 0).",
@@ -102,6 +142,9 @@ class RelayTierSpec(Spec):
         ge=1,
         description="Versions this tier's relays keep on disk (default: the run's spec.shardcast.keepVersions).",
     )
+    resources: ResourcesSpec = resources("250m", "512Mi")
+    pod_template: dict[str, Any] | None = pod_template()
+    max_unavailable: IntOrPercent = max_unavailable(1)
 
 
 class RLRun(Spec):

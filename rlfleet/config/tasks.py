@@ -40,8 +40,9 @@ class ArithmeticTaskSpec(Spec):
 class DatasetSpec(Spec):
     path: str = Field(
         min_length=1,
-        description="JSONL or Parquet file of task rows: a local path (relative to the working directory) or "
-        "`s3://bucket/key`.",
+        description="JSONL or Parquet file of task rows: a local path (relative to the working directory; on a "
+        "cluster an absolute path in the image or a podTemplate volume), `s3://bucket/key`, or "
+        "`builtin://NAME` for a sample set shipped in the rlfleet package (`builtin://tiny-math`).",
     )
     format: Literal["auto", "jsonl", "parquet"] = Field(
         default="auto",
@@ -63,7 +64,11 @@ class DatasetSpec(Spec):
     @model_validator(mode="after")
     def _format_known(self) -> DatasetSpec:
         suffix = Path(self.path.split("?", 1)[0]).suffix.lower()
-        if self.format == "auto" and suffix not in (".jsonl", ".ndjson", ".json", ".parquet", ".pq"):
+        if (
+            self.format == "auto"
+            and not self.path.startswith("builtin://")
+            and suffix not in (".jsonl", ".ndjson", ".json", ".parquet", ".pq")
+        ):
             raise ValueError(
                 f"format: cannot tell the format of {self.path!r} from its extension; set format: jsonl or parquet"
             )

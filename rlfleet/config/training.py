@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from rlfleet.config.base import Spec
+from rlfleet.config.workload import ResourcesSpec, gpu_resource, pod_template, resources
 
 
 class SamplingSpec(Spec):
@@ -35,8 +36,10 @@ class SamplingSpec(Spec):
 
 
 class TrainerSpec(Spec):
-    steps: int = Field(default=100, ge=1, description="Optimizer steps; each publishes one policy version.")
-    batch_size: int = Field(default=16, ge=1, description="Groups (prompts) per optimizer step.")
+    steps: int = Field(
+        default=100, ge=1, le=10_000_000, description="Optimizer steps; each publishes one policy version."
+    )
+    batch_size: int = Field(default=16, ge=1, le=65_536, description="Groups (prompts) per optimizer step.")
     learning_rate: float = Field(default=1e-4, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
     eps_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="Ratio clip lower bound: ratio >= 1 - epsLow.")
@@ -69,7 +72,9 @@ class TrainerSpec(Spec):
         description="Weight of the KL penalty to the frozen starting policy (k3 estimator, clamped to [0, 10] per "
         "token); 0 keeps no reference model.",
     )
-    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warmup from 0 over this many steps.")
+    warmup_steps: int = Field(
+        default=0, ge=0, le=10_000_000, description="Linear learning-rate warmup from 0 over this many steps."
+    )
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         default="constant", description="Learning rate after warmup: constant, or decaying to 0 at the last step."
     )
@@ -79,7 +84,7 @@ class TrainerSpec(Spec):
         "reading until the batch is full of groups that teach something.",
     )
     seed: int = Field(default=0, description="Trainer seed.")
-    replicas: int = Field(default=1, ge=1, description="Data-parallel trainer processes.")
+    replicas: int = Field(default=1, ge=1, le=4096, description="Data-parallel trainer processes.")
     sharding: Literal["none", "fsdp"] = Field(
         default="none",
         description="How data-parallel replicas hold the model. `none`: every replica keeps the whole model, its "
@@ -89,4 +94,7 @@ class TrainerSpec(Spec):
         "training state does not fit one device; the published checkpoint is still the whole model. Has "
         "no effect with replicas: 1.",
     )
-    gpus: int = Field(default=0, ge=0, description="GPUs per trainer replica (cluster only).")
+    gpus: int = Field(default=0, ge=0, le=64, description="GPUs per trainer replica (cluster only).")
+    gpu_resource: str = gpu_resource()
+    resources: ResourcesSpec = resources("1", "4Gi")
+    pod_template: dict[str, Any] | None = pod_template()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from rlfleet.config.base import Spec
+from rlfleet.config.workload import ResourcesSpec, pod_template, resources
 
 
 class ToplocSpec(Spec):
@@ -76,7 +77,7 @@ class BanPolicySpec(Spec):
 
 
 class VerifierSpec(Spec):
-    replicas: int = Field(default=1, ge=1, description="Verifier replicas in one consumer group.")
+    replicas: int = Field(default=1, ge=1, le=1024, description="Verifier replicas in one consumer group.")
     toploc: ToplocSpec = Field(
         default_factory=ToplocSpec, description="TOPLOC proof parameters and acceptance thresholds."
     )
@@ -129,3 +130,5 @@ class VerifierSpec(Spec):
         default_factory=BanPolicySpec,
         description="When a worker is banned; bans are enforced by the gate (reason `banned`) and the ingest.",
     )
+    resources: ResourcesSpec = resources("1", "2Gi")
+    pod_template: dict[str, Any] | None = pod_template()

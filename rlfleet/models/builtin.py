@@ -5,8 +5,9 @@ characters (built with `tokenizers`), saved in HF format (config.json, tokenizer
 model.safetensors). It gets a short supervised warm start on the run's task so that RL starts with
 signal: the warm-started policy solves some problems when sampled at temperature 1 and RL sharpens
 it. tiny-arithmetic writes bare integers for the arithmetic task; tiny-math writes `\\boxed{answer}`
-for the math task over data/samples/tiny-math.jsonl (made by scripts/make_tiny_math.py), whose
-characters its tokenizer covers; a data set with other characters is refused when the model is built.
+for the math task over builtin://tiny-math (rlfleet/tasks/samples/tiny-math.jsonl, made by
+scripts/make_tiny_math.py), whose characters its tokenizer covers; a data set with other characters is
+refused when the model is built.
 
 vLLM's CPU attention needs a head size of at least 32: tiny-math (hidden 96, 3 heads of 32) runs on
 `engine: torch` or `engine: vllm`; tiny-arithmetic (head size 16) on torch only.
@@ -196,5 +197,5 @@ def check_coverage(name: str, builtin: Builtin, task) -> None:
             raise ValueError(
                 f"spec.model.path: {BUILTIN_PREFIX}{name} knows only the characters {builtin.chars!r}; "
                 f"task {task_id} (spec.task) has {''.join(missing)!r}. Use a data set written with "
-                f"those characters (e.g. data/samples/tiny-math.jsonl) or a model directory of your own"
+                f"those characters (e.g. builtin://tiny-math) or a model directory of your own"
             )

@@ -40,7 +40,10 @@ def _status_schema(scalable: bool) -> dict:
         "description": "One observation of the object's state (Kubernetes condition conventions).",
         "required": ["type", "status"],
         "properties": {
-            "type": {"type": "string", "description": "Condition type: Ready, Progressing, Suspended."},
+            "type": {
+                "type": "string",
+                "description": "Condition type: Ready, Suspended, Complete, Failed (pools and tiers: Ready, Failed).",
+            },
             "status": {
                 "type": "string",
                 "enum": ["True", "False", "Unknown"],
@@ -48,7 +51,8 @@ def _status_schema(scalable: bool) -> dict:
             },
             "reason": {
                 "type": "string",
-                "description": "CamelCase reason, e.g. InvalidSpec, ChildrenApplied, RunNotFound.",
+                "description": "CamelCase reason, e.g. Running, Pending, StepsDone, InvalidSpec, SecretKeyMissing, "
+                "DeadlineExceeded, RunNotFound.",
             },
             "message": {
                 "type": "string",
@@ -63,7 +67,10 @@ def _status_schema(scalable: bool) -> dict:
         },
     }
     props = {
-        "phase": {"type": "string", "description": "Pending, Running, Suspended, Failed or Succeeded."},
+        "phase": {
+            "type": "string",
+            "description": "Pending, Running, Suspended, Failed, Succeeded (pools and tiers: Complete with their run).",
+        },
         "observedGeneration": {
             "type": "integer",
             "format": "int64",
@@ -106,6 +113,11 @@ def _status_schema(scalable: bool) -> dict:
                     "type": "number",
                     "description": "Mean reward of the newest step, when the trainer announces it.",
                 },
+                "completionTime": {
+                    "type": "string",
+                    "format": "date-time",
+                    "description": "When the run completed or failed; spec.ttlSecondsAfterFinished counts from it.",
+                },
                 "accepted": {
                     "type": "integer",
                     "format": "int64",
@@ -127,7 +139,7 @@ def _columns(kind: names.KindInfo) -> list[dict]:
         "name": "Phase",
         "type": "string",
         "jsonPath": ".status.phase",
-        "description": "Pending, Running, Suspended, Failed, Succeeded.",
+        "description": "Pending, Running, Suspended, Failed, Succeeded (pools and tiers: Complete).",
     }
     if kind is names.RLRUN:
         return [

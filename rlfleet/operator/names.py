@@ -12,6 +12,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 CATEGORY = "rlfleet"
 FIELD_MANAGER = "rlfleet-operator"
 DEFAULT_IMAGE = "ghcr.io/rlfleet/rlfleet:0.1.0"
+DEFAULT_GPU_IMAGE = "ghcr.io/rlfleet/rlfleet-gpu:0.1.0"
 
 
 class KindInfo:
@@ -48,12 +49,15 @@ PUBLIC_KEY = "public-key"  # key inside the signing Secret (public; every other 
 REDIS_URL_KEY = "url"  # key inside the Redis URL Secret (per ACL role: redis_role_url_key)
 INGEST_DIR = "/var/run/rlfleet/ingest"
 INGEST_TOKENS_KEY = "tokens.yaml"  # key inside the ingest tokens Secret
+WORKER_TOKENS_DIR = "/var/run/rlfleet/worker-tokens"  # a pool's workerTokens Secret: one file per pod name
+SHM_DIR = "/dev/shm"  # vLLM workers get a memory-backed /dev/shm (the container runtime's default is 64 MiB)
 
 # The pod's own name, from the downward API (rlfleet's own variables are named in rlfleet/env.py).
 ENV_POD_NAME = "POD_NAME"
 
-# Annotations.
+# Annotations and labels.
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"  # on pod templates: a changed config rolls the pods
+RUN_LABEL = f"{GROUP}/run"  # on every child, and on the pools and tiers of a run
 
 # Components (the `rlfleet <component>` subcommands that run in pods).
 TRAINER, VERIFIER, ORIGIN, ROLLOUT, RELAY, INGEST = "trainer", "verifier", "origin", "rollout", "relay", "ingest"
@@ -88,7 +92,9 @@ def run_config(run: str) -> str:
 
 
 def rollout(pool: str) -> str:
-    """Rollout Deployment of an InferencePool."""
+    """Rollout workload of an InferencePool (a Deployment, or a StatefulSet when its workers post to an
+    ingest: pod names POOL-rollout-0.. are their worker ids), its headless Service and its
+    PodDisruptionBudget."""
     return f"{pool}-rollout"
 
 
@@ -98,7 +104,7 @@ def pool_config(pool: str) -> str:
 
 
 def relay(tier: str) -> str:
-    """Relay Deployment and Service of a RelayTier."""
+    """Relay Deployment, Service and PodDisruptionBudget of a RelayTier."""
     return f"{tier}-relay"
 
 
@@ -117,7 +123,7 @@ def labels(kind: str, instance: str, component: str, run: str) -> dict[str, str]
         "app.kubernetes.io/name": "rlfleet",
         "app.kubernetes.io/instance": instance,
         "app.kubernetes.io/component": component,
-        f"{GROUP}/run": run,
+        RUN_LABEL: run,
         "app.kubernetes.io/part-of": "rlfleet",
         "app.kubernetes.io/managed-by": FIELD_MANAGER,
         f"{GROUP}/kind": kind.lower(),

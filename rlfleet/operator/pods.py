@@ -1,18 +1,37 @@
-"""The pieces every workload the operator builds is made of: the config document a pod reads (and its
-hash, which rolls pods when it changes), metadata with the owner, the container, the pod template,
-Deployments and Services. Pure functions of the config models, like the builders that use them."""
+"""The pieces every workload the operator builds is made of: owner references and metadata, the main
+container (entrypoint, environment, resources, probes, security), the pod template (volumes, pull
+secrets, the config hash, the component's podTemplate override), Deployments, StatefulSets, Services
+and PodDisruptionBudgets. Pure functions of the config models and the operator's ClusterDefaults.
+
+Probes: HTTP servers (origin, relay, ingest) are probed on /healthz of their port; the others
+(trainer, verifier, rollout) on /metrics, which their process serves from its first second: liveness
+means "the process answers", never "the model is loaded". A startupProbe gives slow starts room
+(a vLLM worker compiling and loading a model: up to 15 minutes) before liveness counts.
+"""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
-import yaml
-from pydantic import BaseModel
-
 from rlfleet import env, redis_acl
-from rlfleet.config import API_VERSION, InferencePool, RLRun
+from rlfleet.config import API_VERSION, RLRun
+from rlfleet.config.workload import ResourcesSpec
 from rlfleet.operator import names
+from rlfleet.operator.overrides import merge_pod_template
+
+
+@dataclass(frozen=True)
+class ClusterDefaults:
+    """What the operator fills in that a spec does not say (the Helm chart sets these on the operator)."""
+
+    image: str = names.DEFAULT_IMAGE  # every component that names no image
+    gpu_image: str = names.DEFAULT_GPU_IMAGE  # components that ask for GPUs and name no image
+    pull_policy: str | None = None  # imagePullPolicy of every container (None: the cluster's default)
+    pull_secrets: tuple[str, ...] = ()  # imagePullSecrets of every pod
+
+    def image_for(self, run: RLRun, gpus: int, own_image: str | None = None) -> str:
+        """A pool's own image, else the run's, else the GPU image when the pod asks for GPUs, else the CPU one."""
+        return own_image or run.spec.image or (self.gpu_image if gpus > 0 else self.image)
 
 
 @dataclass(frozen=True)
@@ -23,74 +42,63 @@ class Owner:
     name: str
     uid: str
 
-    def reference(self) -> dict:
+    def reference(self, controller: bool = True) -> dict:
+        """A controller reference (children: deleted with their parent, blocking its deletion until they
+        go), or a plain one (a run's pools and tiers: deleted with it, nothing blocked)."""
         return {
             "apiVersion": API_VERSION,
             "kind": self.kind,
             "name": self.name,
             "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
+            "controller": controller,
+            "blockOwnerDeletion": controller,
         }
 
 
-# ---- documents and hashes ----------------------------------------------------------------------
-
-
-def document(obj: BaseModel) -> dict:
-    """A config model as the YAML document the components read (cluster-only metadata dropped)."""
-    doc = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
-    doc["metadata"] = {"name": obj.metadata.name}
-    return doc
-
-
-def config_text(run: RLRun, pool: InferencePool | None = None) -> str:
-    docs = [document(run)] + ([document(pool)] if pool else [])
-    return yaml.safe_dump_all(docs, sort_keys=False)
-
-
-def config_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-# ---- shared pod pieces -------------------------------------------------------------------------
-
-
 def meta(name: str, namespace: str, labels: dict, owner: Owner | None) -> dict:
-    meta = {"name": name, "namespace": namespace, "labels": labels}
+    out = {"name": name, "namespace": namespace, "labels": labels}
     if owner:
-        meta["ownerReferences"] = [owner.reference()]
-    return meta
-
-
-def redis_env(run: RLRun, component: str, reads_only: bool = False) -> list[dict]:
-    """env.REDIS_URL of a pod: spec.redis.url, the urlSecret's `url`, or with roleUrls its role's
-    `url-<role>` (a rollout worker also gets its reader's and tickets' URLs; one behind an ingest only reads)."""
-    redis = run.spec.redis
-    if not redis.url_secret:
-        return [{"name": env.REDIS_URL, "value": redis.url or ""}]
-
-    def from_secret(name: str, key: str) -> dict:
-        return {"name": name, "valueFrom": {"secretKeyRef": {"name": redis.url_secret, "key": key}}}
-
-    if not redis.role_urls:
-        return [from_secret(env.REDIS_URL, names.REDIS_URL_KEY)]
-    role = "reader" if reads_only else redis_acl.COMPONENT_ROLES[component]
-    out = [from_secret(env.REDIS_URL, names.redis_role_url_key(role))]
-    if component == names.ROLLOUT:
-        out.append(from_secret(env.REDIS_READ_URL, names.redis_role_url_key(redis_acl.WORKER_ROLES["read"])))
-        if not reads_only:
-            out.append(from_secret(env.REDIS_TICKETS_URL, names.redis_role_url_key(redis_acl.WORKER_ROLES["tickets"])))
+        out["ownerReferences"] = [owner.reference()]
     return out
 
 
-def pod_env(run: RLRun, component: str, reads_only: bool = False) -> list[dict]:
-    return [
+# ---- environment -------------------------------------------------------------------------------
+
+
+def pod_env(run: RLRun, redis: bool = True, component: str | None = None) -> list[dict]:
+    """What every pod gets; `redis=False` for pods that must never reach the run's Redis. With
+    spec.redis.roleUrls, `component`'s Redis ACL role's URLs (redis_role_env)."""
+    out = [
         {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        *redis_env(run, component, reads_only),
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": env.CACHE, "value": f"{names.CACHE_DIR}/models"},
     ]
+    spec = run.spec.redis
+    if not redis or run.spec.remote:
+        return out
+    if spec.url_secret and spec.role_urls and component:
+        return out[:1] + redis_role_env(spec.url_secret, component) + out[1:]
+    if spec.url_secret:
+        value = {"valueFrom": {"secretKeyRef": {"name": spec.url_secret, "key": names.REDIS_URL_KEY}}}
+    else:
+        value = {"value": spec.url or ""}
+    return out[:1] + [{"name": env.REDIS_URL, **value}] + out[1:]
+
+
+def redis_role_env(secret: str, component: str) -> list[dict]:
+    """The urlSecret's `url-<role>` of the component's Redis ACL role (rlfleet/redis_acl.py); a rollout
+    worker also reads and takes tickets as their own users."""
+
+    def from_secret(name: str, role: str) -> dict:
+        return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": names.redis_role_url_key(role)}}}
+
+    out = [from_secret(env.REDIS_URL, redis_acl.COMPONENT_ROLES[component])]
+    if component == names.ROLLOUT:
+        out += [
+            from_secret(env.REDIS_READ_URL, redis_acl.WORKER_ROLES["read"]),
+            from_secret(env.REDIS_TICKETS_URL, redis_acl.WORKER_ROLES["tickets"]),
+        ]
+    return out
 
 
 def signing_env(run: RLRun, component: str) -> list[dict]:
@@ -111,69 +119,111 @@ def signing_env(run: RLRun, component: str) -> list[dict]:
     ]
 
 
+# ---- the main container ------------------------------------------------------------------------
+
+
+def _probes(component: str, http_port: str | None) -> dict:
+    port, path = (http_port, "/healthz") if http_port else ("metrics", "/metrics")
+    get = {"httpGet": {"path": path, "port": port}, "timeoutSeconds": 5}
+    startup_failures = 90 if component == names.ROLLOUT else 30  # x 10 s
+    return {
+        "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": startup_failures},
+        "livenessProbe": {**get, "periodSeconds": 20, "failureThreshold": 3},
+        "readinessProbe": {**get, "periodSeconds": 5 if http_port else 10, "failureThreshold": 3},
+    }
+
+
+def resource_requirements(resources: ResourcesSpec, gpus: int = 0, gpu_resource: str = "nvidia.com/gpu") -> dict:
+    out = {k: dict(v) for k, v in (("requests", resources.requests), ("limits", resources.limits)) if v}
+    if gpus > 0:  # an extended resource: its request, when given, must equal its limit
+        out.setdefault("limits", {})[gpu_resource] = gpus
+    return out
+
+
 def build_container(
     run: RLRun,
     component: str,
     args: list[str],
     image: str,
+    defaults: ClusterDefaults,
+    resources: ResourcesSpec,
+    *,
     gpus: int = 0,
+    gpu_resource: str = "nvidia.com/gpu",
     store_access: bool = False,
     ports: list[dict] | None = None,
     extra_env: list[dict] | None = None,
-    redis_reads_only: bool = False,
+    mounts: list[dict] | None = None,
+    redis: bool = True,
 ) -> dict:
+    """The `rlfleet <component>` container with the launcher's arguments, on the fixed pod ports."""
     c = {
         "name": component,
         "image": image,
         "command": ["rlfleet", component],
         "args": ["--config", names.CONFIG_PATH, "--metrics-port", str(names.METRICS_PORT), *args],
-        "env": pod_env(run, component, redis_reads_only) + signing_env(run, component) + (extra_env or []),
+        "env": pod_env(run, redis, component) + signing_env(run, component) + (extra_env or []),
         "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
+        "resources": resource_requirements(resources, gpus, gpu_resource),
         "volumeMounts": [
             {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
             {"name": "cache", "mountPath": names.CACHE_DIR},
+            *(mounts or []),
         ],
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        **_probes(component, ports[0]["name"] if ports else None),
     }
+    if defaults.pull_policy:
+        c["imagePullPolicy"] = defaults.pull_policy
     if store_access and run.spec.store.credentials_secret:
         c["envFrom"] = [{"secretRef": {"name": run.spec.store.credentials_secret}}]
-    if run.spec.shardcast.signing_key_secret and component == names.TRAINER:
-        c["volumeMounts"].append({"name": "signing", "mountPath": names.SIGNING_DIR, "readOnly": True})
-    if component == names.INGEST:
-        c["volumeMounts"].append({"name": "ingest-tokens", "mountPath": names.INGEST_DIR, "readOnly": True})
-    if gpus > 0:
-        c["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
-    if ports:
-        c["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": ports[0]["name"]}, "periodSeconds": 5}
     return c
 
 
-def pod_template(run: RLRun, labels: dict, container: dict, config_map: str, config: str) -> dict:
-    volumes = [{"name": "config", "configMap": {"name": config_map}}, {"name": "cache", "emptyDir": {}}]
-    if any(m["name"] == "signing" for m in container["volumeMounts"]):
-        volumes.append(
-            {
-                "name": "signing",
-                "secret": {
-                    "secretName": run.spec.shardcast.signing_key_secret,
-                    "items": [{"key": names.SIGNING_KEY, "path": names.SIGNING_KEY}],
-                },
-            }
-        )
-    if any(m["name"] == "ingest-tokens" for m in container["volumeMounts"]):
-        volumes.append(
-            {
-                "name": "ingest-tokens",
-                "secret": {
-                    "secretName": run.spec.ingest.tokens,
-                    "items": [{"key": names.INGEST_TOKENS_KEY, "path": names.INGEST_TOKENS_KEY}],
-                },
-            }
-        )
-    return {
-        "metadata": {"labels": labels, "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(config)}},
-        "spec": {"containers": [container], "volumes": volumes, "enableServiceLinks": False},
+# ---- pods and workloads ------------------------------------------------------------------------
+
+
+def scale(run: RLRun, replicas: int, active: bool = True) -> int:
+    """Pods a workload of `run` runs: `replicas` while the run is active (neither finished nor failed) and
+    not suspended, else 0."""
+    return replicas if active and not run.spec.suspend else 0
+
+
+def secret_volume(name: str, secret: str, keys: list[str] | None = None) -> dict:
+    """A Secret as files; `keys`: only those (each as a file of its name)."""
+    source: dict = {"secretName": secret}
+    if keys:
+        source["items"] = [{"key": k, "path": k} for k in keys]
+    return {"name": name, "secret": source}
+
+
+def pod_template(
+    labels: dict,
+    container: dict,
+    config_map: str,
+    config_hash: str,
+    defaults: ClusterDefaults,
+    *,
+    volumes: list[dict] | None = None,
+    override: dict | None = None,
+) -> dict:
+    """The pod: the container, its config and cache volumes (and `volumes`), pull secrets, the config hash
+    (a changed config rolls the pods), non-root with the runtime's seccomp profile, then the component's
+    podTemplate override merged in (overrides.py)."""
+    spec = {
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": config_map}},
+            {"name": "cache", "emptyDir": {}},
+            *(volumes or []),
+        ],
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
     }
+    if defaults.pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in defaults.pull_secrets]
+    built = {"metadata": {"labels": labels, "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash}}, "spec": spec}
+    return merge_pod_template(built, override) if override else built
 
 
 def deployment(
@@ -187,16 +237,53 @@ def deployment(
     }
 
 
-def service(
-    name: str, namespace: str, labels: dict, match: dict, port: int | None, owner: Owner | None, headless: bool = False
+def statefulset(
+    name: str,
+    namespace: str,
+    labels: dict,
+    match: dict,
+    replicas: int,
+    template: dict,
+    owner: Owner | None,
+    service_name: str,
 ) -> dict:
-    ports = [{"name": "http", "port": port, "targetPort": port}] if port else []
-    ports.append({"name": "metrics", "port": names.METRICS_PORT, "targetPort": names.METRICS_PORT})
-    spec = {"selector": match, "ports": ports}
+    """Pods with stable names NAME-0..N-1 (and DNS through the headless Service), started in parallel."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(name, namespace, labels, owner),
+        "spec": {
+            "replicas": replicas,
+            "serviceName": service_name,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": match},
+            "template": template,
+        },
+    }
+
+
+def service(
+    name: str,
+    namespace: str,
+    labels: dict,
+    match: dict,
+    owner: Owner | None,
+    ports: list[tuple[str, int]],
+    headless: bool = False,
+) -> dict:
+    """A Service over the pods `match` selects; `ports` are (name, port) pairs, each to the same container port."""
+    spec = {"selector": match, "ports": [{"name": n, "port": p, "targetPort": p} for n, p in ports]}
     if headless:
         spec.update(clusterIP="None", publishNotReadyAddresses=True)
     return {"apiVersion": "v1", "kind": "Service", "metadata": meta(name, namespace, labels, owner), "spec": spec}
 
 
-def image_of(run: RLRun, default_image: str) -> str:
-    return run.spec.image or default_image
+def disruption_budget(
+    name: str, namespace: str, labels: dict, match: dict, max_unavailable: int | str, owner: Owner | None
+) -> dict:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": meta(name, namespace, labels, owner),
+        "spec": {"maxUnavailable": max_unavailable, "selector": {"matchLabels": match}},
+    }

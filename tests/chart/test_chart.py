@@ -32,7 +32,9 @@ VALUE_SETS = {
     "default": {},
     "everything-on": {
         "redis": {"enabled": True, "auth": {"existingSecret": "redis-pw"}},
-        "monitoring": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}},
+        "monitoring": {"serviceMonitor": {"enabled": True}},
+        "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}],
+        "exposeIngests": [{"run": "arithmetic", "type": "NodePort"}],
         "operator": {"watchNamespaces": ["team-a", "team-b"], "verbose": True},
         "rbac": {"kopfPeering": True},
     },
@@ -253,7 +255,8 @@ def test_rbac_is_least_privilege_and_matches_the_crds(chart):
     roles = by_kind(objects, "ClusterRole")
     granted = set().union(*(_rules(r) for r in roles))
     assert not any("*" in part for rule in granted for part in rule), "no wildcards"
-    assert not {r for _, r, _ in granted} & {"secrets", "pods/exec", "roles", "rolebindings", "clusterroles"}
+    assert not {r for _, r, _ in granted} & {"pods/exec", "roles", "rolebindings", "clusterroles"}
+    assert {v for _, r, v in granted if r == "secrets"} == {"get"}, "Secrets: read by name, never listed or watched"
     crds = crd_docs()
     for kind, crd in crds.items():
         plural = crd["spec"]["names"]["plural"]
@@ -303,8 +306,9 @@ def test_monitors_are_toggles_that_select_the_operators_pods(chart):
 
     assert not [o for o in render(chart, {}) if o["apiVersion"].startswith("monitoring.coreos.com")]
     objects = render(chart, values_of("everything-on"))
-    [pod_monitor] = by_kind(objects, "PodMonitor")
     [service_monitor] = by_kind(objects, "ServiceMonitor")
+    on = {"monitoring": {"podMonitor": {"enabled": True}}, "operator": {"watchNamespaces": ["team-a", "team-b"]}}
+    [pod_monitor] = by_kind(render(chart, on), "PodMonitor")
     child_labels = names.labels("InferencePool", "pool", names.ROLLOUT, "run")
     for monitor in (pod_monitor, service_monitor):
         assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(child_labels.items())
@@ -335,7 +339,9 @@ def test_multicluster_examples_wire_cluster_b_to_cluster_a(chart):
     b = render(chart, values_of("cluster-b"))
     [redis_svc] = [s for s in by_kind(a, "Service") if s["metadata"]["name"] == "rlfleet-redis"]
     [relay_svc] = [s for s in by_kind(a, "Service") if s["metadata"]["name"].endswith("-relay-external")]
-    assert redis_svc["spec"]["type"] == relay_svc["spec"]["type"] == "LoadBalancer"
+    [ingest_svc] = [s for s in by_kind(a, "Service") if s["metadata"]["name"].endswith("-ingest-external")]
+    assert redis_svc["spec"]["type"] == "ClusterIP", "Redis never leaves cluster A"
+    assert relay_svc["spec"]["type"] == ingest_svc["spec"]["type"] == "LoadBalancer"
     assert {r["spec"]["tier"] for r in by_kind(a, "RelayTier")} == {0, 1}
     assert not by_kind(a, "InferencePool")
     # The exposed Service selects exactly the pods the operator builds for that tier.
@@ -344,11 +350,33 @@ def test_multicluster_examples_wire_cluster_b_to_cluster_a(chart):
     tier = relay_svc["spec"]["selector"]["app.kubernetes.io/instance"]
     run = by_kind(a, "RLRun")[0]["metadata"]["name"]
     assert relay_svc["spec"]["selector"] == names.selector("RelayTier", tier, names.RELAY, run)
+    [run_a] = by_kind(a, "RLRun")
+    assert ingest_svc["spec"]["selector"] == names.selector("RLRun", run, names.INGEST, run)
+    assert run_a["spec"]["ingest"]["tokens"], "cluster A runs the ingest"
     relay_host = relay_svc["metadata"]["annotations"]["external-dns.alpha.kubernetes.io/hostname"]
-    ingest_host = redis_svc["metadata"]["annotations"]["external-dns.alpha.kubernetes.io/hostname"]
+    ingest_host = ingest_svc["metadata"]["annotations"]["external-dns.alpha.kubernetes.io/hostname"]
     [pool] = by_kind(b, "InferencePool")
     [edge] = by_kind(b, "RelayTier")
+    [run_b] = by_kind(b, "RLRun")
     assert pool["spec"]["relay"] == edge["metadata"]["name"] and pool["spec"]["gpus"] >= 1
     assert relay_host in edge["spec"]["upstreamUrl"]
-    assert ingest_host in (EXAMPLES / "cluster-b-values.yaml").read_text()
-    assert not [o for o in b if "redis" in o["metadata"]["name"]], "cluster B uses cluster A's Redis"
+    assert ingest_host in pool["spec"]["ingestUrl"] and pool["spec"]["workerTokens"]
+    assert run_b["spec"]["remote"] and "redis" not in run_b["spec"], "cluster B's pods never see a Redis URL"
+    assert not [o for o in b if "redis" in o["metadata"]["name"]]
+
+
+def _secret_commands(text: str, name: str) -> list[str]:
+    """The `kubectl create secret generic NAME ...` commands in a text (continuation lines joined)."""
+    joined = re.sub(r"\\\n#?\s*", " ", text)
+    return [line for line in joined.splitlines() if f"create secret generic {name} " in line]
+
+
+def test_every_signing_secret_command_gives_the_public_key():
+    """Bug: the multi-cluster steps created the signing Secret without `public-key`, which origin,
+    verifier and relay pods read: they failed with CreateContainerConfigError."""
+    sources = [EXAMPLES / "cluster-a-values.yaml", EXAMPLES / "cluster-b-values.yaml", ROOT / "docs" / "kubernetes.md"]
+    commands = {str(p): _secret_commands(p.read_text(), "arithmetic-signing") for p in sources}
+    assert all(commands.values()), commands
+    for source, found in commands.items():
+        assert all("public-key=" in c for c in found), (source, found)
+    assert all("signing-key=" in c for c in commands[str(EXAMPLES / "cluster-a-values.yaml")])

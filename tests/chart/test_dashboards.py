@@ -25,8 +25,12 @@ SERVICE_MODULES = [
     "rlfleet.services.shardcast.origin",
     "rlfleet.services.ingest.app",
 ]
-# Labels Prometheus attaches when it scrapes a pod (PodMonitor/ServiceMonitor target labels).
-TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint", "service"}
+# Labels Prometheus attaches when it scrapes a pod (PodMonitor/ServiceMonitor target labels), the pod
+# labels the chart's monitors copy (podTargetLabels, sanitized: rlfleet.io/run -> rlfleet_io_run), and
+# `cluster`, the external label a multi-cluster Prometheus/Thanos setup gives each cluster's series.
+TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint", "service", "cluster"}
+POD_TARGET_LABELS = {"rlfleet_io_run", "app_kubernetes_io_component", "rlfleet_io_kind"}
+TARGET_LABELS |= POD_TARGET_LABELS
 SAMPLE_SUFFIXES = {
     "counter": ("_total",),
     "gauge": ("",),
@@ -95,7 +99,9 @@ def targets(board: dict) -> list[tuple[str, str]]:
 
 
 def metric_names(expr: str) -> set[str]:
-    return set(METRIC_RE.findall(expr))
+    """Metric names in an expression; label names that start with rlfleet_ (inside selectors, or the label
+    argument of label_values) are not metrics."""
+    return set(METRIC_RE.findall(re.sub(r"\{[^}]*\}", "{}", expr))) - POD_TARGET_LABELS
 
 
 def label_names(expr: str) -> set[str]:
@@ -147,8 +153,11 @@ def test_dashboard_queries_only_exported_metrics(path, exported):
 def test_dashboard_is_well_formed(path):
     board = load(path)
     assert board["uid"] == path.stem and board["title"].startswith("rlfleet / ")
-    variables = {v["name"] for v in board["templating"]["list"]}
-    assert {"datasource", "namespace"} <= variables
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert {"datasource", "cluster", "namespace", "run"} <= variables.keys()
+    for name in ("cluster", "namespace", "run"):
+        # "All" must match series without the label too (one cluster: no `cluster` label)
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*", name
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids)), f"{path.name}: duplicate panel ids"
     for panel in board["panels"]:
@@ -159,9 +168,21 @@ def test_dashboard_is_well_formed(path):
         assert len(ref_ids) == len(set(ref_ids))
         for target in panel["targets"]:
             assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
-            assert 'namespace=~"$namespace"' in target["expr"], (
-                f"{path.name}: {panel['title']!r} ignores the namespace variable: {target['expr']}"
-            )
+            for matcher in ('cluster=~"$cluster"', 'namespace=~"$namespace"', 'rlfleet_io_run=~"$run"'):
+                assert matcher in target["expr"], f"{path.name}: {panel['title']!r} ignores {matcher}: {target['expr']}"
+
+
+def test_the_monitors_give_every_target_the_labels_the_dashboards_filter_on():
+    """The `run` variable reads rlfleet_io_run: the monitors must copy the pod label rlfleet.io/run."""
+    import yaml
+
+    from rlfleet.operator import names
+
+    text = (REPO / "charts" / "rlfleet" / "templates" / "monitors.yaml").read_text()
+    copied = {tuple(yaml.safe_load(line.split(":", 1)[1])) for line in text.splitlines() if "podTargetLabels:" in line}
+    [labels] = copied  # the same on both monitors
+    sanitized = {label.replace(".", "_").replace("/", "_").replace("-", "_") for label in labels}
+    assert sanitized == POD_TARGET_LABELS and names.RUN_LABEL in labels
 
 
 def test_every_exported_metric_is_on_a_dashboard(exported):

@@ -21,8 +21,8 @@ from rlfleet.tasks.math import answers_match
 
 TASK = ArithmeticTaskSpec(type="arithmetic", max_operand=20)
 ROOT = REPO
-TINY_MATH_SET = ROOT / "data" / "samples" / "tiny-math.jsonl"
-MATH = MathTaskSpec(type="math", dataset=DatasetSpec(path=str(TINY_MATH_SET)), prompt_template="{problem}")
+TINY_MATH_SET = ROOT / "rlfleet" / "tasks" / "samples" / "tiny-math.jsonl"
+MATH = MathTaskSpec(type="math", dataset=DatasetSpec(path="builtin://tiny-math"), prompt_template="{problem}")
 
 
 def digest(path) -> str:

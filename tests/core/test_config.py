@@ -200,3 +200,62 @@ def test_config_error_report_is_one_line_per_problem():
     assert err.report() == textwrap.dedent("""\
         x.yaml: a: bad
         x.yaml: b: worse""")
+
+
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ("  trainer: {learningRate: .inf}\n", "spec.trainer.learningRate"),
+        ("  trainer: {learningRate: .nan}\n", "spec.trainer.learningRate"),
+        ("  trainer: {steps: 1e30}\n", "spec.trainer.steps"),
+        ("  trainer: {batchSize: 1e18}\n", "spec.trainer.batchSize"),
+        ("  verifier: {replicas: 100000}\n", "spec.verifier.replicas"),
+    ],
+)
+def test_infinite_and_absurd_numbers_are_field_errors(spec, field):
+    problems = _problems(RUN + spec)
+    assert len(problems) == 1 and problems[0].startswith(f"document 0 (RLRun demo): {field}:"), problems
+
+
+def test_a_pool_of_a_million_workers_is_refused_by_the_model():
+    problems = _problems(_doc(RUN, POOL + "  replicas: 1000000\n"))
+    assert problems == [
+        "document 1 (InferencePool demo-pool): spec.replicas: Input should be less than or equal to 100000"
+    ]
+
+
+def test_a_file_that_is_not_utf8_gets_a_clear_error(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(RUN.encode() + "  # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        load_bundle(bad)
+    assert (
+        info.value.problems[0].startswith("not UTF-8 text (byte 0xe9 at offset")
+        and "save the file as UTF-8" in (info.value.problems[0])
+    )
+    result = _validate(bad)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "not UTF-8 text" in result.stderr
+
+
+def test_runaway_nesting_gets_a_clear_error_not_a_traceback(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text(RUN + "  sampling: " + "[" * 20000 + "]" * 20000 + "\n")
+    result = _validate(deep)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "nested too deeply" in result.stderr
+
+
+def test_a_worker_picks_its_pool_by_name_and_an_unknown_name_lists_the_pools():
+    admits_vllm = RUN + "  verifier: {engines: [torch, vllm]}\n"  # a vllm pool needs it (its groups are not replayed)
+    two = parse_bundle(_doc(admits_vllm, POOL, POOL.replace("demo-pool", "gpu-pool") + "  engine: vllm\n"))
+    assert two.pool("gpu-pool")[1].engine == "vllm"
+    with pytest.raises(
+        ConfigError, match="--pool 'cpu' is not an InferencePool of this file; its pools: demo-pool, gpu-pool"
+    ):
+        two.pool("cpu")
+    with pytest.raises(
+        ConfigError, match="--pool is required: this file has several InferencePools: demo-pool, gpu-pool"
+    ):
+        two.pool(None)
+    name, spec = parse_bundle(RUN).pool(None)
+    assert name == "local" and spec.replicas == 2 and spec.engine == "torch", "no pool document: the model's defaults"

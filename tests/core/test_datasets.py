@@ -37,6 +37,22 @@ def test_rows_from_s3(s3_env, monkeypatch):
         read_rows("s3://tasks/missing.jsonl", endpoint_url=s3_env)
 
 
+def test_builtin_sets_ship_in_the_package_and_need_no_working_directory(tmp_path, monkeypatch):
+    """`builtin://tiny-math` reads the set shipped inside rlfleet, so a pod (any working directory) has it."""
+    from support import REPO
+
+    monkeypatch.chdir(tmp_path)
+    rows = read_rows("builtin://tiny-math")
+    shipped = REPO / "rlfleet" / "tasks" / "samples" / "tiny-math.jsonl"
+    assert rows == [json.loads(line) for line in shipped.read_text().splitlines() if line.strip()]
+    spec = MathTaskSpec(type="math", dataset={"path": "builtin://tiny-math"})
+    assert spec.dataset.format == "auto" and make_task(spec).problem("tiny-math-0").prompt
+    with pytest.raises(
+        DatasetError, match=r"task.dataset.path: unknown builtin data set 'nope'; known: \['tiny-math'\]"
+    ):
+        read_rows("builtin://nope")
+
+
 def test_solve_rate_band_keeps_and_counts(tmp_path):
     rows = [{"problem": "p", "answer": "1", "solve_rate": r} for r in (0.0, 0.1, 0.5, 0.8, 0.81, 1.0)]
     rows.append({"problem": "p", "answer": "1"})

@@ -9,7 +9,7 @@ import redis
 from support import REPO
 
 from rlfleet.config import parse_bundle
-from rlfleet.launcher import plan
+from rlfleet.launcher import plan, redis_env
 from rlfleet.redis_acl import ADMIN, ROLES, RunAcl, chart_roles, user_name
 from rlfleet.redis_server import EmbeddedRedis
 from rlfleet.streams import RunKeys
@@ -85,9 +85,8 @@ def test_rlfleet_run_gives_each_component_its_role(tmp_path):
     acl = RunAcl.generate("arithmetic")
 
     def users(c) -> dict[str, str]:
-        return {
-            k: v.split("@")[0].split(":")[1].removeprefix("//") for k, v in c.redis_env(acl, "redis://h:1/0").items()
-        }
+        urls = redis_env(c, bundle, acl, "redis://h:1/0")
+        return {k: v.split("@")[0].split(":")[1].removeprefix("//") if v else "" for k, v in urls.items()}
 
     got = {c.name: users(c) for c in plan(bundle, tmp_path / "rlrun.yaml", tmp_path)}
     url, read, tickets = "RLFLEET_REDIS_URL", "RLFLEET_REDIS_READ_URL", "RLFLEET_REDIS_TICKETS_URL"
@@ -98,7 +97,7 @@ def test_rlfleet_run_gives_each_component_its_role(tmp_path):
         "verifier/0": {url: "arithmetic-verifier"},
         "rollout/arithmetic-cpu-0": worker,
         "rollout/arithmetic-cpu-1": worker,
-        "rollout/remote-0": {url: "arithmetic-reader", read: "arithmetic-reader"},  # behind an ingest: no writes
+        "rollout/remote-0": {url: ""},  # behind an ingest: no Redis at all
         "trainer": {url: "arithmetic-trainer"},
     }
 

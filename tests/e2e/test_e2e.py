@@ -83,19 +83,94 @@ def test_example_learns_end_to_end(tmp_path):
     assert component_pids(run_dir) == [], "every component stopped"
 
 
+def redis_pids(run_dir: Path) -> list[int]:
+    """The run's redis-server processes (it renames its command line, so found by working directory)."""
+    pids = []
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if cwd.resolve() == (run_dir / "redis").resolve():
+                pids.append(int(cwd.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def trained_ids(run_dir: Path) -> list[str]:
+    return [
+        rid for line in (run_dir / "metrics.jsonl").read_text().splitlines() for rid in json.loads(line)["rollout_ids"]
+    ]
+
+
 @pytest.mark.slow
-def test_a_dying_component_stops_the_run_and_is_named(tmp_path):
+def test_killed_components_and_redis_are_restarted_and_the_run_finishes(tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir, "--steps", "1000")
-    wait_for_steps(run_dir, proc, 2, seconds=600)
-    worker = component_pids(run_dir, "--worker-id", "arithmetic-cpu-1")
-    assert len(worker) == 1
-    os.kill(worker[0], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 1
-    assert "rollout/arithmetic-cpu-1" in out and str(run_dir / "logs" / "rollout-arithmetic-cpu-1.log") in out
-    assert component_pids(run_dir) == []
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 2
+    proc = launch(run_dir, "--steps", "14")
+    wait_for_steps(run_dir, proc, 3, seconds=600)
+    [worker] = component_pids(run_dir, "--worker-id", "arithmetic-cpu-1")
+    os.kill(worker, signal.SIGKILL)
+    wait_for_steps(run_dir, proc, 6, seconds=300)
+    [redis_server] = redis_pids(run_dir)
+    os.kill(redis_server, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "rollout/arithmetic-cpu-1 exited with code -9; restarting" in out
+    assert "redis exited with code -9; restarting" in out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 15)), "every step recorded once"
+    ids = trained_ids(run_dir)
+    assert len(ids) == len(set(ids)) == 14 * 16, "no rollout trained twice"
+    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+
+
+CRASHING_POOL = """---
+apiVersion: rlfleet.io/v1alpha1
+kind: InferencePool
+metadata: {name: outside}
+spec: {run: arithmetic, replicas: 1, ingestUrl: "http://127.0.0.1:9/"}
+"""
+
+
+@pytest.mark.slow
+def test_a_crash_looping_component_stops_the_run_and_is_named(tmp_path):
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(EXAMPLE.read_text() + CRASHING_POOL)  # its worker has no RLFLEET_WORKER_TOKEN: exits at once
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out
+    log = run_dir / "logs" / "rollout-outside-0.log"
+    assert f"component rollout/outside-0 keeps failing (exit code 1, 5 times in a row); see {log}" in out
+    assert "set env RLFLEET_WORKER_TOKEN" in log.read_text()
+    assert (run_dir / "summary.json").exists()
+    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+
+
+@pytest.mark.slow
+def test_relaunching_in_the_same_run_dir_resumes_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    first = launch(run_dir, "--steps", "3")
+    assert first.wait(600) == 0, first.stdout.read()
+    key = (run_dir / "keys" / "public-key").read_text()
+    second = launch(run_dir, "--steps", "6")
+    out, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, out
+    assert "resumed after step 3 at version 3" in (run_dir / "logs" / "trainer.log").read_text()
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]
+    ids = trained_ids(run_dir)
+    assert len(ids) == len(set(ids)), "nothing trained twice across the relaunch"
+    assert (run_dir / "keys" / "public-key").read_text() == key, "the run's versions stay verifiable"
 
 
 @pytest.mark.slow
@@ -107,8 +182,62 @@ def test_ctrl_c_stops_every_process(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     assert "interrupted" in out
-    assert component_pids(run_dir) == []
-    assert not list((run_dir / "redis").glob("*.pid"))
+    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+    assert (run_dir / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_a_hung_origin_stops_every_other_component_without_a_kill(tmp_path):
+    """The origin hangs (SIGSTOP: connections open, nothing answers) while the trainer goes on
+    publishing. The relay and the verifier, blocked on reads from it, still stop on SIGTERM: reads
+    give up after READ_TIMEOUT and a relay's shutdown stops its pulls before it waits for requests.
+    Only the frozen origin itself, which cannot run a handler, has to be killed."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "1000")
+    wait_for_steps(run_dir, proc, 1, seconds=600)
+    [origin] = component_pids(run_dir, "origin")
+    os.kill(origin, signal.SIGSTOP)
+    done = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    wait_for_steps(run_dir, proc, done + 2, seconds=300)  # versions the relay must now pull from the hung origin
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    killed = [line for line in out.splitlines() if "did not stop within" in line]
+    assert [line.split()[1] for line in killed] == ["origin"], out
+    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.2, 0.5, 1.0, 2.0])
+def test_ctrl_c_while_the_run_starts_leaves_no_process_behind(tmp_path, delay):
+    """SIGINT while Redis and the components start (the model is cached by then): never ignored, no orphan."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "1000")
+    for line in proc.stdout:
+        if " ready at " in line:  # the model is built; Redis and the components start now
+            break
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out, out
+    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_kills_what_is_still_stopping_and_the_summary_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "1000")
+    wait_for_steps(run_dir, proc, 1, seconds=600)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out, out
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
+    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
 
 
 VLLM_RUN = """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import kubernetes_validate
 import pytest
 import yaml
@@ -10,12 +12,17 @@ from support import REPO
 from rlfleet import env
 from rlfleet.config import parse_bundle
 from rlfleet.operator import builders as b
-from rlfleet.operator import conditions, names
+from rlfleet.operator import conditions, names, podconfig
 
 ROOT = REPO
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
 NS = "team-a"
 K8S_VERSION = "1.30"
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest kubernetes-validate knows.
+KUBE_VERSIONS = [
+    re.search(r'kubeVersion: ">=([0-9.]+)', (ROOT / "charts" / "rlfleet" / "Chart.yaml").read_text()).group(1),
+    kubernetes_validate.latest_version(),
+]
 
 
 def _bundle(**run_spec):
@@ -44,15 +51,20 @@ def _container(obj):
     return obj["spec"]["template"]["spec"]["containers"][0]
 
 
+def _by_kind_and_name(children) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
 def _env(obj):
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in _container(obj)["env"]}
 
 
 def test_every_child_is_a_valid_kubernetes_object_with_labels_and_owner():
     children = _all_children(_bundle())
-    assert len({(c["kind"], c["metadata"]["name"]) for c in children}) == len(children) == 10
+    assert len({(c["kind"], c["metadata"]["name"]) for c in children}) == len(children) == 14
     for child in children:
-        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(child, version, strict=True)
         labels = child["metadata"]["labels"]
         for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"):
             assert labels[key]
@@ -68,7 +80,7 @@ def test_every_child_is_a_valid_kubernetes_object_with_labels_and_owner():
 
 
 def test_containers_run_the_launcher_entrypoints():
-    by_name = {c["metadata"]["name"]: c for c in _all_children(_bundle())}
+    by_name = {c["metadata"]["name"]: c for c in _all_children(_bundle()) if "template" in c.get("spec", {})}
     trainer = _container(by_name["arithmetic-trainer"])
     assert trainer["command"] == ["rlfleet", "trainer"] and trainer["args"][:2] == ["--config", names.CONFIG_PATH]
     verifier = _container(by_name["arithmetic-verifier"])
@@ -97,9 +109,8 @@ def test_containers_run_the_launcher_entrypoints():
 def test_configmaps_hold_documents_the_components_parse():
     bundle = _bundle()
     run_cm = b.build_run_config_map(bundle.run, NS)
-    assert parse_bundle(run_cm["data"][names.CONFIG_FILE]).run == bundle.run.model_copy(
-        update={"metadata": bundle.run.metadata.model_copy(update={"namespace": None})}
-    )
+    parsed = parse_bundle(run_cm["data"][names.CONFIG_FILE]).run
+    assert podconfig.document(parsed) == podconfig.document(bundle.run)  # what the components read, all of it
     pool_cm = b.build_pool_config_map(bundle.run, bundle.pools[0], NS)
     parsed = parse_bundle(pool_cm["data"][names.CONFIG_FILE])
     assert [p.metadata.name for p in parsed.pools] == ["arithmetic-cpu"]
@@ -107,9 +118,10 @@ def test_configmaps_hold_documents_the_components_parse():
 
 def test_trainer_gpus_and_distributed_env():
     single = b.build_trainer_statefulset(_bundle().run, NS)
-    assert "resources" not in _container(single) and "WORLD_SIZE" not in _env(single)
+    assert "limits" not in _container(single)["resources"] and "WORLD_SIZE" not in _env(single)
     multi = b.build_trainer_statefulset(_bundle(trainer={"replicas": 4, "gpus": 8}).run, NS)
     kubernetes_validate.validate(multi, K8S_VERSION, strict=True)
+    assert _container(multi)["image"] == names.DEFAULT_GPU_IMAGE, "a trainer with GPUs runs the GPU image"
     assert multi["spec"]["replicas"] == 4
     assert _container(multi)["resources"]["limits"]["nvidia.com/gpu"] == 8
     env = _env(multi)
@@ -122,7 +134,7 @@ def test_pool_replicas_engine_and_gpus():
     pool = bundle.pools[0].model_copy(
         update={"spec": bundle.pools[0].spec.model_copy(update={"replicas": 7, "gpus": 1, "image": "vllm:x"})}
     )
-    dep = b.build_rollout_deployment(bundle.run, pool, ["http://r:8080"], NS)
+    dep = b.build_rollout_workload(bundle.run, pool, ["http://r:8080"], NS)
     assert dep["spec"]["replicas"] == 7 and _container(dep)["image"] == "vllm:x"
     assert _container(dep)["resources"]["limits"]["nvidia.com/gpu"] == 1
 
@@ -136,7 +148,7 @@ def test_secrets_are_referenced_not_copied():
     children = _all_children(bundle)
     for child in children:
         kubernetes_validate.validate(child, K8S_VERSION, strict=True)
-    by_name = {(c["kind"], c["metadata"]["name"]): c for c in children}
+    by_name = _by_kind_and_name(children)
     trainer = by_name[("StatefulSet", "arithmetic-trainer")]
     assert _env(trainer)[env.REDIS_URL] == {"secretKeyRef": {"name": "redis-auth", "key": "url"}}
     assert _container(trainer)["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
@@ -243,7 +255,9 @@ def test_a_remote_run_gets_only_its_config_and_relays_reach_outside_upstreams():
         update={"spec": tier.spec.model_copy(update={"upstream_url": "http://relay.cluster-a.example.com:8080/"})}
     )
     assert b.resolve_upstream(bundle.run, outside, [outside], NS) == "http://relay.cluster-a.example.com:8080"
-    deployment = b.build_relay_children(bundle.run, outside, [outside], NS)[-1]
+    deployment = _by_kind_and_name(b.build_relay_children(bundle.run, outside, [outside], NS))[
+        ("Deployment", "arithmetic-tier0-relay")
+    ]
     args = _container(deployment)["args"]
     assert args[args.index("--upstream") + 1] == "http://relay.cluster-a.example.com:8080"
 

@@ -1,237 +1,38 @@
-"""The real kopf operator against kmock (a Kubernetes API emulator speaking the real HTTP protocol).
+"""The real operator (`rlfleet operator`, a process) against the API emulator (cluster.py), with a real
+redis-server holding the runs' streams (conftest.py starts all three, once per session).
 
-One emulator and one operator for the module, in a background thread with its own event loop;
-the tests talk to the emulator over HTTP like kubectl would, and play the controllers the
-emulator does not have (Deployment/StatefulSet status) where a test needs it. Each test uses
-its own namespace. A real redis-server holds the run's streams.
-
-kmock keeps no uid, resourceVersion, generation or creationTimestamp and has no garbage
-collector; `Cluster` below adds exactly those (generation moves only when spec changes, as on
-a real API server; deleting an object deletes the objects whose ownerReferences name its uid),
-and trims kmock's request log, which it re-scans on every request.
-It does not validate bodies against the CRD schema (tests/operator/test_crds.py covers the schema).
+The tests talk to the emulator over HTTP like kubectl would, and play the controllers the emulator
+does not have (Deployment/StatefulSet status) where a test needs it. Each test uses its own namespace.
 """
 
 from __future__ import annotations
 
-import asyncio
-import copy
-import itertools
-import os
-import threading
 import time
-import uuid
-from contextlib import contextmanager
-from datetime import UTC, datetime
 
-import pytest
 import redis
 import requests
-import yaml
+from kubectl import (
+    SIGNING_SECRET,
+    apply_example,
+    condition,
+    create,
+    example,
+    get,
+    has_condition,
+    patch,
+    secret,
+    url_of,
+    wait_for,
+)
 
-os.environ.setdefault("RLFLEET_RESYNC_INTERVAL", "1")  # timers every second (read when the operator module is imported)
-
-import kmock  # noqa: E402
-from kmock._internal import dicts as kmock_dicts  # noqa: E402
-from kmock._internal.enums import action  # noqa: E402
-from support import REPO
-
-from rlfleet.operator import names  # noqa: E402
-from rlfleet.redis_server import EmbeddedRedis  # noqa: E402
-from rlfleet.streams import RunKeys, encode_json  # noqa: E402
-
-EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
-TIMEOUT_S = 10
-_versions = itertools.count(1)
-
-
-class Cluster(kmock.KubernetesEmulator):
-    """kmock plus uid/resourceVersion/generation/creationTimestamp and ownerReference garbage collection."""
-
-    async def _handle(self, request):
-        # kmock records every request and re-filters that record on each new request (O(n) per request);
-        # a long-running operator makes thousands, so keep only the recent ones (these tests assert on objects).
-        if len(self._requests) > 20:
-            del self._requests[:-10]
-            for payload in self._payloads:
-                del payload._requests[:-10]
-        key = (request.resource, request.namespace, request.name) if request.resource is not None else None
-        existing = (
-            self._objects[key]
-            if key and request.name and key in self._objects and not self._objects[key].deleted
-            else None
-        )
-        if request.resource is not None and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            if request.action == action.CREATE:
-                meta.update(
-                    uid=str(uuid.uuid4()),
-                    generation=1,
-                    resourceVersion=str(next(_versions)),
-                    creationTimestamp=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                )
-            elif request.action == action.UPDATE and existing is not None:
-                meta["resourceVersion"] = str(next(_versions))
-                after = kmock_dicts.patch_dict(copy.deepcopy(existing.raw), request.data)
-                if request.subresource != "status" and after.get("spec") != existing.raw.get("spec"):
-                    meta["generation"] = existing.raw["metadata"].get("generation", 1) + 1
-        uid = existing.raw["metadata"].get("uid") if existing is not None else None
-        response = await super()._handle(request)
-        if uid and self._objects[key].deleted:
-            await self._collect(uid)
-        return response
-
-    async def _collect(self, uid: str) -> None:
-        async with self._lock:
-            doomed = [
-                (k, o)
-                for k, o in self._objects.items()
-                if not o.deleted
-                and any(r.get("uid") == uid for r in o.raw.get("metadata", {}).get("ownerReferences", []))
-            ]
-            for k, o in doomed:
-                raw = o.raw
-                o.delete()
-                await self._buses[k[0]].put({"type": "DELETED", "object": raw})
-        for _, o in doomed:
-            await self._collect(o.last.raw["metadata"]["uid"])
-
-
-RESOURCES = {
-    "v1/namespaces": ("Namespace", False, set()),
-    "v1/events": ("Event", True, set()),
-    "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, set()),
-    "v1/configmaps": ("ConfigMap", True, set()),
-    "v1/services": ("Service", True, set()),
-    "v1/secrets": ("Secret", True, set()),
-    "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
-    "apps/v1/statefulsets": ("StatefulSet", True, {"status", "scale"}),
-    f"{names.API_VERSION}/{names.RLRUN.plural}": ("RLRun", True, {"status"}),
-    f"{names.API_VERSION}/{names.INFERENCE_POOL.plural}": ("InferencePool", True, {"status", "scale"}),
-    f"{names.API_VERSION}/{names.RELAY_TIER.plural}": ("RelayTier", True, {"status", "scale"}),
-}
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@contextmanager
-def running_operator():
-    """Base URL of the emulator with the operator running against it (in a background thread)."""
-    import kopf
-
-    import rlfleet.operator.handlers  # noqa: F401  (registers the handlers)
-
-    started, stop = threading.Event(), threading.Event()
-    box: dict = {}
-
-    @kopf.on.login()
-    def login(**_):
-        return kopf.ConnectionInfo(server=box["url"], default_namespace="default")
-
-    async def main():
-        async with Cluster() as cluster, kmock.Server(cluster) as server:
-            for res, (kind, namespaced, subresources) in RESOURCES.items():
-                cluster.resources[res] = kmock.ResourceInfo(
-                    kind=kind,
-                    namespaced=namespaced,
-                    subresources=subresources,
-                    verbs={"list", "watch", "get", "create", "patch", "delete"},
-                )
-            box["url"], box["cluster"] = str(server.url).rstrip("/"), cluster
-            started.set()
-            await kopf.operator(clusterwide=True, standalone=True, stop_flag=stop)
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    assert started.wait(10), "emulator did not start"
-    try:
-        yield box["url"]
-    finally:
-        stop.set()
-        thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def api():
-    with running_operator() as url:
-        yield url
-
-
-def url_of(api: str, kind: str, ns: str, name: str | None = None, sub: str | None = None) -> str:
-    group = {
-        "ConfigMap": "api/v1",
-        "Service": "api/v1",
-        "Secret": "api/v1",
-        "Event": "api/v1",
-        "Deployment": "apis/apps/v1",
-        "StatefulSet": "apis/apps/v1",
-    }.get(kind, f"apis/{names.API_VERSION}")
-    plural = names.KINDS[kind].plural if kind in names.KINDS else kind.lower() + "s"
-    return "/".join(p for p in (api, group, "namespaces", ns, plural, name, sub) if p)
-
-
-def get(api, kind, ns, name):
-    r = requests.get(url_of(api, kind, ns, name), timeout=5)
-    return r.json() if r.status_code == 200 else None
-
-
-def create(api, ns, body):
-    body = {**body, "metadata": {**body["metadata"], "namespace": ns}}
-    r = requests.post(url_of(api, body["kind"], ns), json=body, timeout=5)
-    assert r.status_code in (200, 201), r.text
-
-
-def patch(api, kind, ns, name, body, sub=None):
-    r = requests.patch(
-        url_of(api, kind, ns, name, sub), json=body, timeout=5, headers={"Content-Type": "application/merge-patch+json"}
-    )
-    assert r.status_code == 200, r.text
-
-
-def wait_for(what: str, fn, timeout: float = TIMEOUT_S):
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except (KeyError, TypeError, IndexError) as exc:
-            last = exc
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def condition(obj, type_="Ready"):
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), None)
-
-
-def example(redis_url: str | None = None, **spec) -> list[dict]:
-    docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
-    if redis_url:
-        docs[0]["spec"].update(
-            redis={"url": redis_url},
-            store={"uri": "s3://ckpt/runs"},
-            shardcast={"signingKeySecret": "arithmetic-signing"},
-        )
-    docs[0]["spec"].update(spec)
-    return docs
-
-
-def apply_example(api, ns, redis_url, **spec):
-    for doc in example(redis_url, **spec):
-        create(api, ns, doc)
+from rlfleet.operator import names
+from rlfleet.streams import RunKeys, encode_json
 
 
 def test_example_crs_become_children_with_owners_and_status(api, redis_url):
     ns = "t-apply"
     apply_example(api, ns, redis_url)
-    run = wait_for(
-        "RLRun Ready", lambda: (o := get(api, "RLRun", ns, "arithmetic")) and condition(o)["status"] == "True" and o
-    )
+    run = wait_for("RLRun Pending", lambda: has_condition(api, "RLRun", ns, "arithmetic", "Ready", "False", "Pending"))
     assert run["status"]["observedGeneration"] == 1 and run["status"]["phase"] == "Pending"
     expected = {
         ("ConfigMap", "arithmetic-config"),
@@ -256,10 +57,8 @@ def test_example_crs_become_children_with_owners_and_status(api, redis_url):
         "pool status",
         lambda: (o := get(api, "InferencePool", ns, "arithmetic-cpu")) and o.get("status", {}).get("selector") and o,
     )
-    assert (
-        "app.kubernetes.io/instance=arithmetic-cpu" in pool["status"]["selector"]
-        and condition(pool)["status"] == "True"
-    )
+    assert "app.kubernetes.io/instance=arithmetic-cpu" in pool["status"]["selector"]
+    assert condition(pool)["reason"] == "Pending" and pool["status"]["phase"] == "Pending"
 
     # progress comes from the run's Redis; readiness from the trainer StatefulSet (playing its controller)
     client = redis.Redis.from_url(redis_url)
@@ -277,6 +76,7 @@ def test_example_crs_become_children_with_owners_and_status(api, redis_url):
             and o
         ),
     )
+    assert condition(run)["status"] == "True" and condition(run)["reason"] == "Running"
     assert run["status"]["policyVersion"] == 3 and run["status"]["reward"] == 0.75
     assert (run["status"]["accepted"], run["status"]["rejected"]) == (40, 2)
     assert run["status"]["readyReplicas"] == 1
@@ -374,9 +174,11 @@ def test_bad_spec_sets_a_condition_and_an_event_then_recovers(api, redis_url):
     assert "spec.replicaz: unknown field" in condition(pool)["message"]
 
     # fixing the spec recovers without restarting anything
+    secret(api, ns, "arithmetic-signing", SIGNING_SECRET)
     fixed = example(redis_url)[0]["spec"]
     patch(api, "RLRun", ns, "arithmetic", {"spec": {k: fixed[k] for k in ("redis", "store", "shardcast")}})
-    wait_for("Ready after fix", lambda: condition(get(api, "RLRun", ns, "arithmetic"))["status"] == "True")
+    wait_for("fixed", lambda: has_condition(api, "RLRun", ns, "arithmetic", "Ready", "False", "Pending"))
+    assert condition(get(api, "RLRun", ns, "arithmetic"), "Failed")["status"] == "False"
     assert get(api, "StatefulSet", ns, "arithmetic-trainer") is not None
 
 
@@ -401,5 +203,11 @@ def test_delete_removes_children_and_redis_keys(api, redis_url):
         ("Deployment", "arithmetic-verifier"),
     ]:
         wait_for(f"{kind} {name} collected", lambda: get(api, kind, ns, name) is None)
-    # pools and tiers are the user's objects: they stay, and their children stay with them
-    assert get(api, "InferencePool", ns, "arithmetic-cpu") is not None
+    # the run's pools and tiers carry a (non-controller) owner reference to it: they go too, with their children
+    for kind, name in [
+        ("InferencePool", "arithmetic-cpu"),
+        ("RelayTier", "arithmetic-tier0"),
+        ("Deployment", "arithmetic-cpu-rollout"),
+        ("Deployment", "arithmetic-tier0-relay"),
+    ]:
+        wait_for(f"{kind} {name} collected", lambda: get(api, kind, ns, name) is None)

@@ -9,7 +9,7 @@ from test_builders import K8S_VERSION, NS, _all_children, _bundle, _env
 
 from rlfleet import env
 from rlfleet.config import ConfigError, parse_bundle
-from rlfleet.operator import builders as b
+from rlfleet.operator.pools import build_rollout_workload
 
 
 def key_of(pod: dict, name: str) -> str | None:
@@ -34,12 +34,8 @@ def test_each_pod_gets_its_roles_url():
     assert key_of(children[("Deployment", "arithmetic-tier0-relay")], url) == "url-reader"
     pool = bundle.pools[0]
     remote = pool.model_copy(update={"spec": pool.spec.model_copy(update={"ingest_url": "https://ingest.example.org"})})
-    behind_ingest = b.build_rollout_deployment(bundle.run, remote, ["http://r:8080"], NS)
-    assert (key_of(behind_ingest, url), key_of(behind_ingest, read), key_of(behind_ingest, tickets)) == (
-        "url-reader",
-        "url-reader",
-        None,
-    )
+    behind_ingest = build_rollout_workload(bundle.run, remote, ["http://r:8080"], NS)
+    assert (key_of(behind_ingest, url), key_of(behind_ingest, read)) == (None, None), "it never reaches Redis"
     without = _bundle(redis={"urlSecret": "redis-auth"})
     plain = {(c["kind"], c["metadata"]["name"]): c for c in _all_children(without)}
     assert key_of(plain[("Deployment", "arithmetic-cpu-rollout")], url) == "url"

@@ -118,3 +118,19 @@ def test_loss_options_match_a_direct_formula():
     assert stats["kl_mean"] > 0
     loss.backward()
     assert lp.grad[0, 2] == 0 and lp.grad[1, 1] == 0, "masked tokens get no gradient"
+
+
+def test_a_restarted_trainer_holding_fewer_pending_messages_than_a_batch_goes_on_to_new_ones(trainer):
+    """A trainer pod restarted with Redis alive: its consumer still holds 1 unacknowledged message,
+    fewer than batchSize 2. It must take that one and then read new ones, not re-read it forever."""
+    keys, r = trainer.ctx.keys, trainer.ctx.redis
+    r.xadd(keys.verified, group("held", [1.0, 0.0]).encode())
+    r.xreadgroup(keys.trainer_group, trainer.consumer, {keys.verified: ">"}, count=1)  # the dead trainer's read
+    r.xadd(keys.verified, group("new", [0.0, 1.0]).encode())
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(batch=trainer.collect()[0]), daemon=True)
+    worker.start()
+    worker.join(60)
+    trainer.ctx.stop.set()  # ends a livelocked collect() so the test can report it
+    worker.join(5)
+    assert [g.rollout_id for g in result.get("batch", [])] == ["held", "new"], "collect() never filled the batch"

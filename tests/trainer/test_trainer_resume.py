@@ -1,5 +1,5 @@
 """`kill -9` of the trainer process and a restart: the run continues from the last committed step,
-no accepted rollout is lost and none is trained twice (audited by rollout id)."""
+no accepted rollout is lost and none is trained twice (audited by content digest and rollout id)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from support import start_trainer, tiny_policy_dir, trainer_run_config
 from test_trainer import group
 
-from rlfleet.streams import RunKeys
+from rlfleet.streams import RunKeys, group_digest
 
 TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 10}"
 
@@ -45,8 +45,9 @@ def test_kill_9_and_restart_loses_nothing_and_trains_nothing_twice(tmp_path, red
     assert second.wait(300) == 0, (tmp_path / "trainer.log").read_text()
     assert "resumed after step" in (tmp_path / "trainer.log").read_text()
 
-    trained = {rid.decode(): int(v) for rid, v in redis_client.zrange(keys.trained, 0, -1, withscores=True)}
-    assert sorted(trained) == sorted(ids), "every accepted rollout was trained"
+    trained = {d.decode(): int(v) for d, v in redis_client.zrange(keys.trained, 0, -1, withscores=True)}
+    digests = sorted(group_digest(group(rid, [1.0, 0.0])) for rid in ids)  # the trainer records what it trained
+    assert sorted(trained) == digests, "every accepted rollout was trained"
     per_version = collections.Counter(trained.values())
     assert per_version == {v: 2 for v in range(1, 11)}, "each of the 10 steps trained exactly its batch of 2"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -55,3 +56,35 @@ def test_kill_9_and_restart_loses_nothing_and_trains_nothing_twice(tmp_path, red
     assert records[-1]["step"] == 10 and records[-1]["policy_version"] == 10
     assert killed_at >= 3
     assert redis_client.xlen(keys.verified) == 0, "every message was acknowledged and removed"
+
+
+def test_a_step_saved_but_not_yet_recorded_is_recorded_once_on_resume(tmp_path, redis_url, redis_client):
+    """A crash between saving a step's state and appending its metrics.jsonl record (e.g. Redis
+    restarting under the commit): the restarted trainer appends that record, so every trained
+    rollout id appears in metrics.jsonl exactly once."""
+    import threading
+
+    import redis as redis_lib
+
+    from rlfleet.config import parse_bundle
+    from rlfleet.runtime import Context
+    from rlfleet.services.trainer.main import Trainer
+
+    bundle = parse_bundle(trainer_run_config(tiny_policy_dir(tmp_path / "policy", seed=0), tmp_path / "store", TRAINER))
+    for rid in ("a", "b"):
+        redis_client.xadd(RunKeys("tr").verified, group(rid, [1.0, 0.0]).encode())
+
+    def trainer() -> Trainer:
+        ctx = Context(
+            bundle=bundle, redis=redis_lib.Redis.from_url(redis_url), keys=RunKeys("tr"), stop=threading.Event()
+        )
+        return Trainer(ctx, output_dir=tmp_path)
+
+    trainer().run(1)
+    metrics = tmp_path / "metrics.jsonl"
+    assert [json.loads(line)["rollout_ids"] for line in metrics.read_text().splitlines()] == [["a", "b"]]
+    metrics.write_text("")  # the record that the crash kept from being written
+    for _ in range(2):  # a restart, and another one: the record comes back once
+        trainer().run(1)
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [(r["step"], r["rollout_ids"]) for r in records] == [(1, ["a", "b"])]

@@ -78,11 +78,16 @@ capabilities:
   drop: ["ALL"]
 {{- end -}}
 
-{{/* The rules for the rlfleet.io kinds and the children the operator builds from them. */}}
+{{/* The rules for the rlfleet.io kinds and the children the operator builds from them: exactly what
+     it calls (tests/operator/test_rbac_replay.py replays every request of the operator tests against them). */}}
 {{- define "rlfleet.namespacedRules" -}}
 - apiGroups: ["rlfleet.io"]
   resources: ["rlruns", "inferencepools", "relaytiers"]
   verbs: ["get", "list", "watch", "patch", "update"]
+# A finished run past spec.ttlSecondsAfterFinished is deleted (its children, pools and tiers follow).
+- apiGroups: ["rlfleet.io"]
+  resources: ["rlruns"]
+  verbs: ["delete"]
 - apiGroups: ["rlfleet.io"]
   resources: ["rlruns/status", "inferencepools/status", "relaytiers/status"]
   verbs: ["get", "patch", "update"]
@@ -99,6 +104,14 @@ capabilities:
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+# Read, never list: the Secrets a run names (Redis URL, signing key, store credentials, worker tokens),
+# to report a missing one or key before a pod fails on it, and to read the Redis URL for status.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]

@@ -2,17 +2,21 @@
 
 Loop: draw a task id and seed (or, when the run assigns work, take a ticket that fixes them:
 rlfleet/assignment.py), sample G completions with the current policy version, build TOPLOC proofs of
-their final hidden states, XADD the group to the inbox (or, when the pool has `ingestUrl`, POST it
-to the run's ingest with the token in env RLFLEET_WORKER_TOKEN; rlfleet/services/ingest/). A background
-thread follows the `policy`
+their final hidden states, XADD the group to the inbox. A background thread follows the `policy`
 stream and downloads each announced version through the relays (checking every file's sha256)
 while generation goes on with the old weights; the main loop swaps weights between groups, so a
 group is always produced by exactly one version, which it records.
 
+A worker of a pool with `ingestUrl` (untrusted, possibly in another cluster) never touches Redis: it
+POSTs each group to the run's ingest with its own token (env RLFLEET_WORKER_TOKEN, or the file named
+by RLFLEET_WORKER_TOKEN_FILE; rlfleet/services/ingest/) and learns of new versions by long-polling
+its relays' `latest?after=N` instead of reading the policy stream.
+
 Backpressure: the worker pauses while the inbox holds more than `maxPending` groups (the verifier
-deletes what it has handled, so XLEN is the backlog) or while its weights lag the newest
-announced version by more than `maxAsyncLevel`; it resumes by itself. An ingest answering 429 or
-503 makes the worker wait (Retry-After) and resend the same group; a group is never dropped.
+deletes what it has handled, so XLEN is the backlog; an ingest worker leaves this to the ingest) or
+while its weights lag the newest announced version by more than `maxAsyncLevel`; it resumes by
+itself. An ingest answering 429 or 503 makes the worker wait (Retry-After) and resend the same group;
+a group is never dropped.
 """
 
 from __future__ import annotations
@@ -34,11 +38,11 @@ from rlfleet import env
 from rlfleet.assignment import assigned_work, issue_ticket
 from rlfleet.checkpoint import parse_version_dir
 from rlfleet.policy import configure_torch_threads
-from rlfleet.runtime import ComponentOptions, Context, component_context, latest_announced_version
+from rlfleet.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
 from rlfleet.sampling import completion_text
 from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
-from rlfleet.services.shardcast.client import Sources, fetch_version
+from rlfleet.services.shardcast.client import Sources, fetch_version, wait_for_version
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.signing import run_public_key
 from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
@@ -64,14 +68,18 @@ SWAP_SECONDS = Gauge(
 class VersionFollower(threading.Thread):
     """Follows the policy stream and downloads each new version; `ready` holds the newest local one."""
 
-    def __init__(self, ctx: Context, reader: redis.Redis, relay_urls: list[str], cache_dir: Path, keep: int):
+    def __init__(
+        self, ctx: Context, relay_urls: list[str], cache_dir: Path, keep: int, reader: redis.Redis | None = None
+    ):
         super().__init__(daemon=True, name="version-follower")
         self.ctx, self.relay_urls, self.cache_dir, self.keep = ctx, relay_urls, cache_dir, keep
-        self.reader = reader  # reads the policy stream (the worker's read-only Redis user)
+        self.reader = reader  # reads the policy stream (a worker's read-only Redis user); None: the relays' long-poll
+        self.use_redis = reader is not None
         self.public_key = run_public_key(ctx.bundle.run.spec.shardcast)  # manifests must verify with it
         self.sources = Sources(relay_urls) if relay_urls else None  # relay measurements kept across versions
         self.announced = -1
         self.ready: tuple[int, Path, float] | None = None  # (version, directory, monotonic time it was announced)
+        self.taken = -1  # the newest version handed to the engine: in use or being loaded, never pruned
         self.error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -81,16 +89,24 @@ class VersionFollower(threading.Thread):
         except BaseException as exc:  # surfaced to the main loop, which exits non-zero
             self.error = exc
 
-    def _follow(self) -> None:
+    def _announcements(self):
+        """The newest announced version each time there is news (None: nothing new yet)."""
+        if not self.use_redis:
+            while not self.ctx.stop.is_set():
+                yield wait_for_version(self.relay_urls, self.ctx.run_name, self.announced, 60, stop=self.ctx.stop)
+            return
         last_id = "0-0"
-        keys = self.ctx.keys
         while not self.ctx.stop.is_set():
-            resp = self.reader.xread({keys.policy: last_id}, block=500)
+            resp = self.reader.xread({self.ctx.keys.policy: last_id}, block=500)
             newest = None
             for _, entries in resp or []:
                 for msg_id, fields in entries:
                     last_id = msg_id
                     newest = max(newest or -1, int(decode_json(fields)["version"]))
+            yield newest
+
+    def _follow(self) -> None:
+        for newest in self._announcements():
             if newest is None or newest <= self.announced:
                 continue
             self.announced, announced_at = newest, time.monotonic()
@@ -106,18 +122,21 @@ class VersionFollower(threading.Thread):
             DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
                 self.ready = (newest, path, announced_at)
-            self._prune(newest)
+                self._prune(newest)
 
     def take(self, newer_than: int) -> tuple[int, Path, float] | None:
         with self._lock:
             if self.ready and self.ready[0] > newer_than:
+                self.taken = self.ready[0]
                 return self.ready
         return None
 
     def _prune(self, newest: int) -> None:
+        """Drop versions older than the newest `keep`, but never the one the engine took (it may still
+        be loading it while newer versions arrive). Called with the lock held."""
         for child in self.cache_dir.iterdir():
             version = parse_version_dir(child.name)
-            if version is not None and version <= newest - self.keep:
+            if version is not None and version <= newest - self.keep and version < self.taken:
                 shutil.rmtree(child, ignore_errors=True)
 
 
@@ -129,6 +148,26 @@ class RolloutOptions(ComponentOptions):
     pool: str | None = None  # InferencePool name; None: the file's only pool, or the defaults without one
 
 
+def worker_token(pool: str, worker_id: str) -> str:
+    """This worker's ingest token: env RLFLEET_WORKER_TOKEN, else the file RLFLEET_WORKER_TOKEN_FILE names."""
+    token = env.get(env.WORKER_TOKEN)
+    path = env.get(env.WORKER_TOKEN_FILE)
+    if not token and path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise SystemExit(
+                f"rlfleet rollout: no token for worker {worker_id} of pool {pool}: cannot read {path} "
+                f"({exc.strerror}); its workerTokens Secret needs a key named {worker_id}"
+            ) from None
+    if not token:
+        raise SystemExit(
+            f"rlfleet rollout: pool {pool} has spec.ingestUrl; set env {env.WORKER_TOKEN} (or {env.WORKER_TOKEN_FILE}) "
+            f"to worker {worker_id}'s token"
+        )
+    return token
+
+
 class Worker:
     def __init__(self, ctx: Context, options: RolloutOptions):
         self.ctx = ctx
@@ -138,24 +177,26 @@ class Worker:
         self.max_pending = pool.max_pending
         self.ingest_url = rollouts_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
         self.tickets_url = tickets_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
-        self.token = env.get(env.WORKER_TOKEN) or ""
-        if self.ingest_url and not self.token:
+        self.worker_id = options.worker_id
+        self.token = worker_token(pool_name, self.worker_id) if self.ingest_url else ""
+        if not self.ingest_url and ctx.redis is None:
             raise SystemExit(
-                f"rlfleet rollout: pool {pool_name} has spec.ingestUrl; set env {env.WORKER_TOKEN} to this worker's "
-                f"token"
+                f"rlfleet rollout: pool {pool_name} writes to the run's Redis: set spec.redis.url, --redis-url or "
+                f"{env.REDIS_URL} (or give the pool spec.ingestUrl)"
             )
         self.session = requests.Session() if self.ingest_url else None
-        self.worker_id = options.worker_id
         self.task = make_run_task(self.spec)
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
         self.rng = np.random.default_rng(seed)
-        # Redis users per job (rlfleet/redis_acl.py): ctx.redis only adds to the inbox.
-        self.reader = redis.Redis.from_url(env.get(env.REDIS_READ_URL)) if env.get(env.REDIS_READ_URL) else ctx.redis
-        self.tickets = (
-            redis.Redis.from_url(env.get(env.REDIS_TICKETS_URL)) if env.get(env.REDIS_TICKETS_URL) else ctx.redis
-        )
+        # Redis users per job (rlfleet/redis_acl.py): ctx.redis only adds to the inbox; reads and tickets
+        # go through their own users when the launcher or the operator gives them (else ctx.redis).
+        self.reader = self.tickets = None
+        if not self.ingest_url:
+            read_url, tickets_url_ = env.get(env.REDIS_READ_URL), env.get(env.REDIS_TICKETS_URL)
+            self.reader = connect_redis(read_url) if read_url else ctx.redis
+            self.tickets = connect_redis(tickets_url_) if tickets_url_ else ctx.redis
         self.follower = VersionFollower(
-            ctx, self.reader, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions
+            ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, reader=self.reader
         )
         self.engine: Engine | None = None
 
@@ -188,13 +229,16 @@ class Worker:
             log.info("now generating with version %d", version)
 
     def paused(self) -> str | None:
-        """Why generation should wait now, or None."""
-        newest = latest_announced_version(self.reader, self.ctx.keys)
+        """Why generation should wait now, or None (an ingest worker's backlog is the ingest's to refuse)."""
+        if self.ingest_url:
+            newest = self.follower.announced
+        else:
+            newest = latest_announced_version(self.reader, self.ctx.keys)
         lag = (newest or 0) - self.engine.version
         LAG.set(lag)
         if lag > self.spec.trainer.max_async_level:
             return "version_lag"
-        if self.reader.xlen(self.ctx.keys.rollouts) > self.max_pending:
+        if not self.ingest_url and self.reader.xlen(self.ctx.keys.rollouts) > self.max_pending:
             return "backlog"
         return None
 
@@ -212,7 +256,12 @@ class Worker:
         task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
         return task_id, seed, ticket
 
-    def make_group(self, task_id: str, seed: int, ticket: int | None = None) -> RolloutGroup:
+    def make_group(
+        self, task_id: str | None = None, seed: int | None = None, ticket: int | None = None
+    ) -> RolloutGroup:
+        """One group: of `task_id` with group seed `seed` (next_work's), or a drawn task and seed when not given."""
+        if task_id is None or seed is None:
+            task_id, seed = self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31))
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
         problem = self.task.problem(task_id)
         prompt_ids = self.engine.tokenizer(problem.prompt)["input_ids"]
@@ -292,7 +341,7 @@ class Worker:
 def main(options: RolloutOptions) -> int:
     if not options.relay_urls:
         raise SystemExit("rlfleet rollout: at least one --relay-url is required")
-    ctx = component_context(options, "rollout")
+    ctx = component_context(options, "rollout", redis_optional=True)  # an ingest pool's workers run without it
     configure_torch_threads()
     worker = Worker(ctx, options)
     try:

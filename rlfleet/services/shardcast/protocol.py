@@ -231,9 +231,13 @@ async def send_range(
     return resp
 
 
+SHUTDOWN_TIMEOUT_S = 5.0  # how long a stopping server lets requests in flight finish (aiohttp's default: 60)
+
+
 async def serve_until(app: web.Application, host: str, port: int, stop: threading.Event) -> None:
-    """Serve `app` on host:port until `stop` is set (the runtime sets it on SIGTERM/SIGINT)."""
-    runner = web.AppRunner(app, handle_signals=False)
+    """Serve `app` on host:port until `stop` is set (the runtime sets it on SIGTERM/SIGINT); requests
+    still in flight then get SHUTDOWN_TIMEOUT_S to finish."""
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

@@ -160,9 +160,15 @@ def make_app(
         for task in list(relay._tasks):
             task.cancel()
 
+    async def closing(app: web.Application) -> None:
+        # Shutdown waits for requests in flight, and a request for a version that is still being
+        # pulled waits on the pull: stop the pulls first, so those requests end with 502 at once.
+        relay.closing.set()
+
     app = web.Application()
     app[RELAY] = relay
     app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(closing)
     app.router.add_get(ROUTE_HEALTH, healthz)
     app.router.add_get(ROUTE_METRICS, metrics)
     app.router.add_get(ROUTE_LATEST, latest)
@@ -185,7 +191,8 @@ def main(options: RelayOptions) -> int:
     from rlfleet.runtime import component_context
     from rlfleet.signing import run_public_key
 
-    ctx = component_context(options, "relay")
+    # Without Redis (a relay tier of a run trained in another cluster) it follows its upstream's long-poll.
+    ctx = component_context(options, "relay", redis_optional=True)
     shardcast = ctx.bundle.run.spec.shardcast
     app = make_app(
         options.upstream,

@@ -19,7 +19,10 @@ from rlfleet.signing import SignatureError
 log = logging.getLogger("rlfleet.shardcast.client")
 
 BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
-CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 60.0
+# READ_TIMEOUT bounds each wait for the next bytes (not a whole body): a source that sends nothing
+# for that long is hung and another is tried; it also bounds how long a stopping process waits on
+# a blocked read.
+CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 10.0
 EXPLORE = 0.1  # probability of picking a source uniformly instead of by weight
 
 

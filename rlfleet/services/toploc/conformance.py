@@ -1,6 +1,6 @@
-"""Check `proof.py` against reference TOPLOC vectors (shared/conformance/toploc/case_*.json).
+"""Check `proof.py` against reference TOPLOC vectors (tests/data/toploc/case_*.json).
 
-A case passes when (see shared/conformance/README.md):
+A case passes when (see tests/data/toploc/README.md):
 1. `build_proofs` on the `honest` activations gives the reference `proofs_base64`, byte for byte;
 2. `verify_proofs` of every candidate in `verification` against the *reference* proofs gives, per
    chunk, the same `exp_mismatches` and mantissa mean/median within 1e-6 (2**64, "no exponent

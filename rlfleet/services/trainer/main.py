@@ -29,7 +29,7 @@ import torch
 from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
 from rlfleet.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group, open_run_store
-from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step
+from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step, withdraw
 from rlfleet.services.trainer.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -67,6 +67,8 @@ class Trainer:
         self.store = open_run_store(ctx)
         self.consumer = "trainer-0"
         self.rank, self.world = init_distributed()  # only rank 0 reads streams, publishes and commits
+        if self.rank != 0:
+            withdraw()  # its series would read 0 and halve every average over the trainer pods
         self.metrics_file = output_dir / "metrics.jsonl" if output_dir else None
         from rlfleet.models.builtin import resolve_model_path
 
@@ -92,7 +94,8 @@ class Trainer:
             self.reference = shard_policy(reference, self.world) if self.sharded else reference
         self.version = 0
         self.started = time.monotonic()
-        self._pending_first = True
+        self.dropped_ids: dict[str, list[str]] = {}
+        self._pending_cursor: str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
         self.last_reward: float | None = None
         self._signer = None  # resolved at the first publish (a missing key fails that publish)
         ensure_group(ctx.redis, ctx.keys.verified, ctx.keys.trainer_group)
@@ -127,14 +130,17 @@ class Trainer:
         want, max_lag = self.spec.trainer.batch_size, self.spec.trainer.max_async_level
         skip_flat = self.spec.trainer.skip_zero_advantage_groups
         batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
+        self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
         while len(batch) < want and not self.ctx.stop.is_set():
-            # After a restart, first the messages this consumer read but never acknowledged.
-            start = "0" if self._pending_first else ">"
+            # After a restart, first the messages this consumer read but never acknowledged, walked
+            # once by id (reading pending entries from "0" again would return the same ones forever).
+            start = self._pending_cursor or ">"
             resp = r.xreadgroup(
                 keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
             )
-            if start == "0" and not any(entries for _, entries in resp or []):
-                self._pending_first = False
+            if self._pending_cursor is not None:
+                pending = [msg_id for _, entries in resp or [] for msg_id, _ in entries]
+                self._pending_cursor = pending[-1] if pending else None
             for _, entries in resp or []:
                 for msg_id, fields in entries:
                     ack.append(msg_id)
@@ -147,10 +153,13 @@ class Trainer:
                     digest = group_digest(group)
                     if r.zscore(keys.trained, digest) is not None or any(group_digest(g) == digest for g in batch):
                         drops["duplicate"] += 1
+                        self.dropped_ids["duplicate"].append(group.rollout_id)
                     elif self.version - group.policy_version > max_lag:
                         drops["stale"] += 1
+                        self.dropped_ids["stale"].append(group.rollout_id)
                     elif skip_flat and len({s.reward for s in group.samples}) == 1:
                         drops["zero_advantage"] += 1
+                        self.dropped_ids["zero_advantage"].append(group.rollout_id)
                     else:
                         batch.append(group)
         return batch, ack, drops
@@ -198,8 +207,24 @@ class Trainer:
             return 1
         if self.rank == 0:
             self.commit(state["commit"].get("digests", []), state["commit"]["message_ids"], self.version)
+            if state.get("record") and self.last_recorded_step() < state["step"]:
+                self.write_record(state["record"])  # the crash came between saving the step and recording it
         log.info("resumed after step %d at version %d", state["step"], self.version)
         return state["step"] + 1
+
+    def last_recorded_step(self) -> int:
+        """The step of metrics.jsonl's last record (0 without one)."""
+        if not (self.metrics_file and self.metrics_file.exists()):
+            return 0
+        lines = self.metrics_file.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+
+    def write_record(self, record: dict) -> None:
+        """Export a step's record on /metrics and append it to metrics.jsonl."""
+        export_step(record)
+        if self.metrics_file:
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def run(self, steps: int) -> None:
         for step in range(self.resume(), steps + 1):
@@ -225,21 +250,6 @@ class Trainer:
                 continue
             rollout_ids = [g.rollout_id for g in groups]
             digests = [group_digest(g) for g in groups]
-            save_state(
-                self.store,
-                self.ctx.run_name,
-                step=step,
-                version=self.version,
-                model_state=model_state,
-                optimizer_state=optimizer_state,
-                scheduler=self.scheduler,
-                rollout_ids=rollout_ids,
-                digests=digests,
-                message_ids=ack,
-            )
-            self.publish(model_state)
-            self.commit(digests, ack, self.version)
-            t3 = time.monotonic()
             counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}
             record = {
                 "step": step,
@@ -253,14 +263,28 @@ class Trainer:
                 "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
                 "wait_seconds": t1 - t0,
                 "compute_seconds": t2 - t1,
-                "publish_seconds": t3 - t2,
+                "publish_seconds": 0.0,
                 "wall_seconds": time.monotonic() - self.started,
                 "rollout_ids": rollout_ids,
+                "dropped_rollout_ids": self.dropped_ids,
             }
-            export_step(record)
-            if self.metrics_file:
-                with open(self.metrics_file, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            save_state(
+                self.store,
+                self.ctx.run_name,
+                step=step,
+                version=self.version,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                scheduler=self.scheduler,
+                rollout_ids=rollout_ids,
+                message_ids=ack,
+                record=record,
+                digests=digests,
+            )
+            self.publish(model_state)
+            self.commit(digests, ack, self.version)
+            record.update(publish_seconds=time.monotonic() - t2, wall_seconds=time.monotonic() - self.started)
+            self.write_record(record)
             log.info(
                 "step %d version %d reward %.3f staleness %.2f",
                 step,
@@ -274,6 +298,7 @@ class Trainer:
 class TrainerOptions(ComponentOptions):
     output_dir: Path | None = None  # where metrics.jsonl is written
     steps: int | None = None  # overrides spec.trainer.steps
+    hold_when_done: bool = False  # after the last step, wait for SIGTERM instead of exiting (in a pod)
 
 
 def main(options: TrainerOptions) -> int:
@@ -283,6 +308,10 @@ def main(options: TrainerOptions) -> int:
         options.output_dir.mkdir(parents=True, exist_ok=True)
     try:
         Trainer(ctx, options.output_dir).run(options.steps or ctx.bundle.run.spec.trainer.steps)
+        if options.hold_when_done and not ctx.stop.is_set():
+            # A StatefulSet restarts a container that exits, even with 0; the operator scales it down instead.
+            log.info("every step is done; holding until stopped")
+            ctx.stop.wait()
     finally:
         leave_distributed()
     return 0

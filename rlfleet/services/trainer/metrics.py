@@ -1,13 +1,16 @@
 """The trainer's Prometheus metrics: every field of a metrics.jsonl record on /metrics (export_step).
 
 Every labelled series exists from the start (at 0), so a scrape shows it before its first event.
+Only rank 0 takes the steps it reports, so under data parallelism the other ranks withdraw these
+series (`withdraw`) and serve only process metrics: a dashboard's avg() over the trainer pods is then
+rank 0's value, not that value divided by the world size.
 """
 
 from __future__ import annotations
 
 from typing import get_args
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from rlfleet.config import RejectionReason
 
@@ -47,7 +50,11 @@ for _reason in DROP_REASONS:
     DROPPED.labels(_reason)
 for _phase in PHASES:
     STEP_SECONDS.labels(_phase)
-NOT_EXPORTED = {"rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement"}
+EXPORTED = (STEP, VERSION, REWARD, STALENESS, STALENESS_MAX, ELAPSED, SAMPLES, DROPPED, STEP_SECONDS, STAT, GROUPS)
+NOT_EXPORTED = {
+    "rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement",
+    "dropped_rollout_ids": "the audit trail of dropped rollouts by reason (dropped_* counts them)",
+}
 
 
 def export_step(record: dict) -> None:
@@ -75,3 +82,9 @@ def export_step(record: dict) -> None:
     GROUPS.labels("accepted", "").set(record["accepted"])
     for reason in {*get_args(RejectionReason), *record["rejected_by_reason"]}:
         GROUPS.labels("rejected", reason).set(record["rejected_by_reason"].get(reason, 0))
+
+
+def withdraw() -> None:
+    """Take the trainer's series off /metrics (ranks other than 0, which never set them)."""
+    for metric in EXPORTED:
+        REGISTRY.unregister(metric)

@@ -3,13 +3,16 @@
 Protocol of one step (main.py), chosen so that `kill -9` at any point loses no accepted rollout
 and trains none twice:
   1. update the weights;
-  2. save the state: step, version v+1, weights, optimizer, scheduler, and the *commit* of the step
-     (the rollout ids and content digests it trained and their stream message ids); weights and optimizer are whole,
-     keyed by parameter name (sharding.full_state), whatever the sharding and replica count;
+  2. save the state: step, version v+1, weights, optimizer, scheduler, the *commit* of the step
+     (the rollout ids and content digests it trained and their stream message ids) and its metrics record; weights and
+     optimizer are whole, keyed by parameter name (sharding.full_state), whatever the sharding and
+     replica count;
   3. publish version v+1 and announce it;
-  4. commit: record the content digests as trained, XACK and delete their messages.
-On restart the state is loaded, version v+1 is published if step 3 did not finish, and the
-commit is replayed (idempotent: a set insert and acks). Messages read but not committed before
+  4. commit: record the content digests (streams.group_digest) as trained, XACK and delete their messages;
+  5. append the step's record to metrics.jsonl.
+On restart the state is loaded, version v+1 is published if step 3 did not finish, the commit is
+replayed (idempotent: a set insert and acks), and the record is appended if step 5 did not happen,
+so metrics.jsonl holds every step once. Messages read but not committed before
 the crash are still pending for the trainer's consumer and are read again first; a group whose
 digest is already recorded as trained is acknowledged and skipped.
 """
@@ -40,6 +43,7 @@ def save_state(
     scheduler,
     rollout_ids: list[str],
     message_ids: list[bytes],
+    record: dict | None = None,
     digests: list[str] = (),
 ) -> None:
     buf = io.BytesIO()
@@ -56,6 +60,7 @@ def save_state(
                 "digests": list(digests),
                 "message_ids": [m.decode() if isinstance(m, bytes) else m for m in message_ids],
             },
+            "record": record,
         },
         buf,
     )

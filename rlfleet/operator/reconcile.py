@@ -1,0 +1,315 @@
+"""Reconciling one object: the steps behind the kopf handlers (handlers.py), written against the API
+adapter so the handlers stay thin. Each function returns what to write on the object (its status,
+and for a pool or tier its metadata) and posts the Events of what changed.
+
+RLRun: parse and check the spec (invalid: Ready False / Failed True, reason InvalidSpec, a Warning
+Event, nothing applied); check the Secrets its pods need (secrets.py); read progress from its Redis;
+decide its state (lifecycle.py); server-side apply its children (replicas 0 unless active); and, from
+its timer, reconcile every pool and tier of the run, so a change of the run (suspend, completion,
+image, config) reaches them within one resync interval and their status stays current without a
+timer (and so a finalizer) of their own. A finished run past its TTL is deleted.
+InferencePool / RelayTier: the same against the parent run. While the run is missing or invalid, or an
+upstream tier it names is missing, the object waits in phase Pending (Ready False, reason RunNotFound,
+RunNotValid or MissingDependency) and the run's timer reconciles it once that is fixed.
+After a spec change, children the object no longer wants (an ingest whose tokens were removed, a
+pool's Deployment after it became a StatefulSet) are deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from dataclasses import dataclass, field
+
+from rlfleet.config import InferencePool, RelayTier, RLRun
+from rlfleet.operator import builders, conditions, lifecycle, names, secrets
+from rlfleet.operator.events import build_event
+from rlfleet.operator.kube import ApiError, Kube
+from rlfleet.operator.pods import ClusterDefaults, Owner
+from rlfleet.operator.progress import REDIS_TIMEOUT_S, read_progress
+
+log = logging.getLogger("rlfleet.operator")
+CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget")
+PROBLEMS = {"InvalidSpec", "SecretNotFound", "SecretKeyMissing", "SecretForbidden", "DeadlineExceeded"}
+
+
+class MissingRun(Exception):
+    """A pool's or tier's RLRun does not exist (yet), or cannot be reconciled; `reason` says which."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+
+@dataclass
+class Outcome:
+    status: dict = field(default_factory=dict)
+    metadata: dict | None = None  # merged into the object's metadata
+    delete: bool = False  # the run's TTL is up
+
+
+@dataclass
+class Ctx:
+    kube: Kube
+    defaults: ClusterDefaults
+    now: datetime.datetime
+
+
+def owner_of(body: dict) -> Owner:
+    return Owner(body["kind"], body["metadata"]["name"], body["metadata"].get("uid", ""))
+
+
+async def post(ctx: Ctx, body: dict, type_: str, reason: str, message: str) -> None:
+    """Post an Event; a failure is logged, never fails the reconcile (Events are best effort)."""
+    try:
+        await ctx.kube.post_event(build_event(body, type_, reason, message, ctx.now))
+    except ApiError as exc:
+        log.warning(f"Event {reason} on {body['kind']} {body['metadata']['name']} not posted: {exc}")
+
+
+async def announce_changes(ctx: Ctx, body: dict, old: dict, new: dict) -> None:
+    """Events for a new phase and for a Ready reason that asks the user to act."""
+    before, after = old.get("phase"), new.get("phase")
+    if after and after != before:
+        kind = "Warning" if after == "Failed" else "Normal"
+        await post(ctx, body, kind, "PhaseChanged", f"phase {before or '(none)'} -> {after}")
+    old_ready = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
+    new_ready = next((c for c in new.get("conditions") or [] if c.get("type") == "Ready"), {})
+    reason = new_ready.get("reason")
+    if reason in PROBLEMS and (reason, new_ready.get("message")) != (old_ready.get("reason"), old_ready.get("message")):
+        await post(ctx, body, "Warning", reason, new_ready.get("message", ""))
+
+
+async def apply_children(ctx: Ctx, body: dict, children: list[dict]) -> dict[tuple[str, str], dict]:
+    """Server-side apply each child in order; (kind, name) -> live object. A Normal Event per created child."""
+    live = {}
+    for child in children:
+        obj, created = await ctx.kube.apply(child)
+        live[(child["kind"], child["metadata"]["name"])] = obj
+        if created:
+            await post(ctx, body, "Normal", "Created", f"created {child['kind']} {child['metadata']['name']}")
+    return live
+
+
+async def prune(ctx: Ctx, body: dict, children: list[dict]) -> None:
+    """Delete children of `body` (by label and owner uid) that are not in `children`."""
+    meta = body["metadata"]
+    selector = (
+        f"app.kubernetes.io/managed-by={names.FIELD_MANAGER},app.kubernetes.io/instance={meta['name']},"
+        f"{names.GROUP}/kind={body['kind'].lower()}"
+    )
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
+    for kind in CHILD_KINDS:
+        for obj in await ctx.kube.list(kind, meta["namespace"], label_selector=selector):
+            owned = any(r.get("uid") == meta.get("uid") for r in obj["metadata"].get("ownerReferences") or [])
+            if owned and (kind, obj["metadata"]["name"]) not in wanted:
+                await ctx.kube.delete(kind, meta["namespace"], obj["metadata"]["name"])
+                await post(ctx, body, "Normal", "Deleted", f"deleted {kind} {obj['metadata']['name']}")
+
+
+def _invalid_status(ctx: Ctx, body: dict, problems: list[str]) -> dict:
+    status, message = body.get("status") or {}, "; ".join(problems)
+    generation = body["metadata"].get("generation")
+    return {
+        "phase": "Failed",
+        "conditions": lifecycle.invalid_conditions(status, generation, ctx.now, message),
+        **({"observedGeneration": generation} if generation is not None else {}),
+    }
+
+
+def _ready(live: dict) -> int:
+    return int((live.get("status") or {}).get("readyReplicas") or 0)
+
+
+async def _progress(url: str | None, run: str) -> dict | None:
+    if not url:
+        return None
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(read_progress, url, run), REDIS_TIMEOUT_S * 2)
+    except Exception as exc:  # redis.RedisError, OSError, timeouts: progress is optional, never fail a reconcile
+        log.info(f"progress of run {run} not readable from Redis: {exc!r}")
+        return None
+
+
+# ---- RLRun -------------------------------------------------------------------------------------
+
+
+async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Outcome:
+    old = body.get("status") or {}
+    try:
+        run = builders.parse_resource(body)
+        builders.check_cluster_run(run)
+    except builders.SpecError as exc:
+        status = _invalid_status(ctx, body, exc.problems)
+        await announce_changes(ctx, body, old, status)
+        return Outcome(status=status)
+    namespace, generation = body["metadata"]["namespace"], body["metadata"].get("generation")
+    blocked, secret_data = await secrets.check_secrets(ctx.kube, namespace, secrets.run_secrets(run))
+    progress = None if run.spec.remote else await _progress(secrets.redis_url(run, secret_data), run.metadata.name)
+    trainer = {}
+    if not run.spec.remote:
+        trainer = await ctx.kube.find("StatefulSet", namespace, names.trainer(run.metadata.name)) or {}
+    seen = lifecycle.Observation(
+        now=ctx.now,
+        created=lifecycle.parse_time(body["metadata"].get("creationTimestamp")),
+        step=None if progress is None else progress.get("step", 0),
+        trainer_ready=_ready(trainer),
+        blocked=blocked,
+        status=old,
+    )
+    state = lifecycle.run_state(run, generation, seen)
+    children = builders.build_run_children(run, namespace, owner_of(body), ctx.defaults, state.active)
+    await apply_children(ctx, body, children)
+    if spec_changed:
+        await prune(ctx, body, children)
+    status = {"phase": state.phase, "conditions": state.conditions, "readyReplicas": _ready(trainer)}
+    status.update(progress or {})
+    if state.finished_at:
+        status["completionTime"] = state.finished_at
+    if generation is not None:
+        status["observedGeneration"] = generation
+    await announce_changes(ctx, body, old, status)
+    return Outcome(status=status, delete=state.expired)
+
+
+def run_is_active(run_body: dict) -> bool:
+    """Whether a run's workloads run, from its status (neither Complete nor Failed past its deadline)."""
+    for c in (run_body.get("status") or {}).get("conditions") or []:
+        if c.get("status") == "True" and (
+            c.get("type") == "Complete" or (c.get("type") == "Failed" and c.get("reason") == "DeadlineExceeded")
+        ):
+            return False
+    return True
+
+
+# ---- InferencePool and RelayTier ---------------------------------------------------------------
+
+
+async def parent_run(ctx: Ctx, namespace: str, name: str) -> tuple[dict, RLRun]:
+    body = await ctx.kube.find("RLRun", namespace, name)
+    if body is None:
+        raise MissingRun("RunNotFound", f"RLRun {name!r} does not exist in namespace {namespace!r} (yet)")
+    try:
+        run = builders.parse_resource(body)
+        builders.check_cluster_run(run)
+    except builders.SpecError:
+        raise MissingRun("RunNotValid", f"RLRun {name!r} has an invalid spec; waiting for it to be fixed") from None
+    return body, run
+
+
+async def run_tiers(ctx: Ctx, namespace: str) -> list[RelayTier]:
+    tiers = []
+    for body in await ctx.kube.list("RelayTier", namespace):
+        try:
+            tiers.append(builders.parse_resource(body))
+        except builders.SpecError:
+            continue  # that tier reports its own InvalidSpec
+    return tiers
+
+
+def tie_to_run(body: dict, run_body: dict) -> dict | None:
+    """The metadata that ties a pool or tier to its run (a non-controller owner reference and the run
+    label), or None when it has both: deleting the run deletes them, and `-l rlfleet.io/run=NAME` lists them."""
+    meta = body["metadata"]
+    refs = list(meta.get("ownerReferences") or [])
+    run_uid = run_body["metadata"].get("uid")
+    labels = meta.get("labels") or {}
+    has_ref = any(r.get("uid") == run_uid for r in refs)
+    if has_ref and labels.get(names.RUN_LABEL) == run_body["metadata"]["name"]:
+        return None
+    if not has_ref:
+        refs.append(owner_of(run_body).reference(controller=False))
+    return {"ownerReferences": refs, "labels": {names.RUN_LABEL: run_body["metadata"]["name"]}}
+
+
+def _waiting(ctx: Ctx, body: dict, reason: str, message: str) -> Outcome:
+    old, generation = body.get("status") or {}, body["metadata"].get("generation")
+    status = {
+        "phase": "Pending",
+        "conditions": lifecycle.scalable_conditions(old, generation, ctx.now, False, reason, message),
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    return Outcome(status=status)
+
+
+async def reconcile_scalable(
+    ctx: Ctx, body: dict, run_pair: tuple[dict, RLRun] | None = None, tiers=None, spec_changed: bool = False
+) -> Outcome:
+    """A pool or a tier; `run_pair` and `tiers` when the caller already has them (the run's timer)."""
+    old = body.get("status") or {}
+    try:
+        obj = builders.parse_resource(body)
+    except builders.SpecError as exc:
+        status = _invalid_status(ctx, body, exc.problems)
+        await announce_changes(ctx, body, old, status)
+        return Outcome(status=status)
+    namespace, generation = body["metadata"]["namespace"], body["metadata"].get("generation")
+    try:
+        run_body, run = run_pair or await parent_run(ctx, namespace, obj.spec.run)
+    except MissingRun as exc:
+        return _waiting(ctx, body, exc.reason, str(exc))
+    tiers = await run_tiers(ctx, namespace) if tiers is None else tiers
+    active = run_is_active(run_body)
+    try:
+        if isinstance(obj, InferencePool):
+            children = builders.build_pool_children(run, obj, tiers, namespace, owner_of(body), ctx.defaults, active)
+            blocked, _ = await secrets.check_secrets(ctx.kube, namespace, secrets.pool_secrets(obj))
+        else:
+            children = builders.build_relay_children(run, obj, tiers, namespace, owner_of(body), ctx.defaults, active)
+            blocked = None
+    except builders.MissingDependency as exc:  # the tier it names may appear: the run's timer tries again
+        outcome = _waiting(ctx, body, "MissingDependency", str(exc))
+        return Outcome(status=outcome.status, metadata=tie_to_run(body, run_body))
+    except builders.SpecError as exc:
+        status = _invalid_status(ctx, body, exc.problems)
+        await announce_changes(ctx, body, old, status)
+        return Outcome(status=status, metadata=tie_to_run(body, run_body))
+    live = await apply_children(ctx, body, children)
+    if spec_changed:
+        await prune(ctx, body, children)
+    desired = next(c for c in children if c["kind"] in ("Deployment", "StatefulSet"))
+    workload = live[(desired["kind"], desired["metadata"]["name"])]
+    ready = _ready(workload)
+    if run.spec.suspend:
+        phase, reason, message = "Suspended", "Suspended", f"RLRun {run.metadata.name} is suspended"
+    elif not active:
+        phase, reason, message = "Complete", "RunFinished", f"RLRun {run.metadata.name} has finished"
+    elif blocked:
+        phase, (reason, message) = "Pending", blocked
+    elif ready >= obj.spec.replicas:
+        phase, reason, message = "Running", "Running", f"{ready} of {obj.spec.replicas} pods ready"
+    else:
+        phase, reason, message = "Pending", "Pending", f"{ready} of {obj.spec.replicas} pods ready"
+    status = {
+        "phase": phase,
+        "conditions": lifecycle.scalable_conditions(old, generation, ctx.now, phase == "Running", reason, message),
+        "replicas": int((workload.get("status") or {}).get("replicas") or 0),
+        "readyReplicas": ready,
+        "selector": conditions.workload_selector(desired),
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    await announce_changes(ctx, body, old, status)
+    return Outcome(status=status, metadata=tie_to_run(body, run_body))
+
+
+async def reconcile_run_members(ctx: Ctx, run_body: dict) -> None:
+    """Every pool and tier of the run: apply their children, write their status and run tie (the run's
+    timer calls this; pools and tiers have no timer of their own)."""
+    namespace, run_name = run_body["metadata"]["namespace"], run_body["metadata"]["name"]
+    try:
+        run = builders.parse_resource(run_body)
+        builders.check_cluster_run(run)
+    except builders.SpecError:
+        return  # the members wait for their run to be fixed
+    tiers = await run_tiers(ctx, namespace)
+    for kind in ("RelayTier", "InferencePool"):
+        for body in await ctx.kube.list(kind, namespace):
+            if (body.get("spec") or {}).get("run") != run_name:
+                continue
+            outcome = await reconcile_scalable(ctx, body, (run_body, run), tiers)
+            await ctx.kube.patch_status(kind, namespace, body["metadata"]["name"], outcome.status)
+            if outcome.metadata:
+                await ctx.kube.patch(kind, namespace, body["metadata"]["name"], {"metadata": outcome.metadata})

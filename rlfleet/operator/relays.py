@@ -1,0 +1,119 @@
+"""RelayTier -> relay Deployment + Service + PodDisruptionBudget, and the relay tree as Service URLs
+(topology.relay_graph decides who pulls from whom; this maps its nodes to addresses). Pure."""
+
+from __future__ import annotations
+
+from rlfleet.config import InferencePool, RelayTier, RLRun
+from rlfleet.operator import names, podconfig
+from rlfleet.operator.pods import (
+    ClusterDefaults,
+    Owner,
+    build_container,
+    deployment,
+    disruption_budget,
+    pod_template,
+    scale,
+    service,
+)
+from rlfleet.operator.resources import MissingDependency
+from rlfleet.topology import Node, TopologyError, relay_graph
+
+
+def node_url(node: Node, run: str, namespace: str) -> str:
+    """A node of the relay tree (topology.py) as the Service URL pods reach it by."""
+    if node.kind == "url":
+        return node.name
+    return names.service_url(names.origin(run) if node.kind == "origin" else names.relay(node.name), namespace)
+
+
+def resolve_upstream(run: RLRun, tier: RelayTier, tiers: list[RelayTier], namespace: str) -> str:
+    """Upstream URL of a tier (topology.relay_graph's rules); MissingDependency while a tier it names is absent."""
+    try:
+        return node_url(
+            relay_graph(run.metadata.name, [], [*tiers, tier]).upstream(tier.metadata.name),
+            run.metadata.name,
+            namespace,
+        )
+    except TopologyError as exc:
+        raise MissingDependency(exc.problems) from None
+
+
+def resolve_pool_relays(run: RLRun, pool: InferencePool, tiers: list[RelayTier], namespace: str) -> list[str]:
+    """Relay URLs of a pool (topology.relay_graph's rules); MissingDependency while the tier it names is absent."""
+    try:
+        nodes = relay_graph(run.metadata.name, [pool], tiers).pool_sources(pool.metadata.name)
+    except TopologyError as exc:
+        raise MissingDependency(exc.problems) from None
+    return [node_url(n, run.metadata.name, namespace) for n in nodes]
+
+
+def build_relay_deployment(
+    run: RLRun,
+    tier: RelayTier,
+    upstream_url: str,
+    namespace: str,
+    owner: Owner | None = None,
+    defaults: ClusterDefaults = ClusterDefaults(),
+    active: bool = True,
+) -> dict:
+    n, r = tier.metadata.name, run.metadata.name
+    labels = names.labels("RelayTier", n, names.RELAY, r)
+    args = ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT), "--upstream", upstream_url]
+    args += ["--cache-dir", f"{names.CACHE_DIR}/relay"]
+    if tier.spec.keep_versions:
+        args += ["--keep-versions", str(tier.spec.keep_versions)]
+    port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
+    main = build_container(
+        run, names.RELAY, args, defaults.image_for(run, 0), defaults, tier.spec.resources, ports=[port]
+    )
+    template = pod_template(
+        labels,
+        main,
+        names.run_config(r),
+        podconfig.run_reader_hash(run, names.RELAY),
+        defaults,
+        override=tier.spec.pod_template,
+    )
+    match = names.selector("RelayTier", n, names.RELAY, r)
+    return deployment(names.relay(n), namespace, labels, match, scale(run, tier.spec.replicas, active), template, owner)
+
+
+def build_relay_service(run: RLRun, tier: RelayTier, namespace: str, owner: Owner | None = None) -> dict:
+    n, r = tier.metadata.name, run.metadata.name
+    return service(
+        names.relay(n),
+        namespace,
+        names.labels("RelayTier", n, names.RELAY, r),
+        names.selector("RelayTier", n, names.RELAY, r),
+        owner,
+        [("http", names.SHARDCAST_PORT), ("metrics", names.METRICS_PORT)],
+    )
+
+
+def build_relay_budget(run: RLRun, tier: RelayTier, namespace: str, owner: Owner | None = None) -> dict:
+    n, r = tier.metadata.name, run.metadata.name
+    return disruption_budget(
+        names.relay(n),
+        namespace,
+        names.labels("RelayTier", n, names.RELAY, r),
+        names.selector("RelayTier", n, names.RELAY, r),
+        tier.spec.max_unavailable,
+        owner,
+    )
+
+
+def build_relay_children(
+    run: RLRun,
+    tier: RelayTier,
+    tiers: list[RelayTier],
+    namespace: str,
+    owner: Owner | None = None,
+    defaults: ClusterDefaults = ClusterDefaults(),
+    active: bool = True,
+) -> list[dict]:
+    upstream = resolve_upstream(run, tier, tiers, namespace)
+    return [
+        build_relay_service(run, tier, namespace, owner),
+        build_relay_deployment(run, tier, upstream, namespace, owner, defaults, active),
+        build_relay_budget(run, tier, namespace, owner),
+    ]

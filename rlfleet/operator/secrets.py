@@ -1,0 +1,85 @@
+"""The Secrets a run's pods need, checked before the pods would fail on them.
+
+A pod that names a missing Secret, or a key its Secret lacks, hangs in CreateContainerConfigError and
+says little. The operator reads each Secret the spec names (RBAC: `get` on secrets, nothing else) and
+reports the first problem as the run's (or pool's) Ready reason with the field to fix:
+SecretNotFound, SecretKeyMissing, or SecretForbidden when its own RBAC does not let it look.
+Only key names are looked at, except the Redis URL, which the operator itself uses to read progress.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+from rlfleet.config import InferencePool, RLRun
+from rlfleet.operator import names
+from rlfleet.operator.kube import Forbidden, Kube, NotFound
+
+
+@dataclass(frozen=True)
+class SecretNeed:
+    name: str
+    field: str  # the spec field that names it
+    keys: tuple[str, ...]  # keys the pods read from it (empty: every key, as environment variables)
+
+
+def run_secrets(run: RLRun) -> list[SecretNeed]:
+    spec = run.spec
+    if spec.remote:  # this cluster runs only relays and pools: the public key at most
+        needs = []
+        if spec.shardcast.signing_key_secret and not spec.shardcast.public_key:
+            needs.append(
+                SecretNeed(spec.shardcast.signing_key_secret, "spec.shardcast.signingKeySecret", ("public-key",))
+            )
+        return needs
+    needs = []
+    if spec.redis.url_secret:
+        needs.append(SecretNeed(spec.redis.url_secret, "spec.redis.urlSecret", (names.REDIS_URL_KEY,)))
+    if spec.shardcast.signing_key_secret:
+        keys = (names.SIGNING_KEY,) + (() if spec.shardcast.public_key else (names.PUBLIC_KEY,))
+        needs.append(SecretNeed(spec.shardcast.signing_key_secret, "spec.shardcast.signingKeySecret", keys))
+    if spec.store.credentials_secret:
+        needs.append(SecretNeed(spec.store.credentials_secret, "spec.store.credentialsSecret", ()))
+    if spec.ingest.tokens:
+        needs.append(SecretNeed(spec.ingest.tokens, "spec.ingest.tokens", (names.INGEST_TOKENS_KEY,)))
+    return needs
+
+
+def pool_secrets(pool: InferencePool) -> list[SecretNeed]:
+    if not pool.spec.worker_tokens:
+        return []
+    pods = tuple(f"{names.rollout(pool.metadata.name)}-{i}" for i in range(pool.spec.replicas))
+    return [SecretNeed(pool.spec.worker_tokens, "spec.workerTokens", pods)]
+
+
+async def check_secrets(kube: Kube, namespace: str, needs: list[SecretNeed]) -> tuple[tuple[str, str] | None, dict]:
+    """(the first problem as (reason, message), or None; name -> the data of each Secret read)."""
+    found: dict[str, dict] = {}
+    for need in needs:
+        where = f"Secret {need.name} ({need.field})"
+        try:
+            body = await kube.get("Secret", namespace, need.name)
+        except NotFound:
+            return ("SecretNotFound", f"{where} does not exist in namespace {namespace}; create it"), found
+        except Forbidden:
+            return (
+                "SecretForbidden",
+                f"cannot read {where}: the operator's RBAC does not allow get on secrets in namespace {namespace} "
+                "(the chart's RBAC grants it; with rbac.create false, grant it yourself)",
+            ), found
+        data = {**(body.get("data") or {}), **(body.get("stringData") or {})}
+        found[need.name] = data
+        missing = [k for k in need.keys if k not in data]
+        if missing:
+            return ("SecretKeyMissing", f"{where} has no key {', '.join(missing)}; add it"), found
+    return None, found
+
+
+def redis_url(run: RLRun, secrets: dict[str, dict]) -> str | None:
+    """The run's Redis URL: spec.redis.url, or the `url` key of spec.redis.urlSecret (when it was read)."""
+    spec = run.spec.redis
+    if not spec.url_secret:
+        return spec.url
+    data = secrets.get(spec.url_secret) or {}
+    return base64.b64decode(data[names.REDIS_URL_KEY]).decode() if names.REDIS_URL_KEY in data else None

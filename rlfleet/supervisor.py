@@ -1,0 +1,130 @@
+"""Processes of a local run under a restart policy, as kubelet runs the containers of a pod.
+
+Policy (kubelet's `restartPolicy: Always` with its crash-loop back-off, scaled down for one machine;
+the numbers are RestartPolicy's):
+  - a component that exits is started again after a back-off that starts at `backoff_start_s` and
+    doubles on each exit, up to `backoff_max_s`; once a start has stayed up `stable_s`, the
+    back-off and the failure count start over;
+  - a component marked `done_on_success` (the trainer ranks) is finished when it exits with 0,
+    and is not started again;
+  - a component that exits `crash_loop` times in a row without staying up `stable_s` is
+    crash-looping: `poll` returns it and the caller stops the run, naming it and its log.
+Every component runs in its own session (its own process group), so a signal to the launcher's
+terminal never reaches it directly and `stop_all` can end each one with its children.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STOP_GRACE_S = 20  # inside a pod's default 30 s; the vLLM engine needs up to 15 s to stop
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_start_s: float = 1.0
+    backoff_max_s: float = 30.0
+    stable_s: float = 60.0
+    crash_loop: int = 5
+
+
+@dataclass
+class Component:
+    name: str
+    argv: list[str]
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
+    done_on_success: bool = False  # exit 0 means finished (trainer ranks): never restarted
+    stop_last: bool = False  # a service the others use until they exit (Redis): stopped after them
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None  # when an exited component is due to start again
+    restarts: int = 0
+    failures: int = 0  # consecutive exits that came sooner than the policy's stable_s after their start
+
+    @property
+    def finished(self) -> bool:
+        return self.done_on_success and self.proc is not None and self.proc.poll() == 0
+
+
+class Supervisor:
+    """Starts, restarts and stops the components of one run (see the module docstring for the policy)."""
+
+    def __init__(self, comps: list[Component], environ: dict[str, str], policy: RestartPolicy = RestartPolicy(),
+                 say: Callable[[str], None] | None = None):  # fmt: skip
+        self.comps, self.environ, self.policy = comps, environ, policy
+        self.say = say or (lambda text: print(f"rlfleet: {text}", file=sys.stderr, flush=True))
+
+    def start(self, comp: Component) -> None:
+        """Start `comp`, its output appended to its log."""
+        comp.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(comp.log, "ab") as log:
+            comp.proc = subprocess.Popen(
+                comp.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**self.environ, **comp.env},
+            )
+        comp.started_at, comp.restart_at = time.monotonic(), None
+
+    def poll(self) -> Component | None:
+        """Restart what is due; the first crash-looping component, if any (the run must stop)."""
+        now, policy = time.monotonic(), self.policy
+        for comp in self.comps:
+            if comp.proc is None or comp.finished:
+                continue
+            code = comp.proc.poll()
+            if code is None:
+                if comp.failures and now - comp.started_at >= policy.stable_s:
+                    comp.failures = 0  # stayed up: the next exit starts the back-off over
+                continue
+            if comp.restart_at is None:
+                comp.failures = comp.failures + 1 if now - comp.started_at < policy.stable_s else 1
+                if comp.failures >= policy.crash_loop:
+                    return comp
+                backoff = min(policy.backoff_max_s, policy.backoff_start_s * 2 ** (comp.failures - 1))
+                comp.restart_at = now + backoff
+                self.say(f"{comp.name} exited with code {code}; restarting in {backoff:g}s (see {comp.log})")
+            elif now >= comp.restart_at:
+                comp.restarts += 1
+                self.start(comp)
+        return None
+
+    def stop_all(self, force: Callable[[], bool] = lambda: False) -> None:
+        """Stop every component: first all but the `stop_last` ones, then those (the others may still
+        be talking to Redis on their way out). Each wave: SIGTERM, then SIGKILL what is left after
+        STOP_GRACE_S, or at once when `force()` turns true (a second Ctrl-C). Only the component's
+        own process gets SIGTERM (it stops its children itself, e.g. a vLLM engine core); whatever is
+        left in its process group afterwards is killed."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        for wave in ([c for c in self.comps if not c.stop_last], [c for c in self.comps if c.stop_last]):
+            running = [c for c in wave if c.proc is not None and c.proc.poll() is None]
+            for comp in running:
+                comp.proc.send_signal(signal.SIGTERM)
+            while running and time.monotonic() < deadline and not force():
+                time.sleep(0.05)
+                running = [c for c in running if c.proc.poll() is None]
+            for comp in running:
+                if not force():
+                    self.say(f"{comp.name} did not stop within {STOP_GRACE_S}s of SIGTERM; killed (see {comp.log})")
+                comp.proc.kill()
+                comp.proc.wait()
+            deadline = max(deadline, time.monotonic() + 5)  # the last wave gets a few seconds of its own
+        for comp in self.comps:
+            if comp.proc is not None:
+                _signal_group(comp.proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already

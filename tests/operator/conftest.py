@@ -1,0 +1,94 @@
+"""The operator tests' cluster: one API emulator (cluster.py) and one `rlfleet operator` process logged in
+to it through a kubeconfig, exactly as the CLI starts it (settings from the environment), for the
+whole session; a real redis-server for the runs' streams. Each test uses its own namespace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from cluster import EmulatedCluster
+
+from rlfleet.redis_server import EmbeddedRedis, free_port
+
+RESYNC_INTERVAL_S = "1"  # timers every second
+# What the chart sets (the operator reads it when it starts); test_operator_checks.py checks it is used.
+CHART_ENV = {
+    "RLFLEET_IMAGE": "registry.test/rlfleet:9",
+    "RLFLEET_GPU_IMAGE": "registry.test/rlfleet-gpu:9",
+    "RLFLEET_IMAGE_PULL_POLICY": "Always",
+    "RLFLEET_IMAGE_PULL_SECRETS": "regcred",
+}
+STARTUP_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="session")
+def emulator():
+    with EmulatedCluster() as emulated:
+        yield emulated
+
+
+@pytest.fixture(scope="session")
+def operator_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("operator") / "operator.log"
+
+
+@pytest.fixture(scope="session")
+def api(emulator, operator_log, tmp_path_factory):
+    """Base URL of the emulator, with `rlfleet operator` running against it."""
+    kubeconfig = emulator.kubeconfig(tmp_path_factory.mktemp("kube") / "config")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}  # not in a pod
+    env.update(KUBECONFIG=str(kubeconfig), RLFLEET_RESYNC_INTERVAL=RESYNC_INTERVAL_S, PYTHONUNBUFFERED="1", **CHART_ENV)
+    with open(operator_log, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rlfleet.cli", "operator", "--liveness", f"http://127.0.0.1:{port}/healthz"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            assert process.poll() is None, f"rlfleet operator exited: {operator_log.read_text()[-3000:]}"
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, f"rlfleet operator did not start: {operator_log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield emulator.url
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(autouse=True)
+def delete_runs_afterwards(request):
+    """After each test that used the operator, delete every RLRun (their pools, tiers and children follow),
+    so the runs of earlier tests do not keep the operator's timers busy for the rest of the session."""
+    yield
+    if "api" not in request.fixturenames:
+        return
+    base = request.getfixturevalue("api")
+    runs = requests.get(f"{base}/apis/rlfleet.io/v1alpha1/rlruns", timeout=5).json().get("items", [])
+    for run in runs:
+        meta = run["metadata"]
+        requests.delete(
+            f"{base}/apis/rlfleet.io/v1alpha1/namespaces/{meta['namespace']}/rlruns/{meta['name']}", timeout=5
+        )

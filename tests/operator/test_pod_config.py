@@ -1,0 +1,104 @@
+"""What a pod reads, and only that, is in its config and its template's hash: scaling a pool or a tier,
+or changing a setting no pod of a component reads, never restarts that component's pods."""
+
+from __future__ import annotations
+
+import ast
+
+import yaml
+from support import REPO
+from test_builders import NS, _bundle
+
+from rlfleet.config import parse_bundle
+from rlfleet.operator import builders as b
+from rlfleet.operator import names
+
+
+def _pool(bundle, **spec):
+    pool = bundle.pools[0]
+    return pool.model_copy(update={"spec": pool.spec.model_copy(update=spec)})
+
+
+def _tier(bundle, **spec):
+    tier = bundle.relays[0]
+    return tier.model_copy(update={"spec": tier.spec.model_copy(update=spec)})
+
+
+def _templates(bundle, pool=None, tier=None) -> dict[str, dict]:
+    """Pod template of every workload, by name."""
+    run, pool, tier = bundle.run, pool or bundle.pools[0], tier or bundle.relays[0]
+    children = [
+        *b.build_run_children(run, NS),
+        *b.build_pool_children(run, pool, bundle.relays, NS),
+        *b.build_relay_children(run, tier, [tier], NS),
+    ]
+    return {c["metadata"]["name"]: c["spec"]["template"] for c in children if "template" in c.get("spec", {})}
+
+
+def _config_maps(bundle, pool=None) -> dict[str, dict]:
+    run, pool = bundle.run, pool or bundle.pools[0]
+    children = [*b.build_run_children(run, NS), *b.build_pool_children(run, pool, bundle.relays, NS)]
+    return {c["metadata"]["name"]: c["data"] for c in children if c["kind"] == "ConfigMap"}
+
+
+def test_scaling_a_pool_or_a_tier_changes_no_pod_template_and_no_config():
+    """Bug: the pool document, replicas included, was in the hashed pod config, so `kubectl scale`, an
+    HPA or KEDA restarted every worker of the pool."""
+    bundle = _bundle()
+    before = _templates(bundle)
+    after = _templates(bundle, pool=_pool(bundle, replicas=9), tier=_tier(bundle, replicas=4))
+    assert before == after
+    assert _config_maps(bundle) == _config_maps(bundle, pool=_pool(bundle, replicas=9))
+
+
+def test_trainer_steps_and_verifier_replicas_restart_only_who_reads_them():
+    """Bug: changing trainer.steps or verifier.replicas restarted every pool."""
+    base = _templates(_bundle())
+    steps = _templates(_bundle(trainer={"steps": 999}))
+    replicas = _templates(_bundle(verifier={"replicas": 3}))
+    for name in ("arithmetic-cpu-rollout", "arithmetic-tier0-relay", "arithmetic-verifier", "arithmetic-origin"):
+        assert steps[name] == base[name], f"{name} restarts when trainer.steps changes"
+        assert replicas[name] == base[name], f"{name} restarts when verifier.replicas changes"
+    key = names.CONFIG_HASH_ANNOTATION
+    assert (
+        steps["arithmetic-trainer"]["metadata"]["annotations"][key]
+        != base["arithmetic-trainer"]["metadata"]["annotations"][key]
+    ), "the trainer reads trainer.steps: its pods roll"
+    lr = _templates(_bundle(trainer={"learningRate": 0.5}))
+    assert lr["arithmetic-cpu-rollout"] == base["arithmetic-cpu-rollout"]
+    sampling = _templates(_bundle(sampling={"groupSize": 4}))
+    assert all(sampling[n] != base[n] for n in base), "every component reads spec.sampling"
+
+
+def test_the_configs_pods_read_still_parse_as_the_components_read_them():
+    bundle = _bundle(trainer={"steps": 7, "replicas": 2}, verifier={"replicas": 3})
+    run_doc = _config_maps(bundle)["arithmetic-config"][names.CONFIG_FILE]
+    parsed = parse_bundle(run_doc)
+    assert parsed.run.spec.trainer.steps == 7 and parsed.run.spec.sampling == bundle.run.spec.sampling
+    pool_doc = _config_maps(bundle)["arithmetic-cpu-rollout-config"][names.CONFIG_FILE]
+    pool = parse_bundle(pool_doc)
+    assert pool.pools[0].spec.engine == bundle.pools[0].spec.engine
+    assert pool.run.spec.trainer.max_async_level == bundle.run.spec.trainer.max_async_level
+    assert "replicas" not in yaml.safe_load_all(pool_doc).__next__()["spec"].get("verifier", {})
+
+
+def test_components_other_than_the_trainer_read_only_max_async_level_of_spec_trainer():
+    """The projection above drops spec.trainer (but maxAsyncLevel) from every other pod's config hash.
+    This keeps it honest: no module outside services/trainer reads another spec.trainer field."""
+    allowed = {"max_async_level"}
+    found = {}
+    for path in (REPO / "rlfleet").rglob("*.py"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith(("rlfleet/services/trainer/", "rlfleet/operator/", "rlfleet/config/")) or rel in (
+            "rlfleet/launcher.py",
+        ):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "trainer"
+                and node.attr not in allowed
+            ):
+                found.setdefault(rel, set()).add(node.attr)
+    assert not found, f"spec.trainer fields read outside the trainer (add them to the pod projection): {found}"

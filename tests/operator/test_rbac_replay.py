@@ -1,0 +1,131 @@
+"""Every API request the operator made during the operator tests, replayed against the RBAC the chart
+renders (the real Helm SDK): a request the chart's Roles/ClusterRoles would deny fails the test.
+
+The emulator records each request as RBAC sees it (verb, API group, resource/subresource, namespace,
+name). This module sorts after the other operator tests, so with the whole directory it replays all
+of their requests; on its own it first drives a run through what touches the most kinds (a Redis URL
+Secret, an ingest, scaling, suspend, a TTL, deletion) so it never passes on an empty record.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from cluster import ApiCall
+from kubectl import apply_example, get, patch, redis_db, secret, wait_for
+from support import CHART, by_kind, render_chart
+
+from rlfleet.streams import RunKeys, encode_json
+
+# Discovery endpoints every authenticated client may read (the cluster's default system:discovery role).
+DISCOVERY = ("/api", "/apis", "/version", "/openapi")
+
+
+def _bound_rules(objects: list[dict], account: dict) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(cluster-wide rules, namespace -> namespaced rules) granted to the service account."""
+
+    def binds(binding: dict) -> bool:
+        return any(
+            s["kind"] == "ServiceAccount"
+            and s["name"] == account["metadata"]["name"]
+            and s.get("namespace") == account["metadata"]["namespace"]
+            for s in binding.get("subjects", [])
+        )
+
+    cluster_roles = {r["metadata"]["name"]: r for r in by_kind(objects, "ClusterRole")}
+    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]): r for r in by_kind(objects, "Role")}
+    cluster_wide = [
+        rule
+        for binding in by_kind(objects, "ClusterRoleBinding")
+        if binds(binding)
+        for rule in cluster_roles[binding["roleRef"]["name"]]["rules"]
+    ]
+    namespaced: dict[str, list[dict]] = {}
+    for binding in by_kind(objects, "RoleBinding"):
+        if binds(binding):
+            ns = binding["metadata"]["namespace"]
+            ref = binding["roleRef"]
+            role = cluster_roles[ref["name"]] if ref["kind"] == "ClusterRole" else roles[(ns, ref["name"])]
+            namespaced.setdefault(ns, []).extend(role["rules"])
+    return cluster_wide, namespaced
+
+
+def _allows(rule: dict, call: ApiCall) -> bool:
+    return (
+        (call.group in rule.get("apiGroups", []) or "*" in rule.get("apiGroups", []))
+        and (call.resource in rule.get("resources", []) or "*" in rule.get("resources", []))
+        and (call.verb in rule["verbs"] or "*" in rule["verbs"])
+        and (not rule.get("resourceNames") or call.name in rule["resourceNames"])
+    )
+
+
+def denied(calls: list[ApiCall], objects: list[dict]) -> list[ApiCall]:
+    [account] = by_kind(objects, "ServiceAccount")
+    cluster_wide, namespaced = _bound_rules(objects, account)
+    out = []
+    for call in calls:
+        if call.resource is None:
+            if not call.path.startswith(DISCOVERY):
+                out.append(call)
+            continue
+        rules = cluster_wide + (namespaced.get(call.namespace, []) if call.namespace else [])
+        if not any(_allows(rule, call) for rule in rules):
+            out.append(call)
+    return out
+
+
+def _drive_a_run(api, redis_url) -> None:
+    """A run through what touches the most kinds: its Redis URL from a Secret (progress shows in its status),
+    an ingest, scaling, suspend, completion and its TTL (the operator deletes it)."""
+    ns, url = "t-rbac", redis_db(redis_url, 12)
+    secret(api, ns, "redis-auth", {"url": url})
+    secret(api, ns, "worker-tokens", {"tokens.yaml": "w0: t0\n"})
+    apply_example(api, ns, url, redis={"urlSecret": "redis-auth"}, ingest={"tokens": "worker-tokens"})
+    wait_for("trainer", lambda: get(api, "StatefulSet", ns, "arithmetic-trainer"))
+    patch(api, "InferencePool", ns, "arithmetic-cpu", {"spec": {"replicas": 3}}, sub="scale")
+    wait_for("scaled", lambda: get(api, "Deployment", ns, "arithmetic-cpu-rollout")["spec"]["replicas"] == 3)
+    patch(api, "RLRun", ns, "arithmetic", {"spec": {"suspend": True}})
+    wait_for("suspended", lambda: get(api, "RLRun", ns, "arithmetic")["status"]["phase"] == "Suspended")
+    client = redis.Redis.from_url(url)
+    client.xadd(RunKeys("arithmetic").policy, encode_json({"version": 1}))
+    client.close()
+    wait_for(
+        "progress read through the Secret's URL", lambda: get(api, "RLRun", ns, "arithmetic")["status"]["step"] == 1
+    )
+    patch(
+        api,
+        "RLRun",
+        ns,
+        "arithmetic",
+        {"spec": {"suspend": False, "trainer": {"steps": 1}, "ttlSecondsAfterFinished": 0}},
+    )
+    wait_for("deleted after its TTL", lambda: get(api, "RLRun", ns, "arithmetic") is None, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def chart():
+    helm = pytest.importorskip("helm_python")
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def test_the_charts_rbac_allows_every_request_the_operator_made(api, emulator, redis_url, chart):
+    """Bug: the operator read Secrets (spec.redis.urlSecret) but the chart granted no `get` on them."""
+    _drive_a_run(api, redis_url)
+    # the tests' own requests (kubectl's part, made with `requests`) are not the operator's
+    operator_calls = [c for c in emulator.cluster.calls if not c.agent.startswith("python-requests")]
+    made = {(c.verb, c.group, c.resource) for c in operator_calls}
+    for expected in (
+        ("get", "", "secrets"),
+        ("patch", "apps", "statefulsets"),
+        ("patch", "rlfleet.io", "rlruns/status"),
+        ("list", "rlfleet.io", "relaytiers"),
+        ("create", "", "events"),
+        ("watch", "rlfleet.io", "rlruns"),
+        ("delete", "rlfleet.io", "rlruns"),
+        ("patch", "policy", "poddisruptionbudgets"),
+    ):
+        assert expected in made, f"the record lacks {expected}: the replay would prove little"
+    objects = render_chart(chart, {})
+    refused = sorted({(c.verb, c.group, c.resource, c.namespace is None) for c in denied(operator_calls, objects)})
+    assert not refused, f"requests the chart's RBAC denies (verb, group, resource, cluster-wide): {refused}"

@@ -1,0 +1,179 @@
+"""The workloads as a cluster runs them: resource requests (HPA needs them), workers that post to an
+ingest reach the run only through it and the relays, port names, probes, disruption budgets, the
+podTemplate overrides of each component, images and pull settings."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+from test_builders import K8S_VERSION, KUBE_VERSIONS, NS, _all_children, _bundle, _container
+
+from rlfleet import env
+from rlfleet.operator import builders as b
+from rlfleet.operator import names
+
+
+def _workloads(children):
+    return [c for c in children if c["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _env_names(workload) -> set[str]:
+    return {e["name"] for e in _container(workload).get("env", [])}
+
+
+def test_every_workload_requests_cpu_and_memory():
+    """Bug: no workload had resource requests (every pod BestEffort), so `kubectl autoscale
+    --cpu-percent` (an HPA on CPU utilization) could never compute."""
+    for workload in _workloads(_all_children(_bundle(ingest={"tokens": "worker-tokens"}))):
+        requests = _container(workload).get("resources", {}).get("requests", {})
+        assert requests.get("cpu") and requests.get("memory"), workload["metadata"]["name"]
+
+
+def _ingest_bundle(**pool_spec):
+    bundle = _bundle()
+    pool = bundle.pools[0]
+    spec = {"ingest_url": "https://ingest.cluster-a.example.com", "worker_tokens": "worker-tokens", **pool_spec}
+    return bundle, pool.model_copy(update={"spec": pool.spec.model_copy(update=spec)})
+
+
+def test_a_pool_that_posts_to_an_ingest_gets_no_redis_and_no_store():
+    """Bug: a pool's ingestUrl could not work in a cluster, so the multi-cluster example handed raw
+    Redis with one shared password to untrusted workers. Workers of an ingest pool get neither the
+    Redis URL (env or config) nor the store, nor the names of the Secrets that hold them."""
+    bundle, pool = _ingest_bundle()
+    config_map, workload = b.build_pool_children(bundle.run, pool, bundle.relays, NS)[:2]
+    assert env.REDIS_URL not in _env_names(workload)
+    doc = next(yaml.safe_load_all(config_map["data"][names.CONFIG_FILE]))
+    assert "url" not in doc["spec"].get("redis", {}) and "urlSecret" not in doc["spec"].get("redis", {})
+    assert "store" not in doc["spec"] and "tokens" not in doc["spec"].get("ingest", {})
+
+
+def test_trainer_rendezvous_port_is_named_for_what_it_is():
+    """Bug: the trainer's torch rendezvous port (29500) was named `http`."""
+    service = b.build_trainer_service(_bundle().run, NS)
+    [rendezvous] = [p for p in service["spec"]["ports"] if p["port"] == names.TORCH_MASTER_PORT]
+    assert rendezvous["name"] == "torch"
+    kubernetes_validate.validate(service, K8S_VERSION, strict=True)
+
+
+def test_an_ingest_pool_is_a_statefulset_whose_pods_read_their_own_token():
+    bundle, pool = _ingest_bundle(replicas=3)
+    children = b.build_pool_children(bundle.run, pool, bundle.relays, NS)
+    [workload] = [c for c in children if c["kind"] in ("Deployment", "StatefulSet")]
+    assert workload["kind"] == "StatefulSet" and workload["spec"]["serviceName"] == "arithmetic-cpu-rollout"
+    container = _container(workload)
+    env_values = {e["name"]: e.get("value") for e in container["env"]}
+    assert env_values[env.WORKER_TOKEN_FILE] == f"{names.WORKER_TOKENS_DIR}/$({names.ENV_POD_NAME})"
+    assert [e["name"] for e in container["env"]].index(names.ENV_POD_NAME) < [
+        e["name"] for e in container["env"]
+    ].index(env.WORKER_TOKEN_FILE), "$(POD_NAME) expands only when POD_NAME comes first"
+    assert container["args"][container["args"].index("--worker-id") + 1] == f"$({names.ENV_POD_NAME})"
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["worker-tokens"]["secret"]["secretName"] == "worker-tokens"
+    for version in KUBE_VERSIONS:
+        for child in children:
+            kubernetes_validate.validate(child, version, strict=True)
+
+
+def test_a_remote_runs_relays_get_no_redis_and_its_pools_must_use_an_ingest():
+    bundle = _bundle(remote=True, store={})
+    tier = bundle.relays[0]
+    relay = next(c for c in b.build_relay_children(bundle.run, tier, [tier], NS) if c["kind"] == "Deployment")
+    assert env.REDIS_URL not in _env_names(relay)
+    with pytest.raises(b.SpecError, match="spec.ingestUrl: required: RLRun arithmetic is trained in another cluster"):
+        b.build_pool_children(bundle.run, bundle.pools[0], bundle.relays, NS)
+
+
+def test_every_long_running_pod_has_probes_security_and_a_disruption_budget_where_it_scales():
+    children = _all_children(_bundle(ingest={"tokens": "worker-tokens"}))
+    for workload in _workloads(children):
+        container, pod = _container(workload), workload["spec"]["template"]["spec"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container[probe]["httpGet"]["path"] in ("/healthz", "/metrics"), (
+                workload["metadata"]["name"],
+                probe,
+            )
+        assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    rollout = next(c for c in children if c["metadata"]["name"] == "arithmetic-cpu-rollout" and "template" in c["spec"])
+    assert _container(rollout)["startupProbe"]["failureThreshold"] * 10 >= 900, "vLLM start-up gets 15 minutes"
+    budgets = {c["metadata"]["name"]: c["spec"] for c in children if c["kind"] == "PodDisruptionBudget"}
+    assert budgets == {
+        "arithmetic-cpu-rollout": {"maxUnavailable": "25%", "selector": rollout["spec"]["selector"]},
+        "arithmetic-tier0-relay": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": names.selector("RelayTier", "arithmetic-tier0", names.RELAY, "arithmetic")},
+        },
+    }
+
+
+def test_pod_template_overrides_merge_into_the_built_pods():
+    """KubeRay / Kubeflow Trainer style: each component takes a podTemplate fragment for scheduling,
+    identity and volumes, merged by name into what the operator builds."""
+    override = {
+        "metadata": {"annotations": {"team": "ml"}},
+        "spec": {
+            "nodeSelector": {"pool": "gpu"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "priorityClassName": "training",
+            "serviceAccountName": "trainer-s3",  # IRSA / workload identity for the store
+            "containers": [
+                {"name": "trainer", "resources": {"limits": {"memory": "32Gi"}}},
+                {"name": "sidecar", "image": "busybox", "command": ["sleep", "inf"]},
+            ],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+        },
+    }
+    trainer = _bundle().run.spec.trainer.model_dump(mode="json", by_alias=True, exclude_none=True)
+    bundle = _bundle(
+        trainer={**trainer, "podTemplate": override, "resources": {"requests": {"cpu": 4, "memory": "16Gi"}}}
+    )
+    sts = b.build_trainer_statefulset(bundle.run, NS)
+    pod = sts["spec"]["template"]
+    assert (
+        pod["metadata"]["annotations"]["team"] == "ml"
+        and names.CONFIG_HASH_ANNOTATION in pod["metadata"]["annotations"]
+    )
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"pool": "gpu"} and spec["serviceAccountName"] == "trainer-s3"
+    trainer, sidecar = spec["containers"]
+    assert trainer["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}
+    assert trainer["command"] == ["rlfleet", "trainer"] and sidecar["name"] == "sidecar"
+    assert {v["name"] for v in spec["volumes"]} == {"config", "cache", "signing", "scratch"}
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(sts, version, strict=True)
+    # scheduling fields are orchestration: the trainer's config (and so its config hash) does not change
+    plain = b.build_trainer_statefulset(_bundle().run, NS)
+    key = names.CONFIG_HASH_ANNOTATION
+    assert pod["metadata"]["annotations"][key] == plain["spec"]["template"]["metadata"]["annotations"][key]
+
+
+def test_vllm_pools_get_a_memory_backed_dev_shm_and_gpus_by_their_resource_name():
+    bundle = _bundle()
+    pool = bundle.pools[0]
+    pool = pool.model_copy(
+        update={"spec": pool.spec.model_copy(update={"engine": "vllm", "gpus": 2, "gpu_resource": "amd.com/gpu"})}
+    )
+    workload = b.build_rollout_workload(bundle.run, pool, ["http://r:8080"], NS)
+    container = _container(workload)
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in workload["spec"]["template"]["spec"]["volumes"]
+    assert container["resources"]["limits"] == {"amd.com/gpu": 2}
+    assert container["image"] == names.DEFAULT_GPU_IMAGE
+
+
+def test_cluster_defaults_set_images_pull_policy_and_pull_secrets():
+    defaults = b.ClusterDefaults(image="cpu:1", gpu_image="gpu:1", pull_policy="Always", pull_secrets=("regcred",))
+    bundle = _bundle()
+    for child in _workloads(
+        [
+            *b.build_run_children(bundle.run, NS, None, defaults),
+            *b.build_pool_children(bundle.run, bundle.pools[0], bundle.relays, NS, None, defaults),
+        ]
+    ):
+        pod = child["spec"]["template"]["spec"]
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["containers"][0]["imagePullPolicy"] == "Always"
+        assert pod["containers"][0]["image"] == "cpu:1"
+    with_image = _bundle(image="mine:2")
+    assert _container(b.build_trainer_statefulset(with_image.run, NS, None, defaults))["image"] == "mine:2"
