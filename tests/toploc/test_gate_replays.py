@@ -31,19 +31,55 @@ def replays(group, spec) -> dict:
     }
 
 
-def test_replays_of_accepted_work_under_new_ids_are_rejected(system):
-    ctx, policy, origin_url, tmp = system
-    spec = ctx.bundle.run.spec
-    engine = TorchEngine(policy, 0)
-    original = attacks.honest(engine, spec, 1)
-    tampered = replays(original, spec)
-    ctx.redis.xadd(ctx.keys.rollouts, original.encode())
-    for group in tampered.values():
-        ctx.redis.xadd(ctx.keys.rollouts, group.encode())
-    run_gate(ctx, origin_url, tmp / "cache", expected=1 + len(tampered))
-    assert verified_ids(ctx) == [original.rollout_id]
-    got = rejections(ctx)
-    assert {name: got.get(g.rollout_id) for name, g in tampered.items()} == {name: "replay" for name in tampered}
+@pytest.mark.parametrize("spot_check", [1.0, 0.0])
+def test_replays_of_accepted_work_under_new_ids_are_rejected(tmp_path, redis_url, spot_check):
+    verifier = f"{{spotCheckFraction: {spot_check}}}"
+    with gate_system(tmp_path, redis_url, verifier=verifier) as (ctx, policy, origin_url, tmp):
+        spec = ctx.bundle.run.spec
+        engine = TorchEngine(policy, 0)
+        original = attacks.honest(engine, spec, 1)
+        tampered = replays(original, spec)
+        for name, group in tampered.items():  # replayed by other workers (the first seed_replay bans)
+            group.worker_id = f"w-{name}"
+        ctx.redis.xadd(ctx.keys.rollouts, original.encode())
+        for group in tampered.values():
+            ctx.redis.xadd(ctx.keys.rollouts, group.encode())
+        run_gate(ctx, origin_url, tmp / "cache", expected=1 + len(tampered))
+        assert verified_ids(ctx) == [original.rollout_id]
+        got = rejections(ctx)
+        want = dict.fromkeys(tampered, "replay")
+        if spot_check:  # replayed, another seed does not draw those tokens
+            want["new seed"] = "seed_replay"
+        assert {name: got.get(g.rollout_id) for name, g in tampered.items()} == want
+
+
+def test_identical_honest_work_from_other_seeds_is_accepted_and_trained_once(tmp_path, redis_url):
+    """A peaked policy (here top-k 1: every seed draws the same tokens) gives identical groups to honest
+    workers: the seed replay proves each is what its own seeds draw, so none is refused, and the trainer
+    trains the content once. The same group again under a new rollout id is still a replay."""
+    with gate_system(tmp_path, redis_url, sampling="{groupSize: 4, maxTokens: 4, topK: 1}") as system:
+        ctx, policy, origin_url, tmp = system
+        spec = ctx.bundle.run.spec
+        engine = TorchEngine(policy, 0)
+        first = attacks.honest(engine, spec, 1)
+        second = attacks.replay_same_prompt_task(first, spec)  # another task id with the same prompt,
+        second.sampling.seed = 2
+        second = attacks.resampled(engine, second, spec)  # drawn honestly with its own seed 2
+        assert attacks.tokens(first) == attacks.tokens(second) and first.sampling.seed != second.sampling.seed
+        copy = attacks.replay_new_rollout_id(first)
+        for g in (first, second, copy):
+            ctx.redis.xadd(ctx.keys.rollouts, g.encode())
+        run_gate(ctx, origin_url, tmp / "cache", expected=3)
+        assert verified_ids(ctx) == [first.rollout_id, second.rollout_id]
+        assert rejections(ctx) == {copy.rollout_id: "replay"}
+        trainer = Trainer(ctx, output_dir=None)  # batchSize 1
+        groups, ack, _ = trainer.collect()
+        trainer.commit(*_commit_args(trainer, groups), ack, 1)
+        fresh = attacks.honest(engine, spec, 3)
+        ctx.redis.xadd(ctx.keys.verified, fresh.encode())
+        more, _, drops = trainer.collect()
+        assert [g.rollout_id for g in groups + more] == [first.rollout_id, fresh.rollout_id]
+        assert drops["duplicate"] == 1  # the second copy of the content
 
 
 def test_the_trainer_trains_the_same_work_once_under_any_ids(system):

@@ -16,8 +16,15 @@ hidden 256 x 4 layers and 512 x 8 layers, 16 groups each):
   fp16 compute in an fp32 run (an attack): exp 2, mean up to 0.5, |logprob diff| 4.4e-4
   bf16 compute in an fp32 run (an attack): exp 1-4, mean 0.53-3.0, |logprob diff| 4e-3
 
-so fp32 allows 1 exponent mismatch, mean 0.1, median 0.5 and |logprob diff| 1e-4 (40x the honest
-worst, below what fp16 compute produces); bf16 allows 8 / 3 / 3 and 0.05. The replay tolerance
+Rare honest outliers: fp32 noise can push one value across a bf16 rounding edge at the top-k
+boundary, so the recomputed top-k set differs by one element and the claimed polynomial evaluated
+at the new index gives one garbage value (seen once in about 40,000 chunks of a 150-step run of the
+arithmetic example: exp 0, mean 0.73, median 0). Such a chunk is honest, and the default ban policy
+would ban its worker, so the TOPLOC thresholds tolerate a few outliers (exp mismatches, mean) and
+rely on the median, which an outlier cannot move, for systematic drift; bf16 or fp16 compute, stale
+weights and other models are caught as well by the logprob tolerance, which no tie can trip. So
+fp32 allows 4 exponent mismatches, mean 4, median 0.5 and |logprob diff| 1e-4 (40x the honest
+worst, below what fp16 compute produces); bf16 allows 12 / 5 / 3 and 0.05. The replay tolerance
 (probability mass and logit slack at the top-k/top-p edges) is 1e-3 in fp32 and 0.02 in bf16;
 honest draws replayed exactly in every measurement. Larger fp32 models drift more (about 1e-6
 relative per value here); a run that sees honest rejections sets the fields in spec.verifier.
@@ -43,10 +50,10 @@ class Calibration:
 AUTHORS = Calibration(Thresholds(38, 10.0, 8.0), logprob_tolerance=0.05, top_p_tolerance=0.05, replay_tolerance=0.05)
 DEFAULTS: dict[tuple[str, str], Calibration] = {
     ("torch", "float32"): Calibration(
-        Thresholds(1, 0.1, 0.5), logprob_tolerance=1e-4, top_p_tolerance=1e-3, replay_tolerance=1e-3
+        Thresholds(4, 4.0, 0.5), logprob_tolerance=1e-4, top_p_tolerance=1e-3, replay_tolerance=1e-3
     ),
     ("torch", "bfloat16"): Calibration(
-        Thresholds(8, 3.0, 3.0), logprob_tolerance=0.05, top_p_tolerance=0.02, replay_tolerance=0.02
+        Thresholds(12, 5.0, 3.0), logprob_tolerance=0.05, top_p_tolerance=0.02, replay_tolerance=0.02
     ),
     ("vllm", "float32"): AUTHORS,
     ("vllm", "bfloat16"): AUTHORS,

@@ -5,7 +5,7 @@ reason names the check (the reasons are spelled once, `RejectionReason` in rlfle
                 (undecodable, token ids outside the vocabulary), sampling_params (not the run's, or
                 an engine `spec.verifier.engines` does not admit), unknown_version (never published),
                 stale_version (older than maxAsyncLevel), banned (worker banned), replay (the same
-                work, by content digest, already submitted in another entry), assignment (a run
+                work, by content digest, already submitted in another entry; guards.py), assignment (a run
                 that assigns work: the ticket was not issued to this worker, does not fix this task
                 and seed, or was used), completion_end (tokens after a stop token, or no stop token
                 short of the budget; ending.py);
@@ -44,14 +44,14 @@ from rlfleet.runtime import latest_announced_version
 from rlfleet.sampling import completion_text, context_length, stop_token_ids
 from rlfleet.services.toploc.calibration import Calibration, calibration
 from rlfleet.services.toploc.ending import ending_problem
+from rlfleet.services.toploc.guards import ticket_replay, work_replay
 from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs
 from rlfleet.services.toploc.replay import group_replay
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys, group_digest
+from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys
 from rlfleet.tasks import make_run_task
 
 REASONS: tuple[str, ...] = get_args(RejectionReason)
-SEEN_TTL_S = 7 * 24 * 3600
 
 
 class Rejection(Exception):
@@ -138,6 +138,7 @@ class Checker:
         """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band."""
         try:
             self.envelope(group, msg_id)
+            self.once(group, msg_id, prefill)
             try:
                 problem = self.task.problem(group.task_id)
             except KeyError as exc:
@@ -198,25 +199,20 @@ class Checker:
             )
         if is_banned(self.redis, self.keys, group.worker_id):
             raise Rejection("banned", f"worker {group.worker_id!r} is banned")
-        assigned = self.spec.sampling.assignment == "run"
-        if assigned:
+        if self.spec.sampling.assignment == "run":
             problem = ticket_problem(self.redis, self.keys, self.task, self.spec.task.seed, group)
             if problem:
                 raise Rejection("assignment", problem)
+
+    def once(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool) -> None:
+        """The one-time guards (guards.py): the same work, the same ticket, accepted once."""
         if msg_id is None:
             return
-        # The guards store the inbox entry id, so a redelivery of the same entry is not a replay.
-        digest = group_digest(group)
-        if not self._once(self.keys.seen(digest), msg_id):
-            raise Rejection(
-                "replay", f"the same work (prompt, sampling, completions; digest {digest[:16]}) was already submitted"
-            )
-        if assigned and not self._once(self.keys.ticket(group.worker_id, group.ticket), msg_id):
-            raise Rejection("replay", f"ticket {group.ticket} of worker {group.worker_id!r} was already used")
-
-    def _once(self, key: str, msg_id: bytes) -> bool:
-        """Claim `key` for inbox entry `msg_id`; False when another entry holds it."""
-        return bool(self.redis.set(key, msg_id, nx=True, ex=SEEN_TTL_S)) or self.redis.get(key) == msg_id
+        problem = work_replay(self.redis, self.keys, group, msg_id, seeds_replayed=prefill and group.engine == "torch")
+        if problem is None and self.spec.sampling.assignment == "run":
+            problem = ticket_replay(self.redis, self.keys, group, msg_id)
+        if problem:
+            raise Rejection("replay", problem)
 
     def proof_shapes(self, group: RolloutGroup, hidden_size: int) -> None:
         """Proof count and lengths; cheap, so checked on every group (a lazy worker cannot skip proofs)."""
