@@ -4,7 +4,9 @@ killed mid-transfer (a real `rlfleet relay` process), cut-through, resume, reten
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import http.client
 import json
 import os
 import signal
@@ -175,6 +177,64 @@ def test_relay_serves_shards_before_it_holds_the_version(tmp_path, keys):
         release.set()
         path = fetch_version([relay_url], RUN, 1, tmp_path / "worker", timeout=20, public_key=public)
     assert same_files(path, src)
+
+
+@pytest.mark.parametrize("tiers", [1, 2])
+def test_relay_streams_a_shard_as_it_arrives_and_cuts_off_one_that_fails(tmp_path, keys, tiers):
+    """Byte-level cut-through, through one relay and through a relay of a relay: half a shard goes
+    out while the origin's side still withholds the other half; when the shard then fails its
+    sha256, the response is cut short, never completed, and no relay holds the version."""
+    signer, public, _ = keys
+    shard, half = 4 << 20, 2 << 20  # the relay reads upstream 1 MiB at a time
+    store = open_store(f"file://{tmp_path}/store")
+    src = make_version(tmp_path / "v1", 1, size=2 * shard)
+    publish_version(store, RUN, 1, src, signer=signer, shard_size=shard)
+    blob = (src / "model.safetensors").read_bytes()
+
+    def trickle(release: threading.Event, poison: bool):
+        async def mangle(request, name, body, status, headers):
+            if name != "model.safetensors":
+                return web.Response(status=status, body=body, headers=headers)
+            resp = web.StreamResponse(status=status, headers=headers)
+            resp.content_length = len(body)
+            await resp.prepare(request)
+            await resp.write(body[:half])
+            await asyncio.to_thread(release.wait, 20)
+            await resp.write(bytes(len(body) - half) if poison else body[half:])
+            await resp.write_eof()
+            return resp
+
+        return mangle
+
+    with serving(origin.make_app(store, RUN)) as origin_url:
+        for poison in (False, True):
+            release = threading.Event()
+            with contextlib.ExitStack() as stack:
+                relay_url = stack.enter_context(serving(evil_relay(origin_url, trickle(release, poison))))
+                for tier in range(tiers):
+                    cache = tmp_path / f"relay-{poison}-{tier}"
+                    # a short fetch timeout bounds a poisoned pull's reads, so the relays stop soon after
+                    app = relay.make_app(relay_url, cache, RUN, 3, fetch_timeout=5, public_key=public)
+                    relay_url = stack.enter_context(serving(app))
+                port = int(relay_url.rsplit(":", 1)[1])
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+                conn.request("GET", file_path(RUN, 1, "model.safetensors"), headers={"Range": f"bytes=0-{shard - 1}"})
+                r = conn.getresponse()
+                assert r.status == 206
+                assert r.read(half) == blob[:half]  # served while the upstream still holds the rest
+                assert not release.is_set()
+                release.set()
+                if poison:  # cut off (one relay), or the last byte never comes (a relay's relay)
+                    conn.sock.settimeout(5)
+                    with pytest.raises((http.client.IncompleteRead, TimeoutError)):
+                        r.read()
+                else:
+                    assert r.read() == blob[half:shard]
+                conn.close()
+                if not poison:  # and the whole version verifies through the last tier
+                    path = fetch_version([relay_url], RUN, 1, tmp_path / f"worker-{tiers}", public_key=public)
+                    assert same_files(path, src)
+            assert not any((tmp_path / f"relay-True-{t}" / RUN / "v1").exists() for t in range(tiers))
 
 
 def test_client_resumes_after_interruption(tmp_path, keys):

@@ -2,9 +2,11 @@
 
 It serves the origin's routes (protocol.py) from its cache (relay_cache.py: pulls, resume,
 prefetch, retention and their invariants). Serving:
-  cut-through   a file request waits (in `send_file`'s `ready` hook) only for the shards its
-                byte range covers, then sendfiles them while later shards are still arriving, so
-                tier k+1 pulls shard s while tier k pulls shard s+1; a failed pull answers 502
+  cut-through   a request for a version still being pulled is served from the partial file as
+                its bytes land (pull.stream: sendfile of whatever arrived, the last byte of the
+                response only once every shard in it verified), so tier k+1 receives each byte
+                about when tier k does; a pull that fails before the range's first byte answers
+                502, one that fails after it cuts the response short
   latest        upstream's latest (and starts pulling it); the newest held version if upstream is down.
                 `latest?after=N` answers as soon as a newer version is announced to this relay
                 (it is then served cut-through) or held
@@ -40,15 +42,8 @@ from rlfleet.services.shardcast.protocol import (
     send_range,
     serve_until,
 )
-from rlfleet.services.shardcast.relay_cache import (
-    BYTES_OUT,
-    CLIENTS,
-    DiskBoundError,
-    NotUpstream,
-    Pull,
-    Relay,
-    VersionGone,
-)
+from rlfleet.services.shardcast.pull import Pull, stream
+from rlfleet.services.shardcast.relay_cache import BYTES_OUT, CLIENTS, DiskBoundError, NotUpstream, Relay, VersionGone
 
 RELAY = web.AppKey("relay", Relay)
 
@@ -114,22 +109,17 @@ def make_app(
         if index is None:
             raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
 
-        async def ready(start: int, end: int) -> None:
-            if isinstance(where, Pull):
-                try:
-                    await where.wait(lambda: where.covers(index, start, end))
-                except (FetchError, DiskBoundError, requests.RequestException, OSError) as exc:
-                    raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
-
+        size, open_file = manifest["files"][index]["size"], lambda: relay.open_file(version, name)
         CLIENTS.inc()
         try:
-            return await send_file(
-                request,
-                manifest["files"][index]["size"],
-                lambda: relay.open_file(version, name),
-                on_bytes=BYTES_OUT.inc,
-                ready=ready,
-            )
+            if isinstance(where, Pull) and not where.complete:
+                try:  # what escapes `stream` happened before the response's first byte
+                    return await stream(request, where, index, size, open_file, BYTES_OUT.inc)
+                except FileNotFoundError:
+                    raise
+                except (FetchError, DiskBoundError, requests.RequestException, OSError) as exc:  # the pull failed
+                    raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
+            return await send_file(request, size, open_file, BYTES_OUT.inc)
         except FileNotFoundError:  # pruned between the check and the open
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
         finally:
@@ -137,6 +127,11 @@ def make_app(
 
     async def lifecycle(app: web.Application):
         relay.board.bind(app)
+
+        async def on_shutdown(app: web.Application) -> None:
+            relay.shutdown()
+
+        app.on_shutdown.append(on_shutdown)
         await asyncio.to_thread(relay.clean_start)
         stop = threading.Event()
         listener = follower = None
@@ -160,15 +155,9 @@ def make_app(
         for task in list(relay._tasks):
             task.cancel()
 
-    async def closing(app: web.Application) -> None:
-        # Shutdown waits for requests in flight, and a request for a version that is still being
-        # pulled waits on the pull: stop the pulls first, so those requests end with 502 at once.
-        relay.closing.set()
-
     app = web.Application()
     app[RELAY] = relay
     app.cleanup_ctx.append(lifecycle)
-    app.on_shutdown.append(closing)
     app.router.add_get(ROUTE_HEALTH, healthz)
     app.router.add_get(ROUTE_METRICS, metrics)
     app.router.add_get(ROUTE_LATEST, latest)

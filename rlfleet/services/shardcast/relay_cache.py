@@ -3,13 +3,15 @@
 {cache_dir}/{run}/v{N}/ holds complete versions. Invariants:
   - nothing is offered before the version's manifest has verified: its ed25519 signature with the
     run's public key first, then shape, run and version (client.Fetcher.manifest);
-  - a shard counts as held only once it has matched its sha256 (client.Fetcher hashes each shard
-    in its receive buffer and writes it only then), so a poisoned upstream is never relayed;
+  - a shard counts as held only once it has matched its sha256 (client.Fetcher hashes each
+    piece as it arrives); its bytes are served on as they land (pull.stream), but no response
+    through the relay completes before every shard in it verified, and one that carried bytes of
+    a failed attempt is cut off, so a poisoned upstream never gets a complete response relayed;
   - v{N} exists only complete (`.complete` inside): shards land in `.v{N}.partial/`, renamed
     to v{N} after the last one, before the last shard is announced as ready.
   pull          one pull per version at a time (a thread running client.Fetcher against the
-                upstream, `parallel` shards at once); concurrent requests share it and wait on
-                its `Pull` for exactly the shards they need (what cut-through serving waits on)
+                upstream, `parallel` shards at once); concurrent requests share it and are
+                served from its `Pull` byte by byte as the shards they need arrive (pull.py)
   resume        a partial dir keeps a journal of its verified shards (staging.ShardJournal); a
                 relay killed or stopped mid-pull keeps it, and the next pull of that version
                 re-hashes the journaled shards, serves them at once and fetches only the others.
@@ -19,9 +21,9 @@
                 then each new one) and pulls every announced version before anyone asks; a
                 restarted relay catches up the same way. Without a stream, a task long-polls the
                 upstream's `latest?after=N` instead (no timer: upstream answers on a new version)
-  retention     at most `keep_versions` complete versions, and (with `max_disk_bytes`) their bytes
-                plus the pulls in flight stay under the bound: older versions are dropped (renamed
-                away first) before a pull starts, and a version larger than the bound is refused
+  retention     the newest `keep_versions` complete versions and every version their delta chains pass through
+                (delta.chain.retained); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older
+                versions are dropped (renamed away first) before a pull starts, a version larger than it is refused
 Metrics: rlfleet_relay_bytes_in_total, rlfleet_relay_bytes_out_total, rlfleet_relay_versions_held,
 rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds, rlfleet_relay_fetch_seconds.
 """
@@ -42,8 +44,10 @@ import requests
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
-from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, Sources
+from rlfleet.delta.chain import dir_retained
+from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, FetchError, Sources
 from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_path
+from rlfleet.services.shardcast.pull import Pull
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
 from rlfleet.streams import MessageError, RunKeys, decode_json
 
@@ -79,49 +83,6 @@ class NotUpstream(LookupError):
 
 class DiskBoundError(RuntimeError):
     """A version that does not fit under the relay's disk bound."""
-
-
-class Pull:
-    """One version being pulled: its verified manifest, then the shards verified so far.
-    Written by the pull thread; read and awaited on the event loop."""
-
-    def __init__(self, version: int, loop: asyncio.AbstractEventLoop):
-        self.version, self.loop = version, loop
-        self.raw: bytes | None = None
-        self.manifest: dict | None = None
-        self.ready: set[tuple[int, int]] = set()
-        self.complete = False
-        self.error: BaseException | None = None
-        self.size = 0
-        self._changed = asyncio.Event()
-
-    def notify(self) -> None:
-        """Wake every waiter (from any thread)."""
-        self.loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    async def wait(self, predicate) -> None:
-        while True:
-            changed = self._changed
-            if predicate():
-                return
-            if self.error is not None:
-                raise self.error
-            await changed.wait()
-
-    def covers(self, index: int, start: int, end: int) -> bool:
-        """All shards of file `index` overlapping bytes [start, end) are verified."""
-        if self.complete:
-            return True
-        shards = self.manifest["files"][index]["shards"]
-        return all(
-            (index, j) in self.ready
-            for j, s in enumerate(shards)
-            if s["offset"] < end and s["offset"] + s["size"] > start
-        )
 
 
 class Relay:
@@ -169,8 +130,8 @@ class Relay:
         return sorted(v for v in found if v is not None)
 
     def too_old(self, version: int) -> bool:
-        """True when `keep` newer versions are held: pulling it would only see it pruned."""
-        return sum(v > version for v in self.held()) >= self.keep
+        """True when pulling it would only see it pruned: `keep` newer versions are held and their chains skip it."""
+        return version not in dir_retained(self.root, {*self.held(), version}, self.keep)
 
     def partials(self) -> dict[int, Path]:
         """Partial dirs on disk by version."""
@@ -209,7 +170,7 @@ class Relay:
         arrive) and, with a disk bound, room for those bytes."""
         with self._disk_lock:
             keep = max(self.keep - 1, 1) if room_for else self.keep
-            for version in self.held()[: len(self.held()) - keep] if len(self.held()) > keep else []:
+            for version in sorted(set(self.held()) - dir_retained(self.root, self.held(), keep)):
                 self._drop(version)
             if self.max_disk is not None:
                 while self.held() and self._disk_used() + room_for > self.max_disk:
@@ -298,7 +259,7 @@ class Relay:
                     self._finish(pull)
                 pull.notify()
 
-            fetcher.shards(manifest, partial, done, on_shard)
+            fetcher.shards(manifest, partial, done, on_shard, pull.progress)
         except BaseException:
             journal.close()
             if not fetcher.stopped:  # a failed pull leaves nothing; a stopped one is resumed later
@@ -334,6 +295,16 @@ class Relay:
                 except FileNotFoundError:
                     continue
         raise FileNotFoundError(name)
+
+    def shutdown(self) -> None:
+        """Stop the pulls and answer every request waiting on one at once (event-loop thread):
+        aiohttp waits for open requests before it stops, and a pull thread may sit in a read
+        from a stalled upstream for READ_TIMEOUT."""
+        self.closing.set()
+        for pull in list(self._pulls.values()):
+            if pull.error is None:
+                pull.error = FetchError("the relay is shutting down")
+            pull._wake()
 
     def prefetch(self, version: int) -> None:
         """Start pulling `version` in the background and offer it to long-polls (event-loop thread only)."""
