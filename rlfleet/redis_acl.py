@@ -10,8 +10,8 @@ whatever the worker wrote: only the ingest binds worker ids to tokens.
   tickets   HINCRBY the work-ticket counters (spec.sampling.assignment: run; env RLFLEET_REDIS_TICKETS_URL)
   ingest    the inbox (its admission script: XLEN, XADD, GET/SET of its submission records), ban
             lookups, work tickets
-  verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected, run stats,
-            reputation and bans, its one-time guards, work tickets (read)
+  verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected / dead
+            letter, its attempt counts, run stats, reputation and bans, its one-time guards, work tickets (read)
   trainer   the verified stream's consumer group, the trained set, run stats (read), XADD policy
   admin     everything on the run's keys (the local launcher; on a cluster the operator keeps the
             urlSecret's `url`)
@@ -54,7 +54,20 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ["xadd", "xlen", "get", "set", "hexists", "hincrby", *SCRIPTS],
     ),
     "verifier": (
-        ["rollouts", "verified", "rejected", "policy", "stats", "workers", "banned", "tickets", "seen", "ticket"],
+        [
+            "rollouts",
+            "verified",
+            "rejected",
+            "policy",
+            "stats",
+            "workers",
+            "banned",
+            "tickets",
+            "seen",
+            "ticket",
+            "attempts",
+            "dead_letter",
+        ],
         [
             "xgroup|create",
             "xreadgroup",
@@ -70,6 +83,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             "hscan",
             "hexists",
             "hsetnx",
+            "hdel",
             "get",
             "set",
             *SCRIPTS,

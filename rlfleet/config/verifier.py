@@ -121,6 +121,14 @@ class VerifierSpec(Spec):
         description="An inbox message pending this long at a replica is taken over by another (XAUTOCLAIM); longer "
         "than the slowest group's verification.",
     )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description="An inbox message whose handling failed this many times (an exception in the gate, or a "
+        "verifier that died while on it) goes to the dead-letter stream and is acknowledged, so one poison message "
+        "cannot stop the run; it is retried after claimIdleMs until then.",
+    )
     max_message_bytes: int = Field(
         default=32 * 2**20,
         ge=1024,

@@ -133,8 +133,13 @@ def test_oversized_body_is_413_by_length_and_while_reading(redis_url):
         (json.dumps({"schema": 99}).encode(), "schema"),
         (json.dumps({"schema": SCHEMA_VERSION, "worker_id": "w1"}).encode(), "malformed field"),
         (b"", "no 'm' field"),
+        (b"[" * 2000 + b"]" * 2000, "RecursionError"),
+        (group_bytes().replace(b'"policy_version":0', b'"policy_version":1e400'), "policy_version"),
+        (group_bytes().replace(b'"worker_id":"w1"', b'"worker_id":"\\ud800"'), "lone surrogate"),
+        (group_bytes().replace(b'"seed":7', b'"seed":"7"'), "seed"),
+        (b'{"schema": 2, "worker_id": "\xff"}', "not JSON"),
     ],
-    ids=["text", "list", "schema", "fields", "empty"],
+    ids=["text", "list", "schema", "fields", "empty", "deep", "overflow", "surrogate", "type", "utf8"],
 )
 def test_malformed_body_is_422_with_the_decode_error(redis_url, body, words):
     with ingest(redis_url) as (base, client):

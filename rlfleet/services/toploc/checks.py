@@ -48,7 +48,7 @@ from rlfleet.services.toploc.guards import ticket_replay, work_replay
 from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs
 from rlfleet.services.toploc.replay import group_replay
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys
+from rlfleet.streams import ID_MAX_CHARS, MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys, text_field
 from rlfleet.tasks import make_run_task
 
 REASONS: tuple[str, ...] = get_args(RejectionReason)
@@ -79,7 +79,10 @@ def decode_group(fields: dict, max_bytes: int) -> RolloutGroup:
         return RolloutGroup.decode(fields)
     except MessageError as exc:
         body = _peek(fields)
-        worker = body.get("worker_id") if isinstance(body.get("worker_id"), str) else None
+        try:
+            worker = text_field(body, "worker_id", ID_MAX_CHARS)  # counted against it when it is a valid id
+        except (KeyError, MessageError):
+            worker = None
         if body and body.get("schema") != SCHEMA_VERSION:
             raise Rejection("schema_version", str(exc), worker) from None
         raise Rejection("malformed", str(exc), worker) from None
@@ -90,7 +93,7 @@ def _peek(fields: dict) -> dict:
     raw = fields.get(MESSAGE_FIELD) or fields.get(MESSAGE_FIELD.decode())
     try:
         body = json.loads(raw) if raw is not None else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return body if isinstance(body, dict) else {}
 

@@ -14,6 +14,12 @@ the ban policy, atomically. Replicas share one consumer group; an entry left pen
 (or stalled) replica for `claimIdleMs` is taken over with XAUTOCLAIM, and a stalled replica that
 wakes up later commits nothing. A Lua script rather than MULTI because the forward must depend on
 the XACK's answer.
+
+Poison messages: whatever the decoder cannot read is a `malformed` rejection like any other. An entry
+whose handling still fails (an exception here, or a verifier that died on it: each try is counted in
+Redis before it starts) is retried after claimIdleMs, and after `maxAttempts` tries it is moved to the
+dead-letter stream and acknowledged, so one message can neither crash-loop the verifier nor block the
+inbox. Redis errors are not the message's fault: they go to the process edge.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
 from prometheus_client import Counter
 
 from rlfleet.policy import configure_torch_threads, load_policy
@@ -53,8 +60,16 @@ BANS = Counter("rlfleet_verifier_bans_total", "Workers banned by this replica", 
 DUPLICATES = Counter(
     "rlfleet_verifier_already_committed_total", "Verdicts dropped because another replica committed the entry first"
 )
+FAILURES = Counter(
+    "rlfleet_verifier_handle_failures_total",
+    "Inbox entries whose handling raised (retried, then dead-lettered)",
+    ["error"],
+)
+DEAD_LETTERS = Counter(
+    "rlfleet_verifier_dead_letters_total", "Inbox entries moved to the dead-letter stream after verifier.maxAttempts"
+)
 
-# KEYS: inbox, out stream, stats, workers, banned.
+# KEYS: inbox, out stream, stats, workers, banned, attempts.
 # ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?}, then the out fields.
 _COMMIT = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
@@ -62,6 +77,7 @@ local out = {}
 for i = 5, #ARGV do out[#out + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
 redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[6], ARGV[2])
 local plan = cjson.decode(ARGV[4])
 for f, n in pairs(plan.stats) do redis.call('HINCRBY', KEYS[3], f, n) end
 for f, n in pairs(plan.workers) do redis.call('HINCRBY', KEYS[4], f, n) end
@@ -73,6 +89,18 @@ if ban then
     if redis.call('HSETNX', KEYS[5], ban.worker, ban.record) == 1 then return 2 end
   end
 end
+return 1
+"""
+
+# KEYS: inbox, dead letter, stats, attempts. ARGV: group, entry id, maxlen, then the dead-letter fields.
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local out = {}
+for i = 4, #ARGV do out[#out + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[4], ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'dead_letter', 1)
 return 1
 """
 
@@ -95,6 +123,8 @@ class Gate:
         self._models_lock = threading.Lock()  # the HTTP API verifies from another thread
         self.checker = Checker(self.spec, ctx.redis, ctx.keys, self.policy)
         self._commit = ctx.redis.register_script(_COMMIT)
+        self._dead_letter = ctx.redis.register_script(_DEAD_LETTER)
+        self._errors: dict[bytes, str] = {}  # entry id -> the last error handling it raised here
         self._draw = random.SystemRandom()  # workers must not predict which groups get the prefill
         self.public_key = run_public_key(self.spec.shardcast)  # manifests are checked even from the origin
         ensure_group(ctx.redis, ctx.keys.rollouts, ctx.keys.verifier_group)
@@ -170,7 +200,7 @@ class Gate:
             out, stream, verdict, reason, worker = group.encode(), keys.verified, "accepted", "", w
         flat = [x for kv in out.items() for x in kv]
         result = self._commit(
-            keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned],
+            keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned, keys.attempts],
             args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(plan), *flat],
         )
         if result == 0:
@@ -185,6 +215,47 @@ class Gate:
         if result == 2:
             BANS.labels(reason).inc()
             log.warning("banned worker %s (%s)", worker, reason)
+        return int(result)
+
+    def attempt(self, msg_id: bytes, fields: dict) -> int:
+        """Handle one entry (`handle`'s answer), or dead-letter it once it has failed maxAttempts times (-1 when
+        this try failed: the entry stays pending and is claimed again after claimIdleMs)."""
+        keys, v = self.ctx.keys, self.spec.verifier
+        tries = self.ctx.redis.hincrby(keys.attempts, msg_id, 1)  # counted first, so a crash on it counts too
+        if tries > v.max_attempts:
+            return self.dead_letter(msg_id, fields, tries - 1)
+        try:
+            result = self.handle(msg_id, fields)
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # a designed retry and dead letter: the process keeps serving the others
+            FAILURES.labels(type(exc).__name__).inc()
+            self._errors[msg_id] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            if len(self._errors) > 1024:  # entries another replica finished; forget the oldest
+                self._errors.pop(next(iter(self._errors)))
+            log.exception("inbox entry %s failed (try %d of %d)", msg_id.decode(), tries, v.max_attempts)
+            return -1
+        self._errors.pop(msg_id, None)
+        return result
+
+    def dead_letter(self, msg_id: bytes, fields: dict, tries: int) -> int:
+        """Move an entry no try could handle to the dead-letter stream, with what is known of why."""
+        keys, v = self.ctx.keys, self.spec.verifier
+        record = {
+            "inbox_id": msg_id.decode(),
+            "attempts": tries,
+            "last_error": self._errors.pop(msg_id, "the verifier stopped while handling it"),
+            "verifier": self.consumer,
+        }
+        original = next(iter(fields.values()), b"")[: v.max_message_bytes]
+        flat = [x for kv in {**encode_json(record), b"original": original}.items() for x in kv]
+        result = self._dead_letter(
+            keys=[keys.rollouts, keys.dead_letter, keys.stats, keys.attempts],
+            args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, *flat],
+        )
+        if result:
+            DEAD_LETTERS.inc()
+            log.error("inbox entry %s dead-lettered after %d failed tries: %s", msg_id.decode(), tries, record)
         return int(result)
 
     def read(self, count: int = 4, block_ms: int = 500) -> list[tuple[bytes, dict]]:
@@ -214,7 +285,7 @@ class Gate:
                 entries = self.read(block_ms=int(min(500, max(10, idle_s * 1000 / 3))))
             for msg_id, fields in entries:
                 if fields:  # a claimed entry trimmed meanwhile has no fields
-                    self.handle(msg_id, fields)
+                    self.attempt(msg_id, fields)
 
 
 @dataclass(frozen=True, kw_only=True)
