@@ -51,19 +51,14 @@ class RunKeys:
         self.tickets = f"{prefix}:tickets"  # hash: worker id -> work tickets issued (rlfleet/assignment.py)
         self.attempts = f"{prefix}:attempts"  # hash: inbox entry id -> verifier attempts not yet committed
         self.dead_letter = f"{prefix}:deadletter"  # inbox entries no verifier could handle (poison pills)
-        self._seen_prefix = f"{prefix}:seen:"
-        self._ticket_prefix = f"{prefix}:ticket:"
+        # The gate's one-time guards (rlfleet/services/toploc/guards.py): hash content digest -> entry|seed,
+        # zset content digest -> newest policy version claimed (pruned to the async window), hash ticket -> entry.
+        self.seen = f"{prefix}:seen"
+        self.seen_versions = f"{prefix}:seen-versions"
+        self.tickets_used = f"{prefix}:tickets-used"
         self._submitted_prefix = f"{prefix}:submitted:"
         self.verifier_group = "verifiers"
         self.trainer_group = "trainer"
-
-    def seen(self, digest: str) -> str:
-        """Replay guard of one piece of work, by its content digest (a key with a TTL, so the guard stays bounded)."""
-        return f"{self._seen_prefix}{digest}"
-
-    def ticket(self, worker_id: str, ticket: int) -> str:
-        """Guard of one work ticket of a worker (used once; a key with a TTL)."""
-        return f"{self._ticket_prefix}{ticket}:{worker_id}"
 
     def submitted(self, digest: str) -> str:
         """The ingest's idempotency record of one submission, by content digest (a key with a TTL)."""
@@ -71,14 +66,10 @@ class RunKeys:
 
     def patterns(self) -> dict[str, str]:
         """Glob patterns of the per-item keys (for Redis ACL key rules, rlfleet/redis_acl.py)."""
-        return {
-            "seen": f"{self._seen_prefix}*",
-            "ticket": f"{self._ticket_prefix}*",
-            "submitted": f"{self._submitted_prefix}*",
-        }
+        return {"submitted": f"{self._submitted_prefix}*"}
 
     def all(self) -> list[str]:
-        """Fixed keys of the run (the per-rollout replay guards expire by themselves)."""
+        """Fixed keys of the run (the ingest's per-submission records expire by themselves)."""
         return [
             self.rollouts,
             self.verified,
@@ -91,6 +82,9 @@ class RunKeys:
             self.tickets,
             self.attempts,
             self.dead_letter,
+            self.seen,
+            self.seen_versions,
+            self.tickets_used,
         ]
 
 

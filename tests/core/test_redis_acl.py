@@ -54,7 +54,7 @@ def test_a_worker_can_add_to_its_inbox_and_read_the_policy_stream_only(served):
             lambda: user.xrange(keys.verified),
             lambda: user.xreadgroup("verifiers", "w", {keys.rollouts: ">"}),  # take others' groups
             lambda: user.xdel(keys.rollouts, "0-1"),
-            lambda: user.set(keys.seen("x"), 1),
+            lambda: user.hset(keys.seen, "x", "1"),
             lambda: user.xadd(other.rollouts, {b"m": b"group"}),  # another run
             lambda: user.keys("*"),
             lambda: user.flushall(),

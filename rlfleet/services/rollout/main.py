@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from prometheus_client import Counter, Gauge
 
 from rlfleet import env
 from rlfleet.assignment import assigned_work, issue_ticket
-from rlfleet.checkpoint import parse_version_dir
+from rlfleet.checkpoint import prune_cache
 from rlfleet.policy import configure_torch_threads
 from rlfleet.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
 from rlfleet.sampling import completion_text
@@ -136,10 +135,7 @@ class VersionFollower(threading.Thread):
     def _prune(self, newest: int) -> None:
         """Drop versions older than the newest `keep`, but never the one the engine took (it may still
         be loading it while newer versions arrive). Called with the lock held."""
-        for child in self.cache_dir.iterdir():
-            version = parse_version_dir(child.name)
-            if version is not None and version <= newest - self.keep and version < self.taken:
-                shutil.rmtree(child, ignore_errors=True)
+        prune_cache(self.cache_dir, min(newest - self.keep + 1, self.taken))
 
 
 @dataclass(frozen=True, kw_only=True)

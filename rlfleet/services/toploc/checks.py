@@ -211,7 +211,9 @@ class Checker:
         """The one-time guards (guards.py): the same work, the same ticket, accepted once."""
         if msg_id is None:
             return
-        problem = work_replay(self.redis, self.keys, group, msg_id, seeds_replayed=prefill and group.engine == "torch")
+        oldest = (latest_announced_version(self.redis, self.keys) or 0) - self.spec.trainer.max_async_level
+        seeds_replayed = prefill and group.engine == "torch"
+        problem = work_replay(self.redis, self.keys, group, msg_id, seeds_replayed, oldest)
         if problem is None and self.spec.sampling.assignment == "run":
             problem = ticket_replay(self.redis, self.keys, group, msg_id)
         if problem:

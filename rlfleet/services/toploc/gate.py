@@ -36,6 +36,7 @@ from pathlib import Path
 import redis
 from prometheus_client import Counter
 
+from rlfleet.checkpoint import prune_cache
 from rlfleet.policy import configure_torch_threads, load_policy
 from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.services.shardcast.assemble import fetch_policy
@@ -130,7 +131,8 @@ class Gate:
         ensure_group(ctx.redis, ctx.keys.rollouts, ctx.keys.verifier_group)
 
     def policy(self, version: int):
-        """(model, tokenizer) of `version`, fetched from the trusted origin; the last few are kept."""
+        """(model, tokenizer) of `version`, fetched from the trusted origin; the last maxAsyncLevel + 2 are kept
+        in memory, and on disk those and the versions of the async window."""
         with self._models_lock:
             if version not in self.models:
                 path = fetch_policy(  # whole, or rebuilt from a version held here and deltas
@@ -145,6 +147,10 @@ class Gate:
                 self.models[version] = load_policy(path, self.spec.model.dtype)
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
+                # The disk cache keeps what the async window can still ask for and what is loaded (the
+                # newest version is the base of the next delta); an older group is stale_version anyway.
+                window = max(self.models) - self.spec.trainer.max_async_level
+                prune_cache(self.cache_dir, min(window, *self.models))
             self.models.move_to_end(version)
             return self.models[version]
 
