@@ -8,17 +8,19 @@ in one process, one after the other on the same machine:
     one `generate` call per group as the rollout worker makes them (same seeds for both engines);
     completion tokens / wall time of the calls, median over rounds (TOPLOC proof building is not
     included: it is the same for both);
-  - swap: version 1 is "announced" (t0), downloaded through the relay with hash and signature
-    checks (download), loaded in place (load), and a 1-token group is generated with it (first
-    token); the relay already holds version 1 (fetched once before any engine runs), so download
-    is the relay -> worker leg that every swap pays.
+  - swap, `--swaps` times (versions 1, 0, 1, ...): the version is "announced" (t0), downloaded
+    through the relay with hash and signature checks into a fresh directory (download), loaded in
+    place (load), and a 1-token group is generated with it (first token); the relay already holds
+    both versions (fetched once before any engine runs), so download is the relay -> worker leg
+    that every swap pays. Medians over the swaps; the goal is swap / (download + load) <= 1.2.
 Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 8 --group-size 8
-       --max-tokens 64 --rounds 3 --engines torch,vllm]
+       --max-tokens 64 --rounds 3 --swaps 5 --threads 0 --engines torch,vllm --json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -90,15 +92,20 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
         rates.append(n / elapsed)
         tokens, gen_s = tokens + n, gen_s + elapsed
 
-    announced = time.monotonic()
-    v1 = fetch_version([relay_url], RUN, 1, work / kind, public_key=public_key)
-    downloaded = time.monotonic()
-    engine.load_weights(v1, 1)
-    loaded = time.monotonic()
-    first = engine.generate(rows[0], SamplingParams(1.0, 1.0, 0, 1, seed=7), args.group_size)
-    first_token = time.monotonic()
+    swaps = []
+    for i in range(args.swaps):  # versions 1, 0, 1, ... each downloaded afresh, as every swap pays it
+        version = 1 - i % 2
+        announced = time.monotonic()
+        path = fetch_version([relay_url], RUN, version, work / kind / f"swap{i}", public_key=public_key)
+        downloaded = time.monotonic()
+        engine.load_weights(path, 10 + i)
+        loaded = time.monotonic()
+        first = engine.generate(rows[i % len(rows)], SamplingParams(1.0, 1.0, 0, 1, seed=7 + i), args.group_size)
+        first_token = time.monotonic()
+        assert all(g.version == 10 + i for g in first)
+        swaps.append((downloaded - announced, loaded - downloaded, first_token - loaded))
     engine.close()
-    assert all(g.version == 1 for g in first)
+    download_s, load_s, first_s = (statistics.median(s[j] for s in swaps) for j in range(3))
     return {
         "engine": kind,
         "start_s": start_s,
@@ -107,10 +114,11 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
         "tok_s": statistics.median(rates),
         "tok_s_min": min(rates),
         "tok_s_max": max(rates),
-        "download_s": downloaded - announced,
-        "load_s": loaded - downloaded,
-        "first_s": first_token - loaded,
-        "swap_s": first_token - announced,
+        "download_s": download_s,
+        "load_s": load_s,
+        "first_s": first_s,
+        "swap_s": download_s + load_s + first_s,
+        "swap_ratio": statistics.median((d + lo + f) / (d + lo) for d, lo, f in swaps),
     }
 
 
@@ -123,8 +131,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engines", default="torch,vllm")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--swaps", type=int, default=5, help="weight swaps per engine (figures are medians)")
+    ap.add_argument("--json", type=Path, help="write the figures to this file")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engines = args.engines.split(",")
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-rollout-") as tmp:
         work = Path(tmp)
         key_file, public = generate_keypair(work / "keys")
@@ -143,14 +157,15 @@ def main() -> int:
             for v in (0, 1):  # the relay holds both versions before any engine is measured
                 fetch_version([relay_url], RUN, v, work / "prefetch", public_key=public_key)
             results = [bench_engine(kind, args, relay_url, work, public_key) for kind in engines]
+    load.append(os.getloadavg()[0])
     print(
         f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, fp32, {size / 2**20:.1f} MiB checkpoint; "
         f"{args.groups} groups x G={args.group_size}, <= {args.max_tokens} tokens, temperature 1; "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average {load[0]:.2f} -> {load[1]:.2f}"
     )
     print(
         f"{'engine':<7} {'start s':>8} {'tokens':>7} {'gen s':>7} {'tokens/s':>9} {'min-max':>13} {'x torch':>8} | "
-        f"{'download s':>10} {'load s':>7} {'1st tok s':>9} {'swap s':>7}"
+        f"{'download s':>10} {'load s':>7} {'1st tok s':>9} {'swap s':>7} {'swap/(dl+load)':>14}"
     )
     base = next((r["tok_s"] for r in results if r["engine"] == "torch"), None)
     for r in results:
@@ -159,13 +174,16 @@ def main() -> int:
         print(
             f"{r['engine']:<7} {r['start_s']:>8.1f} {r['tokens']:>7} {r['gen_s']:>7.2f} {r['tok_s']:>9.1f} "
             f"{spread:>13} {ratio:>8} | "
-            f"{r['download_s']:>10.3f} {r['load_s']:>7.3f} {r['first_s']:>9.3f} {r['swap_s']:>7.3f}"
+            f"{r['download_s']:>10.3f} {r['load_s']:>7.3f} {r['first_s']:>9.3f} {r['swap_s']:>7.3f} "
+            f"{r['swap_ratio']:>14.2f}"
         )
     print("tokens/s: median of --rounds rounds (min-max beside it); start s: download v0 + engine start")
     print(
         "swap s = version announced -> first token from it = download (relay -> worker, hashes, signature) + load + "
-        "1st tok"
+        f"1st tok; medians of {args.swaps} swaps, swap/(dl+load) the median of the swaps' ratios (goal <= 1.2)"
     )
+    if args.json:
+        args.json.write_text(json.dumps({"load_average": load, "engines": results}, indent=2) + "\n")
     return 0
 
 

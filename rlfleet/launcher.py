@@ -32,9 +32,10 @@ from pathlib import Path
 
 from rlfleet import env
 from rlfleet.config import Bundle, ConfigError, load_bundle
+from rlfleet.progress import BuildProgress, Progress, startup_status
 from rlfleet.redis_acl import ADMIN, COMPONENT_ROLES, WORKER_ROLES, RunAcl
 from rlfleet.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
-from rlfleet.report import Progress, read_metrics, write_reports
+from rlfleet.report import read_metrics, write_reports
 from rlfleet.streams import RunKeys
 from rlfleet.supervisor import Component, Supervisor
 from rlfleet.topology import ORIGIN, Node, bundle_graph
@@ -208,7 +209,13 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     from rlfleet.models.builtin import resolve_model_path
 
     t0 = time.monotonic()
-    model_dir = resolve_model_path(bundle.run.spec.model, bundle.run.spec.task, seed=bundle.run.spec.trainer.seed)
+    build = BuildProgress(bundle.run.spec.model.path, progress and sys.stderr.isatty())
+    try:
+        model_dir = resolve_model_path(
+            bundle.run.spec.model, bundle.run.spec.task, seed=bundle.run.spec.trainer.seed, progress=build
+        )
+    finally:
+        build.close()
     print(
         f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)",
         file=sys.stderr,
@@ -227,8 +234,7 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
 def start_and_supervise(bundle: Bundle, file: str, config: Path, run_path: Path, model_dir: Path, steps: int | None,
                         total: int, progress: bool, interrupts: Interrupts) -> int:  # fmt: skip
     """Check the engines, plan the processes, set up their environment and keys, then supervise them."""
-    name = bundle.run.metadata.name
-    from rlfleet.services.rollout.engines import check_supported
+    from rlfleet.services.rollout.engines import check_supported  # imports neither torch nor vLLM
 
     for pool in bundle.pools:  # refused here, not after every other process has started
         try:
@@ -244,7 +250,7 @@ def start_and_supervise(bundle: Bundle, file: str, config: Path, run_path: Path,
                 c.argv += ["--steps", str(steps)]
     redis_port = free_port()
     base_url = f"redis://127.0.0.1:{redis_port}/0"
-    acl = RunAcl.generate(name)
+    acl = RunAcl.generate(bundle.run.metadata.name)
     redis_url = acl.url(base_url, ADMIN)
     acl_file = write_acl_file(run_path / "redis" / "users.acl", acl.acl_file())
     redis_comp = Component(
@@ -278,7 +284,7 @@ def start_and_supervise(bundle: Bundle, file: str, config: Path, run_path: Path,
     if interrupts.requested:
         print("rlfleet: interrupted before the run started", file=sys.stderr)
         return 130
-    return supervise(supervisor, redis_comp, comps[-1], run_path, name, total, progress, interrupts)
+    return supervise(supervisor, redis_comp, comps[-1], run_path, bundle, total, progress, interrupts)
 
 
 def write_endpoints(path: Path, redis_url: str, comps: list[Component]) -> None:
@@ -305,16 +311,16 @@ def check_local_size(bundle: Bundle, comps: list[Component], source: str) -> Non
         raise ConfigError(source, problems)
 
 
-def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, name: str,
+def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, bundle: Bundle,
               total: int, progress: bool, interrupts: Interrupts) -> int:  # fmt: skip
     """Run until the trainer finishes, a component crash-loops or the user interrupts; then stop
     everything and write the reports."""
     started = time.monotonic()
     try:
-        failed = run_components(supervisor, redis_comp, trainer, run_path, name, total, progress, interrupts)
+        failed = run_components(supervisor, redis_comp, trainer, run_path, bundle, total, progress, interrupts)
     finally:
         supervisor.stop_all(force=lambda: interrupts.count >= 2)
-    summary = write_reports(run_path, time.monotonic() - started, f"rlfleet run {name}")
+    summary = write_reports(run_path, time.monotonic() - started, f"rlfleet run {bundle.run.metadata.name}")
     if interrupts.requested:
         print(f"rlfleet: interrupted; every component stopped. Logs in {run_path / 'logs'}", file=sys.stderr)
         return 130
@@ -334,7 +340,7 @@ def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component,
     return 0
 
 
-def run_components(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, name: str,
+def run_components(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, bundle: Bundle,
                    total: int, progress: bool, interrupts: Interrupts) -> Component | None:  # fmt: skip
     """Start Redis, then every component; supervise until the trainer is done or a signal came.
     Returns the component that failed the run, if one did."""
@@ -352,13 +358,17 @@ def run_components(supervisor: Supervisor, redis_comp: Component, trainer: Compo
         supervisor.start(comp)
     bar = Progress(total, progress and sys.stderr.isatty())
     client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    keys = RunKeys(bundle.run.metadata.name)
     try:
         while not interrupts.requested:
+            records = read_metrics(run_path / "metrics.jsonl")
             try:
-                depth = client.xlen(RunKeys(name).rollouts)
+                depth = client.xlen(keys.rollouts)
+                if not records:
+                    bar.waiting(startup_status(client, keys, bundle.run.spec.trainer.batch_size))
             except redis.RedisError:
                 depth = "?"  # Redis is restarting; its append-only file brings the queue back
-            bar.update(read_metrics(run_path / "metrics.jsonl"), depth)
+            bar.update(records, depth)
             if trainer.finished:
                 return None
             failed = supervisor.poll()

@@ -80,6 +80,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             "xrevrange",
             "hincrby",
             "hget",
+            "hmget",
             "hgetall",
             "hscan",
             "hexists",

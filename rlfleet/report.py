@@ -4,7 +4,6 @@ from the trainer's `metrics.jsonl` (never written in by hand), and the progress 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 
@@ -83,37 +82,3 @@ def write_reports(run_dir: Path, wall_seconds: float, title: str) -> dict:
     if records:
         plot(records, run_dir / "reward.png", title)
     return summary
-
-
-class Progress:
-    """A tqdm bar over trainer steps (or one line per step without a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr) if enabled else None
-        self.seen = 0
-
-    def update(self, records: list[dict], queue_depth: int) -> None:
-        new = records[self.seen :]
-        if not new:
-            return
-        self.seen = len(records)
-        r = new[-1]
-        fields = {
-            "v": r["policy_version"],
-            "reward": f"{r['reward_mean']:.2f}",
-            "acc": r["accepted"],
-            "rej": r["rejected"],
-            "queue": queue_depth,
-            "lag": f"{r['staleness_mean']:.1f}",
-        }
-        if self.bar:
-            self.bar.set_postfix(fields, refresh=False)
-            self.bar.update(len(new))
-        else:
-            print(f"step {r['step']} " + " ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()

@@ -17,6 +17,12 @@ cache key hashes all of them, so changing a builtin's architecture or warm-start
 build without touching the others' (BUILD_VERSION is for changes to the build code itself). The
 result is cached under $RLFLEET_CACHE (default ~/.cache/rlfleet) and written atomically, so
 concurrent builders never see a half-written model.
+
+Shipped builds: the examples' builds (under 2 MB together) ship in the package, `weights/NAME-KEY/`,
+written by `scripts/ship_builtins.py`; a build whose key is shipped is used from there, so a first
+run starts in seconds instead of minutes of warm start. Any other key is built (with a progress
+callback) and cached as before. tests/core/test_builtin.py fails when an example's key has no
+shipped build, i.e. when a recipe, task or build change needs `scripts/ship_builtins.py` rerun.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,6 +43,7 @@ BUILTIN_PREFIX = "builtin://"
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 CHARS = "0123456789+-= "  # tiny-arithmetic's
 MATH_CHARS = "0123456789+-*/=?x,\\boed{}"  # tiny-math's: its problems and `\\boxed{...}` answers
+SHIPPED = Path(__file__).parent / "weights"  # prebuilt builds of the examples (scripts/ship_builtins.py)
 
 
 @dataclass(frozen=True)
@@ -112,8 +120,35 @@ def _spec_key(name: str, task_spec, steps: int, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def resolve_model_path(model_spec, task_spec, seed: int = 0) -> Path:
-    """A local HF directory for `model.path`, building (and caching) a builtin model if needed."""
+def builtin_dir_name(model_spec, task_spec, seed: int = 0) -> str:
+    """`NAME-KEY`: the cache (and shipped) directory name of a builtin model spec's build."""
+    name = model_spec.path[len(BUILTIN_PREFIX) :]
+    if name not in BUILTINS:
+        raise ValueError(f"spec.model.path: unknown builtin model {name!r}; known: {sorted(BUILTINS)}")
+    steps = model_spec.warm_start_steps or BUILTINS[name].warm_start_steps
+    return f"{name}-{_spec_key(name, task_spec, steps, seed)}"
+
+
+def local_model_path(model_spec, task_spec, seed: int = 0) -> Path | None:
+    """The HF directory of `model.path` if it is on this machine already (a local directory, a cached or
+    shipped builtin build), else None; never builds. A worker starts its engine from it while version 0
+    is being published (rollout/main.py)."""
+    if not model_spec.path.startswith(BUILTIN_PREFIX):
+        local = Path(model_spec.path)
+        return local if (local / "config.json").exists() else None
+    dir_name = builtin_dir_name(model_spec, task_spec, seed)
+    for candidate in (cache_root() / "builtin" / dir_name, SHIPPED / dir_name):
+        if (candidate / "config.json").exists():
+            return candidate
+    return None
+
+
+def resolve_model_path(
+    model_spec, task_spec, seed: int = 0, progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """A local HF directory for `model.path`: a local directory as it is; a builtin from the cache, else
+    from the shipped builds, else built and cached. `progress(done, total)` follows a build's warm-start
+    steps (first called with done = 0, so a caller learns that a build starts)."""
     path = model_spec.path
     if not path.startswith(BUILTIN_PREFIX):
         local = Path(path)
@@ -123,17 +158,16 @@ def resolve_model_path(model_spec, task_spec, seed: int = 0) -> Path:
                 f"use a local HF directory or one of {[BUILTIN_PREFIX + n for n in BUILTINS]}"
             )
         return local
+    found = local_model_path(model_spec, task_spec, seed)
+    if found:
+        return found
     name = path[len(BUILTIN_PREFIX) :]
-    if name not in BUILTINS:
-        raise ValueError(f"spec.model.path: unknown builtin model {name!r}; known: {sorted(BUILTINS)}")
     steps = model_spec.warm_start_steps or BUILTINS[name].warm_start_steps
-    dest = cache_root() / "builtin" / f"{name}-{_spec_key(name, task_spec, steps, seed)}"
-    if (dest / "config.json").exists():
-        return dest
+    dest = cache_root() / "builtin" / builtin_dir_name(model_spec, task_spec, seed)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
-        build_builtin(name, task_spec, steps, seed, tmp)
+        build_builtin(name, task_spec, steps, seed, tmp, progress)
         try:
             os.rename(tmp, dest)
         except OSError:  # another process finished first; its copy is identical
@@ -143,7 +177,9 @@ def resolve_model_path(model_spec, task_spec, seed: int = 0) -> Path:
     return dest
 
 
-def build_builtin(name: str, task_spec, steps: int, seed: int, dest: Path) -> None:
+def build_builtin(
+    name: str, task_spec, steps: int, seed: int, dest: Path, progress: Callable[[int, int], None] | None = None
+) -> None:
     """Initialize the model from `seed`, warm-start it on the task for `steps`, save to `dest`."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -177,6 +213,7 @@ def build_builtin(name: str, task_spec, steps: int, seed: int, dest: Path) -> No
             seed=seed,
             label_noise=builtin.label_noise,
             demonstration=builtin.demonstration,
+            progress=progress,
         )
     finally:
         torch.set_num_threads(threads)

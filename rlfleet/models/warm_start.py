@@ -56,12 +56,16 @@ def supervised_warm_start(
     batch_size: int = 64,
     lr: float = 3e-3,
     demonstration: str = "{answer}",
+    progress=None,
 ) -> None:
-    """`demonstration` writes an answer as the completion to imitate, e.g. `\\boxed{{{answer}}}`."""
+    """`demonstration` writes an answer as the completion to imitate, e.g. `\\boxed{{{answer}}}`;
+    `progress(done, total)` is called before the first step and after every step."""
     rng = np.random.default_rng(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    for _ in range(steps):
+    if progress:
+        progress(0, steps)
+    for step in range(steps):
         problems = [task.problem(task.sample_id(rng)) for _ in range(batch_size)]
         pairs = [
             (
@@ -76,4 +80,6 @@ def supervised_warm_start(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if progress:
+            progress(step + 1, steps)
     model.eval()

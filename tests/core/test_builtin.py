@@ -13,7 +13,7 @@ import pytest
 from support import REPO
 
 from rlfleet.config import ArithmeticTaskSpec, DatasetSpec, MathTaskSpec, ModelSpec, load_bundle
-from rlfleet.models.builtin import BUILTINS, resolve_model_path
+from rlfleet.models.builtin import BUILTINS, SHIPPED, build_tokenizer, resolve_model_path
 from rlfleet.models.warm_start import noisy_answer
 from rlfleet.policy import load_policy
 from rlfleet.tasks import make_task
@@ -118,3 +118,39 @@ def test_the_sample_set_is_what_its_script_writes():
         [sys.executable, str(ROOT / "scripts" / "make_tiny_math.py"), "--check"], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_example_finds_its_builtin_model_shipped(tmp_path, monkeypatch):
+    """A first run of an example uses the shipped build (no warm start): fails when a recipe, task or
+    build change needs `scripts/ship_builtins.py` rerun, or a shipped build is no longer used."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ship_builtins.py"), "--check"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path))  # empty: nothing built here before
+    monkeypatch.chdir(ROOT)
+    built = []
+    for example in ("arithmetic/rlrun.yaml", "math/rlrun.yaml", "math/rlrun-vllm.yaml"):
+        spec = load_bundle(ROOT / "examples" / example).run.spec
+        path = resolve_model_path(spec.model, spec.task, spec.trainer.seed, progress=lambda *_: built.append(example))
+        assert path.parent == SHIPPED, example
+        name = spec.model.path.removeprefix("builtin://")
+        model, tokenizer = load_policy(path)
+        assert {k: getattr(model.config, k) for k in BUILTINS[name].arch} == BUILTINS[name].arch
+        assert tokenizer.get_vocab() == build_tokenizer(BUILTINS[name].chars).get_vocab()
+    assert not built, f"built instead of shipped: {built}"
+    assert not (tmp_path / "builtin").exists() or not list((tmp_path / "builtin").iterdir())
+
+
+def test_a_build_reports_its_warm_start_progress(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path))
+    calls = []
+    resolve_model_path(
+        ModelSpec(path="builtin://tiny-arithmetic", warm_start_steps=3), TASK, progress=lambda *a: calls.append(a)
+    )
+    assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    calls.clear()
+    resolve_model_path(
+        ModelSpec(path="builtin://tiny-arithmetic", warm_start_steps=3), TASK, progress=lambda *a: calls.append(a)
+    )
+    assert calls == [], "a cached build reports nothing"

@@ -181,6 +181,20 @@ def test_completions_end_one_position_short_of_the_context_window(engine, models
         engine.generate(prompt_ids + prompt_ids[:3], params, 1)
 
 
+def test_the_pinned_release_and_cpu_head_sizes_are_the_installed_vllms():
+    import vllm
+    from vllm.platforms import current_platform
+
+    from rlfleet.services.rollout.engines import vllm_pin
+
+    assert vllm.__version__ == vllm_pin.VLLM_VERSION
+    assert vllm_pin.cpu_build() == current_platform.is_cpu()
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        assert list(vllm_pin.CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
 def test_an_unsupported_head_size_is_refused_with_the_fix(tmp_path):
     from rlfleet.services.rollout.engines.vllm_engine import check_supported

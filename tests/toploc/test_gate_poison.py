@@ -99,10 +99,10 @@ def test_a_poison_entry_is_retried_then_dead_lettered_and_the_others_verified(tm
         gate = Gate(ctx, "verifier-0", origin_url, tmp / "cache")
         original = gate.checker.check
 
-        def check(group, msg_id, prefill=True):  # a bug that only this entry reaches
+        def check(group, msg_id, prefill=True, **options):  # a bug that only this entry reaches
             if group.rollout_id == poison.rollout_id:
                 raise RuntimeError("the gate cannot handle this entry")
-            return original(group, msg_id, prefill)
+            return original(group, msg_id, prefill, **options)
 
         monkeypatch.setattr(gate.checker, "check", check)
         failures = counter("rlfleet_verifier_handle_failures_total", error="RuntimeError")
@@ -117,6 +117,7 @@ def test_a_poison_entry_is_retried_then_dead_lettered_and_the_others_verified(tm
         assert record["last_error"] == "RuntimeError: the gate cannot handle this entry"
         assert fields[b"original"] == poison.encode()[MESSAGE_FIELD]  # kept whole for an operator
         assert r.hget(keys.stats, "dead_letter") == b"1"
+        # The batch of three fails once; then the poison alone, at once and after claimIdleMs.
         assert counter("rlfleet_verifier_handle_failures_total", error="RuntimeError") - failures == 3
         assert counter("rlfleet_verifier_dead_letters_total") - dead == 1
         assert r.xpending(keys.rollouts, keys.verifier_group)["pending"] == 0

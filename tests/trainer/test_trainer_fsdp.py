@@ -1,6 +1,7 @@
 """Sharded data parallel (`trainer.sharding: fsdp`): two CPU processes (gloo, torchrun-style env)
 with FSDP2 give the same weights as one unsharded process, through a save and a restore of the
-sharded optimizer state; the checkpoint they publish is whole safetensors a plain model loads."""
+sharded optimizer state; the checkpoints they publish (v0 whole, then deltas) rebuild to whole
+safetensors a plain model loads."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from support import start_trainer, tiny_policy_dir, trainer_run_config
+from support import serving, start_trainer, tiny_policy_dir, trainer_run_config
 from test_trainer import group
 from test_trainer_dp import batch
 
@@ -21,6 +22,8 @@ from rlfleet.checkpoint import save_model_dir
 from rlfleet.config import TrainerSpec
 from rlfleet.policy import load_policy, load_weights_in_place
 from rlfleet.redis_server import free_port
+from rlfleet.services.shardcast import origin
+from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.trainer.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -29,6 +32,7 @@ from rlfleet.services.trainer.sharding import (
     shard_policy,
 )
 from rlfleet.services.trainer.update import grpo_update
+from rlfleet.store import open_store
 from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, group_digest
 
 # Step 1: plain SGD with momentum on a batch of 12 completions (6 per rank), no clipping.
@@ -166,7 +170,10 @@ def test_two_fsdp_trainer_processes_train_resume_and_publish_whole_checkpoints(t
     assert [r["step"] for r in records] == [1, 2, 3, 4], "only rank 0 reports"
 
     base, _ = load_policy(tmp_path / "policy")
-    latest, _ = load_policy(tmp_path / "store" / "tr" / "policy" / "v4")  # whole safetensors, plain model
+    store = open_store(f"file://{tmp_path}/store")
+    with serving(origin.make_app(store, "tr")) as origin_url:  # v4 is a delta: rebuilt as a worker rebuilds it
+        v4 = fetch_policy([origin_url], "tr", 4, tmp_path / "worker")
+    latest, _ = load_policy(v4)  # whole safetensors, plain model
     assert any(not torch.equal(latest.state_dict()[k], v) for k, v in base.state_dict().items()), (
         "training moved the weights"
     )

@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge
 from rlfleet import env
 from rlfleet.assignment import assigned_work, issue_ticket
 from rlfleet.checkpoint import prune_cache
+from rlfleet.models.builtin import local_model_path
 from rlfleet.policy import configure_torch_threads
 from rlfleet.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
 from rlfleet.sampling import completion_text
@@ -44,7 +45,7 @@ from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import Sources, wait_for_version
-from rlfleet.services.toploc.proof import build_proofs
+from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.signing import run_public_key
 from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
 from rlfleet.tasks import make_run_task
@@ -199,13 +200,28 @@ class Worker:
         self.engine: Engine | None = None
 
     def wait_first_version(self) -> bool:
+        """Start the engine and load the first announced version. The engine starts from the run's base
+        model when this machine has it (a shipped or cached builtin, a local directory), while the
+        first version is being published and downloaded (vLLM takes most of a minute to start on a
+        few CPU cores); it generates nothing before that version's weights are loaded in."""
         self.follower.start()
+        spec = self.spec
+        base = local_model_path(spec.model, spec.task, spec.trainer.seed)
+        if base is not None:
+            self.engine = make_engine(self.engine_kind, base, -1, spec.model.dtype)
         while not self.ctx.stop.is_set():
             self._raise_follower_error()
             ready = self.follower.take(-1)
             if ready:
                 version, path, _ = ready
-                self.engine = make_engine(self.engine_kind, path, version, self.spec.model.dtype)
+                if self.engine is None:
+                    self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype)
+                else:
+                    try:
+                        self.engine.load_weights(path, version)
+                    except ValueError:  # the local base model is another architecture: start from this version
+                        self.engine.close()
+                        self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype)
                 VERSION.set(version)
                 return True
             time.sleep(0.05)
@@ -272,13 +288,13 @@ class Worker:
         finally:
             IN_FLIGHT.set(0)
         samples = []
-        for gen in gens:
-            proofs = build_proofs(
-                gen.hidden,
-                prompt_len=len(prompt_ids),
-                decode_batching_size=toploc.decode_batching_size,
-                topk=toploc.topk,
-            )
+        group_proofs = build_proofs_many(  # the whole group's chunks in one vectorised pass
+            [gen.hidden for gen in gens],
+            prompt_len=len(prompt_ids),
+            decode_batching_size=toploc.decode_batching_size,
+            topk=toploc.topk,
+        )
+        for gen, proofs in zip(gens, group_proofs):
             text = completion_text(self.engine.tokenizer, gen.completion_ids, self.engine.stop_ids)
             samples.append(
                 Sample(

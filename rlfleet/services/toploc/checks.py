@@ -39,13 +39,13 @@ import torch
 
 from rlfleet.assignment import ticket_problem
 from rlfleet.config import RejectionReason, RLRunSpec
-from rlfleet.policy import score
+from rlfleet.policy import Scored, score
 from rlfleet.runtime import latest_announced_version
 from rlfleet.sampling import completion_text, context_length, stop_token_ids
 from rlfleet.services.toploc.calibration import Calibration, calibration
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.guards import ticket_replay, work_replay
-from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs
+from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs_many
 from rlfleet.services.toploc.replay import group_replay
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.streams import ID_MAX_CHARS, MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys, text_field
@@ -137,8 +137,9 @@ class Checker:
         """Thresholds for `group`: its engine's (admitted by envelope) at the run's dtype, unless the run sets them."""
         return calibration(self.spec.verifier, group.engine, self.spec.model.dtype)
 
-    def check(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool = True) -> Outcome:
-        """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band."""
+    def check(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool = True, deferred: bool = False) -> Outcome:
+        """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band. `deferred`: the
+        caller runs the prefill checks of a `prefill` group itself (batch.py), the others run here."""
         try:
             self.envelope(group, msg_id)
             self.once(group, msg_id, prefill)
@@ -157,7 +158,7 @@ class Checker:
             if problem_end:
                 raise Rejection("completion_end", problem_end)
             self.proof_shapes(group, model.config.hidden_size)
-            logprobs = self.prefill_checks(group, model, tokenizer) if prefill else None
+            logprobs = self.prefill_checks(group, model, tokenizer) if prefill and not deferred else None
             rewards, mismatches = [], 0
             for sample in group.samples:
                 text = completion_text(tokenizer, sample.completion_ids, stop_ids)
@@ -166,7 +167,8 @@ class Checker:
         except Rejection as exc:
             exc.worker_id = group.worker_id
             raise
-        return Outcome(rewards, mismatches, prefill, sum(len(s.completion_ids) for s in group.samples), logprobs)
+        tokens = sum(len(s.completion_ids) for s in group.samples)
+        return Outcome(rewards, mismatches, prefill and not deferred, tokens, logprobs)
 
     def envelope(self, group: RolloutGroup, msg_id: bytes | None) -> None:
         s = self.spec.sampling
@@ -231,25 +233,27 @@ class Checker:
                 if len(proof) != want:
                     raise Rejection("toploc", f"samples[{i}] proof {c} is {len(proof)} bytes, expected {want}")
 
-    def prefill_checks(self, group: RolloutGroup, model, tokenizer) -> list[list[float]]:
+    def prefill_checks(self, group: RolloutGroup, model, tokenizer, scored: Scored | None = None) -> list[list[float]]:
         """Checks 3 (TOPLOC) then 4 (logprobs, then seed replay or possible tokens), from one batched
-        prefill; the recomputed token logprobs (G, T_i)."""
+        prefill (`scored`: this group's rows already prefilled with the group's version, e.g. by batch.py
+        with other groups); the recomputed token logprobs (G, T_i)."""
         t, sp, cal = self.spec.verifier.toploc, group.sampling, self.calibration(group)
         prompt_len = len(group.prompt_ids)
-        rows = [group.prompt_ids + s.completion_ids for s in group.samples]
-        with torch.inference_mode():
-            scored = score(model, rows, sp.temperature, tokenizer.pad_token_id, want_hidden=True)
-        for i, sample in enumerate(group.samples):
-            try:
-                results = verify_proofs(
-                    scored.hidden[i],
-                    sample.proofs,
-                    prompt_len=prompt_len,
-                    decode_batching_size=t.decode_batching_size,
-                    topk=t.topk,
-                )
-            except ProofFormatError as exc:
-                raise Rejection("toploc", f"samples[{i}]: malformed proof: {exc}") from None
+        if scored is None:
+            rows = [group.prompt_ids + s.completion_ids for s in group.samples]
+            with torch.inference_mode():
+                scored = score(model, rows, sp.temperature, tokenizer.pad_token_id, want_hidden=True)
+        try:  # every sample's chunks in one vectorised pass; an error names its sample
+            per_sample = verify_proofs_many(
+                scored.hidden,
+                [s.proofs for s in group.samples],
+                prompt_len=prompt_len,
+                decode_batching_size=t.decode_batching_size,
+                topk=t.topk,
+            )
+        except ProofFormatError as exc:
+            raise Rejection("toploc", f"malformed proof: {exc}") from None
+        for i, results in enumerate(per_sample):
             bad = [(c, r) for c, r in enumerate(results) if not cal.toploc.accepts(r)]
             if bad:
                 raise Rejection("toploc", f"samples[{i}] chunk {bad[0][0]}: {bad[0][1]}")

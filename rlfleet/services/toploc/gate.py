@@ -5,7 +5,8 @@ sampling, reward); the first failure rejects the whole group with that check's r
 `spotCheckFraction` of the groups, drawn unpredictably, gets the prefill checks (TOPLOC, logprobs,
 seed replay); every group gets the others. Accepted groups go to `verified` with the trusted rewards
 (and, when prefilled, the recomputed logprobs: `forward_trusted`), rejected ones to `rejected` with
-the reason and the original message (audit).
+the reason and the original message (audit). Entries read together share their prefills (batch.py)
+and are committed in order, each with the verdict it would get alone.
 
 Exactly once: the verdict is committed by one Lua script that XACKs the entry first and does
 nothing more if the XACK acknowledged nothing (another replica committed it); otherwise it
@@ -19,7 +20,9 @@ Poison messages: whatever the decoder cannot read is a `malformed` rejection lik
 whose handling still fails (an exception here, or a verifier that died on it: each try is counted in
 Redis before it starts) is retried after claimIdleMs, and after `maxAttempts` tries it is moved to the
 dead-letter stream and acknowledged, so one message can neither crash-loop the verifier nor block the
-inbox. Redis errors are not the message's fault: they go to the process edge.
+inbox. Entries tried before are handled alone, and a batch that raises is tried again entry by
+entry, so a poison entry fails by itself and its neighbours pass. Redis errors are not the message's
+fault: they go to the process edge.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from rlfleet.checkpoint import prune_cache
 from rlfleet.policy import configure_torch_threads, load_policy
 from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.services.shardcast.assemble import fetch_policy
+from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.reputation import ban_plan, field
 from rlfleet.signing import run_public_key
@@ -48,6 +52,8 @@ from rlfleet.streams import RolloutGroup, encode_json
 __all__ = ["REASONS", "Gate", "Rejection", "main"]
 
 log = logging.getLogger("rlfleet.verifier")
+
+READ_BATCH = 8  # inbox entries read (and prefilled) together
 
 VERDICTS = Counter("rlfleet_verifier_groups_total", "Groups verified", ["verdict", "reason"])
 REWARD_MISMATCH = Counter(
@@ -73,7 +79,10 @@ DEAD_LETTERS = Counter(
 # KEYS: inbox, out stream, stats, workers, banned, attempts.
 # ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?}, then the out fields.
 _COMMIT = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  redis.call('HDEL', KEYS[6], ARGV[2])
+  return 0
+end
 local out = {}
 for i = 5, #ARGV do out[#out + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
@@ -95,7 +104,10 @@ return 1
 
 # KEYS: inbox, dead letter, stats, attempts. ARGV: group, entry id, maxlen, then the dead-letter fields.
 _DEAD_LETTER = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  redis.call('HDEL', KEYS[4], ARGV[2])
+  return 0
+end
 local out = {}
 for i = 4, #ARGV do out[#out + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
@@ -165,15 +177,28 @@ class Gate:
         except Rejection as exc:
             return group, exc
 
+    def draw(self) -> float:
+        """Uniform in [0, 1): a group gets the prefill checks when this is below spotCheckFraction."""
+        return self._draw.random()
+
     def handle(self, msg_id: bytes, fields: dict) -> int:
         """Check one inbox entry and commit the verdict; the commit script's answer (0 = already committed)."""
-        keys, v = self.ctx.keys, self.spec.verifier
+        return self.commit(msg_id, fields, *self.judge(msg_id, fields))
+
+    def judge(self, msg_id: bytes, fields: dict) -> tuple[RolloutGroup | None, Outcome | Rejection]:
+        """The verdict on one inbox entry, nothing committed: (the group if it decoded, Outcome or Rejection)."""
         group = None
         try:
-            group = decode_group(fields, v.max_message_bytes)
-            prefill = self._draw.random() < v.spot_check_fraction
-            outcome = self.checker.check(group, msg_id, prefill)
+            group = decode_group(fields, self.spec.verifier.max_message_bytes)
+            return group, self.checker.check(group, msg_id, self.draw() < self.spec.verifier.spot_check_fraction)
         except Rejection as exc:
+            return group, exc
+
+    def commit(self, msg_id: bytes, fields: dict, group: RolloutGroup | None, result: Outcome | Rejection) -> int:
+        """Commit one entry's verdict (module docstring); the script's answer: 0 already committed, 2 banned."""
+        keys, v = self.ctx.keys, self.spec.verifier
+        if isinstance(result, Rejection):
+            exc = result
             worker = exc.worker_id
             log.warning("rejected %s from %s: %s: %s", msg_id.decode(), worker, exc.reason, exc.detail)
             record = {
@@ -192,6 +217,7 @@ class Gate:
                 plan["ban"] = ban_plan(v.ban, worker, exc.reason, exc.detail, record["rollout_id"])
             stream, verdict, reason = keys.rejected, "rejected", exc.reason
         else:
+            outcome = result
             forward_trusted(group, outcome)
             w = group.worker_id
             plan = {"stats": {"accepted": 1}, "workers": {field(w, "accepted"): 1}}
@@ -205,11 +231,11 @@ class Gate:
                 plan["stats"]["unchecked"] = plan["workers"][field(w, "unchecked")] = 1
             out, stream, verdict, reason, worker = group.encode(), keys.verified, "accepted", "", w
         flat = [x for kv in out.items() for x in kv]
-        result = self._commit(
+        answer = self._commit(
             keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned, keys.attempts],
             args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(plan), *flat],
         )
-        if result == 0:
+        if answer == 0:
             DUPLICATES.inc()
             log.info("entry %s was committed by another replica; dropped this verdict", msg_id.decode())
             return 0
@@ -218,10 +244,35 @@ class Gate:
             REWARD_MISMATCH.inc(outcome.reward_mismatches)
             UNCHECKED.inc(0 if outcome.prefill_checked else 1)
             TOKENS.labels(str(outcome.prefill_checked).lower()).inc(outcome.tokens)
-        if result == 2:
+        if answer == 2:
             BANS.labels(reason).inc()
             log.warning("banned worker %s (%s)", worker, reason)
-        return int(result)
+        return int(answer)
+
+    def attempt_batch(self, entries: list[tuple[bytes, dict]]) -> None:
+        """Entries read together: those tried before (and not committed) one by one with `attempt`, so a
+        poison entry fails alone; the others in one `handle_batch`, each counted as tried first. A batch
+        that raises is tried again entry by entry at once."""
+        keys = self.ctx.keys
+        held = self.ctx.redis.hmget(keys.attempts, [m for m, _ in entries]) if entries else []
+        fresh = [e for e, tries in zip(entries, held) if tries is None]
+        for msg_id, fields in (e for e, tries in zip(entries, held) if tries is not None):
+            self.attempt(msg_id, fields)
+        if not fresh:
+            return
+        with self.ctx.redis.pipeline(transaction=False) as pipe:
+            for msg_id, _ in fresh:
+                pipe.hincrby(keys.attempts, msg_id, 1)
+            pipe.execute()
+        try:
+            handle_batch(self, fresh)
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # the designed retry: one entry at a time finds the one that fails
+            FAILURES.labels(type(exc).__name__).inc()
+            log.exception("a batch of %d inbox entries failed; trying them one by one", len(fresh))
+            for msg_id, fields in fresh:
+                self.attempt(msg_id, fields)
 
     def attempt(self, msg_id: bytes, fields: dict) -> int:
         """Handle one entry (`handle`'s answer), or dead-letter it once it has failed maxAttempts times (-1 when
@@ -288,10 +339,9 @@ class Gate:
                 entries = self.claim()
                 next_claim = time.monotonic() + idle_s / 3
             if not entries:
-                entries = self.read(block_ms=int(min(500, max(10, idle_s * 1000 / 3))))
-            for msg_id, fields in entries:
-                if fields:  # a claimed entry trimmed meanwhile has no fields
-                    self.attempt(msg_id, fields)
+                entries = self.read(count=READ_BATCH, block_ms=int(min(500, max(10, idle_s * 1000 / 3))))
+            # A claimed entry trimmed meanwhile has no fields. Entries read together share prefills (batch.py).
+            self.attempt_batch([(msg_id, fields) for msg_id, fields in entries if fields])
 
 
 @dataclass(frozen=True, kw_only=True)

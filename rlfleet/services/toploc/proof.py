@@ -12,9 +12,9 @@ Inference", arXiv:2501.16007; byte-compatible with the authors' `toploc` 0.1.6, 
    of largest |value| (`torch.topk`), with their flat indices `i` and raw bf16 bit patterns
    `v`. Pick the largest modulus `m <= 65497` under which the indices stay distinct
    (`m` divides no pairwise index difference), then interpolate the unique polynomial of degree
-   `< k` over GF(p), p = 65497, through the points `(i mod m, v)` (Newton divided differences,
-   expanded to ascending monomial coefficients). Bytes: `m`, then the k coefficients, each a
-   2-byte big-endian integer: 2 + 2k bytes, 258 at k = 128.
+   `< k` over GF(p), p = 65497, through the points `(i mod m, v)` (ascending monomial
+   coefficients; gf.py). Bytes: `m`, then the k coefficients, each a 2-byte big-endian integer:
+   2 + 2k bytes, 258 at k = 128.
 3. Check (`verify_proofs`). Recompute the chunk's own top-k `(i', v')`, evaluate the claimed
    polynomial at `i' mod m` and read the results as bf16 bits. Per chunk report the number of
    positions whose 8 exponent bits differ, and the mean and median of |mantissa difference|
@@ -28,7 +28,7 @@ matter; an honest proof has 1 <= m <= 65497 and every coefficient < 65497.
 A reference quirk we keep: its two verifiers disagree on the median of an even count. The C++
 one (taken for one (T, H) tensor with `skip_prefill=True`) reports the upper middle element; the
 Python one (all other calls) `statistics.median`, the mean of the two middle ones. The conformance
-vectors hold both, so `verify_proofs` makes the same split (`_median`).
+vectors hold both, so `verify_proofs` makes the same split (`_medians`).
 Where we differ on purpose: a chunk with fewer than `topk` values makes the reference's `topk`
 raise; its `build_proofs` swallows that and returns all-zero "null" proofs for every chunk, and
 its verifier crashes. Here such a chunk uses k = its number of values, so its proof is
@@ -42,19 +42,24 @@ chunk when at least 90 exponents agree (`TEXP = 90`, i.e. at most 128 - 90 = 38 
 mantissa error mean is <= 10 (`TMEAN`) and the median <= 8 (`TMEDIAN`). `toploc` 0.1.6 itself
 ships no thresholds.
 
+Cost: `build_proofs_many` / `verify_proofs_many` take every chunk of several samples (a group) at
+once: one `topk` per chunk size, one host copy, and the field arithmetic of gf.py, which runs a
+fixed number of batched numpy operations per call whatever the number of chunks. A worker builds a
+group's proofs in one call and the gate checks a group's in one.
+
 We implement this ourselves rather than depend on `toploc`: its wheels are C++ extensions
 compiled against one torch build, and the numpy version below is short (STYLE.md 12).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-PRIME = 65497  # the field GF(p) the polynomial lives in; also the largest modulus tried
+from rlfleet.services.toploc.gf import PRIME, evaluate, injective_modulus, interpolate
+
 NO_MATCH = float(2**64)  # mantissa statistics when no exponent matched
 
 
@@ -138,141 +143,158 @@ def _as_bf16(activations) -> torch.Tensor:
     return t
 
 
-def _chunk_topk(acts: torch.Tensor, ranges: list[tuple[int, int]], topk: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per chunk: flat indices (k,) int64 and bf16 bit patterns (k,) int64 of the k largest |values|."""
+@dataclass
+class _Tops:
+    """The top-k of several chunks with the same k, as one batch."""
+
+    members: list[int]  # (C,) chunk numbers, in the caller's order of chunks
+    idx: np.ndarray  # (C, k) int64 flat indices into each chunk's rows*H values
+    bits: np.ndarray  # (C, k) int64 raw bf16 bit patterns of those values
+
+
+def _chunk_topk(chunks: list[torch.Tensor], topk: int) -> list[_Tops]:
+    """Top-k by |value| of every chunk `(rows, H)` bf16, batched: chunks with the same number of values
+    are stacked `(C, rows*H)` and ranked by one `topk(dim=1)`, which runs the same per-row kernel as a
+    1-D `topk` (so ties resolve as the reference's); one host copy per batch. Batches of equal k merge."""
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
+    by_numel: dict[int, list[int]] = {}
+    for n, chunk in enumerate(chunks):
+        by_numel.setdefault(chunk.numel(), []).append(n)
+    by_k: dict[int, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
+    for numel, members in by_numel.items():
+        flat = torch.stack([chunks[n].reshape(-1) for n in members])  # (C, rows*H) bf16
+        idx = flat.abs().topk(min(topk, numel), dim=1).indices  # (C, k)
+        bits = flat.gather(1, idx).view(torch.int16)  # (C, k)
+        by_k.setdefault(idx.shape[1], []).append((members, idx, bits))
     out = []
-    for start, end in ranges:
-        flat = acts[start:end].reshape(-1)  # (rows*H,) bf16, still on the tensor's device
-        idx = flat.abs().topk(min(topk, flat.numel())).indices  # the reference's ranking, ties too
-        values = flat[idx].view(torch.int16).cpu().numpy().astype(np.int64) & 0xFFFF
-        out.append((idx.cpu().numpy().astype(np.int64), values))
+    for parts in by_k.values():
+        idx = torch.cat([i for _, i, _ in parts]).cpu().numpy().astype(np.int64)
+        bits = torch.cat([b for _, _, b in parts]).cpu().numpy().astype(np.int64) & 0xFFFF
+        out.append(_Tops([n for m, _, _ in parts for n in m], idx, bits))
     return out
-
-
-# ----------------------------------------------------------------------------- GF(p) helpers
-
-
-@functools.cache
-def _inverses() -> np.ndarray:
-    """(p,) table of multiplicative inverses mod p (a**(p-2)); entry 0 is unused."""
-    base = np.arange(PRIME, dtype=np.int64)
-    result = np.ones(PRIME, dtype=np.int64)
-    e = PRIME - 2
-    while e:
-        if e & 1:
-            result = result * base % PRIME
-        base = base * base % PRIME
-        e >>= 1
-    return result
-
-
-def _injective_modulus(idx: np.ndarray) -> int:
-    """Largest m <= p with `idx % m` pairwise distinct (m divides no index difference)."""
-    if idx.max() < PRIME:  # distinct values below p stay distinct mod p
-        return PRIME
-    for m in range(PRIME, PRIME - 8, -1):  # the usual case: one of the first few works
-        if np.unique(idx % m).size == idx.size:
-            return m
-    diffs = np.unique(np.abs(idx[:, None] - idx[None, :])[np.triu_indices(len(idx), 1)])
-    diffs = diffs[diffs >= 2]  # no m >= 2 divides a difference of 1
-    block, top = 16, PRIME - 8
-    while top >= 2:
-        ms = np.arange(top, max(top - block, 1), -1, dtype=np.int64)  # (B,) candidates, descending
-        ok = ~(diffs[None, :] % ms[:, None] == 0).any(axis=1)
-        if ok.any():
-            return int(ms[np.argmax(ok)])
-        top -= block
-        block = min(block * 4, 4096)
-    raise ValueError(f"no modulus <= {PRIME} keeps these {len(idx)} top-k indices distinct")
-
-
-def _interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Ascending coefficients (C, k) of the degree < k polynomials through rows (x, y) (C, k) over GF(p).
-
-    Newton divided differences column by column, then Horner-style expansion of the Newton form
-    c0 + (X - x0)(c1 + (X - x1)(c2 + ...)) into monomials; all C chunks at once.
-    """
-    inv = _inverses()  # indexing it with -d (0 < d < p) wraps to inv[p - d], the inverse of -d
-    n_chunks, k = x.shape
-    dd = y % PRIME  # (C, k); column j becomes the j-th divided difference
-    for j in range(1, k):  # |x_a - x_b| < p, and numpy's % is non-negative
-        dd[:, j:] = (dd[:, j:] - dd[:, j - 1 : -1]) * inv[x[:, j:] - x[:, :-j]] % PRIME
-    coeffs = np.zeros((n_chunks, k), dtype=np.int64)
-    coeffs[:, 0] = dd[:, k - 1]
-    for i in range(k - 2, -1, -1):  # multiply the degree (k-2-i) polynomial by (X - x_i), add dd_i
-        deg = k - 2 - i
-        scaled = x[:, i : i + 1] * coeffs[:, : deg + 1]
-        coeffs[:, 1 : deg + 2] = coeffs[:, : deg + 1]  # numpy copes with the overlap
-        coeffs[:, 0] = dd[:, i]
-        coeffs[:, : deg + 1] -= scaled
-        coeffs[:, : deg + 2] %= PRIME
-    return coeffs
-
-
-def _evaluate(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Horner evaluation of ascending coefficients (C, k) at points (C, n) over GF(p)."""
-    acc = np.repeat(coeffs[:, -1:], x.shape[1], axis=1)  # (C, n)
-    for j in range(coeffs.shape[1] - 2, -1, -1):
-        acc *= x
-        acc += coeffs[:, j : j + 1]
-        acc %= PRIME
-    return acc
 
 
 # -------------------------------------------------------------------------------- proofs
 
 
-def _encode(modulus: int, coeffs: np.ndarray) -> bytes:
-    return np.concatenate([[modulus], coeffs]).astype(">u2").tobytes()
+def _split_chunks(activations: list, prompt_len, decode_batching_size: int, skip_prefill: bool):
+    """Every sample's chunk views (rows, H) bf16 in one list, and sample i's span [a, b) of it."""
+    lens = list(prompt_len) if isinstance(prompt_len, (list, tuple)) else [prompt_len] * len(activations)
+    if len(lens) != len(activations):
+        raise ValueError(f"{len(lens)} prompt lengths for {len(activations)} samples")
+    chunks, spans = [], []
+    for acts, plen in zip(activations, lens):
+        acts = _as_bf16(acts)
+        ranges = chunk_rows(acts.shape[0], plen, decode_batching_size, skip_prefill)
+        spans.append((len(chunks), len(chunks) + len(ranges)))
+        chunks += [acts[a:b] for a, b in ranges]
+    return chunks, spans
 
 
-def _decode(proof: bytes, k: int, chunk_no: int) -> tuple[int, np.ndarray]:
-    """(modulus, coefficients (k,) int64) of one proof, or ProofFormatError."""
-    if not isinstance(proof, (bytes, bytearray, memoryview)):
-        raise ProofFormatError(f"proof {chunk_no} must be bytes, got {type(proof).__name__}")
-    if len(proof) != 2 + 2 * k:
-        raise ProofFormatError(
-            f"proof {chunk_no} is {len(proof)} bytes; its chunk has k={k} top values, so it must be {2 + 2 * k}"
-        )
-    words = np.frombuffer(bytes(proof), dtype=">u2").astype(np.int64)
-    modulus, coeffs = int(words[0]), words[1:]
-    if not 1 <= modulus <= PRIME:
-        raise ProofFormatError(f"proof {chunk_no} has modulus {modulus}; a valid one lies in [1, {PRIME}]")
-    if (coeffs >= PRIME).any():
-        raise ProofFormatError(f"proof {chunk_no} has a coefficient >= {PRIME}, outside the field")
-    return modulus, coeffs
-
-
-def _groups_by_k(tops: list[tuple[np.ndarray, np.ndarray]]) -> dict[int, list[int]]:
-    """Chunk numbers grouped by their k, so each group is processed as one (C, k) batch."""
-    groups: dict[int, list[int]] = {}
-    for n, (idx, _) in enumerate(tops):
-        groups.setdefault(len(idx), []).append(n)
-    return groups
+def build_proofs_many(
+    activations: list, prompt_len, decode_batching_size: int = 32, topk: int = 128, skip_prefill: bool = False
+) -> list[list[bytes]]:
+    """`build_proofs` of several samples (`prompt_len`: one for all, or one per sample), with one batched
+    top-k per chunk size and one interpolation per k over all their chunks: the numpy work per call
+    is a fixed number of k-step loops, so a whole group costs about what one sample did."""
+    chunks, spans = _split_chunks(activations, prompt_len, decode_batching_size, skip_prefill)
+    proofs: list[bytes] = [b""] * len(chunks)
+    for tops in _chunk_topk(chunks, topk):
+        moduli = np.full(len(tops.members), PRIME, dtype=np.int64)  # distinct indices below p stay distinct
+        for row in np.flatnonzero(tops.idx.max(axis=1) >= PRIME):
+            moduli[row] = injective_modulus(tops.idx[row])
+        coeffs = interpolate(tops.idx % moduli[:, None], tops.bits)  # (C, k)
+        words = np.concatenate([moduli[:, None], coeffs], axis=1).astype(">u2")  # (C, 1 + k) big-endian
+        for row, n in enumerate(tops.members):
+            proofs[n] = words[row].tobytes()
+    return [proofs[a:b] for a, b in spans]
 
 
 def build_proofs(
     activations, prompt_len: int, decode_batching_size: int = 32, topk: int = 128, skip_prefill: bool = False
 ) -> list[bytes]:
     """One proof per chunk of `chunk_rows` for activations (T, H) (see the module docstring)."""
-    acts = _as_bf16(activations)
-    tops = _chunk_topk(acts, chunk_rows(acts.shape[0], prompt_len, decode_batching_size, skip_prefill), topk)
-    proofs: list[bytes] = [b""] * len(tops)
-    for members in _groups_by_k(tops).values():
-        moduli = [_injective_modulus(tops[n][0]) for n in members]
-        x = np.stack([tops[n][0] % m for n, m in zip(members, moduli)])  # (C, k)
-        y = np.stack([tops[n][1] for n in members])  # (C, k)
-        for n, m, c in zip(members, moduli, _interpolate(x, y)):
-            proofs[n] = _encode(m, c)
-    return proofs
+    return build_proofs_many([activations], prompt_len, decode_batching_size, topk, skip_prefill)[0]
 
 
-def _median(errs: np.ndarray, upper: bool) -> float:
-    s = np.sort(errs)
-    mid = len(s) // 2
-    return float(s[mid]) if upper or len(s) % 2 else (float(s[mid - 1]) + float(s[mid])) / 2
+def _decode(proofs: list, tops: _Tops, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Moduli (C,) and coefficients (C, k) int64 of the proofs of one batch, or ProofFormatError naming
+    the first bad one in chunk order (`names`: how to call each chunk)."""
+    k = tops.idx.shape[1]
+    words = np.frombuffer(b"".join(bytes(proofs[n]) for n in tops.members), dtype=">u2").astype(np.int64)
+    words = words.reshape(len(tops.members), k + 1)
+    bad_modulus = (words[:, 0] < 1) | (words[:, 0] > PRIME)
+    bad_coeff = (words[:, 1:] >= PRIME).any(axis=1)
+    bad = np.flatnonzero(bad_modulus | bad_coeff)
+    if bad.size:
+        row = min(bad, key=lambda r: tops.members[r])
+        name = names[tops.members[row]]
+        if bad_modulus[row]:
+            raise ProofFormatError(f"{name} has modulus {words[row, 0]}; a valid one lies in [1, {PRIME}]")
+        raise ProofFormatError(f"{name} has a coefficient >= {PRIME}, outside the field")
+    return words[:, 0], words[:, 1:]
+
+
+def _medians(errs: np.ndarray, ok: np.ndarray, counts: np.ndarray, upper: bool) -> np.ndarray:
+    """Per row, the median of `errs` where `ok` ((C, k), `counts` (C,) such entries, >= 1): the upper middle
+    element of an even count when `upper`, else the mean of the two middle ones."""
+    s = np.sort(np.where(ok, errs, np.iinfo(np.int64).max), axis=1)  # the counted entries first
+    rows = np.arange(len(s))
+    hi = s[rows, counts // 2].astype(np.float64)
+    if upper:
+        return hi
+    lo = s[rows, np.maximum(counts // 2 - 1, 0)].astype(np.float64)
+    return np.where(counts % 2 == 1, hi, (lo + hi) / 2)
+
+
+def verify_proofs_many(
+    activations: list,
+    proofs: list[list[bytes]],
+    prompt_len,
+    decode_batching_size: int = 32,
+    topk: int = 128,
+    skip_prefill: bool = False,
+) -> list[list[ChunkResult]]:
+    """`verify_proofs` of several samples at once (`prompt_len`: one for all, or one per sample): one batched
+    top-k per chunk size and one evaluation per k over all their chunks."""
+    chunks, spans = _split_chunks(activations, prompt_len, decode_batching_size, skip_prefill)
+    many = len(spans) > 1
+    names: list[str] = []
+    flat: list = []
+    for i, ((a, b), sample_proofs) in enumerate(zip(spans, proofs, strict=True)):
+        where = f"samples[{i}]: " if many else ""
+        if len(sample_proofs) != b - a:
+            rows = sum(len(c) for c in chunks[a:b])
+            raise ProofFormatError(f"{where}got {len(sample_proofs)} proofs for {b - a} chunks of {rows} rows")
+        names += [f"{where}proof {c}" for c in range(b - a)]
+        flat += sample_proofs
+    batches = _chunk_topk(chunks, topk)
+    k_of = {n: t.idx.shape[1] for t in batches for n in t.members}
+    for n, proof in enumerate(flat):  # types and lengths first, in chunk order
+        if not isinstance(proof, (bytes, bytearray, memoryview)):
+            raise ProofFormatError(f"{names[n]} must be bytes, got {type(proof).__name__}")
+        if len(proof) != 2 + 2 * k_of[n]:
+            raise ProofFormatError(
+                f"{names[n]} is {len(proof)} bytes; its chunk has k={k_of[n]} top values, so it must be "
+                f"{2 + 2 * k_of[n]}"
+            )
+    decoded = [_decode(flat, t, names) for t in batches]
+    results: list[ChunkResult | None] = [None] * len(chunks)
+    for tops, (moduli, coeffs) in zip(batches, decoded):
+        claimed = evaluate(coeffs, tops.idx % moduli[:, None])  # (C, k) bf16 bit patterns
+        exp_ok = (claimed >> 7 & 0xFF) == (tops.bits >> 7 & 0xFF)  # (C, k)
+        mant_err = np.abs((claimed & 0x7F) - (tops.bits & 0x7F))  # (C, k)
+        counts = exp_ok.sum(axis=1)  # (C,)
+        some = np.maximum(counts, 1)
+        means = np.where(exp_ok, mant_err, 0).sum(axis=1) / some  # an int sum over its count: np.mean's value
+        medians = _medians(mant_err, exp_ok, some, upper=skip_prefill)
+        for row, n in enumerate(tops.members):
+            if counts[row] == 0:
+                results[n] = ChunkResult(int(exp_ok.shape[1]), NO_MATCH, NO_MATCH)
+            else:
+                results[n] = ChunkResult(int(exp_ok.shape[1] - counts[row]), float(means[row]), float(medians[row]))
+    return [results[a:b] for a, b in spans]
 
 
 def verify_proofs(
@@ -288,25 +310,4 @@ def verify_proofs(
     Judge each result with `Thresholds.accepts`. Raises ProofFormatError when the number of
     proofs differs from the number of chunks or a proof is not a well-formed 2 + 2k byte proof.
     """
-    acts = _as_bf16(activations)
-    ranges = chunk_rows(acts.shape[0], prompt_len, decode_batching_size, skip_prefill)
-    if len(proofs) != len(ranges):
-        raise ProofFormatError(f"got {len(proofs)} proofs for {len(ranges)} chunks of {acts.shape[0]} rows")
-    tops = _chunk_topk(acts, ranges, topk)
-    decoded = [_decode(p, len(idx), n) for n, (p, (idx, _)) in enumerate(zip(proofs, tops))]
-    results: dict[int, ChunkResult] = {}
-    for members in _groups_by_k(tops).values():
-        coeffs = np.stack([decoded[n][1] for n in members])  # (C, k)
-        x = np.stack([tops[n][0] % decoded[n][0] for n in members])  # (C, k)
-        claimed = _evaluate(coeffs, x)  # (C, k) bf16 bit patterns
-        actual = np.stack([tops[n][1] for n in members])
-        exp_ok = (claimed >> 7 & 0xFF) == (actual >> 7 & 0xFF)
-        mant_err = np.abs((claimed & 0x7F) - (actual & 0x7F))
-        for row, n in enumerate(members):
-            errs = mant_err[row][exp_ok[row]]
-            mismatches = int((~exp_ok[row]).sum())
-            if errs.size == 0:
-                results[n] = ChunkResult(mismatches, NO_MATCH, NO_MATCH)
-            else:
-                results[n] = ChunkResult(mismatches, float(errs.mean()), _median(errs, upper=skip_prefill))
-    return [results[n] for n in range(len(tops))]
+    return verify_proofs_many([activations], [proofs], prompt_len, decode_batching_size, topk, skip_prefill)[0]

@@ -36,18 +36,15 @@ def check_supported(kind: str, model_dir: Path) -> None:
     """Raise ImportError/ValueError naming the fix when engine `kind` cannot serve the model in
     `model_dir` on this machine (asked before any process starts; engines fail later otherwise)."""
     if resolve_kind(kind) == "vllm":
-        from rlfleet.services.rollout.engines.vllm_engine import (
-            check_supported as vllm_check,  # ImportError names the extra
-        )
+        from rlfleet.services.rollout.engines.vllm_pin import check_supported as vllm_check  # no vLLM import
 
         vllm_check(Path(model_dir))
 
 
 def make_engine(kind: str, model_dir: Path, version: int, dtype: str = "float32") -> Engine:
     """Factory keyed by InferencePool `engine`: torch; vllm; auto = vllm when vLLM is installed and
-    a GPU is present, else torch. vLLM on CPU works but must be asked for: its start takes most of
-    a minute on a few cores, it needs head size >= 32, and its gain over torch there is small and
-    load-dependent (benchmarks/rollout.py)."""
+    a GPU is present, else torch. vLLM on CPU works but must be asked for: its start takes tens of
+    seconds on a few cores and it needs head size >= 32 (its throughput there: benchmarks/rollout.py)."""
     kind = resolve_kind(kind)
     if kind == "vllm":
         from rlfleet.services.rollout.engines.vllm_engine import VLLMEngine  # ImportError names the install extra

@@ -11,10 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlfleet.streams import SamplingParams
+
+if TYPE_CHECKING:  # the engines package imports without torch: the launcher checks pools before anything starts
+    import torch
 
 
 @dataclass

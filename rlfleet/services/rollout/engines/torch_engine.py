@@ -1,11 +1,13 @@
 """The torch engine: any HF causal LM, CPU or GPU, batched sampling with a KV cache.
 
-`TorchEngine.generate` samples completions of one prompt as a batch of identical rows (no padding
-needed), with a KV cache. Each step feeds the previously sampled token, so the final hidden state
-of every completion position is produced by the decode itself; the last token is fed once more
-after sampling stops, so proofs cover every completion token without a second prefill. Token
-logprobs are those of `log_softmax(logits / temperature)` over the full vocabulary (what the trainer
-and verifier recompute); top-p/top-k only restrict which tokens may be drawn.
+`TorchEngine.generate` samples G completions of one prompt as a batch of G rows (no padding needed),
+with a KV cache: the prompt is prefilled once and its cache repeated G times (the rows are identical
+until the first sampled token; this is most of a 1-token group's time, e.g. the first token after
+a weight swap). Each step feeds the previously sampled token, so the final
+hidden state of every completion position is produced by the decode itself; the last token is
+fed once more after sampling stops, so proofs cover every completion token without a second
+prefill. Token logprobs are those of `log_softmax(logits / temperature)` over the full vocabulary
+(what the trainer and verifier recompute); top-p/top-k only restrict which tokens may be drawn.
 
 Tokens are drawn as rlfleet/sampling.py says (inverse CDF of each sample's own uniform stream), so a
 sample depends on the weights, the prompt and its seed only, not on the batch it was drawn in: the
@@ -64,9 +66,11 @@ class TorchEngine(Engine):
         )  # (n, budget) float64
         stops = torch.tensor(sorted(self.stop_ids))
         body = self.model.model
-        ids = torch.tensor([prompt_ids] * n, dtype=torch.long)  # (n, P)
+        ids = torch.tensor([prompt_ids], dtype=torch.long)  # (1, P): the n rows share it
         out = body(input_ids=ids, use_cache=True)
-        cache, hidden = out.past_key_values, [out.last_hidden_state]  # [(n, P, H)]
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)  # every layer's keys and values (1, heads, P, d) -> (n, heads, P, d)
+        hidden = [out.last_hidden_state.expand(n, -1, -1)]  # [(n, P, H)]
         tokens, logprobs = [], []
         done = torch.zeros(n, dtype=torch.bool)
         for t in range(budget):

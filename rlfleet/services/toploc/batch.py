@@ -1,0 +1,120 @@
+"""Batched verification: the prefill checks of several groups from shared forward passes, and the
+gate's handling of a read batch of inbox entries with them.
+
+`score_groups`: the rows (prompt + completion) of every group, sorted by length and packed into
+prefills of at most `MAX_BATCH_TOKENS` padded positions; each group gets back the `Scored` of its own
+rows. A row's hidden states and logprobs do not depend on the other rows of its batch (right
+padding, causal attention with the padding masked), up to the float rounding of another matrix
+shape, which the TOPLOC thresholds and the logprob tolerance are set to absorb.
+
+`prefill_verdicts`: checks 3 and 4 (TOPLOC, logprobs, seed replay or possible tokens) of groups of one
+version, each judged by `Checker.prefill_checks` on its own rows: a group's verdict is the one it gets
+alone, and an accepted one leaves with its recomputed logprobs, as alone.
+
+`handle_batch`: the gate's loop over entries read together, in three passes:
+  1. in entry order: decode, draw the spot check and run every check but the prefill ones
+     (`Checker.check(deferred=True)`: all checks that come before them, the replay guard knowing
+     whether the group's seeds will be replayed; the reward check after them never rejects);
+  2. the drawn groups that passed: `prefill_verdicts`, one batch per policy version;
+  3. in entry order: commit every verdict. The only way one entry's verdict reaches another's is
+     a ban, so a group whose worker was banned by a verdict committed earlier in this batch is
+     judged again alone (`Gate.judge`: rejected `banned`, as one-by-one handling would have it).
+So every entry gets the verdict, and the output streams the order, of handling entries one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+
+from rlfleet.policy import Scored, score
+from rlfleet.services.toploc.checks import Checker, Outcome, Rejection, decode_group
+from rlfleet.streams import RolloutGroup
+
+# Padded positions per prefill: bounds its activations (positions x hidden) and logits (positions x
+# vocabulary); past a few thousand positions a larger batch no longer runs faster per token.
+MAX_BATCH_TOKENS = 8192
+
+
+def score_groups(model, groups: list[RolloutGroup], temperature: float, pad_id: int) -> list[Scored]:
+    """Per group, the `Scored` (hidden states and logprobs) of its rows, from as few prefills as fit."""
+    rows = sorted(
+        (
+            (len(g.prompt_ids) + len(s.completion_ids), gi, si)
+            for gi, g in enumerate(groups)
+            for si, s in enumerate(g.samples)
+        ),
+        reverse=True,
+    )
+    batches: list[list[tuple[int, int, int]]] = []
+    for row in rows:  # longest first, so a batch's first row sets its padded width
+        if batches and (len(batches[-1]) + 1) * batches[-1][0][0] <= MAX_BATCH_TOKENS:
+            batches[-1].append(row)
+        else:
+            batches.append([row])
+    out = [Scored(hidden=[None] * len(g.samples), logprobs=[None] * len(g.samples), entropy=[]) for g in groups]
+    for batch in batches:
+        ids = [groups[gi].prompt_ids + groups[gi].samples[si].completion_ids for _, gi, si in batch]
+        with torch.inference_mode():
+            scored = score(model, ids, temperature, pad_id, want_hidden=True)
+        for (_, gi, si), hidden, logprobs in zip(batch, scored.hidden, scored.logprobs):
+            out[gi].hidden[si], out[gi].logprobs[si] = hidden, logprobs
+    return out
+
+
+def prefill_verdicts(
+    checker: Checker, model, tokenizer, groups: list[RolloutGroup]
+) -> list[Rejection | list[list[float]]]:
+    """Checks 3 and 4 of groups of one policy version (`model`, `tokenizer`) with batched prefills:
+    per group its recomputed logprobs (G, T_i) when it passed, else its Rejection, the verdict
+    `checker.prefill_checks` gives it alone."""
+    by_temperature: dict[float, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        by_temperature[g.sampling.temperature].append(i)
+    verdicts: list[Rejection | list[list[float]]] = [[] for _ in groups]
+    for temperature, members in by_temperature.items():
+        scored = score_groups(model, [groups[i] for i in members], temperature, tokenizer.pad_token_id)
+        for i, sc in zip(members, scored):
+            try:
+                verdicts[i] = checker.prefill_checks(groups[i], model, tokenizer, sc)
+            except Rejection as exc:
+                exc.worker_id = groups[i].worker_id
+                verdicts[i] = exc
+    return verdicts
+
+
+def handle_batch(gate, entries: list[tuple[bytes, dict]]) -> list[int]:
+    """Check and commit inbox entries read together (`gate`: a toploc.gate.Gate); per entry the commit
+    script's answer, as `Gate.handle` gives it."""
+    v = gate.spec.verifier
+    verdicts: list[tuple[RolloutGroup | None, Outcome | Rejection]] = []
+    drawn: dict[int, list[int]] = defaultdict(list)  # policy version -> entries that get the prefill checks
+    for n, (msg_id, fields) in enumerate(entries):  # pass 1
+        group = None
+        try:
+            group = decode_group(fields, v.max_message_bytes)
+            prefill = gate.draw() < v.spot_check_fraction
+            verdicts.append((group, gate.checker.check(group, msg_id, prefill, deferred=True)))
+            if prefill:
+                drawn[group.policy_version].append(n)
+        except Rejection as exc:
+            verdicts.append((group, exc))
+    for version, members in drawn.items():  # pass 2
+        model, tokenizer = gate.policy(version)
+        groups = [verdicts[n][0] for n in members]
+        for n, got in zip(members, prefill_verdicts(gate.checker, model, tokenizer, groups)):
+            if not isinstance(got, Rejection):
+                got = dataclasses.replace(verdicts[n][1], prefill_checked=True, logprobs=got)
+            verdicts[n] = (verdicts[n][0], got)
+    banned: set[str] = set()
+    answers = []
+    for (msg_id, fields), (group, result) in zip(entries, verdicts):  # pass 3
+        if group is not None and group.worker_id in banned:
+            group, result = gate.judge(msg_id, fields)
+        answer = gate.commit(msg_id, fields, group, result)
+        if answer == 2 and isinstance(result, Rejection):
+            banned.add(result.worker_id)
+        answers.append(answer)
+    return answers

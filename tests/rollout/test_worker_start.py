@@ -1,0 +1,82 @@
+"""A rollout worker's start (rlfleet/services/rollout/main.py, Worker.wait_first_version): its engine starts
+from the run's base model while version 0 is not yet published, and generates only with version 0's
+weights, downloaded through an origin over HTTP with signed manifests and a real Redis."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import serving, tiny_policy_dir
+
+from rlfleet import env
+from rlfleet.checkpoint import publish_version
+from rlfleet.config import load_bundle
+from rlfleet.runtime import Context
+from rlfleet.services.rollout.main import RolloutOptions, Worker
+from rlfleet.services.shardcast.origin import make_app
+from rlfleet.signing import generate_keypair, load_private_key, make_signer
+from rlfleet.store import open_store
+from rlfleet.streams import RunKeys, encode_json
+
+CONFIG = """
+apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: start}}
+spec:
+  model: {{path: "{model}"}}
+  task: {{type: arithmetic, maxOperand: 20}}
+  sampling: {{groupSize: 2, maxTokens: 4}}
+  store: {{uri: "file://{store}"}}
+"""
+
+
+def wait_for(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("base_is_local", [True, False])
+def test_the_engine_starts_before_version_0_and_generates_with_its_weights(
+    tmp_path, redis_client, redis_url, monkeypatch, base_is_local
+):
+    base = tiny_policy_dir(tmp_path / "base", seed=0)
+    v0 = tiny_policy_dir(tmp_path / "v0", seed=1)  # other weights than the base, so the test sees which generate
+    model_path = base if base_is_local else tmp_path / "not-on-this-machine"
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(CONFIG.format(model=model_path, store=tmp_path / "store"))
+    bundle = load_bundle(config)
+    key_file, public = generate_keypair(tmp_path / "keys")
+    monkeypatch.setenv(env.PUBLIC_KEY, public)
+    store = open_store(bundle.run.spec.store.uri)
+    publish_version(store, "start", 0, v0, signer=make_signer(load_private_key(key_file)))
+    ctx = Context(bundle=bundle, redis=redis_client, keys=RunKeys("start"), stop=threading.Event())
+    with serving(make_app(store, "start")) as origin_url:
+        worker = Worker(
+            ctx, RolloutOptions(config=config, worker_id="w", cache_dir=tmp_path / "cache", relay_urls=[origin_url])
+        )
+        started = []
+        thread = threading.Thread(target=lambda: started.append(worker.wait_first_version()), daemon=True)
+        thread.start()
+        try:
+            if base_is_local:
+                wait_for(lambda: worker.engine is not None)
+                assert worker.engine.version == -1, "nothing is generated before version 0 is loaded"
+            time.sleep(0.3)
+            assert thread.is_alive(), "the worker waits for version 0"
+            redis_client.xadd(ctx.keys.policy, encode_json({"version": 0}))
+            thread.join(60)
+        finally:
+            ctx.stop.set()
+            thread.join(10)
+        assert started == [True]
+        assert worker.engine.version == 0
+        live = worker.engine.model.state_dict()
+        for name, tensor in load_file(str(v0 / "model.safetensors")).items():
+            torch.testing.assert_close(live[name], tensor, rtol=0, atol=0)
+        worker.engine.close()
