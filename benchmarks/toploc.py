@@ -60,7 +60,7 @@ spec:
   verifier: {verifier}
 """
 THRESHOLDS = {
-    "authors": "{}",
+    "authors": "{logprobTolerance: 0.05, toploc: {maxExpMismatches: 38, maxMantErrMean: 10, maxMantErrMedian: 8}}",
     "fp32": "{logprobTolerance: 1.0e-4, toploc: {maxExpMismatches: 2, maxMantErrMean: 0.25, maxMantErrMedian: 0.5}}",
 }
 
@@ -89,7 +89,7 @@ def random_policy(dest: Path, hidden: int, layers: int, seed: int) -> Path:
 
 def make_group(engine: TorchEngine, index: int, spec, timing: dict) -> RolloutGroup:
     s = spec.sampling
-    engine.eos_id = -1  # ignore EOS (as vLLM's ignore_eos): every completion has maxTokens tokens
+    engine.stop_ids = frozenset()  # ignore EOS (as vLLM's ignore_eos): every completion has maxTokens tokens
     prompt_ids = engine.tokenizer(make_run_task(spec).problem(f"arith-0-{index}").prompt)["input_ids"]
     params = SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=index)
     t0 = time.perf_counter()
@@ -114,7 +114,8 @@ def batched(checker: Checker, model, tok, groups: list[RolloutGroup]) -> list[st
     """Rejection reasons of the prefill checks, `READ_BATCH` groups per batched prefill (as the gate)."""
     out = []
     for i in range(0, len(groups), READ_BATCH):
-        out += [r and r.reason for r in prefill_verdicts(checker, model, tok, groups[i : i + READ_BATCH])]
+        verdicts = prefill_verdicts(checker, model, tok, groups[i : i + READ_BATCH])
+        out += [r.reason if isinstance(r, Rejection) else None for r in verdicts]  # else: recomputed logprobs
     return out
 
 

@@ -12,9 +12,10 @@ import uvicorn
 class BackgroundServer:
     """`BackgroundServer(app, host, port, name).start()` serves until `stop()`."""
 
-    def __init__(self, app, host: str, port: int, name: str):
+    def __init__(self, app, host: str, port: int, name: str, config: uvicorn.Config | None = None):
+        """`config` replaces the default settings (its app, host and port are used as given)."""
         self.name = name
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.server = uvicorn.Server(config or uvicorn.Config(app, host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True, name=name)
 
     def start(self, timeout: float = 10.0) -> BackgroundServer:

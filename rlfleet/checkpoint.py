@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -283,6 +284,20 @@ def prune_versions(store: CheckpointStore, run: str, keep: int) -> None:
     for version in (v for v in versions if v not in kept):
         store.delete_prefix(manifest_key(run, version))
         store.delete_prefix(version_prefix(run, version))
+
+
+def prune_cache(cache_dir: Path, oldest: int) -> list[int]:
+    """Delete the local copies of versions older than `oldest` in a consumer's cache (`v{N}` and an
+    unfinished `.v{N}.partial`); the callers choose `oldest` so that no version in use goes. The versions
+    deleted."""
+    gone = set()
+    for child in Path(cache_dir).iterdir() if Path(cache_dir).is_dir() else ():
+        name = child.name
+        version = parse_version_dir(name.removeprefix(".").removesuffix(".partial"))
+        if version is not None and version < oldest and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+            gone.add(version)
+    return sorted(gone)
 
 
 def save_model_dir(model, tokenizer, dest: Path, state_dict: dict | None = None) -> None:

@@ -12,6 +12,8 @@ import os
 
 # Set by the local launcher and by the operator's pod specs; read by every component.
 REDIS_URL = "RLFLEET_REDIS_URL"  # overrides spec.redis.url
+REDIS_READ_URL = "RLFLEET_REDIS_READ_URL"  # a rollout worker's reads (policy, inbox length); default REDIS_URL
+REDIS_TICKETS_URL = "RLFLEET_REDIS_TICKETS_URL"  # a rollout worker's work tickets; default REDIS_URL
 STORE_URI = "RLFLEET_STORE_URI"  # overrides spec.store.uri (the launcher's RUN_DIR/store)
 PUBLIC_KEY = "RLFLEET_PUBLIC_KEY"  # manifest verification key, overrides spec.shardcast.publicKey
 SIGNING_KEY_FILE = "RLFLEET_SIGNING_KEY_FILE"  # the trainer's private signing key (PEM file)

@@ -14,6 +14,10 @@ Redis's append-only file and the trainer's state from the store, and reuses the 
 Manifests are signed: a run key pair is kept in RUN_DIR/keys (unless RLFLEET_SIGNING_KEY_FILE
 is set); only the trainer gets the private key file, every component gets the public key
 (env RLFLEET_PUBLIC_KEY).
+Redis has one ACL user per role with fresh passwords on each launch (rlfleet/redis_acl.py; the
+default user is off, the aclfile RUN_DIR/redis/users.acl is the owner's only): each component gets
+its role's URLs (`redis_env`: a worker can add to the inbox and read the policy stream, nothing
+more), the launcher and endpoints.json the run's admin user.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from pathlib import Path
 from rlfleet import env
 from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.progress import BuildProgress, Progress, startup_status
-from rlfleet.redis_server import free_port, redis_server_argv, wait_until_ready
+from rlfleet.redis_acl import ADMIN, COMPONENT_ROLES, WORKER_ROLES, RunAcl
+from rlfleet.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
 from rlfleet.report import read_metrics, write_reports
 from rlfleet.streams import RunKeys
 from rlfleet.supervisor import Component, Supervisor
@@ -155,6 +160,22 @@ def plan(bundle: Bundle, config: Path, run_dir: Path) -> list[Component]:
     return comps
 
 
+def redis_env(c: Component, bundle: Bundle, acl: RunAcl, base_url: str) -> dict[str, str]:
+    """The Redis URLs of a component: its role's; a worker's reader and tickets users besides; none for a
+    worker of a pool that submits through an ingest (it never touches Redis)."""
+    command = c.argv[3]  # argv: python -m rlfleet.cli <subcommand> ...
+    if command != "rollout":
+        return {env.REDIS_URL: acl.url(base_url, COMPONENT_ROLES[command])}
+    pool = c.argv[c.argv.index("--pool") + 1] if "--pool" in c.argv else None
+    if bundle.pool(pool)[1].ingest_url:
+        return {env.REDIS_URL: ""}
+    return {
+        env.REDIS_URL: acl.url(base_url, WORKER_ROLES["write"]),
+        env.REDIS_READ_URL: acl.url(base_url, WORKER_ROLES["read"]),
+        env.REDIS_TICKETS_URL: acl.url(base_url, WORKER_ROLES["tickets"]),
+    }
+
+
 def run_keys(environ: dict, key_dir: Path) -> dict:
     """Set environ's RLFLEET_PUBLIC_KEY for every component; return the trainer-only env naming the
     private key: RLFLEET_SIGNING_KEY_FILE if given, else the pair in `key_dir` (made on the run's
@@ -228,10 +249,13 @@ def start_and_supervise(bundle: Bundle, file: str, config: Path, run_path: Path,
             if c.name.startswith("trainer"):
                 c.argv += ["--steps", str(steps)]
     redis_port = free_port()
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    base_url = f"redis://127.0.0.1:{redis_port}/0"
+    acl = RunAcl.generate(bundle.run.metadata.name)
+    redis_url = acl.url(base_url, ADMIN)
+    acl_file = write_acl_file(run_path / "redis" / "users.acl", acl.acl_file())
     redis_comp = Component(
         "redis",
-        redis_server_argv(run_path / "redis", redis_port, persistent=True),
+        redis_server_argv(run_path / "redis", redis_port, persistent=True, acl_file=acl_file),
         run_path / "logs" / "redis.log",
         stop_last=True,
     )
@@ -251,6 +275,7 @@ def start_and_supervise(bundle: Bundle, file: str, config: Path, run_path: Path,
         environ[env.STORE_URI] = f"file://{run_path / 'store'}"
     trainer_env = run_keys(environ, run_path / "keys")
     for c in comps:
+        c.env.update(redis_env(c, bundle, acl, base_url))
         if c.name == "trainer":
             c.env.update(trainer_env)
     (run_path / "redis").mkdir(exist_ok=True)

@@ -31,6 +31,7 @@ class Context:
     redis: redis.Redis | None  # None only for a component that may run without it (component_context)
     keys: RunKeys
     stop: threading.Event
+    redis_url: str = ""  # what `redis` connects to (a component that needs other client settings reconnects)
 
     @property
     def run_name(self) -> str:
@@ -69,7 +70,7 @@ def component_context(options: ComponentOptions, component: str, redis_optional:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop)
+    return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop, redis_url=url)
 
 
 # A component rides out a Redis restart (a pod rescheduled, the local launcher's restart with its

@@ -5,21 +5,31 @@ Streams (keys built only by `RunKeys`):
   verified  groups the verifier accepted, with trusted rewards (consumed by the trainer)
   rejected  groups refused, with the reason (audit)
   policy    one message per published policy version
+  deadletter inbox entries whose handling failed verifier.maxAttempts times (kept for an operator)
 A message is one Redis field `m` holding compact JSON; token ids, logprobs and proofs travel as
 base64 of little-endian int32 / float32 / raw bytes. `SCHEMA_VERSION` changes with any
 incompatible change; a consumer dead-letters what it cannot decode and keeps running.
+Schema 2: samples are drawn as rlfleet/sampling.py says (seed per sample, replayable), and a group
+records the `engine` that drew it and, when the run assigns work, its `ticket`.
+
+What a group *is* (`group_digest`): its prompt tokens, sampling parameters (not the seed) and the
+multiset of its completions. The gate's replay guard, the trainer's exactly-once and the ingest's
+idempotency all key on it, never on ids the worker chooses (rollout id, worker id, seed, task id).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import math
+import struct
 import uuid
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MESSAGE_FIELD = b"m"
 
 
@@ -34,20 +44,32 @@ class RunKeys:
         self.rejected = f"{prefix}:rejected"
         self.policy = f"{prefix}:policy"
         self.stats = f"{prefix}:stats"
-        self.trained = f"{prefix}:trained"  # sorted set: rollout id -> policy version it trained
+        self.trained = f"{prefix}:trained"  # sorted set: content digest -> policy version it trained
         # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
         self.workers = f"{prefix}:workers"
         self.banned = f"{prefix}:banned"  # hash: worker id -> JSON ban record (why, when)
-        self._seen_prefix = f"{prefix}:seen:"
+        self.tickets = f"{prefix}:tickets"  # hash: worker id -> work tickets issued (rlfleet/assignment.py)
+        self.attempts = f"{prefix}:attempts"  # hash: inbox entry id -> verifier attempts not yet committed
+        self.dead_letter = f"{prefix}:deadletter"  # inbox entries no verifier could handle (poison pills)
+        # The gate's one-time guards (rlfleet/services/toploc/guards.py): hash content digest -> entry|seed,
+        # zset content digest -> newest policy version claimed (pruned to the async window), hash ticket -> entry.
+        self.seen = f"{prefix}:seen"
+        self.seen_versions = f"{prefix}:seen-versions"
+        self.tickets_used = f"{prefix}:tickets-used"
+        self._submitted_prefix = f"{prefix}:submitted:"
         self.verifier_group = "verifiers"
         self.trainer_group = "trainer"
 
-    def seen(self, rollout_id: str) -> str:
-        """Replay guard of one rollout id (a key with a TTL, so the guard stays bounded)."""
-        return f"{self._seen_prefix}{rollout_id}"
+    def submitted(self, digest: str) -> str:
+        """The ingest's idempotency record of one submission, by content digest (a key with a TTL)."""
+        return f"{self._submitted_prefix}{digest}"
+
+    def patterns(self) -> dict[str, str]:
+        """Glob patterns of the per-item keys (for Redis ACL key rules, rlfleet/redis_acl.py)."""
+        return {"submitted": f"{self._submitted_prefix}*"}
 
     def all(self) -> list[str]:
-        """Fixed keys of the run (the per-rollout replay guards expire by themselves)."""
+        """Fixed keys of the run (the ingest's per-submission records expire by themselves)."""
         return [
             self.rollouts,
             self.verified,
@@ -57,11 +79,51 @@ class RunKeys:
             self.trained,
             self.workers,
             self.banned,
+            self.tickets,
+            self.attempts,
+            self.dead_letter,
+            self.seen,
+            self.seen_versions,
+            self.tickets_used,
         ]
 
 
 class MessageError(ValueError):
     """A message that cannot be decoded; it is dead-lettered with this text as the reason."""
+
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "seed"}
+ID_MAX_CHARS = 1024  # task, worker and rollout ids and the engine name
+
+
+def text_field(body: dict, key: str, max_chars: int | None = None) -> str:
+    """`body[key]` when it is a string Redis and JSON can carry back (UTF-8: no lone surrogate)."""
+    value = body[key]
+    if not isinstance(value, str):
+        raise MessageError(f"{key} is a {type(value).__name__}, not a string")
+    if max_chars is not None and len(value) > max_chars:
+        raise MessageError(f"{key} has {len(value)} characters, more than {max_chars}")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise MessageError(f"{key} is not UTF-8 text (it holds a lone surrogate)") from None
+    return value
+
+
+def _integer(body: dict, key: str) -> int:
+    """`body[key]` when it is a JSON integer in [0, 2**63)."""
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise MessageError(f"{key} must be an integer in [0, 2**63), not {ascii(value)[:50]}")
+    return value
+
+
+def _number(body: dict, key: str) -> float:
+    """`body[key]` when it is a finite JSON number."""
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise MessageError(f"{key} must be a finite number, not {ascii(value)[:50]}")
+    return float(value)
 
 
 def encode_ints(values) -> str:
@@ -101,12 +163,14 @@ class Sample:
 
     @classmethod
     def from_wire(cls, d: dict) -> Sample:
+        if not isinstance(d, dict) or not isinstance(d["p"], list):
+            raise MessageError("a sample is not an object with a list of proofs `p`")
         return cls(
-            completion_ids=decode_ints(d["c"]),
-            logprobs=decode_floats(d["l"]),
+            completion_ids=decode_ints(text_field(d, "c")),
+            logprobs=decode_floats(text_field(d, "l")),
             proofs=[base64.b64decode(p) for p in d["p"]],
-            reward=float(d["r"]),
-            finish_reason=str(d["f"]),
+            reward=_number(d, "r"),
+            finish_reason=text_field(d, "f"),
         )
 
 
@@ -116,7 +180,7 @@ class SamplingParams:
     top_p: float
     top_k: int
     max_tokens: int
-    seed: int
+    seed: int  # the group's; sample i draws with rlfleet.sampling.sample_seed(seed, i)
 
 
 @dataclass
@@ -130,6 +194,8 @@ class RolloutGroup:
     sampling: SamplingParams
     samples: list[Sample]
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    engine: str = "torch"  # what drew the samples: "torch" (replayable, rlfleet/sampling.py) or "vllm"
+    ticket: int | None = None  # the run-assigned work ticket (spec.sampling.assignment: run), else None
     schema: int = SCHEMA_VERSION
 
     def encode(self) -> dict[bytes, bytes]:
@@ -142,7 +208,10 @@ class RolloutGroup:
             "prompt": encode_ints(self.prompt_ids),
             "sampling": asdict(self.sampling),
             "samples": [s.to_wire() for s in self.samples],
+            "engine": self.engine,
         }
+        if self.ticket is not None:
+            body["ticket"] = self.ticket
         return {MESSAGE_FIELD: json.dumps(body, separators=(",", ":")).encode()}
 
     @classmethod
@@ -153,29 +222,62 @@ class RolloutGroup:
             raise MessageError(f"no '{MESSAGE_FIELD.decode()}' field in message")
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise MessageError(f"body is not JSON: {exc}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise MessageError(f"body is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
         if not isinstance(body, dict):
             raise MessageError("body is not a JSON object")
         if body.get("schema") != SCHEMA_VERSION:
-            raise MessageError(f"schema {body.get('schema')!r} is not the supported {SCHEMA_VERSION}")
+            raise MessageError(f"schema {ascii(body.get('schema'))[:50]} is not the supported {SCHEMA_VERSION}")
         try:
+            sampling = body["sampling"]
+            if not isinstance(sampling, dict) or set(sampling) != _SAMPLING_FIELDS:
+                raise MessageError(f"sampling must be an object with exactly {sorted(_SAMPLING_FIELDS)}")
+            if not isinstance(body["samples"], list):
+                raise MessageError("samples is not a list")
             group = cls(
-                task_id=str(body["task_id"]),
-                worker_id=str(body["worker_id"]),
-                policy_version=int(body["policy_version"]),
-                prompt_ids=decode_ints(body["prompt"]),
-                sampling=SamplingParams(**body["sampling"]),
+                task_id=text_field(body, "task_id", ID_MAX_CHARS),
+                worker_id=text_field(body, "worker_id", ID_MAX_CHARS),
+                policy_version=_integer(body, "policy_version"),
+                prompt_ids=decode_ints(text_field(body, "prompt")),
+                sampling=SamplingParams(
+                    temperature=_number(sampling, "temperature"),
+                    top_p=_number(sampling, "top_p"),
+                    top_k=_integer(sampling, "top_k"),
+                    max_tokens=_integer(sampling, "max_tokens"),
+                    seed=_integer(sampling, "seed"),
+                ),
                 samples=[Sample.from_wire(s) for s in body["samples"]],
-                rollout_id=str(body["rollout_id"]),
-                schema=body["schema"],
+                rollout_id=text_field(body, "rollout_id", ID_MAX_CHARS),
+                engine=text_field(body, "engine", ID_MAX_CHARS),
+                ticket=None if body.get("ticket") is None else _integer(body, "ticket"),
+                schema=SCHEMA_VERSION,
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MessageError(f"malformed field: {exc!r}") from None
+        except MessageError:
+            raise
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise MessageError(f"malformed field: {str(exc)[:200]!r}") from None
         for i, s in enumerate(group.samples):
             if len(s.completion_ids) != len(s.logprobs):
                 raise MessageError(f"samples[{i}]: {len(s.completion_ids)} tokens but {len(s.logprobs)} logprobs")
         return group
+
+
+def group_digest(group: RolloutGroup) -> str:
+    """What the work is, as a hex sha256: prompt tokens, sampling parameters but the seed, and the
+    completions as a multiset (sorted), so a replay under new ids, another seed or task id, or with
+    its samples reordered has the same digest. The one helper for every dedup of groups."""
+    h = hashlib.sha256(b"rlfleet-work-1\0")
+
+    def part(data: bytes) -> None:
+        h.update(struct.pack("<Q", len(data)))
+        h.update(data)
+
+    s = group.sampling
+    part(np.asarray(group.prompt_ids, dtype="<i4").tobytes())
+    part(json.dumps([float(s.temperature), float(s.top_p), int(s.top_k), int(s.max_tokens)]).encode())
+    for completion in sorted(np.asarray(c.completion_ids, dtype="<i4").tobytes() for c in group.samples):
+        part(completion)
+    return h.hexdigest()
 
 
 def encode_json(payload: dict) -> dict[bytes, bytes]:

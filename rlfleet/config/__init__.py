@@ -187,9 +187,28 @@ def parse_bundle(text: str, source: str = "<config>") -> Bundle:
                     f"{other.kind} {other.metadata.name}: spec.run: {other.spec.run!r} names no RLRun in this file "
                     f"(expected {run_name!r})"
                 )
+        problems += _pool_problems(runs[0], pools)
     if problems:
         raise ConfigError(source, problems)
     return Bundle(run=runs[0], pools=pools, relays=relays)
+
+
+def _pool_problems(run: RLRun, pools: list[InferencePool]) -> list[str]:
+    """What a pool asks of its run that the run does not give: room in the inbox, an admitted engine."""
+    problems, spec = [], run.spec
+    for pool in pools:
+        where = f"InferencePool {pool.metadata.name}"
+        if pool.spec.max_pending >= spec.redis.stream_max_len:
+            problems.append(
+                f"{where}: spec.maxPending: {pool.spec.max_pending} must be below the run's redis.streamMaxLen "
+                f"({spec.redis.stream_max_len}); lower it or raise streamMaxLen"
+            )
+        if pool.spec.engine in ("vllm", "auto") and "vllm" not in spec.verifier.engines:
+            problems.append(
+                f"{where}: spec.engine: {pool.spec.engine} may draw with vLLM, whose groups the gate cannot replay and "
+                f"refuses unless the run admits them: add vllm to RLRun spec.verifier.engines (or use engine: torch)"
+            )
+    return problems
 
 
 def load_bundle(path: str | Path) -> Bundle:

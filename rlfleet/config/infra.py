@@ -26,6 +26,19 @@ class RedisSpec(Spec):
     stream_max_len: int = Field(
         default=10000, ge=100, description="Approximate MAXLEN of every stream; nothing grows without bound."
     )
+    role_urls: bool = Field(
+        default=False,
+        description="Cluster only: urlSecret also holds one URL per Redis ACL role (rlfleet/redis_acl.py; the chart's "
+        "redis.acl.users), keys url-trainer, url-verifier, url-ingest, url-reader (origin, relays, worker reads), "
+        "url-worker and url-tickets (worker writes); each pod gets its role's, so a worker can only add to the "
+        "inbox. `url` stays the operator's.",
+    )
+
+    @model_validator(mode="after")
+    def _role_urls_need_a_secret(self) -> RedisSpec:
+        if self.role_urls and not self.url_secret:
+            raise ValueError("roleUrls: needs urlSecret (the Secret that holds the url-<role> keys)")
+        return self
 
 
 class StoreSpec(Spec):
@@ -166,8 +179,32 @@ class IngestSpec(Spec):
     max_backlog: int = Field(
         default=1000,
         ge=1,
-        description="While the inbox holds more than this many unverified groups, submissions get 503 with "
-        "Retry-After (the workers wait and resend).",
+        description="While the inbox holds this many unverified groups, submissions get 503 with Retry-After (the "
+        "workers wait and resend); checked and added atomically, so the inbox never holds more. Must be below "
+        "spec.redis.streamMaxLen.",
+    )
+    max_buffered_bytes: int = Field(
+        default=128 * 2**20,
+        ge=1024,
+        description="Request bodies all submissions in flight may hold together; a submission that would go over it "
+        "gets 503 with Retry-After before its body is read.",
+    )
+    request_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description="A connection must deliver a whole request (headers and body) within this many seconds of "
+        "opening or of its previous response, else it is closed (slow clients); a slow body gets 408.",
+    )
+    max_connections: int = Field(
+        default=512, ge=1, description="Requests served at once; more get 503 at once (uvicorn limit_concurrency)."
+    )
+    redis_timeout_seconds: float = Field(
+        default=2.0,
+        gt=0.0,
+        le=60.0,
+        description="Longest wait for Redis on a submission; a Redis that is down or stalled gives 503 with "
+        "Retry-After, never an error or a hang.",
     )
     resources: ResourcesSpec = resources("250m", "256Mi")
     pod_template: dict[str, Any] | None = pod_template()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlfleet.config.base import NAME_PATTERN, Metadata, Spec
 from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
@@ -65,6 +65,16 @@ class RLRunSpec(Spec):
         description="Cluster only: seconds after the run completes or fails after which the operator deletes it, "
         "and with it its children, pools and relay tiers. Empty: kept until you delete it.",
     )
+
+    @model_validator(mode="after")
+    def _inbox_below_max_len(self) -> RLRunSpec:
+        if self.ingest.max_backlog >= self.redis.stream_max_len:
+            raise ValueError(
+                f"ingest.maxBacklog ({self.ingest.max_backlog}) must be below redis.streamMaxLen "
+                f"({self.redis.stream_max_len}): the inbox would outgrow the streams' bound; lower maxBacklog or "
+                f"raise streamMaxLen"
+            )
+        return self
 
 
 class InferencePoolSpec(Spec):

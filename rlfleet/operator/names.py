@@ -46,7 +46,7 @@ CACHE_DIR = "/var/cache/rlfleet"
 SIGNING_DIR = "/var/run/rlfleet/signing"
 SIGNING_KEY = "signing-key"  # key inside the signing Secret (private; trainer only)
 PUBLIC_KEY = "public-key"  # key inside the signing Secret (public; every other pod)
-REDIS_URL_KEY = "url"  # key inside the Redis URL Secret
+REDIS_URL_KEY = "url"  # key inside the Redis URL Secret (per ACL role: redis_role_url_key)
 INGEST_DIR = "/var/run/rlfleet/ingest"
 INGEST_TOKENS_KEY = "tokens.yaml"  # key inside the ingest tokens Secret
 WORKER_TOKENS_DIR = "/var/run/rlfleet/worker-tokens"  # a pool's workerTokens Secret: one file per pod name
@@ -139,3 +139,8 @@ def selector(kind: str, instance: str, component: str, run: str) -> dict[str, st
 def selector_string(match_labels: dict[str, str]) -> str:
     """The `status.selector` string the scale subresource (and HPA) reads."""
     return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
+
+
+def redis_role_url_key(role: str) -> str:
+    """Key of one Redis ACL role's URL inside the Redis URL Secret (spec.redis.roleUrls)."""
+    return f"{REDIS_URL_KEY}-{role}"

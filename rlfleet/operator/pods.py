@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet import env
+from rlfleet import env, redis_acl
 from rlfleet.config import API_VERSION, RLRun
 from rlfleet.config.workload import ResourcesSpec
 from rlfleet.operator import names
@@ -65,8 +65,9 @@ def meta(name: str, namespace: str, labels: dict, owner: Owner | None) -> dict:
 # ---- environment -------------------------------------------------------------------------------
 
 
-def pod_env(run: RLRun, redis: bool = True) -> list[dict]:
-    """What every pod gets; `redis=False` for pods that must never reach the run's Redis."""
+def pod_env(run: RLRun, redis: bool = True, component: str | None = None) -> list[dict]:
+    """What every pod gets; `redis=False` for pods that must never reach the run's Redis. With
+    spec.redis.roleUrls, `component`'s Redis ACL role's URLs (redis_role_env)."""
     out = [
         {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -75,11 +76,29 @@ def pod_env(run: RLRun, redis: bool = True) -> list[dict]:
     spec = run.spec.redis
     if not redis or run.spec.remote:
         return out
+    if spec.url_secret and spec.role_urls and component:
+        return out[:1] + redis_role_env(spec.url_secret, component) + out[1:]
     if spec.url_secret:
         value = {"valueFrom": {"secretKeyRef": {"name": spec.url_secret, "key": names.REDIS_URL_KEY}}}
     else:
         value = {"value": spec.url or ""}
     return out[:1] + [{"name": env.REDIS_URL, **value}] + out[1:]
+
+
+def redis_role_env(secret: str, component: str) -> list[dict]:
+    """The urlSecret's `url-<role>` of the component's Redis ACL role (rlfleet/redis_acl.py); a rollout
+    worker also reads and takes tickets as their own users."""
+
+    def from_secret(name: str, role: str) -> dict:
+        return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": names.redis_role_url_key(role)}}}
+
+    out = [from_secret(env.REDIS_URL, redis_acl.COMPONENT_ROLES[component])]
+    if component == names.ROLLOUT:
+        out += [
+            from_secret(env.REDIS_READ_URL, redis_acl.WORKER_ROLES["read"]),
+            from_secret(env.REDIS_TICKETS_URL, redis_acl.WORKER_ROLES["tickets"]),
+        ]
+    return out
 
 
 def signing_env(run: RLRun, component: str) -> list[dict]:
@@ -143,7 +162,7 @@ def build_container(
         "image": image,
         "command": ["rlfleet", component],
         "args": ["--config", names.CONFIG_PATH, "--metrics-port", str(names.METRICS_PORT), *args],
-        "env": pod_env(run, redis) + signing_env(run, component) + (extra_env or []),
+        "env": pod_env(run, redis, component) + signing_env(run, component) + (extra_env or []),
         "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
         "resources": resource_requirements(resources, gpus, gpu_resource),
         "volumeMounts": [

@@ -257,7 +257,7 @@ spec:
   task: {{type: arithmetic, maxOperand: 20}}
   sampling: {{groupSize: 4, maxTokens: 8, temperature: 1.0}}
   trainer: {{steps: 4, batchSize: 2, learningRate: 1.0e-2, maxAsyncLevel: 1}}
-  verifier: {{replicas: 1}}
+  verifier: {{replicas: 1, engines: [vllm]}}
 ---
 apiVersion: rlfleet.io/v1alpha1
 kind: InferencePool

@@ -6,6 +6,7 @@ in the inbox as exactly the bytes the worker posted.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -22,21 +23,29 @@ from rlfleet.config import ConfigError, IngestSpec, parse_bundle
 from rlfleet.redis_server import free_port
 from rlfleet.services.ingest.app import load_tokens, make_app
 from rlfleet.services.ingest.client import post_group, rollouts_url
-from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, RunKeys, Sample, SamplingParams
+from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, RolloutGroup, RunKeys, Sample, SamplingParams
 
 RUN = "demo"
 TOKENS = {"w1": "token-of-w1", "w2": "token-of-w2"}
 KEYS = RunKeys(RUN)
 
 
-def group_bytes(worker_id: str = "w1") -> bytes:
+_distinct = itertools.count()
+
+
+def group_bytes(worker_id: str = "w1", work: int | None = None) -> bytes:
+    """A group message; each call is other work (another completion) unless `work` names the same one."""
+    n = next(_distinct) if work is None else work
     group = RolloutGroup(
         task_id="arith-1",
         worker_id=worker_id,
         policy_version=0,
         prompt_ids=[1, 2, 3],
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=4, seed=7),
-        samples=[Sample(completion_ids=[4, 5], logprobs=[-0.5, -1.0], proofs=[b"p" * 8], reward=1.0) for _ in range(2)],
+        samples=[
+            Sample(completion_ids=[4, 5, n], logprobs=[-0.5, -1.0, -1.0], proofs=[b"p" * 8], reward=1.0)
+            for _ in range(2)
+        ],
     )
     return group.encode()[MESSAGE_FIELD]
 
@@ -53,6 +62,13 @@ def ingest(redis_url: str, **spec):
     finally:
         server.stop()
         client.close()
+
+
+def wait_until(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 def post(base: str, body, token: str | None = "token-of-w1", run: str = RUN) -> requests.Response:
@@ -75,7 +91,8 @@ def test_honest_group_is_enqueued_byte_for_byte(redis_url):
         assert [e[0].decode() for e in entries] == [resp.json()["id"]]
         assert entries[0][1] == {MESSAGE_FIELD: body}
         assert RolloutGroup.decode(entries[0][1]).rollout_id == resp.json()["rollout_id"]
-        assert requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1
+        # /healthz answers from the Redis watch, which reads the backlog about once a second
+        wait_until(lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1)
         metrics = requests.get(base + "/metrics", timeout=5).text
         assert 'rlfleet_ingest_requests_total{code="202"}' in metrics
 
@@ -114,10 +131,15 @@ def test_oversized_body_is_413_by_length_and_while_reading(redis_url):
         (b"not json", "not JSON"),
         (b"[1, 2]", "not a JSON object"),
         (json.dumps({"schema": 99}).encode(), "schema"),
-        (json.dumps({"schema": 1, "worker_id": "w1"}).encode(), "malformed field"),
+        (json.dumps({"schema": SCHEMA_VERSION, "worker_id": "w1"}).encode(), "malformed field"),
         (b"", "no 'm' field"),
+        (b"[" * 2000 + b"]" * 2000, "RecursionError"),
+        (group_bytes().replace(b'"policy_version":0', b'"policy_version":1e400'), "policy_version"),
+        (group_bytes().replace(b'"worker_id":"w1"', b'"worker_id":"\\ud800"'), "lone surrogate"),
+        (group_bytes().replace(b'"seed":7', b'"seed":"7"'), "seed"),
+        (b'{"schema": 2, "worker_id": "\xff"}', "not JSON"),
     ],
-    ids=["text", "list", "schema", "fields", "empty"],
+    ids=["text", "list", "schema", "fields", "empty", "deep", "overflow", "surrogate", "type", "utf8"],
 )
 def test_malformed_body_is_422_with_the_decode_error(redis_url, body, words):
     with ingest(redis_url) as (base, client):
@@ -251,3 +273,37 @@ def test_cli_serves_the_ingest(redis_url, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_work_tickets_are_issued_to_the_tokens_worker(redis_url):
+    from rlfleet.services.ingest.client import request_ticket, tickets_url
+
+    with ingest(redis_url) as (base, client):
+        url = tickets_url(base, RUN)
+        with requests.Session() as session:
+            got = [request_ticket(session, url, TOKENS["w1"], threading.Event()) for _ in range(2)]
+            assert got == [0, 1]
+            assert request_ticket(session, url, TOKENS["w2"], threading.Event()) == 0  # per worker
+            with pytest.raises(RuntimeError, match="HTTP 401"):
+                request_ticket(session, url, "nope", threading.Event())
+        assert client.hget(KEYS.tickets, "w1") == b"2"
+
+
+def test_the_ingest_works_with_its_own_redis_user(tmp_path):
+    """Its ACL user (rlfleet/redis_acl.py) is enough for admission, idempotency, tickets, bans and health."""
+    from rlfleet.redis_acl import ADMIN, RunAcl, user_name
+    from rlfleet.redis_server import EmbeddedRedis
+    from rlfleet.services.ingest.client import request_ticket, tickets_url
+
+    acl = RunAcl.generate(RUN)
+    server = EmbeddedRedis(tmp_path / "redis", acl=acl.acl_file(), auth=(user_name(ADMIN, RUN), acl.passwords[ADMIN]))
+    with server, ingest(acl.url(server.base_url, "ingest")) as (base, client):
+        body = group_bytes()
+        assert post(base, body).status_code == 202 and post(base, body).json()["duplicate"] is True
+        assert request_ticket(requests.Session(), tickets_url(base, RUN), TOKENS["w1"], threading.Event()) == 0
+        wait_until(lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1)
+        admin = redis.Redis.from_url(server.url)
+        admin.hset(KEYS.banned, "w2", "{}")
+        assert post(base, group_bytes("w2"), token="token-of-w2").status_code == 403
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.xadd(KEYS.verified, {MESSAGE_FIELD: body})

@@ -16,7 +16,9 @@ from support import REPO, tiny_policy_dir
 
 from rlfleet.config import parse_bundle
 from rlfleet.policy import load_policy, score
+from rlfleet.sampling import completion_text
 from rlfleet.services.toploc.checks import Checker, Rejection
+from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
 from rlfleet.tasks import make_task
@@ -36,7 +38,7 @@ spec:
   model: {{path: "{model}"}}
   task: {{type: arithmetic, maxOperand: 20}}
   sampling: {{groupSize: 4, maxTokens: 12, temperature: 1.0, topP: 0.9, topK: 8}}
-  verifier: {{toploc: {{decodeBatchingSize: 4}}}}
+  verifier: {{engines: [vllm], toploc: {{decodeBatchingSize: 4}}}}
   store: {{uri: "file://{store}"}}
 """
 HEAD_32 = {"num_attention_heads": 2, "num_key_value_heads": 1}
@@ -68,7 +70,7 @@ def make_group(engine, spec, index: int, seed: int) -> RolloutGroup:
     samples = []
     for gen in gens:
         proofs = build_proofs(gen.hidden, len(prompt_ids), decode_batching_size=t.decode_batching_size, topk=t.topk)
-        text = engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
+        text = completion_text(engine.tokenizer, gen.completion_ids, engine.stop_ids)
         samples.append(Sample(gen.completion_ids, gen.logprobs, proofs, task.reward(problem, text), gen.finish_reason))
     return RolloutGroup(
         task_id=problem.task_id,
@@ -77,6 +79,7 @@ def make_group(engine, spec, index: int, seed: int) -> RolloutGroup:
         prompt_ids=prompt_ids,
         sampling=params,
         samples=samples,
+        engine=engine.name,  # vllm: not replayable, checked by proofs, logprobs and possible tokens
     )
 
 
@@ -128,6 +131,7 @@ def test_vllm_rollouts_pass_the_verifier_across_a_weight_swap(engine, models, tm
         prompt_ids=after[0].prompt_ids,
         sampling=after[0].sampling,
         samples=after[0].samples,
+        engine="vllm",
     )
     with pytest.raises(Rejection) as refused:
         checker.check(forged, msg_id=None)
@@ -168,6 +172,7 @@ def test_completions_end_one_position_short_of_the_context_window(engine, models
         samples=[Sample(g.completion_ids, g.logprobs, [], 0.0, g.finish_reason) for g in gens],
     )
     assert max_logprob_error(load_policy(models[engine.version])[0], group) < 1e-4
+    assert ending_problem(group, engine.stop_ids, window) is None  # the gate's stop rule is vLLM's
 
     with pytest.raises(
         ValueError,

@@ -19,6 +19,7 @@ from rlfleet import env
 from rlfleet.checkpoint import publish_version
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.runtime import Context
+from rlfleet.sampling import completion_text
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.shardcast.origin import make_app
 from rlfleet.services.toploc.gate import Gate
@@ -27,7 +28,7 @@ from rlfleet.services.toploc.reputation import is_banned, one_worker_stats
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.store import open_store
-from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, decode_json, encode_json
+from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, decode_json, encode_json, group_digest
 from rlfleet.tasks import make_task
 
 CONFIG = """
@@ -82,7 +83,7 @@ def generate_samples(engine: TorchEngine, ctx: Context, prompt_ids: list[int], p
     g, gens = ctx.bundle.run.spec.sampling.group_size, []
     while len(gens) < g:
         n = min(per_batch, g - len(gens))
-        gens += engine.generate(prompt_ids, SamplingParams(**{**params.__dict__, "seed": params.seed + len(gens)}), n)
+        gens += engine.generate(prompt_ids, params, n, first=len(gens))
     return gens
 
 
@@ -105,7 +106,7 @@ def honest_group(
     )
     samples = []
     for gen in generate_samples(engine, ctx, prompt_ids, params, per_batch or s.group_size):
-        text = engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
+        text = completion_text(engine.tokenizer, gen.completion_ids, engine.stop_ids)
         proofs = build_proofs(gen.hidden, len(prompt_ids), decode_batching_size=t.decode_batching_size, topk=t.topk)
         samples.append(Sample(gen.completion_ids, gen.logprobs, proofs, task.reward(problem, text), gen.finish_reason))
     return RolloutGroup(
@@ -170,15 +171,16 @@ def test_verified_groups_train_once_even_when_redelivered(system):
         groups, ack, _ = trainer.collect()
         trainer.step(groups)
         trainer.version += 1
-        trainer.commit([g.rollout_id for g in groups], ack, trainer.version)
+        trainer.commit([group_digest(g) for g in groups], ack, trainer.version)
         trained += [g.rollout_id for g in groups]
     assert sorted(trained) == sorted([honest.rollout_id, other.rollout_id])
     r.xadd(keys.verified, honest.encode())
     r.xadd(keys.verified, other.encode())
-    other.rollout_id, other.policy_version = "fresh", trainer.version
-    r.xadd(keys.verified, other.encode())
+    fresh = honest_group(engine, ctx, 5)
+    fresh.policy_version = trainer.version
+    r.xadd(keys.verified, fresh.encode())
     groups, _, drops = trainer.collect()
-    assert [g.rollout_id for g in groups] == ["fresh"]
+    assert [g.rollout_id for g in groups] == [fresh.rollout_id]
     assert drops["duplicate"] == 2
 
 

@@ -12,6 +12,7 @@ from rlfleet.redis_server import free_port
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
+from rlfleet.streams import SCHEMA_VERSION
 
 
 def body(group) -> dict:
@@ -36,8 +37,11 @@ def test_api_verifies_out_of_band_and_reports_workers_health_metrics(tmp_path, r
             other = honest_group(TorchEngine(tiny_policy_dir(tmp / "other", seed=1), 0), ctx, 2, worker="w-other")
             verdict = api.post("/verify", json=body(other)).json()
             assert (verdict["accepted"], verdict["reason"], verdict["worker_id"]) == (False, "toploc", "w-other")
-            assert api.post("/verify", json={"schema": 2, "worker_id": "w-new"}).json()["reason"] == "schema_version"
-            assert api.post("/verify", json={"schema": 1}).json()["reason"] == "malformed"
+            assert (
+                api.post("/verify", json={"schema": SCHEMA_VERSION + 1, "worker_id": "w-new"}).json()["reason"]
+                == "schema_version"
+            )
+            assert api.post("/verify", json={"schema": SCHEMA_VERSION}).json()["reason"] == "malformed"
             assert (
                 api.post("/verify", content=b"[1, 2]", headers={"content-type": "application/json"}).status_code == 422
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import zlib
 
 import pytest
 import redis
@@ -32,7 +33,10 @@ def trainer(tmp_path, redis_url):
 
 
 def group(rollout_id: str, rewards: list[float], version: int = 0) -> RolloutGroup:
-    samples = [Sample(completion_ids=[5, 6, 2], logprobs=[-2.0, -2.0, -2.0], proofs=[], reward=r) for r in rewards]
+    """Each rollout id gets its own completions: the trainer dedups on content (streams.group_digest)."""
+    c = zlib.crc32(rollout_id.encode())
+    ids = [3 + c % 13, 3 + (c // 13) % 13, 2]
+    samples = [Sample(completion_ids=ids, logprobs=[-2.0, -2.0, -2.0], proofs=[], reward=r) for r in rewards]
     return RolloutGroup(
         task_id="arith-0-1",
         worker_id="w",

@@ -1,5 +1,5 @@
 """`kill -9` of the trainer process and a restart: the run continues from the last committed step,
-no accepted rollout is lost and none is trained twice (audited by rollout id)."""
+no accepted rollout is lost and none is trained twice (audited by content digest and rollout id)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from support import start_trainer, tiny_policy_dir, trainer_run_config
 from test_trainer import group
 
-from rlfleet.streams import RunKeys
+from rlfleet.streams import RunKeys, group_digest
 
 TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 10}"
 
@@ -45,8 +45,9 @@ def test_kill_9_and_restart_loses_nothing_and_trains_nothing_twice(tmp_path, red
     assert second.wait(300) == 0, (tmp_path / "trainer.log").read_text()
     assert "resumed after step" in (tmp_path / "trainer.log").read_text()
 
-    trained = {rid.decode(): int(v) for rid, v in redis_client.zrange(keys.trained, 0, -1, withscores=True)}
-    assert sorted(trained) == sorted(ids), "every accepted rollout was trained"
+    trained = {d.decode(): int(v) for d, v in redis_client.zrange(keys.trained, 0, -1, withscores=True)}
+    digests = sorted(group_digest(group(rid, [1.0, 0.0])) for rid in ids)  # the trainer records what it trained
+    assert sorted(trained) == digests, "every accepted rollout was trained"
     per_version = collections.Counter(trained.values())
     assert per_version == {v: 2 for v in range(1, 11)}, "each of the 10 steps trained exactly its batch of 2"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

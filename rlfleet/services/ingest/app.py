@@ -2,27 +2,36 @@
 
   POST /v1/{run}/rollouts   body: a group message (the JSON RolloutGroup.encode() puts in field `m`),
                             header `Authorization: Bearer <token>`; 202 {"id": stream id} when enqueued
-  GET  /healthz             Redis reachable, inbox backlog
+  POST /v1/{run}/tickets    a work ticket for the token's worker (runs with spec.sampling.assignment: run)
+  GET  /healthz             readiness: 200 while Redis answered in the last seconds, else 503 (from memory)
+  GET  /livez               liveness: 200 while the process serves
   GET  /metrics             Prometheus metrics of this process (rlfleet_ingest_*)
 
 A submission passes these checks in order, and only then is XADDed to the inbox unchanged (same bytes):
   401 token unknown (compared with hmac.compare_digest against every token, no early exit)
   404 the path names another run            413 body over maxBodyBytes (Content-Length, then while reading)
+  503 the bodies in flight would pass maxBufferedBytes            408 body not received within requestTimeoutSeconds
   422 RolloutGroup.decode fails             403 body's worker_id is not the token's worker, or it is banned
-  429 the worker is over ratePerMinute      503 the inbox holds more than maxBacklog groups
-429 and 503 carry Retry-After; a worker waits and resends the same group. The ingest only guards the
-door: the verifier gate still checks everything (and repeats the ban check). The rate limit is a
-token bucket per worker in this process, so with N replicas a worker gets up to N times the rate.
-HTTP serving is FastAPI + uvicorn, as the verifier API (rlfleet/services/toploc/api.py).
+  429 the worker is over ratePerMinute      503 the inbox holds maxBacklog groups, or Redis is down or stalled
+429 and 503 carry Retry-After; a worker waits and resends the same group. Submissions are idempotent:
+one Lua script checks the backlog, looks up the (worker, content digest) record and XADDs with it
+atomically, so a resend of a stored group (after a lost reply, a timeout, a 5xx) answers 202 with the
+first entry's id (`duplicate: true`) and adds nothing, and concurrent submissions never push the inbox
+past maxBacklog. A submission that is not stored gets its rate token back. The inbox is never trimmed
+(no MAXLEN): it holds only unverified groups, bounded by maxBacklog here and maxPending for Redis workers.
+The ingest only guards the door: the verifier gate still checks everything (and repeats the ban check).
+The rate limit is a token bucket per worker in this process, so with N replicas a worker gets up to N
+times the rate. HTTP serving is FastAPI + uvicorn, as the verifier API; slow clients and buffered bytes
+are bounded by limits.py.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import math
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,18 +43,35 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from rlfleet.assignment import issue_ticket
 from rlfleet.config import ConfigError, IngestSpec
 from rlfleet.runtime import ComponentOptions
-from rlfleet.services.ingest.client import ROLLOUTS_PATH
+from rlfleet.services.ingest.client import ROLLOUTS_PATH, TICKETS_PATH
+from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys
+from rlfleet.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, group_digest
 
 log = logging.getLogger("rlfleet.ingest")
 
 BACKLOG_RETRY_SECONDS = 1
+REDIS_RETRY_SECONDS = 2
+BUFFER_RETRY_SECONDS = 1
+SUBMITTED_TTL_S = 3600  # how long a stored submission is remembered for resends (the gate's replay guard after)
 
 ANSWERS = Counter("rlfleet_ingest_requests_total", "Group submissions answered, by HTTP status code", ["code"])
 ACCEPTED_BYTES = Counter("rlfleet_ingest_accepted_bytes_total", "Bytes of group messages enqueued to the inbox")
+
+# KEYS: inbox, the submission's idempotency record. ARGV: maxBacklog, body, record TTL seconds.
+# Answers {"dup", first id} | {"full", backlog} | {"ok", id}.
+_ADMIT = """
+local prior = redis.call('GET', KEYS[2])
+if prior then return {'dup', prior} end
+local backlog = redis.call('XLEN', KEYS[1])
+if backlog >= tonumber(ARGV[1]) then return {'full', tostring(backlog)} end
+local id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
+redis.call('SET', KEYS[2], id, 'EX', ARGV[3])
+return {'ok', id}
+"""
 
 
 def load_tokens(path: str | Path) -> dict[str, str]:
@@ -85,43 +111,51 @@ class TokenBook:
         return found
 
 
-class RateLimiter:
-    """Token bucket per worker: `rate` groups per minute, bursts up to `rate`."""
-
-    def __init__(self, rate_per_minute: int, clock=time.monotonic):
-        self.capacity, self.per_second, self.clock = float(rate_per_minute), rate_per_minute / 60.0, clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # worker -> (tokens, at)
-        self._lock = threading.Lock()
-
-    def take(self, worker: str) -> float:
-        """0 when one submission is allowed now (and counted), else the seconds until it would be."""
-        with self._lock:
-            now = self.clock()
-            tokens, at = self._buckets.get(worker, (self.capacity, now))
-            tokens = min(self.capacity, tokens + (now - at) * self.per_second)
-            if tokens >= 1.0:
-                self._buckets[worker] = (tokens - 1.0, now)
-                return 0.0
-            self._buckets[worker] = (tokens, now)
-            return (1.0 - tokens) / self.per_second
-
-
 def _refuse(code: int, detail: str, retry_after: float | None = None) -> JSONResponse:
     ANSWERS.labels(str(code)).inc()
     headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
     return JSONResponse({"detail": detail}, status_code=code, headers=headers)
 
 
-def make_app(
-    run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, str], stream_max_len: int = 10000
-) -> FastAPI:
-    """The ingest of run `run`: checks each submission, XADDs accepted ones to `RunKeys(run).rollouts`."""
+def _redis_trouble(exc: redis.RedisError) -> JSONResponse:
+    log.warning("Redis trouble: %s: %s", type(exc).__name__, exc)
+    return _refuse(503, f"Redis unavailable ({type(exc).__name__}); resend later", retry_after=REDIS_RETRY_SECONDS)
+
+
+class _Refused(Exception):
+    def __init__(self, response: JSONResponse):
+        self.response = response
+
+
+def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, str]) -> FastAPI:
+    """The ingest of run `run`: checks each submission, XADDs accepted ones to `RunKeys(run).rollouts`.
+    `client` should have socket timeouts (`ingest_redis`), so a stalled Redis answers 503, not a hang."""
+    keys, book, limiter = RunKeys(run), TokenBook(tokens), RateLimiter(spec.rate_per_minute)
+    budget, admit_script = BodyBudget(spec.max_buffered_bytes), client.register_script(_ADMIT)
+    watch = RedisWatch(client, keys.rollouts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.to_thread(watch.check)  # /healthz tells the truth from the first request on
+        watch.start()
+        yield
+        watch.stop.set()
+
     app = FastAPI(
         title="rlfleet ingest",
         version="1",
         description="Authenticated submission of rollout groups by workers outside the cluster.",
+        lifespan=lifespan,
     )
-    keys, book, limiter = RunKeys(run), TokenBook(tokens), RateLimiter(spec.rate_per_minute)
+
+    def authenticate(run_in_path: str, request: Request) -> str:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        worker = book.worker_for(token) if scheme.lower() == "bearer" and token else None
+        if worker is None:
+            raise _Refused(_refuse(401, "missing or unknown token: send `Authorization: Bearer <token>`"))
+        if run_in_path != keys.run:
+            raise _Refused(_refuse(404, f"run {run_in_path!r} is not served here (this ingest serves {keys.run!r})"))
+        return worker
 
     def admit(worker: str, body: bytes) -> JSONResponse:
         """The checks after the body is read (sync Redis, run in the threadpool)."""
@@ -131,52 +165,139 @@ def make_app(
             return _refuse(422, f"body is not a group message: {exc}")
         if group.worker_id != worker:
             return _refuse(403, f"worker_id {group.worker_id!r} in the body is not this token's worker {worker!r}")
-        if is_banned(client, keys, worker):
-            return _refuse(403, f"worker {worker!r} is banned from run {run!r}")
+        try:
+            if is_banned(client, keys, worker):
+                return _refuse(403, f"worker {worker!r} is banned from run {run!r}")
+        except redis.RedisError as exc:
+            return _redis_trouble(exc)
         wait = limiter.take(worker)
         if wait > 0:
             return _refuse(429, f"worker {worker!r} is over {spec.rate_per_minute} groups per minute", retry_after=wait)
-        backlog = client.xlen(keys.rollouts)
-        if backlog > spec.max_backlog:
+        record = keys.submitted(f"{group_digest(group)}:{worker}")
+        try:
+            kind, value = admit_script(keys=[keys.rollouts, record], args=[spec.max_backlog, body, SUBMITTED_TTL_S])
+        except redis.RedisError as exc:
+            limiter.refund(worker)
+            return _redis_trouble(exc)
+        kind, value = kind.decode(), value.decode()
+        if kind == "full":
+            limiter.refund(worker)
             return _refuse(
                 503,
-                f"inbox holds {backlog} groups (bound {spec.max_backlog}); resend later",
+                f"inbox holds {value} groups (bound {spec.max_backlog}); resend later",
                 retry_after=BACKLOG_RETRY_SECONDS,
             )
-        stream_id = client.xadd(keys.rollouts, {MESSAGE_FIELD: body}, maxlen=stream_max_len, approximate=True)
+        if kind == "dup":
+            limiter.refund(worker)
+        else:
+            ACCEPTED_BYTES.inc(len(body))
         ANSWERS.labels("202").inc()
-        ACCEPTED_BYTES.inc(len(body))
-        return JSONResponse({"id": stream_id.decode(), "rollout_id": group.rollout_id}, status_code=202)
+        return JSONResponse({"id": value, "rollout_id": group.rollout_id, "duplicate": kind == "dup"}, status_code=202)
+
+    async def read_body(request: Request) -> tuple[bytes, int]:
+        """The body and the bytes reserved for it in the budget (released by the caller)."""
+        limit, length = spec.max_body_bytes, request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise _Refused(_refuse(413, f"Content-Length {length} is over maxBodyBytes {limit}"))
+        reserved = int(length) if length is not None else 0
+        if not budget.reserve(reserved):
+            raise _Refused(_busy())
+        body = bytearray()
+        try:
+            async with asyncio.timeout(spec.request_timeout_seconds):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        raise _Refused(_refuse(413, f"body is over maxBodyBytes {limit}"))
+                    if len(body) > reserved:  # chunked (or longer than announced): reserve as it comes
+                        if not budget.reserve(len(body) - reserved):
+                            raise _Refused(_busy())
+                        reserved = len(body)
+        except TimeoutError:
+            budget.release(reserved)
+            raise _Refused(
+                _refuse(408, f"body not received within requestTimeoutSeconds {spec.request_timeout_seconds}")
+            ) from None
+        except BaseException:
+            budget.release(reserved)
+            raise
+        return bytes(body), reserved
+
+    def _busy() -> JSONResponse:
+        return _refuse(
+            503,
+            f"the ingest holds {budget.held} bytes of bodies in flight (maxBufferedBytes {budget.limit}); resend later",
+            retry_after=BUFFER_RETRY_SECONDS,
+        )
 
     @app.post(ROLLOUTS_PATH, status_code=202, summary="Submit one rollout group")
     async def submit(run: str, request: Request) -> Response:  # `run`: the path's run; keys.run is ours
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        worker = book.worker_for(token) if scheme.lower() == "bearer" and token else None
-        if worker is None:
-            return _refuse(401, "missing or unknown token: send `Authorization: Bearer <token>`")
-        if run != keys.run:
-            return _refuse(404, f"run {run!r} is not served here (this ingest serves {keys.run!r})")
-        limit = spec.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return _refuse(413, f"Content-Length {length} is over maxBodyBytes {limit}")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                return _refuse(413, f"body is over maxBodyBytes {limit}")
-        return await run_in_threadpool(admit, worker, bytes(body))
+        try:
+            worker = authenticate(run, request)
+            body, reserved = await read_body(request)
+        except _Refused as refused:
+            return refused.response
+        try:
+            return await run_in_threadpool(admit, worker, body)
+        finally:
+            budget.release(reserved)
 
-    @app.get("/healthz", summary="Liveness and backlog")
-    def healthz() -> dict:
-        client.ping()
-        return {"status": "ok", "run": run, "inbox": client.xlen(keys.rollouts)}
+    @app.post(TICKETS_PATH, summary="Take a work ticket (runs that assign work)")
+    async def ticket(run: str, request: Request) -> Response:
+        try:
+            worker = authenticate(run, request)
+        except _Refused as refused:
+            return refused.response
+
+        def take() -> JSONResponse:
+            try:
+                if is_banned(client, keys, worker):
+                    return _refuse(403, f"worker {worker!r} is banned from run {run!r}")
+                return JSONResponse({"ticket": issue_ticket(client, keys, worker)}, status_code=200)
+            except redis.RedisError as exc:
+                return _redis_trouble(exc)
+
+        return await run_in_threadpool(take)
+
+    @app.get("/healthz", summary="Readiness: Redis answered recently")
+    async def healthz() -> JSONResponse:
+        state = watch.state()
+        body = {"status": "ok" if state["redis"] else "redis_unavailable", "run": run, **state}
+        if state["redis"]:
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(REDIS_RETRY_SECONDS)})
+
+    @app.get("/livez", summary="Liveness: the process serves")
+    async def livez() -> dict:
+        return {"status": "ok"}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def ingest_redis(url: str, spec: IngestSpec) -> redis.Redis:
+    """A client that gives up after redisTimeoutSeconds, without retries: Redis trouble becomes a 503 at once."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    t = spec.redis_timeout_seconds
+    return redis.Redis.from_url(url, socket_timeout=t, socket_connect_timeout=t, retry=Retry(NoBackoff(), 0))
+
+
+def server_config(app: FastAPI, spec: IngestSpec, host: str, port: int) -> uvicorn.Config:
+    """uvicorn settings of the ingest: bounded connections and per-request deadlines (limits.py)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        http=guarded_protocol(spec.request_timeout_seconds),
+        limit_concurrency=spec.max_connections,
+        timeout_keep_alive=5,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +315,8 @@ def main(options: IngestOptions) -> int:
     tokens_file = options.tokens_file or spec.ingest.tokens_file
     if not tokens_file:
         raise ConfigError(str(options.config), ["spec.ingest.tokensFile: required (or pass --tokens-file)"])
-    app = make_app(ctx.run_name, spec.ingest, ctx.redis, load_tokens(tokens_file), spec.redis.stream_max_len)
+    client = ingest_redis(ctx.redis_url, spec.ingest)
+    app = make_app(ctx.run_name, spec.ingest, client, load_tokens(tokens_file))
     log.info("serving the inbox of run %s on %s:%d", ctx.run_name, options.host, options.port)
-    uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")).run()
+    uvicorn.Server(server_config(app, spec.ingest, options.host, options.port)).run()
     return 0

@@ -1,6 +1,7 @@
 """`rlfleet rollout`: a worker of an InferencePool.
 
-Loop: draw a task id, sample G completions with the current policy version, build TOPLOC proofs of
+Loop: draw a task id and seed (or, when the run assigns work, take a ticket that fixes them:
+rlfleet/assignment.py), sample G completions with the current policy version, build TOPLOC proofs of
 their final hidden states, XADD the group to the inbox. A background thread follows the `policy`
 stream and downloads each announced version through the relays (checking every file's sha256; a delta
 version is rebuilt from the one held here, shardcast/assemble.py)
@@ -23,22 +24,24 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis
 import requests
 from prometheus_client import Counter, Gauge
 
 from rlfleet import env
-from rlfleet.checkpoint import parse_version_dir
+from rlfleet.assignment import assigned_work, issue_ticket
+from rlfleet.checkpoint import prune_cache
 from rlfleet.models.builtin import local_model_path
 from rlfleet.policy import configure_torch_threads
-from rlfleet.runtime import ComponentOptions, Context, component_context, latest_announced_version
-from rlfleet.services.ingest.client import post_group, rollouts_url
+from rlfleet.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
+from rlfleet.sampling import completion_text
+from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import Sources, wait_for_version
@@ -67,10 +70,13 @@ SWAP_SECONDS = Gauge(
 class VersionFollower(threading.Thread):
     """Follows the policy stream and downloads each new version; `ready` holds the newest local one."""
 
-    def __init__(self, ctx: Context, relay_urls: list[str], cache_dir: Path, keep: int, use_redis: bool = True):
+    def __init__(
+        self, ctx: Context, relay_urls: list[str], cache_dir: Path, keep: int, reader: redis.Redis | None = None
+    ):
         super().__init__(daemon=True, name="version-follower")
         self.ctx, self.relay_urls, self.cache_dir, self.keep = ctx, relay_urls, cache_dir, keep
-        self.use_redis = use_redis  # False: announcements come from the relays' long-poll
+        self.reader = reader  # reads the policy stream (a worker's read-only Redis user); None: the relays' long-poll
+        self.use_redis = reader is not None
         self.public_key = run_public_key(ctx.bundle.run.spec.shardcast)  # manifests must verify with it
         self.sources = Sources(relay_urls) if relay_urls else None  # relay measurements kept across versions
         self.announced = -1
@@ -93,7 +99,7 @@ class VersionFollower(threading.Thread):
             return
         last_id = "0-0"
         while not self.ctx.stop.is_set():
-            resp = self.ctx.redis.xread({self.ctx.keys.policy: last_id}, block=500)
+            resp = self.reader.xread({self.ctx.keys.policy: last_id}, block=500)
             newest = None
             for _, entries in resp or []:
                 for msg_id, fields in entries:
@@ -130,10 +136,7 @@ class VersionFollower(threading.Thread):
     def _prune(self, newest: int) -> None:
         """Drop versions older than the newest `keep`, but never the one the engine took (it may still
         be loading it while newer versions arrive). Called with the lock held."""
-        for child in self.cache_dir.iterdir():
-            version = parse_version_dir(child.name)
-            if version is not None and version <= newest - self.keep and version < self.taken:
-                shutil.rmtree(child, ignore_errors=True)
+        prune_cache(self.cache_dir, min(newest - self.keep + 1, self.taken))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +175,7 @@ class Worker:
         self.engine_kind = pool.engine
         self.max_pending = pool.max_pending
         self.ingest_url = rollouts_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
+        self.tickets_url = tickets_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
         self.worker_id = options.worker_id
         self.token = worker_token(pool_name, self.worker_id) if self.ingest_url else ""
         if not self.ingest_url and ctx.redis is None:
@@ -183,8 +187,15 @@ class Worker:
         self.task = make_run_task(self.spec)
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
         self.rng = np.random.default_rng(seed)
+        # Redis users per job (rlfleet/redis_acl.py): ctx.redis only adds to the inbox; reads and tickets
+        # go through their own users when the launcher or the operator gives them (else ctx.redis).
+        self.reader = self.tickets = None
+        if not self.ingest_url:
+            read_url, tickets_url_ = env.get(env.REDIS_READ_URL), env.get(env.REDIS_TICKETS_URL)
+            self.reader = connect_redis(read_url) if read_url else ctx.redis
+            self.tickets = connect_redis(tickets_url_) if tickets_url_ else ctx.redis
         self.follower = VersionFollower(
-            ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, use_redis=not self.ingest_url
+            ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, reader=self.reader
         )
         self.engine: Engine | None = None
 
@@ -236,25 +247,40 @@ class Worker:
         if self.ingest_url:
             newest = self.follower.announced
         else:
-            newest = latest_announced_version(self.ctx.redis, self.ctx.keys)
+            newest = latest_announced_version(self.reader, self.ctx.keys)
         lag = (newest or 0) - self.engine.version
         LAG.set(lag)
         if lag > self.spec.trainer.max_async_level:
             return "version_lag"
-        if not self.ingest_url and self.ctx.redis.xlen(self.ctx.keys.rollouts) > self.max_pending:
+        if not self.ingest_url and self.reader.xlen(self.ctx.keys.rollouts) > self.max_pending:
             return "backlog"
         return None
 
-    def make_group(self) -> RolloutGroup:
+    def next_work(self) -> tuple[str, int, int | None] | None:
+        """(task id, group seed, ticket) of the next group: drawn here, or assigned by the run
+        (spec.sampling.assignment: run; a ticket from Redis or the ingest). None if stopped meanwhile."""
+        if self.spec.sampling.assignment == "worker":
+            return self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31)), None
+        if self.ingest_url:
+            ticket = request_ticket(self.session, self.tickets_url, self.token, self.ctx.stop)
+            if ticket is None:
+                return None
+        else:
+            ticket = issue_ticket(self.tickets, self.ctx.keys, self.worker_id)
+        task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
+        return task_id, seed, ticket
+
+    def make_group(
+        self, task_id: str | None = None, seed: int | None = None, ticket: int | None = None
+    ) -> RolloutGroup:
+        """One group: of `task_id` with group seed `seed` (next_work's), or a drawn task and seed when not given."""
+        if task_id is None or seed is None:
+            task_id, seed = self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31))
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
-        problem = self.task.problem(self.task.sample_id(self.rng))
+        problem = self.task.problem(task_id)
         prompt_ids = self.engine.tokenizer(problem.prompt)["input_ids"]
         params = SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=s.max_tokens,
-            seed=int(self.rng.integers(0, 2**31)),
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, seed=seed
         )
         IN_FLIGHT.set(s.group_size)
         try:
@@ -269,7 +295,7 @@ class Worker:
             topk=toploc.topk,
         )
         for gen, proofs in zip(gens, group_proofs):
-            text = self.engine.tokenizer.decode(gen.completion_ids, skip_special_tokens=True)
+            text = completion_text(self.engine.tokenizer, gen.completion_ids, self.engine.stop_ids)
             samples.append(
                 Sample(
                     completion_ids=gen.completion_ids,
@@ -288,12 +314,13 @@ class Worker:
             prompt_ids=prompt_ids,
             sampling=params,
             samples=samples,
+            engine=self.engine.name,
+            ticket=ticket,
         )
 
     def run(self) -> None:
         if not self.wait_first_version():
             return
-        maxlen = self.spec.redis.stream_max_len
         while not self.ctx.stop.is_set():
             self._raise_follower_error()
             self.maybe_swap()
@@ -302,7 +329,10 @@ class Worker:
                 PAUSED.labels(reason).inc(0.02)
                 time.sleep(0.02)
                 continue
-            group = self.make_group()
+            work = self.next_work()
+            if work is None:
+                return  # stopped while the ingest held the ticket back
+            group = self.make_group(*work)
             if self.ingest_url:
                 if (
                     post_group(
@@ -317,7 +347,8 @@ class Worker:
                 ):
                     return  # stopped while the ingest held it back
             else:
-                self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode(), maxlen=maxlen, approximate=True)
+                # Never trimmed (no MAXLEN): the inbox holds only unverified groups; maxPending bounds it.
+                self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode())
             GROUPS.inc()
 
 

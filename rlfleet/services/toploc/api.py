@@ -1,7 +1,10 @@
 """The verifier's HTTP API (FastAPI; OpenAPI at /openapi.json, docs at /docs).
 
   POST /verify             verify one rollout group out of band: the inbox message body (the JSON of
-                           field `m`); every check but the replay guard, nothing forwarded or counted
+                           field `m`); every check but the replay guard, nothing forwarded or counted.
+                           200 with the verdict; 413 over maxMessageBytes (Content-Length, then while
+                           reading: never more held); 422 not a group message (not JSON, nested too
+                           deep, wrong types, another schema), with the gate's reason and what is wrong
   GET  /workers            reputation of every worker seen: counters and ban record
   GET  /workers/{id}       one worker's counters and ban record
   GET  /healthz            Redis reachable, inbox backlog, versions loaded
@@ -11,12 +14,13 @@ It shares the gate's loaded models; it runs in a thread of the verifier process 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from fastapi import Body, FastAPI, Response
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from rlfleet.asgi import BackgroundServer
 from rlfleet.services.toploc.checks import Rejection
@@ -48,6 +52,14 @@ class Health(BaseModel):
     loaded_versions: list[int] = Field(description="Policy versions held in memory.")
 
 
+_BODY = {"type": "object", "description": "An inbox message body: the JSON object of field `m`."}
+
+
+def _refuse(status: int, detail: str, reason: str | None = None) -> JSONResponse:
+    """A 4xx answer; `reason` is the gate's rejection reason when it has one (malformed, schema_version, size)."""
+    return JSONResponse({"accepted": False, "detail": detail, "reason": reason}, status_code=status)
+
+
 def make_api(gate) -> FastAPI:
     """The API of one gate replica (`gate`: rlfleet.services.toploc.gate.Gate)."""
     app = FastAPI(
@@ -57,12 +69,28 @@ def make_api(gate) -> FastAPI:
     )
     r, keys = gate.ctx.redis, gate.ctx.keys
 
-    @app.post("/verify", response_model=Verdict, summary="Verify one rollout group out of band")
-    def verify(
-        message: dict[str, Any] = Body(description="An inbox message body: the JSON object of field `m`."),
-    ) -> Verdict:
-        group, result = gate.verify({MESSAGE_FIELD: json.dumps(message).encode()})
-        ids = {"rollout_id": group.rollout_id, "worker_id": group.worker_id} if group else {}
+    limit = gate.spec.verifier.max_message_bytes - len(MESSAGE_FIELD)  # what decode_group admits
+
+    @app.post(
+        "/verify",
+        response_model=Verdict,
+        summary="Verify one rollout group out of band",
+        responses={413: {"description": "Body over maxMessageBytes"}, 422: {"description": "Not a group message"}},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": _BODY}}}},
+    )
+    async def verify(request: Request) -> Response | Verdict:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return _refuse(413, f"Content-Length {length[:30]} is over maxMessageBytes ({limit} for the body)")
+        body = bytearray()
+        async for chunk in request.stream():  # bounded: never more than `limit` bytes held
+            body += chunk
+            if len(body) > limit:
+                return _refuse(413, f"body is over maxMessageBytes ({limit} for the body)")
+        group, result = await run_in_threadpool(gate.verify, {MESSAGE_FIELD: bytes(body)})
+        if group is None:  # the gate could not read it as a group message: the caller's mistake
+            return _refuse(413 if result.reason == "size" else 422, result.detail, reason=result.reason)
+        ids = {"rollout_id": group.rollout_id, "worker_id": group.worker_id}
         if isinstance(result, Rejection):
             return Verdict(accepted=False, reason=result.reason, detail=result.detail, **ids)
         return Verdict(accepted=True, rewards=result.rewards, reward_mismatches=result.reward_mismatches, **ids)

@@ -7,13 +7,14 @@ rows. A row's hidden states and logprobs do not depend on the other rows of its 
 padding, causal attention with the padding masked), up to the float rounding of another matrix
 shape, which the TOPLOC thresholds and the logprob tolerance are set to absorb.
 
-`prefill_verdicts`: checks 3 and 4 (TOPLOC, logprobs, possible tokens) of groups of one version,
-each judged by `Checker.prefill_checks` on its own rows: a group's verdict is the one it gets alone.
+`prefill_verdicts`: checks 3 and 4 (TOPLOC, logprobs, seed replay or possible tokens) of groups of one
+version, each judged by `Checker.prefill_checks` on its own rows: a group's verdict is the one it gets
+alone, and an accepted one leaves with its recomputed logprobs, as alone.
 
 `handle_batch`: the gate's loop over entries read together, in three passes:
   1. in entry order: decode, draw the spot check and run every check but the prefill ones
-     (`Checker.check(prefill=False)`: all checks that come before them; the reward check after
-     them never rejects);
+     (`Checker.check(deferred=True)`: all checks that come before them, the replay guard knowing
+     whether the group's seeds will be replayed; the reward check after them never rejects);
   2. the drawn groups that passed: `prefill_verdicts`, one batch per policy version;
   3. in entry order: commit every verdict. The only way one entry's verdict reaches another's is
      a ban, so a group whose worker was banned by a verdict committed earlier in this batch is
@@ -63,18 +64,21 @@ def score_groups(model, groups: list[RolloutGroup], temperature: float, pad_id: 
     return out
 
 
-def prefill_verdicts(checker: Checker, model, tokenizer, groups: list[RolloutGroup]) -> list[Rejection | None]:
+def prefill_verdicts(
+    checker: Checker, model, tokenizer, groups: list[RolloutGroup]
+) -> list[Rejection | list[list[float]]]:
     """Checks 3 and 4 of groups of one policy version (`model`, `tokenizer`) with batched prefills:
-    per group None (passed) or its Rejection, the verdict `checker.prefill_checks` gives it alone."""
+    per group its recomputed logprobs (G, T_i) when it passed, else its Rejection, the verdict
+    `checker.prefill_checks` gives it alone."""
     by_temperature: dict[float, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         by_temperature[g.sampling.temperature].append(i)
-    verdicts: list[Rejection | None] = [None] * len(groups)
+    verdicts: list[Rejection | list[list[float]]] = [[] for _ in groups]
     for temperature, members in by_temperature.items():
         scored = score_groups(model, [groups[i] for i in members], temperature, tokenizer.pad_token_id)
         for i, sc in zip(members, scored):
             try:
-                checker.prefill_checks(groups[i], model, tokenizer, sc)
+                verdicts[i] = checker.prefill_checks(groups[i], model, tokenizer, sc)
             except Rejection as exc:
                 exc.worker_id = groups[i].worker_id
                 verdicts[i] = exc
@@ -92,7 +96,7 @@ def handle_batch(gate, entries: list[tuple[bytes, dict]]) -> list[int]:
         try:
             group = decode_group(fields, v.max_message_bytes)
             prefill = gate.draw() < v.spot_check_fraction
-            verdicts.append((group, gate.checker.check(group, msg_id, prefill=False)))
+            verdicts.append((group, gate.checker.check(group, msg_id, prefill, deferred=True)))
             if prefill:
                 drawn[group.policy_version].append(n)
         except Rejection as exc:
@@ -100,8 +104,10 @@ def handle_batch(gate, entries: list[tuple[bytes, dict]]) -> list[int]:
     for version, members in drawn.items():  # pass 2
         model, tokenizer = gate.policy(version)
         groups = [verdicts[n][0] for n in members]
-        for n, rejection in zip(members, prefill_verdicts(gate.checker, model, tokenizer, groups)):
-            verdicts[n] = (verdicts[n][0], rejection or dataclasses.replace(verdicts[n][1], prefill_checked=True))
+        for n, got in zip(members, prefill_verdicts(gate.checker, model, tokenizer, groups)):
+            if not isinstance(got, Rejection):
+                got = dataclasses.replace(verdicts[n][1], prefill_checked=True, logprobs=got)
+            verdicts[n] = (verdicts[n][0], got)
     banned: set[str] = set()
     answers = []
     for (msg_id, fields), (group, result) in zip(entries, verdicts):  # pass 3

@@ -1,27 +1,35 @@
 """The gate's checks on one rollout group, in order; the first failure is a `Rejection` whose
-reason names the check (the reasons are spelled once, `RejectionReason` in rlfleet/config.py).
+reason names the check (the reasons are spelled once, `RejectionReason` in rlfleet/config/verifier.py).
 
   1. envelope   size (message bytes, G samples, 1..maxTokens tokens), schema_version, malformed
-                (undecodable, token ids outside the vocabulary), sampling_params (not the run's),
-                unknown_version (never published), stale_version (older than maxAsyncLevel),
-                banned (worker banned), replay (rollout id already submitted in another entry);
+                (undecodable, token ids outside the vocabulary), sampling_params (not the run's, or
+                an engine `spec.verifier.engines` does not admit), unknown_version (never published),
+                stale_version (older than maxAsyncLevel), banned (worker banned), replay (the same
+                work, by content digest, already submitted in another entry; guards.py), assignment (a run
+                that assigns work: the ticket was not issued to this worker, does not fix this task
+                and seed, or was used), completion_end (tokens after a stop token, or no stop token
+                short of the budget; ending.py);
   2. prompt     prompt_mismatch: the prompt rebuilt from the task id by the trusted task source
                 differs token by token (or the task id is not the source's);
   3. TOPLOC     toploc: proofs of the wrong count or length (always checked), or a chunk whose
                 recomputed top-k is too far from the proof (one prefill of prompt + completion with
-                the claimed version; thresholds `spec.verifier.toploc`);
+                the claimed version);
   4. sampling   logprob_mismatch: a claimed token logprob differs from the recomputed one by more
-                than `logprobTolerance`; impossible_token: a token that top-k / top-p would have
-                excluded, by a margin of twice that tolerance (so honest rounding never trips it);
-  5. reward     recomputed by the trusted verifier; the claimed one is ignored but counted when wrong.
-Checks 3 and 4 (the prefill) run on the spot-checked fraction of groups; 1, 2, 5 on every group.
-Out-of-band verification (`msg_id=None`) skips only the replay guard and writes nothing.
+                than the logprob tolerance; torch groups: seed_replay, a token its seed does not draw
+                (replay.py); vllm groups: impossible_token, a token that top-k / top-p would have
+                excluded, beyond the tolerances (so honest rounding never trips it);
+  5. reward     recomputed by the trusted verifier on the tokens before the stop token; the claimed
+                one is ignored but counted when wrong.
+Thresholds and tolerances follow the group's engine and the run's dtype unless the run sets them
+(calibration.py). Checks 3 and 4 (the prefill) run on the spot-checked fraction of groups; 1, 2, 5
+on every group. A spot-checked group leaves with the recomputed logprobs (`Outcome.logprobs`), which
+the trainer then trains on instead of the worker's. Out-of-band verification (`msg_id=None`) skips
+only the one-time guards (replay, ticket) and writes nothing.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import get_args
@@ -29,16 +37,21 @@ from typing import get_args
 import redis
 import torch
 
+from rlfleet.assignment import ticket_problem
 from rlfleet.config import RejectionReason, RLRunSpec
 from rlfleet.policy import Scored, score
 from rlfleet.runtime import latest_announced_version
-from rlfleet.services.toploc.proof import ProofFormatError, Thresholds, chunk_rows, verify_proofs_many
+from rlfleet.sampling import completion_text, context_length, stop_token_ids
+from rlfleet.services.toploc.calibration import Calibration, calibration
+from rlfleet.services.toploc.ending import ending_problem
+from rlfleet.services.toploc.guards import ticket_replay, work_replay
+from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs_many
+from rlfleet.services.toploc.replay import group_replay
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys
+from rlfleet.streams import ID_MAX_CHARS, MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys, text_field
 from rlfleet.tasks import make_run_task
 
 REASONS: tuple[str, ...] = get_args(RejectionReason)
-SEEN_TTL_S = 7 * 24 * 3600
 
 
 class Rejection(Exception):
@@ -54,6 +67,7 @@ class Outcome:
     reward_mismatches: int  # samples whose claimed reward differed
     prefill_checked: bool  # checks 3 and 4 ran (spot-checking)
     tokens: int  # completion tokens in the group
+    logprobs: list[list[float]] | None = None  # (G, T_i) recomputed token logprobs, when the prefill ran
 
 
 def decode_group(fields: dict, max_bytes: int) -> RolloutGroup:
@@ -65,7 +79,10 @@ def decode_group(fields: dict, max_bytes: int) -> RolloutGroup:
         return RolloutGroup.decode(fields)
     except MessageError as exc:
         body = _peek(fields)
-        worker = body.get("worker_id") if isinstance(body.get("worker_id"), str) else None
+        try:
+            worker = text_field(body, "worker_id", ID_MAX_CHARS)  # counted against it when it is a valid id
+        except (KeyError, MessageError):
+            worker = None
         if body and body.get("schema") != SCHEMA_VERSION:
             raise Rejection("schema_version", str(exc), worker) from None
         raise Rejection("malformed", str(exc), worker) from None
@@ -76,18 +93,21 @@ def _peek(fields: dict) -> dict:
     raw = fields.get(MESSAGE_FIELD) or fields.get(MESSAGE_FIELD.decode())
     try:
         body = json.loads(raw) if raw is not None else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return body if isinstance(body, dict) else {}
 
 
-def possible_tokens(logp: torch.Tensor, tokens: torch.Tensor, top_p: float, top_k: int, slack: float) -> torch.Tensor:
-    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (torch_engine.filter_logits).
+def possible_tokens(
+    logp: torch.Tensor, tokens: torch.Tensor, top_p: float, top_k: int, slack: float, top_p_slack: float = 0.0
+) -> torch.Tensor:
+    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (rlfleet.sampling.keep_mask).
 
     logp (T, V) is log_softmax(logits / temperature) recomputed by the verifier; it may differ from the
     worker's by about `slack` per entry, so only tokens more likely than the sampled one by 2*slack count
     as certainly ranked above it. A token is impossible when top_k or more tokens are certainly above
-    it, or when their mass (renormalised over an upper bound of the top-k mass) exceeds top_p.
+    it, or when their mass (renormalised over an upper bound of the top-k mass) exceeds top_p by more
+    than `top_p_slack`.
     """
     tok = logp.gather(-1, tokens[:, None])  # (T, 1)
     above = logp > tok + 2 * slack  # (T, V)
@@ -102,7 +122,7 @@ def possible_tokens(logp: torch.Tensor, tokens: torch.Tensor, top_p: float, top_
         else:
             z = torch.ones(tokens.shape[0])
         mass = (probs * above).sum(-1) / z  # (T,) mass certainly before the token in the nucleus order
-        ok &= mass * math.exp(-2 * slack) <= top_p
+        ok &= mass <= top_p + top_p_slack
     return ok
 
 
@@ -112,13 +132,17 @@ class Checker:
     def __init__(self, spec: RLRunSpec, client: redis.Redis, keys: RunKeys, policy: Callable[[int], tuple]):
         self.spec, self.redis, self.keys, self.policy = spec, client, keys, policy
         self.task = make_run_task(spec)
-        t = spec.verifier.toploc
-        self.thresholds = Thresholds(t.max_exp_mismatches, t.max_mant_err_mean, t.max_mant_err_median)
 
-    def check(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool = True) -> Outcome:
-        """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band."""
+    def calibration(self, group: RolloutGroup) -> Calibration:
+        """Thresholds for `group`: its engine's (admitted by envelope) at the run's dtype, unless the run sets them."""
+        return calibration(self.spec.verifier, group.engine, self.spec.model.dtype)
+
+    def check(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool = True, deferred: bool = False) -> Outcome:
+        """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band. `deferred`: the
+        caller runs the prefill checks of a `prefill` group itself (batch.py), the others run here."""
         try:
             self.envelope(group, msg_id)
+            self.once(group, msg_id, prefill)
             try:
                 problem = self.task.problem(group.task_id)
             except KeyError as exc:
@@ -129,18 +153,22 @@ class Checker:
             vocab = model.config.vocab_size
             if any(not 0 <= t < vocab for s in group.samples for t in s.completion_ids):
                 raise Rejection("malformed", f"a completion token id is outside the vocabulary [0, {vocab})")
+            stop_ids = stop_token_ids(model, tokenizer)
+            problem_end = ending_problem(group, stop_ids, context_length(model))
+            if problem_end:
+                raise Rejection("completion_end", problem_end)
             self.proof_shapes(group, model.config.hidden_size)
-            if prefill:
-                self.prefill_checks(group, model, tokenizer)
+            logprobs = self.prefill_checks(group, model, tokenizer) if prefill and not deferred else None
             rewards, mismatches = [], 0
             for sample in group.samples:
-                text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
+                text = completion_text(tokenizer, sample.completion_ids, stop_ids)
                 rewards.append(self.task.score(problem, text, len(sample.completion_ids)))
                 mismatches += rewards[-1] != sample.reward
         except Rejection as exc:
             exc.worker_id = group.worker_id
             raise
-        return Outcome(rewards, mismatches, prefill, sum(len(s.completion_ids) for s in group.samples))
+        tokens = sum(len(s.completion_ids) for s in group.samples)
+        return Outcome(rewards, mismatches, prefill and not deferred, tokens, logprobs)
 
     def envelope(self, group: RolloutGroup, msg_id: bytes | None) -> None:
         s = self.spec.sampling
@@ -161,6 +189,12 @@ class Checker:
             s.max_tokens,
         ):
             raise Rejection("sampling_params", f"{claimed} differs from the run's sampling spec")
+        if group.engine not in self.spec.verifier.engines:
+            raise Rejection(
+                "sampling_params",
+                f"engine {group.engine!r} is not admitted by spec.verifier.engines {self.spec.verifier.engines} "
+                f"(add it there if a pool of this run uses it)",
+            )
         newest = latest_announced_version(self.redis, self.keys)
         if newest is None or not 0 <= group.policy_version <= newest:
             raise Rejection("unknown_version", f"version {group.policy_version} was never published (newest {newest})")
@@ -170,12 +204,22 @@ class Checker:
             )
         if is_banned(self.redis, self.keys, group.worker_id):
             raise Rejection("banned", f"worker {group.worker_id!r} is banned")
+        if self.spec.sampling.assignment == "run":
+            problem = ticket_problem(self.redis, self.keys, self.task, self.spec.task.seed, group)
+            if problem:
+                raise Rejection("assignment", problem)
+
+    def once(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool) -> None:
+        """The one-time guards (guards.py): the same work, the same ticket, accepted once."""
         if msg_id is None:
             return
-        # The guard stores the inbox entry id, so a redelivery of the same entry is not a replay.
-        key = self.keys.seen(group.rollout_id)
-        if not self.redis.set(key, msg_id, nx=True, ex=SEEN_TTL_S) and self.redis.get(key) != msg_id:
-            raise Rejection("replay", f"rollout id {group.rollout_id} was already submitted")
+        oldest = (latest_announced_version(self.redis, self.keys) or 0) - self.spec.trainer.max_async_level
+        seeds_replayed = prefill and group.engine == "torch"
+        problem = work_replay(self.redis, self.keys, group, msg_id, seeds_replayed, oldest)
+        if problem is None and self.spec.sampling.assignment == "run":
+            problem = ticket_replay(self.redis, self.keys, group, msg_id)
+        if problem:
+            raise Rejection("replay", problem)
 
     def proof_shapes(self, group: RolloutGroup, hidden_size: int) -> None:
         """Proof count and lengths; cheap, so checked on every group (a lazy worker cannot skip proofs)."""
@@ -189,10 +233,11 @@ class Checker:
                 if len(proof) != want:
                     raise Rejection("toploc", f"samples[{i}] proof {c} is {len(proof)} bytes, expected {want}")
 
-    def prefill_checks(self, group: RolloutGroup, model, tokenizer, scored: Scored | None = None) -> None:
-        """Checks 3 (TOPLOC) then 4 (logprobs, possible tokens), from one batched prefill (`scored`: this
-        group's rows already prefilled with the group's version, e.g. by batch.py with other groups)."""
-        t, v, sp = self.spec.verifier.toploc, self.spec.verifier, group.sampling
+    def prefill_checks(self, group: RolloutGroup, model, tokenizer, scored: Scored | None = None) -> list[list[float]]:
+        """Checks 3 (TOPLOC) then 4 (logprobs, then seed replay or possible tokens), from one batched
+        prefill (`scored`: this group's rows already prefilled with the group's version, e.g. by batch.py
+        with other groups); the recomputed token logprobs (G, T_i)."""
+        t, sp, cal = self.spec.verifier.toploc, group.sampling, self.calibration(group)
         prompt_len = len(group.prompt_ids)
         if scored is None:
             rows = [group.prompt_ids + s.completion_ids for s in group.samples]
@@ -209,26 +254,48 @@ class Checker:
         except ProofFormatError as exc:
             raise Rejection("toploc", f"malformed proof: {exc}") from None
         for i, results in enumerate(per_sample):
-            bad = [(c, r) for c, r in enumerate(results) if not self.thresholds.accepts(r)]
+            bad = [(c, r) for c, r in enumerate(results) if not cal.toploc.accepts(r)]
             if bad:
                 raise Rejection("toploc", f"samples[{i}] chunk {bad[0][0]}: {bad[0][1]}")
+        recomputed = [scored.logprobs[i][prompt_len - 1 :] for i in range(len(group.samples))]  # (T_i,) each
         for i, sample in enumerate(group.samples):
-            recomputed = scored.logprobs[i][prompt_len - 1 :]  # (T,)
-            err = (recomputed - torch.tensor(sample.logprobs)).abs().max().item()
-            if not err <= v.logprob_tolerance:  # NaN claims fail too
+            err = (recomputed[i] - torch.tensor(sample.logprobs)).abs().max().item()
+            if not err <= cal.logprob_tolerance:  # NaN claims fail too
                 raise Rejection(
-                    "logprob_mismatch", f"samples[{i}]: max |claimed - recomputed| = {err:.3g} > {v.logprob_tolerance}"
+                    "logprob_mismatch",
+                    f"samples[{i}]: max |claimed - recomputed| = {err:.3g} > {cal.logprob_tolerance}",
                 )
+        with torch.inference_mode():
+            logits = [
+                model.lm_head(scored.hidden[i][prompt_len - 1 : -1]).float() / sp.temperature  # (T_i, V)
+                for i in range(len(group.samples))
+            ]
+            self.sampling_checks(group, logits, cal)
+        return [r.tolist() for r in recomputed]
+
+    def sampling_checks(self, group: RolloutGroup, logits: list[torch.Tensor], cal: Calibration) -> None:
+        """Check 4 after the logprobs: torch groups are replayed from their seeds (replay.py); vllm groups,
+        which cannot be, get the possible-token check."""
+        sp = group.sampling
+        if group.engine == "torch":
+            miss = group_replay(logits, group, cal.replay_tolerance)
+            if miss is not None:
+                i, pos = miss
+                raise Rejection(
+                    "seed_replay",
+                    f"samples[{i}] token {pos} ({group.samples[i].completion_ids[pos]}) is not the one its seed draws",
+                )
+            return
         if sp.top_p >= 1.0 and sp.top_k == 0:
             return
-        with torch.inference_mode():
-            for i, sample in enumerate(group.samples):
-                logits = model.lm_head(scored.hidden[i][prompt_len - 1 : -1]).float() / sp.temperature  # (T, V)
-                tokens = torch.tensor(sample.completion_ids)
-                ok = possible_tokens(torch.log_softmax(logits, -1), tokens, sp.top_p, sp.top_k, v.logprob_tolerance)
-                if not bool(ok.all()):
-                    pos = int((~ok).nonzero()[0])
-                    raise Rejection(
-                        "impossible_token",
-                        f"samples[{i}] token {pos} ({int(tokens[pos])}) is outside top-k {sp.top_k} / top-p {sp.top_p}",
-                    )
+        for i, sample in enumerate(group.samples):
+            tokens = torch.tensor(sample.completion_ids)
+            ok = possible_tokens(
+                torch.log_softmax(logits[i], -1), tokens, sp.top_p, sp.top_k, cal.logprob_tolerance, cal.top_p_tolerance
+            )
+            if not bool(ok.all()):
+                pos = int((~ok).nonzero()[0])
+                raise Rejection(
+                    "impossible_token",
+                    f"samples[{i}] token {pos} ({int(tokens[pos])}) is outside top-k {sp.top_k} / top-p {sp.top_p}",
+                )

@@ -3,10 +3,10 @@
 Each inbox group goes through the checks of checks.py in order (envelope, prompt, TOPLOC,
 sampling, reward); the first failure rejects the whole group with that check's reason. A
 `spotCheckFraction` of the groups, drawn unpredictably, gets the prefill checks (TOPLOC, logprobs,
-sampling); every group gets the others. Accepted groups go to `verified` with the trusted rewards,
-rejected ones to `rejected` with the reason and the original message (audit). Entries read
-together share their prefills (batch.py) and are committed in order, each with the verdict it would
-get alone.
+seed replay); every group gets the others. Accepted groups go to `verified` with the trusted rewards
+(and, when prefilled, the recomputed logprobs: `forward_trusted`), rejected ones to `rejected` with
+the reason and the original message (audit). Entries read together share their prefills (batch.py)
+and are committed in order, each with the verdict it would get alone.
 
 Exactly once: the verdict is committed by one Lua script that XACKs the entry first and does
 nothing more if the XACK acknowledged nothing (another replica committed it); otherwise it
@@ -15,6 +15,14 @@ the ban policy, atomically. Replicas share one consumer group; an entry left pen
 (or stalled) replica for `claimIdleMs` is taken over with XAUTOCLAIM, and a stalled replica that
 wakes up later commits nothing. A Lua script rather than MULTI because the forward must depend on
 the XACK's answer.
+
+Poison messages: whatever the decoder cannot read is a `malformed` rejection like any other. An entry
+whose handling still fails (an exception here, or a verifier that died on it: each try is counted in
+Redis before it starts) is retried after claimIdleMs, and after `maxAttempts` tries it is moved to the
+dead-letter stream and acknowledged, so one message can neither crash-loop the verifier nor block the
+inbox. Entries tried before are handled alone, and a batch that raises is tried again entry by
+entry, so a poison entry fails by itself and its neighbours pass. Redis errors are not the message's
+fault: they go to the process edge.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
 from prometheus_client import Counter
 
+from rlfleet.checkpoint import prune_cache
 from rlfleet.policy import configure_torch_threads, load_policy
 from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.services.shardcast.assemble import fetch_policy
@@ -57,15 +67,27 @@ BANS = Counter("rlfleet_verifier_bans_total", "Workers banned by this replica", 
 DUPLICATES = Counter(
     "rlfleet_verifier_already_committed_total", "Verdicts dropped because another replica committed the entry first"
 )
+FAILURES = Counter(
+    "rlfleet_verifier_handle_failures_total",
+    "Inbox entries whose handling raised (retried, then dead-lettered)",
+    ["error"],
+)
+DEAD_LETTERS = Counter(
+    "rlfleet_verifier_dead_letters_total", "Inbox entries moved to the dead-letter stream after verifier.maxAttempts"
+)
 
-# KEYS: inbox, out stream, stats, workers, banned.
+# KEYS: inbox, out stream, stats, workers, banned, attempts.
 # ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?}, then the out fields.
 _COMMIT = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  redis.call('HDEL', KEYS[6], ARGV[2])
+  return 0
+end
 local out = {}
 for i = 5, #ARGV do out[#out + 1] = ARGV[i] end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
 redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[6], ARGV[2])
 local plan = cjson.decode(ARGV[4])
 for f, n in pairs(plan.stats) do redis.call('HINCRBY', KEYS[3], f, n) end
 for f, n in pairs(plan.workers) do redis.call('HINCRBY', KEYS[4], f, n) end
@@ -80,6 +102,31 @@ end
 return 1
 """
 
+# KEYS: inbox, dead letter, stats, attempts. ARGV: group, entry id, maxlen, then the dead-letter fields.
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  redis.call('HDEL', KEYS[4], ARGV[2])
+  return 0
+end
+local out = {}
+for i = 4, #ARGV do out[#out + 1] = ARGV[i] end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[4], ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'dead_letter', 1)
+return 1
+"""
+
+
+def forward_trusted(group: RolloutGroup, outcome: Outcome) -> None:
+    """What the trainer gets of an accepted group: the trusted rewards and, where the prefill ran, the
+    recomputed token logprobs instead of the worker's (a shift inside the tolerance would skew every
+    importance ratio)."""
+    for i, (sample, reward) in enumerate(zip(group.samples, outcome.rewards)):
+        sample.reward = reward
+        if outcome.logprobs is not None:
+            sample.logprobs = outcome.logprobs[i]
+
 
 class Gate:
     def __init__(self, ctx: Context, consumer: str, origin_url: str, cache_dir: Path):
@@ -89,12 +136,15 @@ class Gate:
         self._models_lock = threading.Lock()  # the HTTP API verifies from another thread
         self.checker = Checker(self.spec, ctx.redis, ctx.keys, self.policy)
         self._commit = ctx.redis.register_script(_COMMIT)
+        self._dead_letter = ctx.redis.register_script(_DEAD_LETTER)
+        self._errors: dict[bytes, str] = {}  # entry id -> the last error handling it raised here
         self._draw = random.SystemRandom()  # workers must not predict which groups get the prefill
         self.public_key = run_public_key(self.spec.shardcast)  # manifests are checked even from the origin
         ensure_group(ctx.redis, ctx.keys.rollouts, ctx.keys.verifier_group)
 
     def policy(self, version: int):
-        """(model, tokenizer) of `version`, fetched from the trusted origin; the last few are kept."""
+        """(model, tokenizer) of `version`, fetched from the trusted origin; the last maxAsyncLevel + 2 are kept
+        in memory, and on disk those and the versions of the async window."""
         with self._models_lock:
             if version not in self.models:
                 path = fetch_policy(  # whole, or rebuilt from a version held here and deltas
@@ -109,6 +159,10 @@ class Gate:
                 self.models[version] = load_policy(path, self.spec.model.dtype)
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
+                # The disk cache keeps what the async window can still ask for and what is loaded (the
+                # newest version is the base of the next delta); an older group is stale_version anyway.
+                window = max(self.models) - self.spec.trainer.max_async_level
+                prune_cache(self.cache_dir, min(window, *self.models))
             self.models.move_to_end(version)
             return self.models[version]
 
@@ -164,10 +218,11 @@ class Gate:
             stream, verdict, reason = keys.rejected, "rejected", exc.reason
         else:
             outcome = result
-            for sample, reward in zip(group.samples, outcome.rewards):
-                sample.reward = reward
+            forward_trusted(group, outcome)
             w = group.worker_id
             plan = {"stats": {"accepted": 1}, "workers": {field(w, "accepted"): 1}}
+            if group.ticket is not None and self.spec.sampling.assignment == "run":
+                plan["workers"][field(w, "tickets_used")] = 1
             if outcome.reward_mismatches:
                 plan["stats"]["reward_mismatch"] = plan["workers"][field(w, "reward_mismatch")] = (
                     outcome.reward_mismatches
@@ -177,7 +232,7 @@ class Gate:
             out, stream, verdict, reason, worker = group.encode(), keys.verified, "accepted", "", w
         flat = [x for kv in out.items() for x in kv]
         answer = self._commit(
-            keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned],
+            keys=[keys.rollouts, stream, keys.stats, keys.workers, keys.banned, keys.attempts],
             args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(plan), *flat],
         )
         if answer == 0:
@@ -193,6 +248,72 @@ class Gate:
             BANS.labels(reason).inc()
             log.warning("banned worker %s (%s)", worker, reason)
         return int(answer)
+
+    def attempt_batch(self, entries: list[tuple[bytes, dict]]) -> None:
+        """Entries read together: those tried before (and not committed) one by one with `attempt`, so a
+        poison entry fails alone; the others in one `handle_batch`, each counted as tried first. A batch
+        that raises is tried again entry by entry at once."""
+        keys = self.ctx.keys
+        held = self.ctx.redis.hmget(keys.attempts, [m for m, _ in entries]) if entries else []
+        fresh = [e for e, tries in zip(entries, held) if tries is None]
+        for msg_id, fields in (e for e, tries in zip(entries, held) if tries is not None):
+            self.attempt(msg_id, fields)
+        if not fresh:
+            return
+        with self.ctx.redis.pipeline(transaction=False) as pipe:
+            for msg_id, _ in fresh:
+                pipe.hincrby(keys.attempts, msg_id, 1)
+            pipe.execute()
+        try:
+            handle_batch(self, fresh)
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # the designed retry: one entry at a time finds the one that fails
+            FAILURES.labels(type(exc).__name__).inc()
+            log.exception("a batch of %d inbox entries failed; trying them one by one", len(fresh))
+            for msg_id, fields in fresh:
+                self.attempt(msg_id, fields)
+
+    def attempt(self, msg_id: bytes, fields: dict) -> int:
+        """Handle one entry (`handle`'s answer), or dead-letter it once it has failed maxAttempts times (-1 when
+        this try failed: the entry stays pending and is claimed again after claimIdleMs)."""
+        keys, v = self.ctx.keys, self.spec.verifier
+        tries = self.ctx.redis.hincrby(keys.attempts, msg_id, 1)  # counted first, so a crash on it counts too
+        if tries > v.max_attempts:
+            return self.dead_letter(msg_id, fields, tries - 1)
+        try:
+            result = self.handle(msg_id, fields)
+        except redis.RedisError:
+            raise
+        except Exception as exc:  # a designed retry and dead letter: the process keeps serving the others
+            FAILURES.labels(type(exc).__name__).inc()
+            self._errors[msg_id] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            if len(self._errors) > 1024:  # entries another replica finished; forget the oldest
+                self._errors.pop(next(iter(self._errors)))
+            log.exception("inbox entry %s failed (try %d of %d)", msg_id.decode(), tries, v.max_attempts)
+            return -1
+        self._errors.pop(msg_id, None)
+        return result
+
+    def dead_letter(self, msg_id: bytes, fields: dict, tries: int) -> int:
+        """Move an entry no try could handle to the dead-letter stream, with what is known of why."""
+        keys, v = self.ctx.keys, self.spec.verifier
+        record = {
+            "inbox_id": msg_id.decode(),
+            "attempts": tries,
+            "last_error": self._errors.pop(msg_id, "the verifier stopped while handling it"),
+            "verifier": self.consumer,
+        }
+        original = next(iter(fields.values()), b"")[: v.max_message_bytes]
+        flat = [x for kv in {**encode_json(record), b"original": original}.items() for x in kv]
+        result = self._dead_letter(
+            keys=[keys.rollouts, keys.dead_letter, keys.stats, keys.attempts],
+            args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, *flat],
+        )
+        if result:
+            DEAD_LETTERS.inc()
+            log.error("inbox entry %s dead-lettered after %d failed tries: %s", msg_id.decode(), tries, record)
+        return int(result)
 
     def read(self, count: int = 4, block_ms: int = 500) -> list[tuple[bytes, dict]]:
         """New entries for this consumer (they stay pending here until committed)."""
@@ -220,7 +341,7 @@ class Gate:
             if not entries:
                 entries = self.read(count=READ_BATCH, block_ms=int(min(500, max(10, idle_s * 1000 / 3))))
             # A claimed entry trimmed meanwhile has no fields. Entries read together share prefills (batch.py).
-            handle_batch(self, [(msg_id, fields) for msg_id, fields in entries if fields])
+            self.attempt_batch([(msg_id, fields) for msg_id, fields in entries if fields])
 
 
 @dataclass(frozen=True, kw_only=True)

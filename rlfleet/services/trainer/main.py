@@ -3,12 +3,13 @@
 One step:
   1. read verified groups (consumer group `trainer`) until `batchSize` fresh groups are held;
      a group is fresh while (current version - its policy version) <= maxAsyncLevel, older ones are
-     dropped and acknowledged; a rollout id trained before is acknowledged and skipped
+     dropped and acknowledged; work trained before (same content digest, streams.group_digest:
+     prompt, sampling, completions, whatever ids the worker gave it) is acknowledged and skipped
      (at-least-once delivery made exactly-once);
   2. group-normalized advantages, GRPO loss with two-sided clipping (loss.py), grad-norm clip, AdamW;
   3. publish version v+1 to the store (manifest last; whole or as a delta against v, rlfleet/delta/publish.py),
      announce it on the `policy` stream;
-  4. save the resume state, then record the rollout ids as trained and XACK their messages, so a
+  4. save the resume state, then record the digests as trained and XACK their messages, so a
      crash before the state is saved redelivers them and a crash after it never trains them twice
      (state.py has the whole protocol).
 """
@@ -41,10 +42,10 @@ from rlfleet.services.trainer.sharding import (
 from rlfleet.services.trainer.state import load_state, save_state
 from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
 from rlfleet.signing import run_signer
-from rlfleet.streams import MessageError, RolloutGroup, encode_json
+from rlfleet.streams import MessageError, RolloutGroup, encode_json, group_digest
 
 log = logging.getLogger("rlfleet.trainer")
-TRAINED_IDS_KEPT = 200_000
+TRAINED_DIGESTS_KEPT = 200_000
 
 
 def lr_factor(warmup: int, schedule: str, total: int):
@@ -148,9 +149,8 @@ class Trainer:
                         log.error("undecodable verified message %s: %s", msg_id, exc)
                         drops["malformed"] += 1
                         continue
-                    if r.zscore(keys.trained, group.rollout_id) is not None or any(
-                        g.rollout_id == group.rollout_id for g in batch
-                    ):
+                    digest = group_digest(group)
+                    if r.zscore(keys.trained, digest) is not None or any(group_digest(g) == digest for g in batch):
                         drops["duplicate"] += 1
                         self.dropped_ids["duplicate"].append(group.rollout_id)
                     elif self.version - group.policy_version > max_lag:
@@ -180,13 +180,13 @@ class Trainer:
         self.scheduler.step()
         return stats
 
-    def commit(self, rollout_ids: list[str], ack: list, version: int) -> None:
-        """Record the step's rollouts as trained and acknowledge its messages (idempotent)."""
+    def commit(self, digests: list[str], ack: list, version: int) -> None:
+        """Record the step's groups (content digests) as trained and acknowledge its messages (idempotent)."""
         keys, r = self.ctx.keys, self.ctx.redis
         with r.pipeline(transaction=True) as pipe:
-            if rollout_ids:
-                pipe.zadd(keys.trained, {rid: version for rid in rollout_ids})
-                pipe.zremrangebyrank(keys.trained, 0, -TRAINED_IDS_KEPT - 1)
+            if digests:
+                pipe.zadd(keys.trained, {d: version for d in digests})
+                pipe.zremrangebyrank(keys.trained, 0, -TRAINED_DIGESTS_KEPT - 1)
             if ack:
                 pipe.xack(keys.verified, keys.trainer_group, *ack)
                 pipe.xdel(keys.verified, *ack)
@@ -205,7 +205,7 @@ class Trainer:
         if state is None:
             return 1
         if self.rank == 0:
-            self.commit(state["commit"]["rollout_ids"], state["commit"]["message_ids"], self.version)
+            self.commit(state["commit"].get("digests", []), state["commit"]["message_ids"], self.version)
             if state.get("record") and self.last_recorded_step() < state["step"]:
                 self.write_record(state["record"])  # the crash came between saving the step and recording it
         log.info("resumed after step %d at version %d", state["step"], self.version)
@@ -248,6 +248,7 @@ class Trainer:
             if self.rank != 0:
                 continue
             rollout_ids = [g.rollout_id for g in groups]
+            digests = [group_digest(g) for g in groups]
             counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}
             record = {
                 "step": step,
@@ -277,9 +278,10 @@ class Trainer:
                 rollout_ids=rollout_ids,
                 message_ids=ack,
                 record=record,
+                digests=digests,
             )
             self.publish(model_state)
-            self.commit(rollout_ids, ack, self.version)
+            self.commit(digests, ack, self.version)
             record.update(publish_seconds=time.monotonic() - t2, wall_seconds=time.monotonic() - self.started)
             self.write_record(record)
             log.info(

@@ -4,17 +4,17 @@ Protocol of one step (main.py), chosen so that `kill -9` at any point loses no a
 and trains none twice:
   1. update the weights;
   2. save the state: step, version v+1, weights, optimizer, scheduler, the *commit* of the step
-     (the rollout ids it trained and their stream message ids) and its metrics record; weights and
+     (the rollout ids and content digests it trained and their stream message ids) and its metrics record; weights and
      optimizer are whole, keyed by parameter name (sharding.full_state), whatever the sharding and
      replica count;
   3. publish version v+1 and announce it;
-  4. commit: record the rollout ids as trained, XACK and delete their messages;
+  4. commit: record the content digests (streams.group_digest) as trained, XACK and delete their messages;
   5. append the step's record to metrics.jsonl.
 On restart the state is loaded, version v+1 is published if step 3 did not finish, the commit is
 replayed (idempotent: a set insert and acks), and the record is appended if step 5 did not happen,
 so metrics.jsonl holds every step once. Messages read but not committed before
-the crash are still pending for the trainer's consumer and are read again first; a rollout id
-already recorded as trained is acknowledged and skipped.
+the crash are still pending for the trainer's consumer and are read again first; a group whose
+digest is already recorded as trained is acknowledged and skipped.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def save_state(
     rollout_ids: list[str],
     message_ids: list[bytes],
     record: dict | None = None,
+    digests: list[str] = (),
 ) -> None:
     buf = io.BytesIO()
     torch.save(
@@ -56,6 +57,7 @@ def save_state(
             "scheduler": scheduler.state_dict(),
             "commit": {
                 "rollout_ids": rollout_ids,
+                "digests": list(digests),
                 "message_ids": [m.decode() if isinstance(m, bytes) else m for m in message_ids],
             },
             "record": record,

@@ -32,12 +32,15 @@ class Engine(ABC):
     """Invariant: one `generate` call runs on one weights version, the one each Generation records;
     `load_weights` never takes effect in the middle of a `generate` call."""
 
+    name: str  # what a group records as its `engine` (the gate replays `torch` groups, not `vllm` ones)
     version: int
     tokenizer: object
+    stop_ids: frozenset[int]  # rlfleet.sampling.stop_token_ids of the model: a completion ends at the first
 
     @abstractmethod
-    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
-        """n completions of one prompt, sampled with `params.seed`."""
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int = 0) -> list[Generation]:
+        """Samples first .. first+n-1 of a group of one prompt; sample i draws with
+        `rlfleet.sampling.sample_seed(params.seed, i)` (rlfleet/sampling.py)."""
 
     @abstractmethod
     def load_weights(self, model_dir: Path, version: int) -> None:

@@ -8,37 +8,45 @@ hidden state of every completion position is produced by the decode itself; the 
 fed once more after sampling stops, so proofs cover every completion token without a second
 prefill. Token logprobs are those of `log_softmax(logits / temperature)` over the full vocabulary
 (what the trainer and verifier recompute); top-p/top-k only restrict which tokens may be drawn.
+
+Tokens are drawn as rlfleet/sampling.py says (inverse CDF of each sample's own uniform stream), so a
+sample depends on the weights, the prompt and its seed only, not on the batch it was drawn in: the
+gate replays it from one prefill (rlfleet/services/toploc/replay.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rlfleet.policy import load_policy, load_weights_in_place
+from rlfleet.sampling import (
+    completion_budget,
+    context_length,
+    draw,
+    keep_mask,
+    sample_seed,
+    sample_uniforms,
+    stop_token_ids,
+)
 from rlfleet.services.rollout.engines.base import Engine, Generation
 from rlfleet.streams import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     """(B, V) logits with tokens outside top-k / the top-p nucleus set to -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        outside = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
+    return logits.masked_fill(~keep_mask(logits, top_p, top_k), float("-inf"))
 
 
 class TorchEngine(Engine):
+    name = "torch"
+
     def __init__(self, model_dir: Path, version: int, dtype: str = "float32"):
         self.model, self.tokenizer = load_policy(model_dir, dtype)
         self.version = version
+        self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         self.eos_id = self.tokenizer.eos_token_id
 
     def load_weights(self, model_dir: Path, version: int) -> None:
@@ -46,8 +54,17 @@ class TorchEngine(Engine):
         self.version = version
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
-        gen = torch.Generator().manual_seed(params.seed)
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int = 0) -> list[Generation]:
+        budget = completion_budget(params.max_tokens, len(prompt_ids), context_length(self.model))
+        if budget < 1:
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens leaves no room to generate in the model's "
+                f"{context_length(self.model)}-token context; shorten spec.task's prompts or use a longer-context model"
+            )
+        uniforms = torch.from_numpy(
+            np.stack([sample_uniforms(sample_seed(params.seed, first + i), budget) for i in range(n)])
+        )  # (n, budget) float64
+        stops = torch.tensor(sorted(self.stop_ids))
         body = self.model.model
         ids = torch.tensor([prompt_ids], dtype=torch.long)  # (1, P): the n rows share it
         out = body(input_ids=ids, use_cache=True)
@@ -56,18 +73,17 @@ class TorchEngine(Engine):
         hidden = [out.last_hidden_state.expand(n, -1, -1)]  # [(n, P, H)]
         tokens, logprobs = [], []
         done = torch.zeros(n, dtype=torch.bool)
-        for _ in range(params.max_tokens):
+        for t in range(budget):
             logits = self.model.lm_head(hidden[-1][:, -1]).float() / params.temperature  # (n, V)
             logp_all = torch.log_softmax(logits, dim=-1)
-            probs = torch.softmax(filter_logits(logits, params.top_p, params.top_k), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (n,)
+            nxt = draw(logits, keep_mask(logits, params.top_p, params.top_k), uniforms[:, t])  # (n,)
             nxt = torch.where(done, torch.full_like(nxt, self.eos_id), nxt)
             tokens.append(nxt)
             logprobs.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
             out = body(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             hidden.append(out.last_hidden_state)  # (n, 1, H): the row of the token just fed
-            done = done | (nxt == self.eos_id)
+            done = done | torch.isin(nxt, stops)
             if bool(done.all()):
                 break
         all_hidden = torch.cat(hidden, dim=1)  # (n, P + T, H)
@@ -76,13 +92,14 @@ class TorchEngine(Engine):
         result = []
         for i in range(n):
             row = toks[i].tolist()
-            stop = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            stop = next((j + 1 for j, tok in enumerate(row) if tok in self.stop_ids), None)
+            end = stop or len(row)
             result.append(
                 Generation(
-                    completion_ids=row[:stop],
-                    logprobs=lps[i, :stop].tolist(),
-                    hidden=all_hidden[i, : len(prompt_ids) + stop].clone(),
-                    finish_reason="stop" if self.eos_id in row else "length",
+                    completion_ids=row[:end],
+                    logprobs=lps[i, :end].tolist(),
+                    hidden=all_hidden[i, : len(prompt_ids) + end].clone(),
+                    finish_reason="stop" if stop else "length",
                     version=self.version,
                 )
             )

@@ -35,10 +35,14 @@ computed by the old weights is reused. Invariant: `generate` and `load_weights` 
 a group's requests (and their continuations) all run on one version and each `Generation`
 records it; a swap waits for the group in flight.
 
-Sampling: one request per sample, seeded `sample_seed(group seed, index)`, so each sample is
-reproducible on its own. Cost of the capture: every row of every step is copied to host memory
-and the whole group's rows cross from the worker process in one `collective_rpc`; for long
-completions on GPU, building the proofs (top-k per 32 rows) inside the worker would cut that.
+Sampling: one request per sample, seeded `rlfleet.sampling.sample_seed(group seed, index)`, stopping
+at exactly the gate's stop tokens (`stop_token_ids`). vLLM draws with its own sampler (and on a GPU
+not bit-reproducibly), so groups record `engine: vllm` and the gate cannot replay their seeds: it
+admits them only when `spec.verifier.engines` lists vllm, and checks them by their proofs and
+logprobs alone (rlfleet/services/toploc/replay.py).
+Cost of the capture: every row of every step is copied to host memory and the whole group's rows
+cross from the worker process in one `collective_rpc`; for long completions on GPU, building the
+proofs (top-k per 32 rows) inside the worker would cut that.
 
 Pinned because these move between vLLM releases: `worker_extension_cls`, `Worker.reload_weights`,
 the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
@@ -60,6 +64,7 @@ import torch
 
 from rlfleet import env
 from rlfleet.policy import DTYPES, load_tokenizer
+from rlfleet.sampling import sample_seed
 from rlfleet.services.rollout.engines.base import Engine, Generation
 from rlfleet.services.rollout.engines.vllm_pin import INSTALL_HINT, VLLM_VERSION, check_supported, cpu_build
 from rlfleet.streams import SamplingParams
@@ -199,12 +204,9 @@ def _decode_capture(entry: dict) -> tuple[dict[int, torch.Tensor], dict[int, tup
     return rows, {p: (t, lp) for p, t, lp in entry["sampled"]}
 
 
-def sample_seed(group_seed: int, index: int) -> int:
-    """Seed of sample `index` of a group: distinct per sample, reproducible from the group's seed."""
-    return (group_seed * 1_000_003 + index) % (2**63)
-
-
 class VLLMEngine(Engine):
+    name = "vllm"
+
     def __init__(self, model_dir: Path, version: int, dtype: str = "float32"):
         from vllm.platforms import current_platform
 
@@ -214,6 +216,7 @@ class VLLMEngine(Engine):
         # tokenizer only supplies the end-of-sequence id, which is the same).
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
+        self.stop_ids = _stop_ids(model_dir, self.tokenizer)  # the gate's stop tokens, exactly
         self._names = _tensor_names(model_dir)
         kv_bytes = env.get_int(env.VLLM_KV_CACHE_BYTES, env.DEFAULT_VLLM_KV_CACHE_BYTES)
         memory = {"kv_cache_memory_bytes": kv_bytes} if current_platform.is_cpu() else {}
@@ -249,7 +252,7 @@ class VLLMEngine(Engine):
         # about that long on 2 CPU cores, so it was force-killed.
         self.llm.llm_engine.engine_core.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int) -> list[Generation]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int = 0) -> list[Generation]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -271,7 +274,8 @@ class VLLMEngine(Engine):
                     top_p=params.top_p,
                     top_k=params.top_k,
                     max_tokens=limit + 1,  # the extra token's decode step feeds the last one (docstring)
-                    seed=sample_seed(params.seed, i),
+                    seed=sample_seed(params.seed, first + i),
+                    stop_token_ids=sorted(self.stop_ids),
                     detokenize=False,
                     skip_reading_prefix_cache=(i == 0),
                 )
@@ -331,6 +335,22 @@ def _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled) -> 
             )
         logprobs.append(got[1])
     return torch.stack(pick), logprobs
+
+
+def _stop_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """rlfleet.sampling.stop_token_ids from the config files (the model itself lives in vLLM's worker)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from rlfleet.sampling import stop_token_ids
+
+    try:
+        generation = GenerationConfig.from_pretrained(str(model_dir))
+    except OSError:  # no generation_config.json
+        generation = None
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(str(model_dir)), generation_config=generation)
+    return stop_token_ids(model, tokenizer)
 
 
 def _tensor_names(model_dir: Path) -> set[str]:

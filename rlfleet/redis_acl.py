@@ -1,0 +1,183 @@
+"""Redis ACL users, one per role (issue 16 item 6): each component may run only the commands its job
+needs, on only its run's keys (`RunKeys`), so a rollout worker holding Redis credentials can add
+groups to its run's inbox and read the policy stream, and cannot write `verified`, reputation or bans,
+announce a policy version, touch the trainer's state or another run. The worker id in a group is
+whatever the worker wrote: only the ingest binds worker ids to tokens.
+
+  worker    XADD / XLEN the inbox: the only key a rollout worker writes
+  reader    read the policy stream, XLEN the inbox: a worker's reads (a second client, env
+            RLFLEET_REDIS_READ_URL), the origin, relays
+  tickets   HINCRBY the work-ticket counters (spec.sampling.assignment: run; env RLFLEET_REDIS_TICKETS_URL)
+  ingest    the inbox (its admission script: XLEN, XADD, GET/SET of its submission records), ban
+            lookups, work tickets
+  verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected / dead
+            letter, its attempt counts, run stats, reputation and bans, its one-time guards, work tickets (read)
+  trainer   the verified stream's consumer group, the trained set, run stats (read), XADD policy
+  admin     everything on the run's keys (the local launcher; on a cluster the operator keeps the
+            urlSecret's `url`)
+A worker has three users rather than one because Redis 6.2 (the embedded one) grants commands per
+user, not per key: a user that may XADD the inbox and read the policy stream could also XADD to the
+policy stream (a fake version would stall every worker and the gate), or HINCRBY it into a hash.
+
+Where it is used: `rlfleet run` gives its embedded Redis these users with fresh passwords and each
+component its role's URLs (launcher.py); the chart renders the same rules for the users listed in
+`redis.acl.users` (charts/rlfleet/files/redis-acl-roles.yaml, generated from `ROLES` by
+`python -m rlfleet.redis_acl`; a test keeps them equal), and with `spec.redis.roleUrls` the operator
+gives each pod the urlSecret's `url-{role}` keys.
+
+What ACLs cannot express: command arguments. A worker may XADD with MAXLEN and trim its run's inbox,
+or flood it. Untrusted pools therefore submit through the ingest (`InferencePool.spec.ingestUrl`),
+which authenticates each worker by its token, never trims, bounds the backlog and rate, and their
+workers get no Redis credentials at all; direct Redis writes are for workers the run's operator
+trusts that far.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from dataclasses import dataclass
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from rlfleet.streams import RunKeys
+
+CONNECT = ["ping", "client|setinfo"]  # what redis-py sends on connect (SETINFO's refusal is ignored)
+SCRIPTS = ["evalsha", "eval", "script|load"]  # redis-py's registered scripts; their commands are checked too
+
+# Per role: the RunKeys attributes (or per-item key patterns, `RunKeys.patterns`) and the commands.
+ROLES: dict[str, tuple[list[str], list[str]]] = {
+    "worker": (["rollouts"], ["xadd", "xlen"]),
+    "reader": (["policy", "rollouts"], ["xread", "xrevrange", "xlen"]),
+    "tickets": (["tickets"], ["hincrby"]),
+    "ingest": (
+        ["rollouts", "banned", "tickets", "submitted"],
+        ["xadd", "xlen", "get", "set", "hexists", "hincrby", *SCRIPTS],
+    ),
+    "verifier": (
+        [
+            "rollouts",
+            "verified",
+            "rejected",
+            "policy",
+            "stats",
+            "workers",
+            "banned",
+            "tickets",
+            "seen",
+            "seen_versions",
+            "tickets_used",
+            "attempts",
+            "dead_letter",
+        ],
+        [
+            "xgroup|create",
+            "xreadgroup",
+            "xautoclaim",
+            "xack",
+            "xdel",
+            "xadd",
+            "xlen",
+            "xrevrange",
+            "hincrby",
+            "hget",
+            "hmget",
+            "hgetall",
+            "hscan",
+            "hexists",
+            "hsetnx",
+            "hset",
+            "hdel",
+            "zadd",
+            "zrangebyscore",
+            "zrem",
+            "get",
+            "set",
+            *SCRIPTS,
+        ],
+    ),
+    "trainer": (
+        ["verified", "policy", "trained", "stats"],
+        [
+            "xgroup|create",
+            "xreadgroup",
+            "xack",
+            "xdel",
+            "xadd",
+            "xrevrange",
+            "zadd",
+            "zscore",
+            "zremrangebyrank",
+            "hgetall",
+            "multi",
+            "exec",
+            "discard",
+        ],
+    ),
+}
+ADMIN = "admin"
+# The role of each `rlfleet` subcommand's main Redis client (env RLFLEET_REDIS_URL); a rollout worker also
+# reads as `reader` and takes tickets as `tickets` (WORKER_ROLES), one of a pool with ingestUrl only reads.
+COMPONENT_ROLES = {
+    "trainer": "trainer",
+    "verifier": "verifier",
+    "rollout": "worker",
+    "ingest": "ingest",
+    "origin": "reader",
+    "relay": "reader",
+}
+WORKER_ROLES = {"write": "worker", "read": "reader", "tickets": "tickets"}
+
+
+def role_rules(role: str, keys: RunKeys) -> str:
+    """The ACL rules (after `user NAME on >PASSWORD`) of `role` for the run of `keys`."""
+    if role == ADMIN:
+        return f"resetkeys ~rlfleet:{keys.run}:* resetchannels +@all"
+    names, commands = ROLES[role]
+    patterns = keys.patterns()
+    key_rules = " ".join(f"~{patterns[n] if n in patterns else getattr(keys, n)}" for n in names)
+    return f"resetkeys {key_rules} resetchannels -@all " + " ".join(f"+{c}" for c in [*CONNECT, *commands])
+
+
+def user_name(role: str, run: str) -> str:
+    return f"{run}-{role}"
+
+
+@dataclass(frozen=True)
+class RunAcl:
+    """The users of one run: role -> password (fresh for each local run)."""
+
+    keys: RunKeys
+    passwords: dict[str, str]
+
+    @classmethod
+    def generate(cls, run: str) -> RunAcl:
+        return cls(RunKeys(run), {role: secrets.token_urlsafe(24) for role in [ADMIN, *ROLES]})
+
+    def acl_file(self) -> str:
+        """A redis-server `aclfile`: the default user off, one user per role."""
+        lines = ["user default off"]
+        for role, password in self.passwords.items():
+            lines.append(f"user {user_name(role, self.keys.run)} on >{password} {role_rules(role, self.keys)}")
+        return "\n".join(lines) + "\n"
+
+    def url(self, base_url: str, role: str) -> str:
+        """`base_url` (redis://host:port/db) with the credentials of `role`."""
+        parts = urlsplit(base_url)
+        host = parts.netloc.rsplit("@", 1)[-1]
+        user, password = quote(user_name(role, self.keys.run), safe=""), quote(self.passwords[role], safe="")
+        return urlunsplit((parts.scheme, f"{user}:{password}@{host}", parts.path, parts.query, parts.fragment))
+
+
+def chart_roles() -> str:
+    """charts/rlfleet/files/redis-acl-roles.yaml: each role's rules with `{run}` for the run name."""
+    keys = RunKeys("{run}")
+    lines = [
+        "# Generated by `python -m rlfleet.redis_acl` from rlfleet/redis_acl.py; do not edit (a test compares).",
+        "# role: ACL rules of a run's user of that role, `{run}` standing for the run's name.",
+    ]
+    lines += [f'{role}: "{role_rules(role, keys)}"' for role in [ADMIN, *ROLES]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(chart_roles())

@@ -1,0 +1,86 @@
+"""How a token is drawn and where a completion stops: the contract the torch engine samples by and
+the gate replays (rlfleet/services/toploc/replay.py, ending.py).
+
+Randomness per sample: sample i of a group with seed s draws with `sample_seed(s, i)`, whose
+uniform stream `sample_uniforms(seed, n)` (numpy PCG64, one float64 per position) does not depend
+on how the worker batches rows or how many threads it runs.
+
+Drawing (inverse CDF): at position t, with p = softmax(logits / temperature) restricted to the
+top-k, then to the top-p nucleus (`keep_mask`, the same order as vLLM and HF: k first), and
+renormalised, the token is the first index j in vocabulary order with cumsum(p)[j] > u_t * sum(p).
+Given the weights, the prompt and the seed, every token is therefore determined, and a verifier
+holding the prefill's logits can check each one without decoding.
+
+Stopping: a completion ends at its first stop token (`stop_token_ids`: the tokenizer's EOS and the
+model's configured EOS ids), which is then its last token, or after `completion_budget` tokens:
+min(maxTokens, context - prompt - 1), the one position kept for vLLM's TOPLOC capture
+(rlfleet/services/rollout/engines/vllm_engine.py). The reward reads exactly the tokens before the
+stop token, special tokens included (`completion_text`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def sample_seed(group_seed: int, index: int) -> int:
+    """Seed of sample `index` of a group: distinct per sample, reproducible from the group's seed."""
+    return (group_seed * 1_000_003 + index) % (2**63)
+
+
+def sample_uniforms(seed: int, n: int) -> np.ndarray:
+    """(n,) float64 uniforms in [0, 1) of one sample: position t draws with the t-th."""
+    return np.random.default_rng(seed).random(n)
+
+
+def keep_mask(logits: torch.Tensor, top_p: float, top_k: int, slack: float = 0.0) -> torch.Tensor:
+    """(B, V) bool: the tokens top-k then top-p leave drawable (logits already divided by the temperature).
+
+    `slack` moves both boundaries (a verifier's view of a worker's numerics): > 0 keeps tokens within
+    `slack` of the k-th logit and of the top_p mass, < 0 drops them."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        keep &= logits >= kth - slack
+    if top_p < 1.0:
+        masked = logits.masked_fill(~keep, float("-inf"))
+        sorted_logits, order = torch.sort(masked, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        inside = probs.cumsum(-1) - probs <= top_p + slack  # the smallest prefix whose mass reaches top_p
+        keep &= torch.zeros_like(keep).scatter(-1, order, inside)
+    return keep
+
+
+def draw(logits: torch.Tensor, keep: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(B,) tokens by inverse CDF: logits (B, V), keep (B, V) bool, uniforms (B,) float64."""
+    probs = torch.softmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1).double()  # (B, V)
+    cdf = probs.cumsum(-1)
+    target = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)  # (B, 1), below the total mass
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first j with cdf[j] > target
+    return tokens.clamp(max=logits.shape[-1] - 1)
+
+
+def stop_token_ids(model, tokenizer) -> frozenset[int]:
+    """The tokens that end a completion: the tokenizer's EOS and the model's (and its generation config's)."""
+    ids = {tokenizer.eos_token_id}
+    for source in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return frozenset(int(i) for i in ids if i is not None)
+
+
+def completion_budget(max_tokens: int, prompt_len: int, context: int) -> int:
+    """Tokens a completion may have: min(maxTokens, context - prompt - 1); < 1 when the prompt leaves no room."""
+    return min(max_tokens, context - prompt_len - 1)
+
+
+def context_length(model) -> int:
+    """The model's context window (what vLLM derives its max_model_len from for these models)."""
+    return int(model.config.max_position_embeddings)
+
+
+def completion_text(tokenizer, completion_ids: list[int], stop_ids: frozenset[int]) -> str:
+    """The text a reward reads: the tokens before the first stop token, special tokens written out."""
+    end = next((i for i, t in enumerate(completion_ids) if t in stop_ids), len(completion_ids))
+    return tokenizer.decode(completion_ids[:end], skip_special_tokens=False)

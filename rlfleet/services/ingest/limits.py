@@ -1,0 +1,130 @@
+"""What keeps one ingest process bounded and honest under load and faults.
+
+- `RateLimiter`: a token bucket per worker; a submission that is not stored (503, Redis trouble, an
+  idempotent resend) gets its token back (`refund`), so backpressure never spends a worker's rate.
+- `BodyBudget`: request bytes all submissions in flight hold together (`maxBufferedBytes`); a
+  request is refused before its body is read when its share does not fit.
+- `guarded_protocol`: uvicorn's HTTP protocol with a per-request deadline (`requestTimeoutSeconds`):
+  a connection that has not delivered a whole request that long after it opened (or after its
+  previous response) is closed, whatever it is trickling (slow headers, slow chunked bodies).
+  uvicorn has a keep-alive timeout but none for a request in progress, so this one subclass is ours.
+- `RedisWatch`: a thread that pings Redis about once a second, so `/healthz` answers from memory at
+  once (never queued behind submissions) and says when it last heard from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import redis
+
+
+class RateLimiter:
+    """Token bucket per worker: `rate` groups per minute, bursts up to `rate`."""
+
+    def __init__(self, rate_per_minute: int, clock=time.monotonic):
+        self.capacity, self.per_second, self.clock = float(rate_per_minute), rate_per_minute / 60.0, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # worker -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def _level(self, worker: str, now: float) -> float:
+        tokens, at = self._buckets.get(worker, (self.capacity, now))
+        return min(self.capacity, tokens + (now - at) * self.per_second)
+
+    def take(self, worker: str) -> float:
+        """0 when one submission is allowed now (and counted), else the seconds until it would be."""
+        with self._lock:
+            now = self.clock()
+            tokens = self._level(worker, now)
+            if tokens >= 1.0:
+                self._buckets[worker] = (tokens - 1.0, now)
+                return 0.0
+            self._buckets[worker] = (tokens, now)
+            return (1.0 - tokens) / self.per_second
+
+    def refund(self, worker: str) -> None:
+        """Give back the token of a submission that was not stored."""
+        with self._lock:
+            now = self.clock()
+            self._buckets[worker] = (min(self.capacity, self._level(worker, now) + 1.0), now)
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once, over all requests; used from the event loop thread only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def reserve(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.held -= n
+
+
+def guarded_protocol(timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class (httptools or h11, as uvicorn picks) closing a connection whose request
+    is not whole `timeout` seconds after the connection opened or its previous response completed."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class Guarded(AutoHTTPProtocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _arm(self, delay: float) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(delay, self._expire)
+
+        def _expire(self) -> None:
+            self._deadline = None
+            cycle = getattr(self, "cycle", None)
+            if cycle is not None and cycle.response_started and not cycle.response_complete:
+                self._arm(1.0)  # a response on its way: let it finish
+            elif not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm(timeout)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm(timeout)
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+    return Guarded
+
+
+class RedisWatch(threading.Thread):
+    """Pings Redis every `interval` seconds (with the client's timeouts); `state()` is the last answer."""
+
+    def __init__(self, client: redis.Redis, inbox: str, interval: float = 1.0):
+        super().__init__(daemon=True, name="redis-watch")
+        self.client, self.inbox, self.interval = client, inbox, interval
+        self.stop = threading.Event()
+        self._state: dict = {"redis": False, "detail": "not checked yet", "inbox": None, "at": None}
+
+    def check(self) -> None:
+        try:
+            backlog = int(self.client.xlen(self.inbox))
+            self._state = {"redis": True, "detail": "ok", "inbox": backlog, "at": time.time()}
+        except redis.RedisError as exc:
+            self._state = {**self._state, "redis": False, "detail": f"{type(exc).__name__}: {exc}"}
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.check()
+            self.stop.wait(self.interval)
+
+    def state(self) -> dict:
+        return dict(self._state)

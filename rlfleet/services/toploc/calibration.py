@@ -1,0 +1,79 @@
+"""The gate's acceptance thresholds for a group: what the run sets (`spec.verifier`), else the
+calibration of the group's engine and the run's dtype (item 4 of issue 16).
+
+Why per engine and dtype: the authors' TOPLOC thresholds (38 exponent mismatches, mantissa error
+mean 10, median 8) and a logprob tolerance of 0.05 absorb bf16 GPU non-determinism on large
+models (vLLM). A torch-engine run on CPU recomputes far closer to its decode, and with those loose
+defaults an fp32 run let through weights one optimizer step stale, bf16 or fp16 compute, and tokens
+outside top-p. The torch values below are set from measurements of honest rollouts, drawn with other
+batch shapes (1, 2, 4, 8 rows) and 1 or 2 threads and verified by one padded prefill
+(benchmarks/gate_attacks.py prints them next to the attacks; tests/toploc/test_gate_defaults.py holds
+the attacks to them). Worst values seen (builtin tiny-arithmetic 48 groups per dtype; random Qwen2
+hidden 256 x 4 layers and 512 x 8 layers, 16 groups each):
+
+  fp32 honest:   exp mismatches 0, mantissa mean 0.008, median 0, |logprob diff| 2.4e-6, replay miss 0
+  bf16 honest:   exp 2, mean 0.57, median 0, |logprob diff| 0.005, replay miss 0 (a bf16 gate)
+  fp16 compute in an fp32 run (an attack): exp 2, mean up to 0.5, |logprob diff| 4.4e-4
+  bf16 compute in an fp32 run (an attack): exp 1-4, mean 0.53-3.0, |logprob diff| 4e-3
+
+Rare honest outliers: fp32 noise can push one value across a bf16 rounding edge at the top-k
+boundary, so the recomputed top-k set differs by one element and the claimed polynomial evaluated
+at the new index gives one garbage value (seen once in about 40,000 chunks of a 150-step run of the
+arithmetic example: exp 0, mean 0.73, median 0). Such a chunk is honest, and the default ban policy
+would ban its worker, so the TOPLOC thresholds tolerate a few outliers (exp mismatches, mean) and
+rely on the median, which an outlier cannot move, for systematic drift; bf16 or fp16 compute, stale
+weights and other models are caught as well by the logprob tolerance, which no tie can trip. So
+fp32 allows 4 exponent mismatches, mean 4, median 0.5 and |logprob diff| 1e-4 (40x the honest
+worst, below what fp16 compute produces); bf16 allows 12 / 5 / 3 and 0.05. The replay tolerance
+(probability mass and logit slack at the top-k/top-p edges) is 1e-3 in fp32 and 0.02 in bf16;
+honest draws replayed exactly in every measurement. Larger fp32 models drift more (about 1e-6
+relative per value here); a run that sees honest rejections sets the fields in spec.verifier.
+vLLM keeps the authors' values (its GPU kernels are not batch-invariant), with a top-p slack of 0.05.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlfleet.config import VerifierSpec
+from rlfleet.services.toploc.proof import Thresholds
+
+
+@dataclass(frozen=True)
+class Calibration:
+    toploc: Thresholds
+    logprob_tolerance: float  # largest |claimed - recomputed| logprob; the logit slack of possible_tokens
+    top_p_tolerance: float  # mass above topP tolerated before a token is impossible (vllm groups)
+    replay_tolerance: float  # mass / logit slack of a replayed draw (torch groups)
+
+
+AUTHORS = Calibration(Thresholds(38, 10.0, 8.0), logprob_tolerance=0.05, top_p_tolerance=0.05, replay_tolerance=0.05)
+DEFAULTS: dict[tuple[str, str], Calibration] = {
+    ("torch", "float32"): Calibration(
+        Thresholds(4, 4.0, 0.5), logprob_tolerance=1e-4, top_p_tolerance=1e-3, replay_tolerance=1e-3
+    ),
+    ("torch", "bfloat16"): Calibration(
+        Thresholds(12, 5.0, 3.0), logprob_tolerance=0.05, top_p_tolerance=0.02, replay_tolerance=0.02
+    ),
+    ("vllm", "float32"): AUTHORS,
+    ("vllm", "bfloat16"): AUTHORS,
+}
+
+
+def calibration(v: VerifierSpec, engine: str, dtype: str) -> Calibration:
+    """The thresholds for a group drawn by `engine` in a run computing in `dtype`; fields set in `v` win."""
+    base, t = DEFAULTS[(engine, dtype)], v.toploc
+
+    def pick(given, default):
+        return default if given is None else given
+
+    return Calibration(
+        Thresholds(
+            pick(t.max_exp_mismatches, base.toploc.max_exp_mismatches),
+            pick(t.max_mant_err_mean, base.toploc.max_mant_err_mean),
+            pick(t.max_mant_err_median, base.toploc.max_mant_err_median),
+        ),
+        logprob_tolerance=pick(v.logprob_tolerance, base.logprob_tolerance),
+        top_p_tolerance=pick(v.top_p_tolerance, base.top_p_tolerance),
+        replay_tolerance=pick(v.replay_tolerance, base.replay_tolerance),
+    )

@@ -1,0 +1,100 @@
+"""Issue 16 item 4: the gate's thresholds follow the run's dtype and the group's engine unless set.
+
+An fp32 run of the torch engine gets thresholds calibrated on honest fp32 runs
+(rlfleet/services/toploc/calibration.py), not the bf16 GPU ones of the TOPLOC authors: weights one
+optimizer step stale, bf16 or fp16 compute and tokens outside top-p are rejected with no threshold
+set in the config, while honest groups drawn with other batch shapes and thread counts pass.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attacks
+import torch
+from test_gate import gate_system, rejections, run_gate, verified_ids
+
+from rlfleet import env
+from rlfleet.checkpoint import publish_version
+from rlfleet.config import parse_bundle
+from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.services.toploc.checks import possible_tokens
+from rlfleet.signing import load_private_key, make_signer
+from rlfleet.store import open_store
+from rlfleet.streams import encode_json
+
+SAMPLING = "{groupSize: 4, maxTokens: 6, topP: 0.9}"
+
+
+def publish_next(ctx, policy_dir: Path, version: int) -> None:
+    """Publish and announce `version` of the run, as the trainer does."""
+    signer = make_signer(load_private_key(Path(os.environ[env.SIGNING_KEY_FILE])))
+    publish_version(open_store(ctx.bundle.run.spec.store.uri), ctx.run_name, version, policy_dir, signer=signer)
+    ctx.redis.xadd(ctx.keys.policy, encode_json({"version": version}))
+
+
+def test_an_fp32_run_rejects_what_its_numerics_rule_out_without_any_threshold_set(tmp_path, redis_url):
+    with gate_system(tmp_path, redis_url, sampling=SAMPLING) as (ctx, policy, origin_url, tmp):
+        spec, r = ctx.bundle.run.spec, ctx.redis
+        engine = TorchEngine(policy, 0)
+        stale = [attacks.honest(engine, spec, i) for i in range(3)]
+        publish_next(ctx, attacks.one_step_later(policy, tmp / "v1", spec, stale), 1)
+        for g in stale:
+            g.policy_version = 1  # drawn with version 0, claimed as the newest
+        tampered = {
+            **{f"one step stale {i}": g for i, g in enumerate(stale)},
+            "bf16 compute": attacks.honest(TorchEngine(policy, 0, dtype="bfloat16"), spec, 10),
+            "fp16 compute": attacks.honest(attacks.half_engine(policy), spec, 11),
+            "outside top-p": attacks.outside_nucleus(engine, spec, 12),
+        }
+        threads = torch.get_num_threads()
+        honest = []
+        try:
+            for i, rows in enumerate((1, 2, 4)):
+                torch.set_num_threads(1 + i % 2)
+                honest.append(attacks.honest(engine, spec, 30 + i, worker="w-honest", per_batch=rows))
+        finally:
+            torch.set_num_threads(threads)
+        for name, g in tampered.items():
+            g.worker_id = f"w-{name}"
+            r.xadd(ctx.keys.rollouts, g.encode())
+        for g in honest:
+            r.xadd(ctx.keys.rollouts, g.encode())
+        run_gate(ctx, origin_url, tmp / "cache", expected=len(tampered) + len(honest))
+        got = rejections(ctx)
+        assert sorted(got) == sorted(g.rollout_id for g in tampered.values()), got
+        assert {name: got[g.rollout_id] for name, g in tampered.items()}["outside top-p"] == "seed_replay"
+        assert sorted(verified_ids(ctx)) == sorted(g.rollout_id for g in honest)
+
+
+def test_calibration_follows_engine_and_dtype_and_explicit_settings_win():
+    from rlfleet.services.toploc.calibration import AUTHORS, DEFAULTS, calibration
+
+    def verifier(text: str, dtype: str = "float32"):
+        doc = (
+            "apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {name: c}\n"
+            f"spec: {{model: {{path: m, dtype: {dtype}}}, task: {{type: arithmetic}}, verifier: {text}}}\n"
+        )
+        return parse_bundle(doc).run.spec.verifier
+
+    assert calibration(verifier("{}"), "torch", "float32") == DEFAULTS[("torch", "float32")]
+    assert calibration(verifier("{}", "bfloat16"), "torch", "bfloat16") == DEFAULTS[("torch", "bfloat16")]
+    assert calibration(verifier("{}"), "vllm", "float32") == AUTHORS
+    fp32 = DEFAULTS[("torch", "float32")]
+    assert fp32.toploc.max_exp_mismatches < AUTHORS.toploc.max_exp_mismatches
+    assert fp32.logprob_tolerance < AUTHORS.logprob_tolerance
+    set_ = calibration(
+        verifier("{logprobTolerance: 0.2, topPTolerance: 0.0, toploc: {maxMantErrMean: 9}}"), "torch", "float32"
+    )
+    assert (set_.logprob_tolerance, set_.top_p_tolerance, set_.toploc.max_mant_err_mean) == (0.2, 0.0, 9)
+    assert set_.toploc.max_exp_mismatches == fp32.toploc.max_exp_mismatches  # the rest stays calibrated
+
+
+def test_top_p_has_its_own_tolerance():
+    """A token right after the nucleus (mass before it 0.93 > topP 0.9) is impossible at a top-p slack of
+    0.01 even with a logprob slack of 0.05, which used to widen top-p by exp(0.1) (flagged only past 0.99)."""
+    probs = torch.tensor([[0.6, 0.33, 0.05, 0.02]])
+    logp, tokens = probs.log(), torch.tensor([2])
+    assert possible_tokens(logp, tokens, 0.9, 0, 0.05, top_p_slack=0.05).tolist() == [True]
+    assert possible_tokens(logp, tokens, 0.9, 0, 0.05, top_p_slack=0.01).tolist() == [False]
