@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/broadcast.py [--size-mib 1024] [--clients 8] [--relays 2]
                                              [--reference-polls 30 1]
+    .venv/bin/python benchmarks/broadcast.py --wan ...   (root: every node a host of a simulated
+                                             WAN with shaped links; see broadcast_wan.py)
 
 Systems (each a fresh set of OS processes; clients are processes too, so nothing shares a GIL):
   tree       origin -> `--relays` tier-0 relays (`rlfleet relay`, cut-through) -> clients, each
@@ -65,15 +67,37 @@ REFERENCE_DUMMY = "data1.bin"  # every shardcast server must serve it: its clien
 # ---- the processes ---------------------------------------------------------------------------
 
 
-def rlfleet_client(urls: list[str], dest: str, public_key: str) -> None:
+def rlfleet_client(urls: list[str], dest: str, public_key: str, mode: str = "cut-through") -> None:
     from rlfleet.services.shardcast.client import fetch_version, wait_for_version
     from rlfleet.signing import parse_public_key
 
     key = parse_public_key(public_key)
     print("waiting", flush=True)
     version = wait_for_version(urls, RUN, 0, timeout=3600)
-    fetch_version(urls, RUN, version, Path(dest), timeout=3600, public_key=key)
-    print(json.dumps({"done": time.monotonic()}), flush=True)
+    if mode == "store-and-forward":  # start only once every relay holds the whole version
+        while not all(relay_holds_a_version(url) for url in urls):
+            time.sleep(0.05)
+    progress: list[tuple[float, int]] = []  # (time, bytes received): the first chunk, every 16 MiB, the end
+    got = [0, 0]  # bytes so far, bytes at the last progress point
+
+    def on_bytes(n: int) -> None:
+        got[0] += n
+        if not progress or got[0] - got[1] >= (16 << 20):
+            progress.append((time.monotonic(), got[0]))
+            got[1] = got[0]
+
+    fetch_version(urls, RUN, version, Path(dest), timeout=3600, public_key=key, on_bytes=on_bytes)
+    done = time.monotonic()
+    print(json.dumps({"done": done, "progress": [*progress, (done, got[0])]}), flush=True)
+
+
+def relay_holds_a_version(url: str) -> bool:
+    """The relay's rlfleet_relay_versions_held gauge is >= 1 (it counts complete versions only)."""
+    import re
+
+    text = requests.get(url + "/metrics", timeout=5).text
+    held = re.search(r"^rlfleet_relay_versions_held (\S+)$", text, re.MULTILINE)
+    return held is not None and float(held.group(1)) >= 1
 
 
 def reference_origin(data_dir: str, port: int, source: str) -> None:
@@ -166,14 +190,20 @@ def expect_line(proc: subprocess.Popen, what: str) -> dict | str:
 
 def finish_times(clients: list[subprocess.Popen], timeout: float) -> list[float]:
     """Each client's reported finish time; those not done within `timeout` s are left out."""
+    return [r["done"] for r in finish_reports(clients, timeout)]
+
+
+def finish_reports(clients: list[subprocess.Popen], timeout: float) -> list[dict]:
+    """Each client's final report ({"done": monotonic time, ...}); those not done within `timeout`
+    s are left out."""
     import threading
 
-    done: dict[int, float] = {}
+    done: dict[int, dict] = {}
 
     def read(i: int, proc: subprocess.Popen) -> None:
         line = proc.stdout.readline().strip()
         if line.startswith("{"):
-            done[i] = json.loads(line)["done"]
+            done[i] = json.loads(line)
 
     threads = [threading.Thread(target=read, args=(i, c), daemon=True) for i, c in enumerate(clients)]
     for t in threads:
@@ -364,7 +394,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] in ROLES:
         role, rest = ROLES[sys.argv[1]], sys.argv[2:]
         if sys.argv[1] == "--client":
-            role(json.loads(rest[0]), rest[1], rest[2])
+            role(json.loads(rest[0]), *rest[1:])
         elif sys.argv[1] == "--ref-origin":
             role(rest[0], int(rest[1]), rest[2])
         elif sys.argv[1] == "--ref-middle":
@@ -372,6 +402,10 @@ def main() -> int:
         else:
             role(json.loads(rest[0]), rest[1], int(rest[2]))
         return 0
+    if "--wan" in sys.argv[1:]:
+        import broadcast_wan
+
+        return broadcast_wan.main(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--clients", type=int, default=8)

@@ -176,11 +176,18 @@ def test_corrupted_upstream_is_never_served(tmp_path):
         serving(proxy_app(origin_url, corrupt)) as bad_url,
         serving(relay.make_app(bad_url, tmp_path / "relay", RUN, keep_versions=3, fetch_timeout=0.5)) as relay_url,
     ):
-        with pytest.raises(FetchError, match="HTTP 502"):
+        # the relay passes bytes on as they arrive, but cuts off every response holding the shard
+        # that failed its check (or answers 502 once its pull gave up): none ever completes
+        with pytest.raises(FetchError, match="HTTP 502|truncated body"):
             fetch_version([relay_url], RUN, 1, tmp_path / "via-relay", timeout=2.5)
         assert seen, "the relay never asked the corrupting upstream"
         assert not (tmp_path / "relay" / RUN / "v1").exists()
-        assert requests.get(relay_url + file_path(RUN, 1, "model.safetensors"), timeout=10).status_code == 502
+        for _ in range(3):
+            try:
+                r = requests.get(relay_url + file_path(RUN, 1, "model.safetensors"), timeout=10)
+            except requests.exceptions.ChunkedEncodingError:  # cut off before its end
+                continue
+            assert r.status_code == 502, f"HTTP {r.status_code} with {len(r.content)} bytes"
         assert not (tmp_path / "via-relay" / "v1").exists()
 
         with pytest.raises(FetchError, match="sha256"):

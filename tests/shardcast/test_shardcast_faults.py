@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 import json
 import os
 import signal
@@ -175,6 +176,54 @@ def test_relay_serves_shards_before_it_holds_the_version(tmp_path, keys):
         release.set()
         path = fetch_version([relay_url], RUN, 1, tmp_path / "worker", timeout=20, public_key=public)
     assert same_files(path, src)
+
+
+def test_relay_streams_a_shard_as_it_arrives_and_cuts_off_one_that_fails(tmp_path, keys):
+    """Byte-level cut-through: half a shard goes out while the upstream still withholds the other
+    half; when the shard then fails its sha256, the response is cut short, never completed."""
+    signer, public, _ = keys
+    shard, half = 4 << 20, 2 << 20  # the relay reads upstream 1 MiB at a time
+    store = open_store(f"file://{tmp_path}/store")
+    src = make_version(tmp_path / "v1", 1, size=2 * shard)
+    publish_version(store, RUN, 1, src, signer=signer, shard_size=shard)
+    blob = (src / "model.safetensors").read_bytes()
+
+    def trickle(release: threading.Event, poison: bool):
+        async def mangle(request, name, body, status, headers):
+            if name != "model.safetensors":
+                return web.Response(status=status, body=body, headers=headers)
+            resp = web.StreamResponse(status=status, headers=headers)
+            resp.content_length = len(body)
+            await resp.prepare(request)
+            await resp.write(body[:half])
+            await asyncio.to_thread(release.wait, 20)
+            await resp.write(bytes(len(body) - half) if poison else body[half:])
+            await resp.write_eof()
+            return resp
+
+        return mangle
+
+    with serving(origin.make_app(store, RUN)) as origin_url:
+        for poison in (False, True):
+            release = threading.Event()
+            with (
+                serving(evil_relay(origin_url, trickle(release, poison))) as slow,
+                serving(relay.make_app(slow, tmp_path / f"relay-{poison}", RUN, 3, public_key=public)) as relay_url,
+            ):
+                port = int(relay_url.rsplit(":", 1)[1])
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+                conn.request("GET", file_path(RUN, 1, "model.safetensors"), headers={"Range": f"bytes=0-{shard - 1}"})
+                r = conn.getresponse()
+                assert r.status == 206
+                assert r.read(half) == blob[:half]  # served while the upstream still holds the rest
+                assert not release.is_set()
+                release.set()
+                if poison:
+                    with pytest.raises(http.client.IncompleteRead):
+                        r.read()
+                else:
+                    assert r.read() == blob[half:shard]
+                conn.close()
 
 
 def test_client_resumes_after_interruption(tmp_path, keys):

@@ -7,15 +7,17 @@ Algorithm (`fetch_version`):
      from a bad relay is rejected and another source is asked).
   3. Download the shards (byte ranges of the files, listed with sha256 in the manifest) with
      `parallel` threads into `dest_root/.v{N}.partial/`, each shard from a source picked by
-     `Sources` (weighted by measured bandwidth x success, with some exploration). Each thread keeps
-     one keep-alive connection per source and one shard-sized buffer: the body is read with
-     `readinto` in RECV_CHUNK pieces straight into the buffer and hashed piece by piece as it
-     arrives (hashlib drops the GIL, so hashing overlaps the other threads' receives); the shard
-     is written (one pwrite) only if the digest matches. A mismatch or an oversized body drops it
-     and asks another source; a broken connection keeps the bytes received (and the running hash)
-     and resumes with a Range request from whichever source is picked next. A journal `.shards`
-     (staging.ShardJournal) records written shards, so a fetch interrupted by `stop` or a crash resumes
-     after re-hashing only those shards.
+     `Sources` (smooth weighted round robin over measured bandwidth x success). Each thread keeps
+     one keep-alive connection per source and one RECV_CHUNK buffer: the body is read with
+     `readinto` straight into the buffer, hashed (hashlib drops the GIL, so hashing overlaps the
+     other threads' receives) and written in place (pwrite) piece by piece as it arrives, and
+     `on_progress(i, j, bytes, attempt)` reports it (a relay serves those bytes on at once). A
+     shard counts as held only once its digest matches: then the journal `.shards`
+     (staging.ShardJournal) records it and `on_shard(i, j)` runs. A mismatch or an oversized body
+     voids the shard's bytes (a new attempt, reported with 0 bytes) and asks another source; a
+     broken connection keeps the bytes received (and the running hash) and resumes with a Range
+     request from whichever source is picked next. A fetch interrupted by `stop` or a crash
+     resumes after re-hashing only the journaled shards (unverified bytes on disk never count).
   4. When every shard is in, write `.complete` (last) and rename the partial dir to dest_root/v{N}:
      v{N} exists only complete. The whole-file sha256 is not recomputed: the signed manifest binds
      every shard's hash, and the shards tile the file (checkpoint.check_manifest).
@@ -127,12 +129,12 @@ class Fetcher:
         if conn is not None:
             conn.close()
 
-    def buffer(self, size: int) -> memoryview:
-        """This thread's receive buffer, at least `size` bytes (reused across shards)."""
+    def buffer(self) -> memoryview:
+        """This thread's RECV_CHUNK receive buffer (reused across shards)."""
         buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = self._local.buf = bytearray(size)
-        return memoryview(buf)
+        if buf is None:
+            buf = self._local.buf = memoryview(bytearray(RECV_CHUNK))
+        return buf
 
     def close(self) -> None:
         with self._lock:
@@ -192,9 +194,16 @@ class Fetcher:
         return self._retry(MANIFEST_NAME, attempt)
 
     def shards(
-        self, manifest: dict, dest: Path, skip: set[tuple[int, int]], on_shard: Callable[[int, int], None] | None = None
+        self,
+        manifest: dict,
+        dest: Path,
+        skip: set[tuple[int, int]],
+        on_shard: Callable[[int, int], None] | None = None,
+        on_progress: Callable[[int, int, int, int], None] | None = None,
     ) -> None:
-        """Download every shard not in `skip` into the files under `dest` (created at full size)."""
+        """Download every shard not in `skip` into the files under `dest` (created at full size).
+        `on_progress(i, j, n, attempt)`: bytes [0, n) of shard j of files[i] are on disk, unverified
+        (a new `attempt` voids the bytes of the previous ones); `on_shard(i, j)`: it verified."""
         fds = []
         try:
             for entry in manifest["files"]:
@@ -218,7 +227,8 @@ class Fetcher:
                             return
                         i, j = todo.pop()
                     entry = manifest["files"][i]
-                    self._shard(entry, entry["shards"][j], fds[i])
+                    progress = None if on_progress is None else lambda n, a, i=i, j=j: on_progress(i, j, n, a)
+                    self._shard(entry, entry["shards"][j], fds[i], progress)
                     if on_shard is not None:
                         on_shard(i, j)
 
@@ -237,27 +247,25 @@ class Fetcher:
             for fd in fds:
                 os.close(fd)
 
-    def _shard(self, entry: dict, shard: dict, fd: int) -> None:
-        """Receive one shard into this thread's buffer, hashing as it arrives; pwrite it if it matches."""
+    def _shard(self, entry: dict, shard: dict, fd: int, progress: Callable[[int, int], None] | None) -> None:
+        """Receive one shard, hashing and writing each piece as it arrives, until its digest matches."""
         size, where = shard["size"], f"{entry['name']}[{shard['offset']}:+{shard['size']}]"
-        buf = self.buffer(size)
-        state = {"have": 0, "hash": hashlib.sha256()}  # kept across a broken connection
+        state = {"have": 0, "hash": hashlib.sha256(), "attempt": 0}  # kept across a broken connection
 
         def attempt(base: str) -> None:
             started, had = time.monotonic(), state["have"]
             try:
-                self._get_range(base, entry, shard, buf, state)
+                self._get_range(base, entry, shard, fd, state, progress)
             except BaseException:
                 self.drop_connection(base)  # its response may be half read
                 raise
             digest = state["hash"].hexdigest()
-            if digest != shard["sha256"]:
-                state["have"], state["hash"] = 0, hashlib.sha256()  # never resume from bytes that failed the check
+            if digest != shard["sha256"]:  # never resume from bytes that failed the check
+                state.update(have=0, hash=hashlib.sha256(), attempt=state["attempt"] + 1)
+                if progress is not None:
+                    progress(0, state["attempt"])
                 raise ChecksumError(where, f"sha256 {digest} != manifest sha256 {shard['sha256']}")
             self.sources.success(base, size - had, time.monotonic() - started)
-            written = 0
-            while written < size:
-                written += os.pwrite(fd, buf[written:size], shard["offset"] + written)
 
         self._retry(where, attempt)
 
@@ -278,8 +286,10 @@ class Fetcher:
                     raise
         raise AssertionError("unreachable")
 
-    def _get_range(self, base: str, entry: dict, shard: dict, buf: memoryview, state: dict) -> None:
-        """Receive the missing bytes of `shard` into buf[have:size], updating the running hash."""
+    def _get_range(
+        self, base: str, entry: dict, shard: dict, fd: int, state: dict, progress: Callable[[int, int], None] | None
+    ) -> None:
+        """Receive the missing bytes of `shard` (from state["have"] on), hashing and writing them."""
         have, size = state["have"], shard["size"]
         start, end = shard["offset"] + have, shard["offset"] + size
         if start == 0 and end == entry["size"]:
@@ -299,14 +309,20 @@ class Fetcher:
                 entry["name"],
                 f"server sent more than the shard size {size} (Content-Length {r.getheader('Content-Length')})",
             )
+        buf = self.buffer()
         while have < size:
-            n = r.readinto(buf[have : min(size, have + RECV_CHUNK)])
+            n = r.readinto(buf[: min(size - have, RECV_CHUNK)])
             if not n:
                 break
-            state["hash"].update(buf[have : have + n])
+            state["hash"].update(buf[:n])
+            written = 0
+            while written < n:
+                written += os.pwrite(fd, buf[written:n], shard["offset"] + have + written)
             have = state["have"] = have + n
             if self.on_bytes is not None:
                 self.on_bytes(n)
+            if progress is not None:
+                progress(have, state["attempt"])
             self._check()
         if have < size:
             raise HTTPStatusError(f"truncated body: {have} of {size} shard bytes")

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import BinaryIO
@@ -162,9 +162,10 @@ def parse_range(request: web.Request, size: int) -> tuple[int, int, int]:
     return 206, start, end
 
 
-async def _start(
+async def start_response(
     request: web.Request, status: int, start: int, end: int, size: int, content_type: str
 ) -> web.StreamResponse:
+    """Send the headers of a (206: ranged) response of `end - start` bytes of a `size`-byte body."""
     resp = web.StreamResponse(status=status, headers={"Accept-Ranges": "bytes"})
     if status == 206:
         resp.headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
@@ -175,20 +176,14 @@ async def _start(
 
 
 async def send_file(
-    request: web.Request,
-    size: int,
-    open_file: Callable[[], BinaryIO],
-    on_bytes: Callable[[int], None] | None = None,
-    ready: Callable[[int, int], Awaitable[None]] | None = None,
+    request: web.Request, size: int, open_file: Callable[[], BinaryIO], on_bytes: Callable[[int], None] | None = None
 ) -> web.StreamResponse:
     """Send bytes of the local file `open_file()` (which holds `size` bytes) honouring Range, with
-    os.sendfile. `await ready(start, end)` runs first (a relay waits there for the shards that cover
-    the range); exceptions from `ready` and `open_file` propagate before any header is sent."""
+    os.sendfile; exceptions from `open_file` propagate before any header is sent. (A relay serves
+    a version it is still pulling with pull.stream instead.)"""
     status, start, end = parse_range(request, size)
-    if ready is not None:
-        await ready(start, end)
     with open_file() as f:
-        resp = await _start(request, status, start, end, size, "application/octet-stream")
+        resp = await start_response(request, status, start, end, size, "application/octet-stream")
         if request.method != "HEAD":
             if request.transport is None:
                 raise ConnectionResetError("client went away")
@@ -212,7 +207,7 @@ async def send_range(
     chunks = await asyncio.to_thread(read, start, end)
     pending = None
     try:
-        resp = await _start(request, status, start, end, size, content_type)
+        resp = await start_response(request, status, start, end, size, content_type)
         while request.method != "HEAD":
             pending = _IO.submit(next, chunks, None)
             if (chunk := await asyncio.wrap_future(pending)) is None:

@@ -2,9 +2,11 @@
 
 It serves the origin's routes (protocol.py) from its cache (relay_cache.py: pulls, resume,
 prefetch, retention and their invariants). Serving:
-  cut-through   a file request waits (in `send_file`'s `ready` hook) only for the shards its
-                byte range covers, then sendfiles them while later shards are still arriving, so
-                tier k+1 pulls shard s while tier k pulls shard s+1; a failed pull answers 502
+  cut-through   a request for a version still being pulled is served from the partial file as
+                its bytes land (pull.stream: sendfile of whatever arrived, the last byte of the
+                response only once every shard in it verified), so tier k+1 receives each byte
+                about when tier k does; a pull that fails before the range's first byte answers
+                502, one that fails after it cuts the response short
   latest        upstream's latest (and starts pulling it); the newest held version if upstream is down.
                 `latest?after=N` answers as soon as a newer version is announced to this relay
                 (it is then served cut-through) or held
@@ -40,15 +42,8 @@ from rlfleet.services.shardcast.protocol import (
     send_range,
     serve_until,
 )
-from rlfleet.services.shardcast.relay_cache import (
-    BYTES_OUT,
-    CLIENTS,
-    DiskBoundError,
-    NotUpstream,
-    Pull,
-    Relay,
-    VersionGone,
-)
+from rlfleet.services.shardcast.pull import Pull, stream
+from rlfleet.services.shardcast.relay_cache import BYTES_OUT, CLIENTS, DiskBoundError, NotUpstream, Relay, VersionGone
 
 RELAY = web.AppKey("relay", Relay)
 
@@ -114,22 +109,14 @@ def make_app(
         if index is None:
             raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
 
-        async def ready(start: int, end: int) -> None:
-            if isinstance(where, Pull):
-                try:
-                    await where.wait(lambda: where.covers(index, start, end))
-                except (FetchError, DiskBoundError, requests.RequestException, OSError) as exc:
-                    raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
-
+        size, open_file = manifest["files"][index]["size"], lambda: relay.open_file(version, name)
         CLIENTS.inc()
         try:
-            return await send_file(
-                request,
-                manifest["files"][index]["size"],
-                lambda: relay.open_file(version, name),
-                on_bytes=BYTES_OUT.inc,
-                ready=ready,
-            )
+            if isinstance(where, Pull) and not where.complete:
+                return await stream(request, where, index, size, open_file, BYTES_OUT.inc)
+            return await send_file(request, size, open_file, BYTES_OUT.inc)
+        except (FetchError, DiskBoundError, requests.RequestException) as exc:  # before the first byte
+            raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
         except FileNotFoundError:  # pruned between the check and the open
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
         finally:

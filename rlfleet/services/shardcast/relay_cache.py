@@ -3,13 +3,15 @@
 {cache_dir}/{run}/v{N}/ holds complete versions. Invariants:
   - nothing is offered before the version's manifest has verified: its ed25519 signature with the
     run's public key first, then shape, run and version (client.Fetcher.manifest);
-  - a shard counts as held only once it has matched its sha256 (client.Fetcher hashes each shard
-    in its receive buffer and writes it only then), so a poisoned upstream is never relayed;
+  - a shard counts as held only once it has matched its sha256 (client.Fetcher hashes each
+    piece as it arrives); its bytes are served on as they land (pull.stream), but no response
+    through the relay completes before every shard in it verified, and one that carried bytes of
+    a failed attempt is cut off, so a poisoned upstream never gets a complete response relayed;
   - v{N} exists only complete (`.complete` inside): shards land in `.v{N}.partial/`, renamed
     to v{N} after the last one, before the last shard is announced as ready.
   pull          one pull per version at a time (a thread running client.Fetcher against the
-                upstream, `parallel` shards at once); concurrent requests share it and wait on
-                its `Pull` for exactly the shards they need (what cut-through serving waits on)
+                upstream, `parallel` shards at once); concurrent requests share it and are
+                served from its `Pull` byte by byte as the shards they need arrive (pull.py)
   resume        a partial dir keeps a journal of its verified shards (staging.ShardJournal); a
                 relay killed or stopped mid-pull keeps it, and the next pull of that version
                 re-hashes the journaled shards, serves them at once and fetches only the others.
@@ -44,6 +46,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
 from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, Sources
 from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_path
+from rlfleet.services.shardcast.pull import Pull
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
 from rlfleet.streams import MessageError, RunKeys, decode_json
 
@@ -79,49 +82,6 @@ class NotUpstream(LookupError):
 
 class DiskBoundError(RuntimeError):
     """A version that does not fit under the relay's disk bound."""
-
-
-class Pull:
-    """One version being pulled: its verified manifest, then the shards verified so far.
-    Written by the pull thread; read and awaited on the event loop."""
-
-    def __init__(self, version: int, loop: asyncio.AbstractEventLoop):
-        self.version, self.loop = version, loop
-        self.raw: bytes | None = None
-        self.manifest: dict | None = None
-        self.ready: set[tuple[int, int]] = set()
-        self.complete = False
-        self.error: BaseException | None = None
-        self.size = 0
-        self._changed = asyncio.Event()
-
-    def notify(self) -> None:
-        """Wake every waiter (from any thread)."""
-        self.loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-
-    async def wait(self, predicate) -> None:
-        while True:
-            changed = self._changed
-            if predicate():
-                return
-            if self.error is not None:
-                raise self.error
-            await changed.wait()
-
-    def covers(self, index: int, start: int, end: int) -> bool:
-        """All shards of file `index` overlapping bytes [start, end) are verified."""
-        if self.complete:
-            return True
-        shards = self.manifest["files"][index]["shards"]
-        return all(
-            (index, j) in self.ready
-            for j, s in enumerate(shards)
-            if s["offset"] < end and s["offset"] + s["size"] > start
-        )
 
 
 class Relay:
@@ -298,7 +258,7 @@ class Relay:
                     self._finish(pull)
                 pull.notify()
 
-            fetcher.shards(manifest, partial, done, on_shard)
+            fetcher.shards(manifest, partial, done, on_shard, pull.progress)
         except BaseException:
             journal.close()
             if not fetcher.stopped:  # a failed pull leaves nothing; a stopped one is resumed later

@@ -50,7 +50,15 @@ RETRYABLE = (
 class Sources:
     """Base URLs with measured bandwidth (EWMA, bytes/s) and success counts; thread-safe.
     Weight = bandwidth x ((ok + 1) / (ok + fail + 2))^2; untried sources get the best bandwidth seen
-    (optimism), and with probability EXPLORE the pick is uniform. Keep one across fetches to learn."""
+    (optimism). Keep one across fetches to learn.
+    Pick: smooth weighted round robin. Each pick adds every candidate's share of the candidates'
+    total weight to its credit and takes the candidate with the most credit, which pays 1: over any
+    run of picks each source gets its share within one pick, interleaved, so clients spread their
+    shards over equal relays evenly at every moment (a weighted random choice let one relay carry
+    more clients than its uplink serves at full rate while another idled, and in a tree where each
+    relay's uplink just covers its clients, the clients it slowed never caught up). Credits start
+    at random so that clients do not move in step; with probability EXPLORE a pick is uniform,
+    which keeps measuring sources whose weight fell."""
 
     def __init__(self, urls: list[str], explore: float = EXPLORE, rng: random.Random | None = None):
         if not urls:
@@ -61,6 +69,7 @@ class Sources:
         self.bandwidth: dict[str, float] = {}
         self.ok = dict.fromkeys(self.urls, 0)
         self.fail = dict.fromkeys(self.urls, 0)
+        self.credit = {u: self.rng.random() for u in self.urls}
         self._lock = threading.Lock()
 
     def weight(self, url: str) -> float:
@@ -75,7 +84,13 @@ class Sources:
                 return candidates[0]
             if self.rng.random() < self.explore:
                 return self.rng.choice(candidates)
-            return self.rng.choices(candidates, weights=[self.weight(u) + 1e-9 for u in candidates])[0]
+            weights = [self.weight(u) + 1e-9 for u in candidates]
+            total = sum(weights)
+            for u, w in zip(candidates, weights):
+                self.credit[u] += w / total
+            chosen = max(candidates, key=self.credit.__getitem__)
+            self.credit[chosen] -= 1.0
+            return chosen
 
     def success(self, url: str, nbytes: int, seconds: float) -> None:
         with self._lock:
