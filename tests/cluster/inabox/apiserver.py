@@ -84,10 +84,10 @@ class BoxCluster(Cluster):
         auth = request.headers.get("Authorization") or ""
         if not auth:
             return ADMIN
-        token = auth.removeprefix("Bearer ").strip()
-        if token not in self.tokens:
+        scheme, _, token = auth.strip().partition(" ")
+        if scheme.lower() != "bearer" or token.strip() not in self.tokens:
             raise kmock.KubernetesError(401, "Unauthorized", "unknown bearer token")
-        return self.tokens[token]
+        return self.tokens[token.strip()]
 
     def _rbac_objects(self) -> list[dict]:
         return [

@@ -17,6 +17,7 @@ thread-safe, so every call into it takes the box's lock (the pod runners run in 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -121,12 +122,10 @@ class Box:
             with self._lock:
                 host = self.tb.host("s3", site=cluster.site)
                 log = open(self.root / "s3.log", "ab")
-                proc = self.tb.popen(
-                    host,
-                    [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(S3_PORT)],
-                    stdout=log,
-                    stderr=log,
-                )
+                # path-style buckets at any host name (moto would read a bucket from a dotted host name)
+                env = {**os.environ, "S3_IGNORE_SUBDOMAIN_BUCKETNAME": "true"}
+                argv = [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(S3_PORT)]
+                proc = self.tb.popen(host, argv, stdout=log, stderr=log, env=env)
             self._s3 = (host, proc)
             self.publish(S3_NAME, host.ip)
             with PortForward(host.netns, host.ip, S3_PORT) as forward:

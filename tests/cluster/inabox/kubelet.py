@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import subprocess
@@ -237,9 +238,7 @@ def _resource(pod: Pod, ref: dict) -> str:
         value = str(os.cpu_count()) if name == "cpu" else str(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if value is None:
         value = "0"
-    divisor = quantity(ref.get("divisor", "1"))
-    out = quantity(value) / divisor
-    return str(max(1, -int(-out // 1)) if name == "cpu" else int(-(-out // 1)))
+    return str(math.ceil(quantity(value) / quantity(ref.get("divisor", "1"))))  # a kubelet rounds up
 
 
 def environment(pod: Pod, cluster) -> dict[str, str]:

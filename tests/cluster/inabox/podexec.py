@@ -35,37 +35,22 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
         raise OSError(err, f"mount {source} -> {target} ({fstype}, {data}): {os.strerror(err)}")
 
 
+def _under(path: str, ancestor: str) -> bool:
+    return path != ancestor and path.startswith(ancestor.rstrip("/") + "/")
+
+
+def _make(path: str, is_file: bool) -> None:
+    if is_file:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "a").close()
+    else:
+        os.makedirs(path, exist_ok=True)
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     socket.sethostname(spec["hostname"])
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    layers: dict[str, str] = {}  # overlaid directory -> its upper dir
-    mounted: list[str] = []
-
-    def inside_a_volume(path: str) -> bool:
-        return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounted)
-
-    def make(path: str, is_file: bool = False) -> None:
-        real = os.path.realpath(path)
-        if os.path.lexists(real):
-            return
-        ancestor = os.path.dirname(real)
-        while not os.path.exists(ancestor):
-            ancestor = os.path.dirname(ancestor)
-        if not inside_a_volume(ancestor) and ancestor not in layers:
-            n = len(layers)
-            upper, work = (os.path.join(spec["layers"], f"{n}-{part}") for part in ("upper", "work"))
-            os.makedirs(upper), os.makedirs(work)
-            mount("overlay", ancestor, "overlay", 0, f"lowerdir={ancestor},upperdir={upper},workdir={work}")
-            layers[ancestor] = upper
-            if ancestor == "/etc":
-                mount(spec["hosts"], "/etc/hosts", None, MS_BIND)
-        if is_file:
-            os.makedirs(os.path.dirname(real), exist_ok=True)
-            open(real, "a").close()
-        else:
-            os.makedirs(real, exist_ok=True)
-
     # Sources are opened first and bound through /proc/self/fd: a volume mounted on /tmp must not hide
     # the others' sources (the pod's directory may well live under /tmp).
     volumes = sorted(spec["mounts"], key=lambda m: m["target"].count("/"))
@@ -75,18 +60,37 @@ def main(spec_path: str) -> None:
     def nested(target: str) -> bool:
         return any(t != target and target.startswith(t.rstrip("/") + "/") for t in targets)
 
-    for d in spec["dirs"]:
-        make(d)
-    for m in volumes:  # layers first: their upper dirs live under the pod's directory too
-        if not nested(os.path.normpath(m["target"])):
-            make(m["target"], is_file=os.path.isfile(m["source"]))
+    def missing(path: str) -> tuple[str, str] | None:
+        """(the real path, its nearest existing ancestor) of a path that does not exist yet."""
+        real = os.path.realpath(path)
+        if os.path.lexists(real):
+            return None
+        ancestor = os.path.dirname(real)
+        while not os.path.exists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        return real, ancestor
+
+    # The image's directories and the targets outside other volumes: one layer over each nearest existing
+    # ancestor, none inside another layer (a layer over /run made after one over /run/x would hide it).
+    made = [(p, False) for p in spec["dirs"]]
+    made += [(m["target"], os.path.isfile(m["source"])) for m in volumes if not nested(os.path.normpath(m["target"]))]
+    todo = [(found, is_file) for p, is_file in made if (found := missing(p))]
+    ancestors = {a for (_, a), _ in todo}
+    for n, ancestor in enumerate(sorted(a for a in ancestors if not any(_under(a, b) for b in ancestors))):
+        upper, work = (os.path.join(spec["layers"], f"{n}-{part}") for part in ("upper", "work"))
+        os.makedirs(upper), os.makedirs(work)
+        mount("overlay", ancestor, "overlay", 0, f"lowerdir={ancestor},upperdir={upper},workdir={work}")
+        if ancestor == "/etc" or _under("/etc", ancestor):
+            mount(spec["hosts"], "/etc/hosts", None, MS_BIND)
+    for (real, _), is_file in todo:
+        _make(real, is_file)
     for m in volumes:
-        if nested(os.path.normpath(m["target"])):  # inside a volume mounted just before: made in that volume
-            make(m["target"], is_file=os.path.isfile(f"/proc/self/fd/{sources[m['source']]}"))
-        mount(f"/proc/self/fd/{sources[m['source']]}", m["target"], None, MS_BIND | MS_REC)
+        source = f"/proc/self/fd/{sources[m['source']]}"
+        if nested(os.path.normpath(m["target"])) and (found := missing(m["target"])):
+            _make(found[0], os.path.isfile(source))  # inside a volume mounted just before: made in that volume
+        mount(source, m["target"], None, MS_BIND | MS_REC)
         if m["readOnly"]:
             mount(None, m["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-        mounted.append(os.path.realpath(m["target"]))
     os.chdir(spec["workdir"])
     argv = spec["argv"]
     os.execvpe(argv[0], argv, spec["env"])
