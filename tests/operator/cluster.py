@@ -48,6 +48,7 @@ RESOURCES = {
     "v1/configmaps": ("ConfigMap", True, set()),
     "v1/services": ("Service", True, set()),
     "v1/secrets": ("Secret", True, set()),
+    "v1/pods": ("Pod", True, {"status"}),
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
     "apps/v1/statefulsets": ("StatefulSet", True, {"status", "scale"}),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, {"status"}),

@@ -10,7 +10,7 @@ garbage collection and server-side apply) with what the pods of a cluster need f
 - May they: a service account's request is checked against the Roles, ClusterRoles and bindings
   stored in the emulator (the chart's, once applied) by tests/operator/rbac.py, and refused with 403
   when none allows it. Every request is recorded with its user and the verdict (`audit`).
-- Kinds: pods, service accounts, RBAC and the Prometheus monitors besides what the operator uses; the
+- Kinds: service accounts, RBAC and the Prometheus monitors besides what the operator uses; the
   rlfleet kinds are served (and discoverable, which is how kopf finds them) only once their
   CustomResourceDefinitions are applied, from the CRDs' own names, scope and subresources.
 """
@@ -44,7 +44,6 @@ from . import netns
 ADMIN = "admin"
 API_PORT = 443
 EXTRA_RESOURCES = {
-    "v1/pods": ("Pod", True, {"status"}),
     "v1/serviceaccounts": ("ServiceAccount", True, set()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
