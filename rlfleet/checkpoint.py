@@ -12,7 +12,9 @@ Invariants:
     ranges of `shard_size` (the last one shorter) with their own sha256. Every downloader checks
     what it uses before it uses a byte (`verify_dir` whole files; the Shardcast client per shard).
 Manifest: {"run", "version", "created", "shard_size", "files": [{"name", "size", "sha256",
-  "shards": [{"offset", "size", "sha256"}]}][, "signature"]}.
+  "shards": [{"offset", "size", "sha256"}]}][, "delta"][, "signature"]}. A delta version's `files` are
+  what travels (patch files); its signed "delta" section names the base version and the resulting
+  files with their sha256 (rlfleet.delta.chain). Pruning keeps the chains of kept versions.
 Signing: `publish_version(..., signer=f)` stores f(manifest_signing_bytes(manifest)) under
 "signature"; the bytes are canonical JSON of the manifest without that field (rlfleet.signing).
 `parse_manifest` checks the signature first, then the shape; nothing of an unchecked manifest is used.
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from rlfleet.delta.chain import check_section, required_base, retained
 from rlfleet.store import CheckpointStore, check_key
 
 MANIFEST_NAME = "manifest.json"
@@ -131,8 +134,10 @@ def publish_version(
     local_dir: Path,
     signer: Callable[[bytes], str] | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
+    extra: dict | None = None,
 ) -> dict:
-    """Upload every file of `local_dir` to `{run}/policy/v{N}/`, then manifest.json; return the manifest."""
+    """Upload every file of `local_dir` to `{run}/policy/v{N}/`, then manifest.json; return the manifest.
+    `extra` adds signed fields to the manifest (a delta version's "delta" section)."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     local_dir = Path(local_dir)
@@ -153,7 +158,9 @@ def publish_version(
         "files": files,
         "shard_size": shard_size,
         "created": datetime.now(UTC).isoformat(),
+        **(extra or {}),
     }
+    check_manifest(manifest, run, version)  # an ill-formed extra never reaches the store
     if signer is not None:
         manifest[SIGNATURE_FIELD] = signer(manifest_signing_bytes(manifest))
     store.put_bytes(manifest_key(run, version), encode_manifest(manifest))  # last: makes it visible
@@ -194,6 +201,10 @@ def check_manifest(manifest: object, run: str, version: int) -> dict:
             raise ManifestError(f"{where}: files[{i}]: name {entry['name']!r} is reserved or repeated")
         names.add(entry["name"])
         _check_shards(f"{where}: files[{i}] ({entry['name']})", entry, shard_size)
+    try:
+        check_section(manifest)
+    except ValueError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
     return manifest
 
 
@@ -262,12 +273,14 @@ def latest_version(store: CheckpointStore, run: str) -> int | None:
 
 
 def prune_versions(store: CheckpointStore, run: str, keep: int) -> None:
-    """Delete all but the newest `keep` visible versions (manifest first, so none is half-visible).
-    Unpublished directories newer than the oldest kept version are left alone (maybe in progress)."""
+    """Delete the visible versions other than the newest `keep` and the versions their delta chains
+    pass through (chain.retained: a kept version stays reachable), manifest first, so none is
+    half-visible. Unpublished directories are left alone (maybe in progress)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     versions = list_versions(store, run)
-    for version in versions[:-keep]:
+    kept = retained(versions, keep, lambda v: required_base(read_manifest(store, run, v) or {}))
+    for version in (v for v in versions if v not in kept):
         store.delete_prefix(manifest_key(run, version))
         store.delete_prefix(version_prefix(run, version))
 

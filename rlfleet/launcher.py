@@ -192,6 +192,21 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
         f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)",
         file=sys.stderr,
     )
+    # From here on a signal is counted, never raised (Interrupts): the imports and the start-up ahead
+    # must not be cut in the middle, and every path below stops what it started.
+    interrupts = Interrupts()
+    previous = {sig: signal.signal(sig, interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return start_and_supervise(bundle, file, config, run_path, model_dir, steps, total, progress, interrupts)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def start_and_supervise(bundle: Bundle, file: str, config: Path, run_path: Path, model_dir: Path, steps: int | None,
+                        total: int, progress: bool, interrupts: Interrupts) -> int:  # fmt: skip
+    """Check the engines, plan the processes, set up their environment and keys, then supervise them."""
+    name = bundle.run.metadata.name
     from rlfleet.services.rollout.engines import check_supported
 
     for pool in bundle.pools:  # refused here, not after every other process has started
@@ -235,7 +250,10 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     (run_path / "redis").mkdir(exist_ok=True)
     write_endpoints(run_path / "endpoints.json", redis_url, comps)
     supervisor = Supervisor([redis_comp, *comps], environ)
-    return supervise(supervisor, redis_comp, comps[-1], run_path, name, total, progress)
+    if interrupts.requested:
+        print("rlfleet: interrupted before the run started", file=sys.stderr)
+        return 130
+    return supervise(supervisor, redis_comp, comps[-1], run_path, name, total, progress, interrupts)
 
 
 def write_endpoints(path: Path, redis_url: str, comps: list[Component]) -> None:
@@ -263,18 +281,14 @@ def check_local_size(bundle: Bundle, comps: list[Component], source: str) -> Non
 
 
 def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component, run_path: Path, name: str,
-              total: int, progress: bool) -> int:  # fmt: skip
+              total: int, progress: bool, interrupts: Interrupts) -> int:  # fmt: skip
     """Run until the trainer finishes, a component crash-loops or the user interrupts; then stop
     everything and write the reports."""
-    interrupts = Interrupts()
-    previous = {sig: signal.signal(sig, interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     try:
         failed = run_components(supervisor, redis_comp, trainer, run_path, name, total, progress, interrupts)
     finally:
         supervisor.stop_all(force=lambda: interrupts.count >= 2)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     summary = write_reports(run_path, time.monotonic() - started, f"rlfleet run {name}")
     if interrupts.requested:
         print(f"rlfleet: interrupted; every component stopped. Logs in {run_path / 'logs'}", file=sys.stderr)

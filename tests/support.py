@@ -104,3 +104,31 @@ def render_chart(chart, values: dict, release: str = "rl", namespace: str = "rlf
 
 def by_kind(objects: list[dict], kind: str) -> list[dict]:
     return [o for o in objects if o["kind"] == kind]
+
+
+def trained_versions(dest: Path, count: int, dtype: str = "float32", lr: float = 1e-4, seed: int = 0) -> list[Path]:
+    """`count` consecutive policy versions dest/v0, dest/v1, ... (HF directories): a tiny Qwen2 policy, then
+    one AdamW step per version on the next-token loss of random sequences weighted by random advantages,
+    which moves every weight like a GRPO step does (Adam's update is about lr per element, whatever the loss)."""
+    import torch
+
+    from rlfleet.checkpoint import save_model_dir
+    from rlfleet.policy import load_policy
+
+    first = tiny_policy_dir(dest / "init", seed=seed)
+    model, tokenizer = load_policy(first, dtype)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    paths = []
+    for v in range(count):
+        if v:
+            ids = torch.randint(3, len(tokenizer), (4, 12), generator=generator)
+            logp = model(input_ids=ids).logits.float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])
+            loss = -(logp.squeeze(-1) * torch.randn(4, 1, generator=generator)).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        paths.append(dest / f"v{v}")
+        save_model_dir(model, tokenizer, paths[-1])
+    return paths

@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, Metadata, Spec
-from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
+from rlfleet.config.infra import DeltaSpec, IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
 from rlfleet.config.resources import (
     KINDS,
     LOCAL_POOL,
@@ -56,6 +56,7 @@ __all__ = [
     "ConfigError",
     "DatasetSpec",
     "DatasetTaskFields",
+    "DeltaSpec",
     "InferencePool",
     "InferencePoolSpec",
     "IngestSpec",

@@ -51,8 +51,54 @@ class StoreSpec(Spec):
         return self
 
 
+class DeltaSpec(Spec):
+    """How the trainer publishes a version: whole, or as what changed since the previous one
+    (rlfleet/delta/). A client holding the previous version downloads only the delta; one without it
+    downloads the newest full version and the deltas after it."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Publish versions as deltas against the previous version where they pay (see maxRatio). False: "
+        "every version is published whole.",
+    )
+    full_every: int = Field(
+        default=10,
+        ge=1,
+        le=1_000_000,
+        description="Every version whose number is a multiple of this is published whole, whatever the delta "
+        "would cost; 1 publishes every version whole.",
+    )
+    max_ratio: float = Field(
+        default=0.8,
+        gt=0.0,
+        le=1.0,
+        description="A delta larger than this fraction of the whole checkpoint is not worth it: the version is "
+        "published whole instead.",
+    )
+    max_chain_ratio: float = Field(
+        default=2.0,
+        ge=0.0,
+        le=100.0,
+        description="The deltas since the last whole version may add up to at most this many whole checkpoints; the "
+        "version that would pass it is published whole. A client without a base downloads a whole version and the "
+        "deltas after it, so it never fetches more than (1 + maxChainRatio) checkpoints.",
+    )
+    delta_with_whole: bool = Field(
+        default=True,
+        description="A version published whole also carries its delta against the previous version (one manifest), "
+        "so workers holding that one still download only the delta; relays then pull both. False: whole versions "
+        "are only whole, which costs the workers a whole checkpoint every so often and the relays less. True suits "
+        "trees where the relays' fan-out to workers is the bottleneck, false the origin's uplink.",
+    )
+
+
 class ShardcastSpec(Spec):
-    keep_versions: int = Field(default=3, ge=1, description="Versions a relay and a worker keep on disk.")
+    keep_versions: int = Field(
+        default=3,
+        ge=1,
+        description="Versions a relay and a worker keep on disk (a relay also keeps the versions that the delta chains "
+        "of those pass through, back to a whole version).",
+    )
     signing_key_secret: str | None = Field(
         default=None,
         pattern=NAME_PATTERN,
@@ -85,6 +131,9 @@ class ShardcastSpec(Spec):
         ge=1,
         description="Disk bound of each relay's cache: older versions are dropped to stay under it, and a version "
         "larger than it is refused. Empty: bounded by keepVersions only.",
+    )
+    deltas: DeltaSpec = Field(
+        default_factory=DeltaSpec, description="Delta versions: send what changed since the previous version."
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlfleet.testbed.commands import NAME_RE, namespaces, require_available, stale_namespaces, sweep
+from rlfleet.testbed.commands import namespaces, registered, require_available, stale_namespaces, sweep
 
 
 def main() -> int:
@@ -16,9 +16,11 @@ def main() -> int:
     require_available()
     stale = stale_namespaces()
     if args.action == "list":
-        for ns in namespaces():
-            if NAME_RE.match(ns):
-                print(f"{ns}\t{'stale (owner gone)' if ns in stale else 'live'}")
+        existing = set(namespaces())
+        for names in registered().values():
+            for ns in names:
+                if ns in existing:
+                    print(f"{ns}\t{'stale (owner gone)' if ns in stale else 'live'}")
         return 0
     removed = sweep(stale)
     for ns in removed:

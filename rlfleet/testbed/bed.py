@@ -21,8 +21,9 @@ Invariants: a namespace is recorded before it is created, so teardown knows ever
 setup made; teardown stops every process inside each namespace (ours by construction), deletes
 the namespaces (their veths, bridges and ifbs go with them) and /etc/netns/<ns>, and runs on
 normal exit, on exceptions, on SIGTERM/SIGHUP (turned into SystemExit while the testbed is open)
-and at interpreter exit. Only a SIGKILL of the owner leaves namespaces behind; their names carry
-the dead owner's pid, and `python -m rlfleet.testbed sweep` removes them.
+and at interpreter exit. Only a SIGKILL of the owner leaves namespaces behind: each is recorded
+in /run/rlfleet-testbed/<tag> before it is made, the tag carries the owner's pid, and
+`python -m rlfleet.testbed sweep` removes what a dead owner recorded (and nothing else).
 Bridged traffic inside a site is unshaped (the switch is not the bottleneck); a host's own up/down
 rates are its access link, which is the model of a machine on the internet.
 """
@@ -47,9 +48,11 @@ from rlfleet.testbed.commands import (
     new_owner_tag,
     parse_rate,
     pids_in,
+    register,
     require_available,
     sh,
     tbf_args,
+    unregister,
 )
 
 log = logging.getLogger("rlfleet.testbed")
@@ -180,6 +183,8 @@ class Testbed:
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         left = set(namespaces()) & set(self._netns)
         errors += [f"namespace {ns} still exists" for ns in sorted(left)]
+        if not left:
+            unregister(self.tag)
         return errors
 
     # ---- building ------------------------------------------------------------------------------
@@ -189,6 +194,7 @@ class Testbed:
         if not self._entered or self._closed:
             raise RuntimeError("use a testbed inside `with Testbed() as tb:` (it is not open)")
         self._netns.append(ns)  # recorded first: a failure below is still torn down
+        register(self.tag, ns)  # and for a sweep, should this process be killed outright
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "set", "lo", "up", netns=ns)
         return ns

@@ -1,5 +1,5 @@
 """The commands under the testbed: `ip` and `tc` (iproute2) run as root, rates, process CPU time,
-and the names that mark a namespace as a testbed's (so leftovers of a killed run can be found).
+and the register of which namespaces a testbed made (so leftovers of a killed run can be found).
 
 We drive iproute2 by its command line rather than netlink from Python (pyroute2): the commands are
 what an operator types to reproduce a topology by hand, and nothing else is needed on the machine.
@@ -18,10 +18,13 @@ from pathlib import Path
 
 NETNS_RUN = Path("/run/netns")  # where `ip netns add` mounts a namespace's handle
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc/*
+REGISTER = Path("/run/rlfleet-testbed")  # one file per open testbed: its tag, then a namespace a line
 PREFIX = "rlf"
-# A testbed's namespaces are named rlf-<owner pid>-<4 hex>-<role>: the owner pid tells a live
-# testbed from the leftovers of one whose process was killed (SIGKILL leaves no chance to clean up).
-NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-([0-9a-f]{{4}})-([a-z0-9][a-z0-9.-]*)$")
+# A testbed's tag is rlf-<owner pid>-<4 hex>, the prefix of its namespaces' names. The owner pid
+# tells a live testbed from the leftovers of one whose process was killed (SIGKILL leaves no chance
+# to clean up); the register, not the name, says which namespaces are a testbed's (others may use
+# names like these).
+TAG_RE = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]{{4}}$")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 
 
@@ -112,21 +115,52 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def register(tag: str, netns: str) -> None:
+    """Record that testbed `tag` makes `netns` (before it is made)."""
+    REGISTER.mkdir(mode=0o755, exist_ok=True)
+    with open(REGISTER / tag, "a") as f:
+        f.write(netns + "\n")
+
+
+def unregister(tag: str) -> None:
+    (REGISTER / tag).unlink(missing_ok=True)
+
+
+def registered() -> dict[str, list[str]]:
+    """Testbed tag -> the namespaces it recorded, for every testbed not closed."""
+    if not REGISTER.is_dir():
+        return {}
+    return {p.name: p.read_text().split() for p in REGISTER.iterdir() if TAG_RE.match(p.name)}
+
+
 def stale_namespaces() -> list[str]:
-    """Testbed namespaces whose owner process is gone: what a killed run left behind."""
-    return [ns for ns in namespaces() if (m := NAME_RE.match(ns)) and not pid_alive(int(m.group(1)))]
+    """Namespaces of testbeds whose owner process is gone: what a killed run left behind."""
+    existing = set(namespaces())
+    return [
+        ns
+        for tag, names in registered().items()
+        if not pid_alive(int(TAG_RE.match(tag).group(1)))
+        for ns in names
+        if ns in existing
+    ]
 
 
 def sweep(names: list[str]) -> list[str]:
-    """Delete the testbed namespaces `names` that no process runs in (with their /etc/netns
-    entries); return those deleted. Meant for `stale_namespaces()`: live testbeds are not touched."""
-    removed, existing = [], set(namespaces())
+    """Delete those of `names` that a dead owner's testbed registered and no process runs in (with
+    their /etc/netns entries); return them. A dead owner's register entry goes once none of its
+    namespaces is left. Live testbeds and namespaces no testbed registered are never touched."""
+    existing, stale = set(namespaces()), set(stale_namespaces())
+    removed = []
     for ns in names:
-        if ns not in existing or not NAME_RE.match(ns) or pids_in(ns):
+        if ns not in existing or ns not in stale or pids_in(ns):
             continue
         sh("ip", "netns", "del", ns)
         shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         removed.append(ns)
+    left = set(namespaces())
+    for tag, recorded in registered().items():
+        if not pid_alive(int(TAG_RE.match(tag).group(1))) and not left & set(recorded):
+            unregister(tag)
     return removed
 
 

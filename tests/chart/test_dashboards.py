@@ -20,6 +20,7 @@ SERVICE_MODULES = [
     "rlfleet.services.trainer.metrics",
     "rlfleet.services.rollout.main",
     "rlfleet.services.toploc.gate",
+    "rlfleet.services.shardcast.assemble",
     "rlfleet.services.shardcast.relay",
     "rlfleet.services.shardcast.relay_cache",
     "rlfleet.services.shardcast.origin",

@@ -4,6 +4,7 @@ killed mid-transfer (a real `rlfleet relay` process), cut-through, resume, reten
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import http.client
 import json
@@ -178,9 +179,11 @@ def test_relay_serves_shards_before_it_holds_the_version(tmp_path, keys):
     assert same_files(path, src)
 
 
-def test_relay_streams_a_shard_as_it_arrives_and_cuts_off_one_that_fails(tmp_path, keys):
-    """Byte-level cut-through: half a shard goes out while the upstream still withholds the other
-    half; when the shard then fails its sha256, the response is cut short, never completed."""
+@pytest.mark.parametrize("tiers", [1, 2])
+def test_relay_streams_a_shard_as_it_arrives_and_cuts_off_one_that_fails(tmp_path, keys, tiers):
+    """Byte-level cut-through, through one relay and through a relay of a relay: half a shard goes
+    out while the origin's side still withholds the other half; when the shard then fails its
+    sha256, the response is cut short, never completed, and no relay holds the version."""
     signer, public, _ = keys
     shard, half = 4 << 20, 2 << 20  # the relay reads upstream 1 MiB at a time
     store = open_store(f"file://{tmp_path}/store")
@@ -206,10 +209,13 @@ def test_relay_streams_a_shard_as_it_arrives_and_cuts_off_one_that_fails(tmp_pat
     with serving(origin.make_app(store, RUN)) as origin_url:
         for poison in (False, True):
             release = threading.Event()
-            with (
-                serving(evil_relay(origin_url, trickle(release, poison))) as slow,
-                serving(relay.make_app(slow, tmp_path / f"relay-{poison}", RUN, 3, public_key=public)) as relay_url,
-            ):
+            with contextlib.ExitStack() as stack:
+                relay_url = stack.enter_context(serving(evil_relay(origin_url, trickle(release, poison))))
+                for tier in range(tiers):
+                    cache = tmp_path / f"relay-{poison}-{tier}"
+                    # a short fetch timeout bounds a poisoned pull's reads, so the relays stop soon after
+                    app = relay.make_app(relay_url, cache, RUN, 3, fetch_timeout=5, public_key=public)
+                    relay_url = stack.enter_context(serving(app))
                 port = int(relay_url.rsplit(":", 1)[1])
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
                 conn.request("GET", file_path(RUN, 1, "model.safetensors"), headers={"Range": f"bytes=0-{shard - 1}"})
@@ -218,12 +224,17 @@ def test_relay_streams_a_shard_as_it_arrives_and_cuts_off_one_that_fails(tmp_pat
                 assert r.read(half) == blob[:half]  # served while the upstream still holds the rest
                 assert not release.is_set()
                 release.set()
-                if poison:
-                    with pytest.raises(http.client.IncompleteRead):
+                if poison:  # cut off (one relay), or the last byte never comes (a relay's relay)
+                    conn.sock.settimeout(5)
+                    with pytest.raises((http.client.IncompleteRead, TimeoutError)):
                         r.read()
                 else:
                     assert r.read() == blob[half:shard]
                 conn.close()
+                if not poison:  # and the whole version verifies through the last tier
+                    path = fetch_version([relay_url], RUN, 1, tmp_path / f"worker-{tiers}", public_key=public)
+                    assert same_files(path, src)
+            assert not any((tmp_path / f"relay-True-{t}" / RUN / "v1").exists() for t in range(tiers))
 
 
 def test_client_resumes_after_interruption(tmp_path, keys):

@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from support import REPO
 
 from rlfleet.testbed import Testbed, TestbedUnavailable, stale_namespaces, sweep, unavailable_reason
-from rlfleet.testbed.commands import NETNS_ETC, namespaces
+from rlfleet.testbed.commands import NETNS_ETC, REGISTER, namespaces
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
@@ -142,6 +143,26 @@ def test_an_interrupted_owner_leaves_nothing_or_a_sweepable_rest(sig):
         time.sleep(0.05)
     assert not [ns for ns in namespaces() if ns.startswith(tag)]
     assert not list(NETNS_ETC.glob(f"{tag}-*"))
+    assert not (REGISTER / tag).exists()
+
+
+def test_a_sweep_leaves_namespaces_no_testbed_registered():
+    """Someone else's namespace named like a dead owner's testbed is not the sweep's to remove."""
+    lookalike = f"rlf-{dead_pid()}-abcd-lookalike"
+    subprocess.run(["ip", "netns", "add", lookalike], check=True)
+    try:
+        assert lookalike not in stale_namespaces()
+        assert sweep([lookalike]) == []
+        assert lookalike in namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", lookalike], check=True)
+
+
+def dead_pid() -> int:
+    pid = 4_000_000
+    while Path(f"/proc/{pid}").exists():
+        pid += 1
+    return pid
 
 
 STUBBORN = """

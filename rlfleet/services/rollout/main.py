@@ -2,7 +2,8 @@
 
 Loop: draw a task id, sample G completions with the current policy version, build TOPLOC proofs of
 their final hidden states, XADD the group to the inbox. A background thread follows the `policy`
-stream and downloads each announced version through the relays (checking every file's sha256)
+stream and downloads each announced version through the relays (checking every file's sha256; a delta
+version is rebuilt from the one held here, shardcast/assemble.py)
 while generation goes on with the old weights; the main loop swaps weights between groups, so a
 group is always produced by exactly one version, which it records.
 
@@ -38,7 +39,8 @@ from rlfleet.policy import configure_torch_threads
 from rlfleet.runtime import ComponentOptions, Context, component_context, latest_announced_version
 from rlfleet.services.ingest.client import post_group, rollouts_url
 from rlfleet.services.rollout.engines import Engine, make_engine
-from rlfleet.services.shardcast.client import Sources, fetch_version, wait_for_version
+from rlfleet.services.shardcast.assemble import fetch_policy
+from rlfleet.services.shardcast.client import Sources, wait_for_version
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.signing import run_public_key
 from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
@@ -103,7 +105,7 @@ class VersionFollower(threading.Thread):
             if newest is None or newest <= self.announced:
                 continue
             self.announced, announced_at = newest, time.monotonic()
-            path = fetch_version(
+            path = fetch_policy(  # whole, or rebuilt from the version held here and a delta
                 self.relay_urls,
                 self.ctx.run_name,
                 newest,

@@ -1,4 +1,6 @@
 """Shardcast client: download one policy version from origin/relay base URLs and check every byte.
+(`fetch_version` downloads the files a manifest lists; workers and the verifier load versions through
+assemble.fetch_policy, which uses this module to fetch whole or delta versions and rebuilds deltas.)
 
 Algorithm (`fetch_version`):
   1. `dest_root/v{N}/.complete` exists -> return at once (idempotent; nothing is contacted).

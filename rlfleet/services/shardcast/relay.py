@@ -113,10 +113,13 @@ def make_app(
         CLIENTS.inc()
         try:
             if isinstance(where, Pull) and not where.complete:
-                return await stream(request, where, index, size, open_file, BYTES_OUT.inc)
+                try:  # what escapes `stream` happened before the response's first byte
+                    return await stream(request, where, index, size, open_file, BYTES_OUT.inc)
+                except FileNotFoundError:
+                    raise
+                except (FetchError, DiskBoundError, requests.RequestException, OSError) as exc:  # the pull failed
+                    raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
             return await send_file(request, size, open_file, BYTES_OUT.inc)
-        except (FetchError, DiskBoundError, requests.RequestException) as exc:  # before the first byte
-            raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
         except FileNotFoundError:  # pruned between the check and the open
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
         finally:
@@ -124,6 +127,11 @@ def make_app(
 
     async def lifecycle(app: web.Application):
         relay.board.bind(app)
+
+        async def on_shutdown(app: web.Application) -> None:
+            relay.shutdown()
+
+        app.on_shutdown.append(on_shutdown)
         await asyncio.to_thread(relay.clean_start)
         stop = threading.Event()
         listener = follower = None
@@ -147,15 +155,9 @@ def make_app(
         for task in list(relay._tasks):
             task.cancel()
 
-    async def closing(app: web.Application) -> None:
-        # Shutdown waits for requests in flight, and a request for a version that is still being
-        # pulled waits on the pull: stop the pulls first, so those requests end with 502 at once.
-        relay.closing.set()
-
     app = web.Application()
     app[RELAY] = relay
     app.cleanup_ctx.append(lifecycle)
-    app.on_shutdown.append(closing)
     app.router.add_get(ROUTE_HEALTH, healthz)
     app.router.add_get(ROUTE_METRICS, metrics)
     app.router.add_get(ROUTE_LATEST, latest)

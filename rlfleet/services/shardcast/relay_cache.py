@@ -21,9 +21,9 @@
                 then each new one) and pulls every announced version before anyone asks; a
                 restarted relay catches up the same way. Without a stream, a task long-polls the
                 upstream's `latest?after=N` instead (no timer: upstream answers on a new version)
-  retention     at most `keep_versions` complete versions, and (with `max_disk_bytes`) their bytes
-                plus the pulls in flight stay under the bound: older versions are dropped (renamed
-                away first) before a pull starts, and a version larger than the bound is refused
+  retention     the newest `keep_versions` complete versions and every version their delta chains pass through
+                (delta.chain.retained); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older
+                versions are dropped (renamed away first) before a pull starts, a version larger than it is refused
 Metrics: rlfleet_relay_bytes_in_total, rlfleet_relay_bytes_out_total, rlfleet_relay_versions_held,
 rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds, rlfleet_relay_fetch_seconds.
 """
@@ -44,7 +44,8 @@ import requests
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
-from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, Sources
+from rlfleet.delta.chain import dir_retained
+from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, FetchError, Sources
 from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_path
 from rlfleet.services.shardcast.pull import Pull
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
@@ -129,8 +130,8 @@ class Relay:
         return sorted(v for v in found if v is not None)
 
     def too_old(self, version: int) -> bool:
-        """True when `keep` newer versions are held: pulling it would only see it pruned."""
-        return sum(v > version for v in self.held()) >= self.keep
+        """True when pulling it would only see it pruned: `keep` newer versions are held and their chains skip it."""
+        return version not in dir_retained(self.root, {*self.held(), version}, self.keep)
 
     def partials(self) -> dict[int, Path]:
         """Partial dirs on disk by version."""
@@ -169,7 +170,7 @@ class Relay:
         arrive) and, with a disk bound, room for those bytes."""
         with self._disk_lock:
             keep = max(self.keep - 1, 1) if room_for else self.keep
-            for version in self.held()[: len(self.held()) - keep] if len(self.held()) > keep else []:
+            for version in sorted(set(self.held()) - dir_retained(self.root, self.held(), keep)):
                 self._drop(version)
             if self.max_disk is not None:
                 while self.held() and self._disk_used() + room_for > self.max_disk:
@@ -294,6 +295,16 @@ class Relay:
                 except FileNotFoundError:
                     continue
         raise FileNotFoundError(name)
+
+    def shutdown(self) -> None:
+        """Stop the pulls and answer every request waiting on one at once (event-loop thread):
+        aiohttp waits for open requests before it stops, and a pull thread may sit in a read
+        from a stalled upstream for READ_TIMEOUT."""
+        self.closing.set()
+        for pull in list(self._pulls.values()):
+            if pull.error is None:
+                pull.error = FetchError("the relay is shutting down")
+            pull._wake()
 
     def prefetch(self, version: int) -> None:
         """Start pulling `version` in the background and offer it to long-polls (event-loop thread only)."""

@@ -30,7 +30,7 @@ from prometheus_client import Counter
 
 from rlfleet.policy import configure_torch_threads, load_policy
 from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group
-from rlfleet.services.shardcast.client import fetch_version
+from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.reputation import ban_plan, field
 from rlfleet.signing import run_public_key
@@ -92,7 +92,7 @@ class Gate:
         """(model, tokenizer) of `version`, fetched from the trusted origin; the last few are kept."""
         with self._models_lock:
             if version not in self.models:
-                path = fetch_version(
+                path = fetch_policy(  # whole, or rebuilt from a version held here and deltas
                     [self.origin_url],
                     self.ctx.run_name,
                     version,

@@ -6,7 +6,8 @@ One step:
      dropped and acknowledged; a rollout id trained before is acknowledged and skipped
      (at-least-once delivery made exactly-once);
   2. group-normalized advantages, GRPO loss with two-sided clipping (loss.py), grad-norm clip, AdamW;
-  3. publish version v+1 to the store (manifest last), announce it on the `policy` stream;
+  3. publish version v+1 to the store (manifest last; whole or as a delta against v, rlfleet/delta/publish.py),
+     announce it on the `policy` stream;
   4. save the resume state, then record the rollout ids as trained and XACK their messages, so a
      crash before the state is saved redelivers them and a crash after it never trains them twice
      (state.py has the whole protocol).
@@ -25,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlfleet.checkpoint import prune_versions, publish_version, save_model_dir
+from rlfleet.checkpoint import prune_versions, save_model_dir
+from rlfleet.delta.publish import PolicyPublisher
 from rlfleet.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group, open_run_store
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step, withdraw
@@ -96,24 +98,21 @@ class Trainer:
         self.dropped_ids: dict[str, list[str]] = {}
         self._pending_cursor: str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
         self.last_reward: float | None = None
-        self._signer = None  # resolved at the first publish (a missing key fails that publish)
+        self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
         ensure_group(ctx.redis, ctx.keys.verified, ctx.keys.trainer_group)
 
     def publish(self, model_state: dict) -> None:
-        """Write the whole weights `model_state` (full_model_state) as `self.version` to the store, then announce it."""
+        """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
+        delta against the previous version), then announce it."""
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
             save_model_dir(
                 self.model, self.tokenizer, Path(tmp), state_dict=publishable_weights(self.model, model_state)
             )
-            self._signer = self._signer or run_signer(self.spec.shardcast)
-            publish_version(
-                self.store,
-                self.ctx.run_name,
-                self.version,
-                Path(tmp),
-                signer=self._signer,
-                shard_size=self.spec.shardcast.shard_size_bytes,
+            shardcast = self.spec.shardcast
+            self._publisher = self._publisher or PolicyPublisher(
+                self.store, self.ctx.run_name, shardcast.deltas, run_signer(shardcast), shardcast.shard_size_bytes
             )
+            self._publisher.publish(self.version, Path(tmp))
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)

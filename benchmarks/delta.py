@@ -1,0 +1,315 @@
+"""Delta benchmark: bytes on the wire per policy version, delta ÷ full, on real consecutive versions.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--steps 4] [--series builtin large]
+                                                      [--dtypes float32 bfloat16] [--lrs 1e-3 1e-4 1e-6]
+                                                      [--json PATH] [--workdir DIR]
+
+Series: a model x a dtype x a learning rate, each `--steps` real GRPO steps from one starting policy:
+  builtin   `builtin://tiny-arithmetic` from examples/arithmetic/rlrun.yaml (warm-started, cached), that
+            file's GRPO settings (batch 16 groups of 8, its learning rate 1e-3 unless --lrs says more);
+            rollouts sampled by the torch engine from the current version, rewards from the task's verifier
+  large     the builtin architecture (Qwen2, the same character tokenizer) widened to hidden 1024 and
+            deep enough that the checkpoint is >= 256 MiB at that dtype; 4 groups of 4 a step. It is not
+            warm-started (hours on CPU), so it solves nothing and the task's rewards are all 0; its
+            rewards are random 0/1 instead: Adam's step (about lr per weight) does not depend on what a
+            reward means, which is what the bytes of a delta depend on
+Each step is `grpo_update` (the trainer's) with the file's TrainerSpec, then save_model_dir (the
+trainer's publish path). The versions are published twice through the trainer's PolicyPublisher into
+file stores: every version as a delta (fullEvery, maxRatio, maxChainRatio out of the way: the codec's
+ratio), and with the default spec.shardcast.deltas (what a run sends). The first store is then served
+by a real origin and relay on loopback and one client follows the versions with fetch_policy, holding
+v-1 each time: the wire bytes are what it received (shards + manifest), with its rebuild time.
+Reported per series: full bytes, wire bytes per version and their ratio (delta_bytes_ratio = mean over
+versions 1..N), encode and rebuild seconds; under the default spec.shardcast.deltas, what a worker
+holding the previous version downloads (the delta, also at versions published whole and as a delta)
+and what a relay pulls (whole versions and their deltas included), both ÷ full; and the entropy
+bound: the zeroth-order entropy of the per-element change in units of the last place (bit length
+histogram + the uniform bits below the top one) over the 2- and 4-byte tensors, the fewest bits a
+per-element lossless code of them needs; where a target is out of reach, this says why.
+For the WAN benchmark (benchmarks/broadcast.py --wan) the pieces to reuse are `make_series` and
+`publish_series` (versions and the bytes each one sends: the bound's numerator) and `delta_client` (a
+client holding v-1 that fetches, rebuilds and verifies the next version). This is a script, not a
+test (STYLE.md 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RUN = "delta-bench"
+EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
+LARGE = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 16}
+MIN_LARGE_BYTES = 256 << 20
+
+
+def large_model(dest: Path, dtype: str, seed: int = 0) -> Path:
+    """The builtin architecture widened, deep enough for >= 256 MiB of weights at `dtype`; random init."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlfleet.checkpoint import save_model_dir
+    from rlfleet.models.builtin import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    width = 4 if dtype == "float32" else 2
+    h, i = LARGE["hidden_size"], LARGE["intermediate_size"]
+    per_layer = 4 * h * h + 3 * h + 3 * h * i + 2 * h  # attention (q, k, v with bias; o), MLP, two norms
+    layers = math.ceil(MIN_LARGE_BYTES / (per_layer * width))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        num_hidden_layers=layers,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **LARGE,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    save_model_dir(model, tokenizer, dest)
+    return dest
+
+
+def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path) -> list[Path]:
+    """`steps` + 1 consecutive versions work/v0 .. work/v{steps} made by real GRPO steps (module docstring)."""
+    import torch
+
+    from rlfleet.checkpoint import save_model_dir
+    from rlfleet.config import load_bundle
+    from rlfleet.models.builtin import resolve_model_path
+    from rlfleet.policy import load_policy
+    from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.services.trainer.update import grpo_update
+    from rlfleet.streams import RolloutGroup, Sample, SamplingParams
+    from rlfleet.tasks import make_run_task
+
+    spec = load_bundle(EXAMPLE).run.spec
+    trainer = spec.trainer.model_copy(update={"learning_rate": lr})
+    if kind == "builtin":
+        start, groups, group_size = resolve_model_path(spec.model, spec.task, seed=trainer.seed), trainer.batch_size, 8
+    else:
+        start, groups, group_size = large_model(work / "init", dtype), 4, 4
+    model, tokenizer = load_policy(start, dtype)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=trainer.weight_decay)
+    task, rng = make_run_task(spec), np.random.default_rng(0)
+    paths = [work / "v0"]
+    save_model_dir(model, tokenizer, paths[0])
+    engine = make_engine("torch", paths[0], 0, dtype)
+    s = spec.sampling
+    for v in range(1, steps + 1):
+        batch = []
+        for g in range(groups):
+            problem = task.problem(task.sample_id(rng))
+            prompt = tokenizer(problem.prompt)["input_ids"]
+            params = SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, int(rng.integers(2**31)))
+            gens = engine.generate(prompt, params, group_size)
+            text = [tokenizer.decode(x.completion_ids, skip_special_tokens=True) for x in gens]
+            rewards = [task.score(problem, t, len(x.completion_ids)) for t, x in zip(text, gens)]
+            if kind == "large":
+                rewards = [float(r) for r in rng.integers(0, 2, len(gens))]
+            samples = [Sample(x.completion_ids, x.logprobs, [], r, x.finish_reason) for x, r in zip(gens, rewards)]
+            batch.append(RolloutGroup(problem.task_id, "bench", v - 1, prompt, params, samples, rollout_id=f"{v}-{g}"))
+        grpo_update(model, optimizer, batch, trainer, s.temperature, tokenizer.pad_token_id)
+        paths.append(work / f"v{v}")
+        save_model_dir(model, tokenizer, paths[-1])
+        engine.load_weights(paths[-1], v)
+    engine.close()
+    return paths
+
+
+def publish_series(paths: list[Path], store_dir: Path, deltas, signer) -> list[dict]:
+    """Publish the versions in order through the trainer's PolicyPublisher; per version its `last` record."""
+    from rlfleet.delta.publish import PolicyPublisher
+    from rlfleet.store import open_store
+
+    publisher = PolicyPublisher(open_store(f"file://{store_dir}"), RUN, deltas, signer)
+    records = []
+    for v, path in enumerate(paths):
+        copy = store_dir.parent / f".publish-{store_dir.name}-v{v}"
+        shutil.copytree(path, copy)  # the publisher moves files out of what it publishes
+        publisher.publish(v, copy)
+        shutil.rmtree(copy, ignore_errors=True)
+        records.append(dict(publisher.last))
+    publisher.close()
+    return records
+
+
+def follow(store_dir: Path, count: int, dest: Path, public_key) -> list[dict]:
+    """Serve the store through an origin and a relay on loopback; one client fetches v0 .. v{count-1}
+    in order with fetch_policy; per version the bytes it received and the seconds it took."""
+    from rlfleet.services.shardcast import origin, relay
+    from rlfleet.services.shardcast.assemble import fetch_policy
+    from rlfleet.services.shardcast.protocol import serving
+    from rlfleet.store import open_store
+
+    store, rows = open_store(f"file://{store_dir}"), []
+    with (
+        serving(origin.make_app(store, RUN)) as origin_url,
+        serving(relay.make_app(origin_url, dest / "relay", RUN, 3, public_key=public_key)) as relay_url,
+    ):
+        for v in range(count):
+            got, report = [], {}
+            started = time.monotonic()
+            fetch_policy(
+                [relay_url], RUN, v, dest / "client", public_key=public_key, on_bytes=got.append, report=report
+            )
+            manifest = len(store.get_bytes(f"{RUN}/policy/v{v}/manifest.json"))
+            rows.append({"wire_bytes": sum(got) + manifest, "seconds": time.monotonic() - started, **report})
+            if v >= 2:
+                shutil.rmtree(dest / "client" / f"v{v - 2}")
+    return rows
+
+
+def delta_client(urls: list[str], dest: Path, public_key, held: int, timeout: float = 3600) -> float:
+    """A client for the WAN benchmark: it holds v`held` (fetched before the clock starts), waits for the
+    next version to be announced, fetches it with fetch_policy (its delta, rebuilt and verified) and
+    returns the monotonic time it was done; run one per client host, as broadcast.py runs its clients."""
+    from rlfleet.services.shardcast.assemble import fetch_policy
+    from rlfleet.services.shardcast.client import wait_for_version
+
+    version = wait_for_version(urls, RUN, held, timeout=timeout)
+    fetch_policy(urls, RUN, version, dest, timeout=timeout, public_key=public_key)
+    return time.monotonic()
+
+
+def entropy_bound(base: Path, new: Path) -> float:
+    """Bits per byte any per-element lossless code of new-vs-base needs (zeroth order, module docstring)."""
+    from rlfleet.delta.codec import UINT, tensor_layout
+
+    head, tensors = tensor_layout(new)
+    _, base_tensors = tensor_layout(base)
+    bits, total = 0.0, 0
+    a, b = np.fromfile(base, np.uint8), np.fromfile(new, np.uint8)
+    for name, (width, start, end) in tensors.items():
+        if width not in (2, 4) or name not in base_tensors:
+            continue
+        bs = base_tensors[name][1]
+        x = a[bs : bs + end - start].view(UINT[width]).astype(np.int64)
+        y = b[start:end].view(UINT[width]).astype(np.int64)
+        d = ((y - x + (1 << (8 * width - 1))) % (1 << (8 * width))) - (1 << (8 * width - 1))  # signed ulps
+        z = np.abs(2 * d) - (d < 0)  # zigzag
+        length = np.where(z > 0, np.floor(np.log2(np.maximum(z, 1))).astype(np.int64) + 1, 0)
+        _, counts = np.unique(length, return_counts=True)
+        p = counts / counts.sum()
+        bits += float(-(p * np.log2(p)).sum()) * len(z) + float(np.maximum(length - 1, 0).sum())
+        total += end - start
+    return bits / 8 / max(total, 1)
+
+
+def run_series(kind: str, dtype: str, lr: float, args, work: Path, keys) -> dict:
+    from rlfleet.config import DeltaSpec
+
+    signer, public = keys
+    print(f"{kind} {dtype} lr {lr:g}: training {args.steps} steps (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+    started = time.monotonic()
+    paths = make_series(kind, dtype, lr, args.steps, work / "versions")
+    train_s = time.monotonic() - started
+    every = DeltaSpec(full_every=10**6, max_ratio=1.0, max_chain_ratio=100.0)
+    forced = publish_series(paths, work / "store-delta", every, signer)
+    default = publish_series(paths, work / "store-default", DeltaSpec(), signer)
+    rows = follow(work / "store-delta", len(paths), work / "follow", public)
+    full = forced[0]["full_bytes"]
+    versions = []
+    for v in range(1, len(paths)):
+        versions.append(
+            {
+                "version": v,
+                "full_bytes": forced[v]["full_bytes"],
+                "wire_bytes": rows[v]["wire_bytes"],
+                "ratio": rows[v]["wire_bytes"] / forced[v]["full_bytes"],
+                "ops": forced[v].get("ops", {}),
+                "encode_seconds": forced[v].get("encode_seconds", 0.0),
+                "rebuild_seconds": rows[v]["seconds"],
+                "default_kind": default[v]["kind"],
+                "default_bytes": default[v]["sent_bytes"],
+                "default_relay_bytes": default[v]["relay_bytes"],
+                "entropy_bound": entropy_bound(paths[v - 1] / "model.safetensors", paths[v] / "model.safetensors"),
+            }
+        )
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "series": f"{kind}-{dtype}-lr{lr:g}",
+        "model": kind,
+        "dtype": dtype,
+        "learning_rate": lr,
+        "full_bytes": full,
+        "train_seconds": train_s,
+        "delta_bytes_ratio": float(np.mean([r["ratio"] for r in versions])),
+        "default_bytes_ratio": float(np.mean([r["default_bytes"] / r["full_bytes"] for r in versions])),
+        "default_relay_bytes_ratio": float(np.mean([r["default_relay_bytes"] / r["full_bytes"] for r in versions])),
+        "default_kinds": [default[v]["kind"] for v in range(len(paths))],
+        "entropy_bound": float(np.mean([r["entropy_bound"] for r in versions])),
+        "versions": versions,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=4, help="GRPO steps per series (versions = steps + 1)")
+    ap.add_argument("--series", nargs="*", default=["builtin", "large"], choices=["builtin", "large"])
+    ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--lrs", type=float, nargs="*", default=[1e-3], help="learning rates (the example's is 1e-3)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, deleted after)")
+    args = ap.parse_args()
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+
+    from rlfleet.policy import configure_torch_threads
+    from rlfleet.signing import generate_keypair, load_private_key, make_signer, parse_public_key
+
+    configure_torch_threads()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="rlfleet-delta-bench-"))
+    private, public = generate_keypair(work / "keys")
+    keys = (make_signer(load_private_key(private)), parse_public_key(public))
+    results = []
+    try:
+        for kind in args.series:
+            for dtype in args.dtypes:
+                for lr in args.lrs:
+                    results.append(run_series(kind, dtype, lr, args, work / f"{kind}-{dtype}-{lr:g}", keys))
+                    report(results[-1:], header=not results[:-1])
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"\nmachine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results}, indent=1))
+    return 0
+
+
+def report(results: list[dict], header: bool = True) -> None:
+    if header:
+        print(
+            f"{'series':<28} {'full MiB':>9} {'wire MiB / version':>20} {'delta ÷ full':>13} {'entropy bound':>14}"
+            f" {'default: worker ÷ full':>23} {'relay ÷ full':>13} {'encode s':>9} {'rebuild s':>10}"
+        )
+    for r in results:
+        wire = [v["wire_bytes"] / 2**20 for v in r["versions"]]
+        print(
+            f"{r['series']:<28} {r['full_bytes'] / 2**20:>9.2f} {' '.join(f'{w:.2f}' for w in wire):>20} "
+            f"{r['delta_bytes_ratio']:>13.3f} {r['entropy_bound']:>14.3f} {r['default_bytes_ratio']:>23.3f} "
+            f"{r['default_relay_bytes_ratio']:>13.3f} "
+            f"{np.mean([v['encode_seconds'] for v in r['versions']]):>9.2f} "
+            f"{np.mean([v['rebuild_seconds'] for v in r['versions']]):>10.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

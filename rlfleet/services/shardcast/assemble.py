@@ -1,0 +1,278 @@
+"""Fetch a policy version as a loader sees it: downloaded whole, or rebuilt from a held version and deltas.
+
+`fetch_policy(urls, run, N, dest_root)` is what rollout workers and the verifier call (client.fetch_version
+downloads every file a manifest lists, which for a delta version are its patches):
+  1. dest_root/v{N}/.complete exists -> return it.
+  2. Plan, walking back from N through signed manifests (signature first, then shape:
+     client.Fetcher.manifest). Each version K offers one or two routes (delta.chain): its whole files
+     (a whole version) and its delta against K-1. Candidates, each with its download size:
+       whole(K) + deltas K+1..N        for every whole K on the walk
+       deltas B+1..N                   when the walk reaches a base B held here complete, with the very
+                                       bytes the delta was made against (`base_sha256` = B's manifest entry)
+     The walk stops at a held base, at a version with no delta, or once the deltas alone cost more
+     than the cheapest candidate so far; the cheapest candidate is the plan. So a worker holding N-1
+     downloads N's delta, one that is new or far behind a whole version and the deltas after it, or
+     a whole N when that is smaller. A held base whose recorded bytes differ (another lineage) is
+     discarded on the way.
+  3. Build oldest first, each version in `.v{K}.partial/` (journaled, resumable), then `.complete`,
+     then renamed to v{K}. Whole route: the whole files' shards. Delta route: the patch files' shards,
+     then every resulting file (patch applied to the base's file, the base's file copied, or the file
+     shipped whole) is written and hashed, and its size and sha256 must equal the signed manifest's
+     before `.complete` is written: a rebuilt version is as verified as a downloaded one.
+  4. A delta that fails to rebuild (DeltaError: the held base's bytes are not what its manifest says,
+     or the patch does not decode to the signed result) discards that base and plans again, which
+     now ends at a whole version; a second failure raises FetchError.
+Intermediate versions of a chain are installed too (each verified); the caller prunes its cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import Counter
+
+from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, version_dir_name
+from rlfleet.delta.chain import DeltaError, base_of, delta_files, result_files, size_of, whole, whole_files
+from rlfleet.delta.codec import apply_file
+from rlfleet.services.shardcast.client import PARALLEL, Fetcher, FetchError, Sources
+from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, install
+
+log = logging.getLogger("rlfleet.shardcast.client")
+
+__all__ = ["DELTAS", "fetch_policy"]
+
+DELTAS = Counter("rlfleet_client_delta_versions", "Delta versions this process handled", ["result"])
+REBUILT = ".rebuilt"  # inside a partial dir: resulting files while they are being written and checked
+
+
+def fetch_policy(
+    base_urls: list[str],
+    run: str,
+    version: int,
+    dest_root: Path,
+    timeout: float = 300,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
+    public_key=None,
+    sources: Sources | None = None,
+    parallel: int = PARALLEL,
+    report: dict | None = None,
+) -> Path:
+    """Make dest_root/v{N} hold `run` v`version` as loaded (whole files), verified; return it. Arguments
+    as client.fetch_version; `report`, if given, is filled with the plan: `chain` (versions built,
+    oldest first), `kinds` ("full"/"delta" each), `bytes` (transfer bytes of the chain) and
+    `rejected` (why a delta or a held base was refused, one line each)."""
+    sources = sources or Sources(base_urls)
+    dest_root = Path(dest_root)
+    final = dest_root / version_dir_name(version)
+    report = {} if report is None else report
+    report.update(chain=[], kinds=[], bytes=0, rejected=[])
+    if (final / COMPLETE_MARKER).exists():
+        return final
+    dest_root.mkdir(parents=True, exist_ok=True)
+    job = _Job(sources, run, dest_root, time.monotonic() + timeout, on_bytes, stop, public_key, parallel, report)
+    for attempt in (1, 2):
+        plan = job.plan(version)
+        report.update(chain=[v for v, *_ in plan], kinds=[route for *_, route in plan])
+        report["bytes"] = sum(size_of(_route_files(m, route)) for _, _, m, route in plan)
+        try:
+            for v, raw, manifest, route in plan:
+                job.build(v, raw, manifest, route)
+            return final
+        except DeltaError as exc:
+            DELTAS.labels("rejected").inc()
+            report["rejected"].append(str(exc))
+            if attempt == 2:
+                raise FetchError(f"run {run!r} v{version}: rebuilding from a whole version failed too: {exc}") from exc
+            log.warning("%s; discarding the base and starting again from a whole version", exc)
+            job.discard(exc.base)
+    raise AssertionError("unreachable")
+
+
+class _Job:
+    """One fetch_policy call: its sources, deadline and destination."""
+
+    def __init__(self, sources, run, dest_root, deadline, on_bytes, stop, public_key, parallel, report):
+        self.sources, self.run, self.dest_root, self.deadline = sources, run, dest_root, deadline
+        self.on_bytes, self.stop, self.public_key, self.parallel = on_bytes, stop, public_key, parallel
+        self.report = report
+
+    def fetcher(self, version: int) -> Fetcher:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise FetchError(f"run {self.run!r} v{version}: out of time while fetching a delta chain")
+        return Fetcher(
+            self.sources,
+            self.run,
+            version,
+            left,
+            on_bytes=self.on_bytes,
+            stop=self.stop,
+            public_key=self.public_key,
+            parallel=self.parallel,
+        )
+
+    def held(self, version: int) -> Path | None:
+        path = self.dest_root / version_dir_name(version)
+        return path if (path / COMPLETE_MARKER).exists() else None
+
+    def discard(self, version: int | None) -> None:
+        path = self.held(version) if version is not None else None
+        if path is not None:
+            trash = path.with_name(f".{path.name}.discarded-{time.monotonic_ns()}")
+            path.rename(trash)  # not held from here on, then deleted
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def manifest(self, version: int) -> tuple[bytes, dict]:
+        fetcher = self.fetcher(version)
+        try:
+            return fetcher.manifest()
+        finally:
+            fetcher.close()
+
+    def plan(self, version: int) -> list[tuple[int, bytes, dict, str]]:
+        """(version, raw manifest, manifest, "full" or "delta") to build, oldest first (step 2 of the module
+        docstring)."""
+        walked, best, deltas, v = [], None, 0, version  # best: (bytes, index into walked, route there)
+        while True:
+            raw, manifest = self.manifest(v)
+            walked.append((v, raw, manifest))
+            if whole(manifest) and (best is None or deltas + size_of(whole_files(manifest)) < best[0]):
+                best = (deltas + size_of(whole_files(manifest)), len(walked) - 1, "full")
+            base = base_of(manifest)
+            if base is None:
+                break
+            deltas += size_of(delta_files(manifest))
+            held = self.held(base)
+            if held is not None:
+                problem = _base_mismatch(held, manifest)
+                if problem is None:
+                    if best is None or deltas < best[0]:
+                        best = (deltas, len(walked) - 1, "delta")
+                    break
+                self.report["rejected"].append(problem)
+                log.warning("%s; discarding it", problem)
+                self.discard(base)
+            if best is not None and deltas >= best[0]:
+                break
+            v = base
+        _, start, route = best
+        return [(*walked[start], route)] + [(*walked[i], "delta") for i in range(start - 1, -1, -1)]
+
+    def build(self, version: int, raw: bytes, manifest: dict, route: str) -> None:
+        """Download `version`'s files for `route` and, for a delta, rebuild its resulting files; install it verified."""
+        final = self.dest_root / version_dir_name(version)
+        if (final / COMPLETE_MARKER).exists():
+            return
+        partial = self.dest_root / f".{final.name}.partial"
+        part = {**manifest, "files": _route_files(manifest, route)}  # what this route downloads
+        fetcher = self.fetcher(version)
+        try:
+            with ShardJournal(partial) as journal:
+                done = journal.resume(raw, part)
+                fetcher.shards(part, partial, done, journal.record)
+            (partial / JOURNAL).unlink()
+            if route == "delta":
+                base = base_of(manifest)
+                held = self.held(base)
+                if held is None:
+                    raise DeltaError(f"run {self.run!r} v{version}: its base v{base} is not held here")
+                rebuild(partial, held, manifest, version, base)
+                DELTAS.labels("rebuilt").inc()
+            _tidy(partial, {e["name"] for e in result_files(manifest)})
+            (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, every file verified\n")
+            install(partial, final)
+        except FetchError:
+            if not fetcher.stopped:  # out of time: leave nothing; a stop keeps it to resume
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        except DeltaError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        finally:
+            fetcher.close()
+
+
+def _route_files(manifest: dict, route: str) -> list[dict]:
+    return whole_files(manifest) if route == "full" else delta_files(manifest)
+
+
+def _tidy(partial: Path, keep: set[str]) -> None:
+    """Remove from `partial` every file that is not one of the version's (a patch, or a file an earlier,
+    interrupted attempt by the other route left) but its manifest."""
+    for path in sorted(partial.rglob("*"), reverse=True):
+        name = path.relative_to(partial).as_posix()
+        if path.is_file() and name not in keep and name != MANIFEST_NAME:
+            path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+
+
+def _base_mismatch(held: Path, manifest: dict) -> str | None:
+    """Why the held base cannot be the base of `manifest` (its recorded files differ), or None."""
+    try:
+        recorded = {e["name"]: e["sha256"] for e in result_files(json.loads((held / MANIFEST_NAME).read_bytes()))}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"held {held.name} has no readable manifest ({exc})"
+    for entry in manifest["delta"]["files"]:
+        if entry["from"] != "file" and recorded.get(entry["name"]) != entry["base_sha256"]:
+            return (
+                f"v{manifest['version']} was made against {entry['name']} with sha256 {entry['base_sha256'][:12]}..., "
+                f"the held {held.name} has {str(recorded.get(entry['name']))[:12]}... (wrong base)"
+            )
+    return None
+
+
+def _copy_hashed(src: Path, dest: Path) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with open(src, "rb") as f, open(dest, "wb") as out:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def rebuild(partial: Path, base_dir: Path, manifest: dict, version: int, base: int) -> None:
+    """Turn `partial` (the verified transfer files of a delta version) into the resulting files, each
+    checked against the signed manifest; raise DeltaError (naming `base`) when the base does not fit."""
+    problem = _base_mismatch(base_dir, manifest)
+    if problem is not None:
+        raise DeltaError(problem, base=base)
+    work = partial / REBUILT
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    section = manifest["delta"]["files"]
+    for entry in section:
+        name, out = entry["name"], work / entry["name"]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if entry["from"] == "patch":
+                got = apply_file(base_dir / name, partial / entry["patch"], out)
+            elif entry["from"] == "base":
+                got = _copy_hashed(base_dir / name, out)
+            else:  # shipped whole: its shards matched the manifest, and check_section bound it to this entry
+                continue
+        except DeltaError as exc:
+            raise DeltaError(f"v{version}: {exc}", base=base) from None
+        except OSError as exc:
+            raise DeltaError(f"v{version}: {name} could not be rebuilt from held v{base} ({exc})", base=base) from None
+        if got != (entry["size"], entry["sha256"]):
+            raise DeltaError(
+                f"v{version}: {name} rebuilt from held v{base} has size {got[0]} and sha256 {got[1][:12]}..., "
+                f"the signed manifest says {entry['size']} and {entry['sha256'][:12]}... (wrong or damaged base)",
+                base=base,
+            )
+    for entry in section:
+        if entry["from"] != "file":
+            (partial / entry["name"]).parent.mkdir(parents=True, exist_ok=True)
+            (work / entry["name"]).replace(partial / entry["name"])
+    shutil.rmtree(work)
