@@ -218,6 +218,11 @@ def test_3_scaling_the_pool_adds_and_removes_exactly_that_and_loses_no_rollout(e
     trained = {rid for r in records for rid in r["rollout_ids"]}
     dropped = {rid for r in records for ids in (r.get("dropped_rollout_ids") or {}).values() for rid in ids}
     lost = set(accepted) - trained - dropped - queued
+    print(
+        f"scale 2->3->1: {len(up)} events up, {len(removed)} pods removed; {len(accepted)} accepted groups from "
+        f"{len(set(accepted.values()))} workers: {len(accepted.keys() & trained)} trained, "
+        f"{len(accepted.keys() & dropped)} dropped by design, {len(accepted.keys() & queued)} queued, {len(lost)} lost"
+    )
     assert not lost, f"{len(lost)} accepted rollouts neither trained, dropped by design nor queued"
     assert len(set(accepted.values())) >= 3, "groups of every worker, the removed ones included, were audited"
 
