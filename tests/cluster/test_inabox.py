@@ -237,3 +237,12 @@ def test_readiness_decides_the_endpoints(cluster):
     for _ in range(3):  # every client now reaches the ready one through the Service name
         answer = get_in(cluster, sick, "/get?url=http://web:8080/env")
         assert answer.status_code == 200 and json.loads(answer.text)["POD"] == well["name"]
+
+
+def test_namespaces_are_listed_as_kopf_lists_them(cluster):
+    """An operator watching named namespaces lists and watches Namespaces first (kopf's observer)."""
+    listed = requests.get(f"{cluster.api.url}/api/v1/namespaces", timeout=10)
+    assert listed.status_code == 200, listed.text
+    assert {"default", NS} <= {item["metadata"]["name"] for item in listed.json()["items"]}
+    watched = requests.get(f"{cluster.api.url}/api/v1/namespaces?watch=true&timeoutSeconds=1", timeout=10)
+    assert watched.status_code == 200 and watched.text == ""

@@ -54,6 +54,7 @@ EXTRA_RESOURCES = {
 }
 RBAC_KINDS = {"roles", "rolebindings", "clusterroles", "clusterrolebindings"}
 CRDS = "customresourcedefinitions"
+NAMESPACES = "/api/v1/namespaces"
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,41 @@ class BoxCluster(Cluster):
         if scheme.lower() != "bearer" or token.strip() not in self.tokens:
             raise kmock.KubernetesError(401, "Unauthorized", "unknown bearer token")
         return self.tokens[token.strip()]
+
+    async def __call__(self, raw_request):
+        """kmock parses `/api/v1/namespaces` as a namespace prefix and fails: the Namespace list and watch
+        (kopf's namespace observer, when the operator watches named namespaces) are served here."""
+        if raw_request.method == "GET" and raw_request.path.rstrip("/") == NAMESPACES:
+            return await self._namespaces(raw_request)
+        return await super().__call__(raw_request)
+
+    async def _namespaces(self, raw_request) -> aiohttp.web.StreamResponse:
+        """Every namespace an object is in, and `default` (each exists, as helm.create takes them); a
+        watch sees no change and ends after its timeoutSeconds."""
+        watch = raw_request.query.get("watch") == "true"
+        agent = raw_request.headers.get("User-Agent") or ""
+        call = ApiCall("watch" if watch else "list", "", "namespaces", None, None, raw_request.path, agent)
+        try:
+            user = self._user(raw_request)
+        except kmock.KubernetesError:
+            return aiohttp.web.json_response({"kind": "Status", "code": 401, "reason": "Unauthorized"}, status=401)
+        ok = user == ADMIN or allowed(call, *bound_rules(self._rbac_objects(), *user.split(":")[2:]))
+        self.audit.append(Audited(user, call, ok))
+        if not ok:
+            return aiohttp.web.json_response({"kind": "Status", "code": 403, "reason": "Forbidden"}, status=403)
+        if watch:
+            response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+            await response.prepare(raw_request)
+            await asyncio.sleep(min(float(raw_request.query.get("timeoutSeconds") or 60), 60))
+            return response
+        found = {ns for (_, ns, _), o in list(self._objects.items()) if ns and not o.deleted} | {"default"}
+        items = [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "resourceVersion": "1"},
+             "status": {"phase": "Active"}}
+            for ns in sorted(found)
+        ]  # fmt: skip
+        body = {"apiVersion": "v1", "kind": "NamespaceList", "metadata": {"resourceVersion": "1"}, "items": items}
+        return aiohttp.web.json_response(body)
 
     def _rbac_objects(self) -> list[dict]:
         return [
