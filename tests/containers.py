@@ -8,7 +8,8 @@ the same ones scripts/images.sh builds with, so the images `make images` built a
   escalation, the image's own (non-root) user unless told otherwise.
 - `PodContainer.from_pod(...)` turns the container of a pod template the operator renders into
   such a run, as a kubelet would: ConfigMap and Secret volumes become read-only host directories
-  holding their keys, emptyDirs fresh world-writable host directories, `valueFrom` env values and
+  holding their keys, emptyDirs fresh world-writable host directories, `valueFrom` env values (field,
+  Secret key, CPU request) and
   `$(VAR)` references in the arguments are resolved. The cluster-in-a-box pod runner is meant to
   start its container pods through it.
 """
@@ -16,6 +17,7 @@ the same ones scripts/images.sh builds with, so the images `make images` built a
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -147,7 +149,7 @@ class PodContainer:
         for ref in container.get("envFrom", []):
             env.update(secrets[ref["secretRef"]["name"]])
         for item in container.get("env", []):
-            env[item["name"]] = _env_value(item, fields, secrets, env)
+            env[item["name"]] = _env_value(item, fields, secrets, env, container.get("resources") or {})
         mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
         volumes = []
         for volume in spec.get("volumes", []):
@@ -190,12 +192,20 @@ class PodContainer:
         return podman(*self.run_args(network, command, **options), timeout=timeout, check=False)
 
 
-def _env_value(item: dict, fields: dict[str, str], secrets: dict[str, dict[str, str]], env: dict[str, str]) -> str:
+def _env_value(
+    item: dict, fields: dict[str, str], secrets: dict[str, dict[str, str]], env: dict[str, str], resources: dict
+) -> str:
     if "value" in item:
         return _expand(item["value"], env)
     source = item["valueFrom"]
     if "fieldRef" in source:
         return fields[source["fieldRef"]["fieldPath"]]
+    if "resourceFieldRef" in source:  # requests.cpu / limits.cpu, whole CPUs (a kubelet rounds up)
+        ref = source["resourceFieldRef"]
+        kind, name = ref["resource"].split(".", 1)
+        assert name == "cpu" and str(ref.get("divisor", "1")) == "1", f"env {item['name']}: only CPUs are resolved here"
+        value = str((resources.get(kind) or {}).get(name, "0"))
+        return str(math.ceil(float(value[:-1]) / 1000 if value.endswith("m") else float(value)))
     if "secretKeyRef" in source:
         return secrets[source["secretKeyRef"]["name"]][source["secretKeyRef"]["key"]]
     raise ValueError(f"env {item['name']}: unsupported valueFrom {sorted(source)}")

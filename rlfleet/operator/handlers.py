@@ -2,7 +2,8 @@
 
     RLRun          create / update of spec / resume -> reconcile_run (and prune unwanted children);
                    a timer every resync interval -> reconcile_run, then every pool and tier of the run;
-                   delete -> drop the run's Redis keys (bounded: a few tries, then the finalizer goes).
+                   delete -> delete its workloads, wait for its pods to go, then drop its Redis keys (bounded: after
+                   STOP_TIMEOUT_S the keys go anyway, after a few failed tries the finalizer goes).
     InferencePool  create / update of spec / resume -> reconcile_scalable
     RelayTier      (no timer, hence no finalizer: the run's timer keeps them current)
 A missing or invalid parent run, or a missing upstream tier, leaves a pool or tier Pending with that
@@ -29,7 +30,9 @@ from rlfleet.operator.options import OperatorOptions
 from rlfleet.operator.progress import REDIS_TIMEOUT_S, delete_run_keys
 
 G, V = names.GROUP, names.VERSION
-DELETE_RETRIES, DELETE_TIMEOUT_S = 3, 30.0  # then the finalizer goes, whatever is left in Redis
+STOP_TIMEOUT_S = 60.0  # a deleted run's pods get this long to stop before its Redis keys go anyway
+DELETE_RETRIES = 3  # tries at the Redis keys once the pods are gone; then the finalizer goes
+DELETE_TIMEOUT_S = STOP_TIMEOUT_S + 30.0  # kopf's bound on the whole delete handler
 
 
 def _ctx(memo) -> reconcile.Ctx:
@@ -79,26 +82,39 @@ async def run_resync(body, patch, memo, **_) -> None:
     await reconcile.reconcile_run_members(ctx, dict(body))
 
 
-async def run_deleted(body, namespace, memo, logger, retry, **_) -> None:
-    """Children go by ownerReferences; the run's Redis keys go here. Best effort and bounded: after
-    DELETE_RETRIES tries (or DELETE_TIMEOUT_S) kopf gives up and the finalizer goes."""
+async def run_deleted(body, namespace, memo, logger, retry, runtime, **_) -> None:
+    """Children go by ownerReferences; here the run's workloads are deleted first and its Redis keys go
+    once its pods are gone (a pod still running would make them again). Bounded: after STOP_TIMEOUT_S
+    the keys go whatever still runs; DELETE_RETRIES failed tries at them, and the finalizer goes."""
     try:
         run = builders.parse_resource(dict(body))
     except builders.SpecError:
         return
+    name, uid = run.metadata.name, body["metadata"].get("uid")
+    waits = memo.setdefault("stop_waits", {})  # tries spent waiting for pods, per run uid
+    left = await reconcile.stop_run_pods(memo.kube, namespace, name)
+    if left and runtime.total_seconds() < STOP_TIMEOUT_S:
+        waits[uid] = waits.get(uid, 0) + 1
+        raise kopf.TemporaryError(f"{left} pods of run {name} still stopping; its Redis keys go after them", delay=2)
+    if left:
+        logger.warning(f"{left} pods of run {name} still there after {STOP_TIMEOUT_S:.0f}s; deleting its keys anyway")
+    tries = retry - waits.get(uid, 0)
     _, found = await secrets.check_secrets(memo.kube, namespace, secrets.run_secrets(run))
     url = secrets.redis_url(run, found)
     if not url:
-        logger.warning(f"Redis keys of run {run.metadata.name} not deleted: no readable Redis URL")
+        waits.pop(uid, None)
+        logger.warning(f"Redis keys of run {name} not deleted: no readable Redis URL")
         return
     try:
-        n = await asyncio.wait_for(asyncio.to_thread(delete_run_keys, url, run.metadata.name), REDIS_TIMEOUT_S * 2)
+        n = await asyncio.wait_for(asyncio.to_thread(delete_run_keys, url, name), REDIS_TIMEOUT_S * 2)
     except Exception as exc:  # redis errors, timeouts: retried by kopf, within DELETE_RETRIES
-        if retry + 1 >= DELETE_RETRIES:
-            logger.warning(f"Redis keys of run {run.metadata.name} not deleted after {retry + 1} tries: {exc!r}")
+        if tries + 1 >= DELETE_RETRIES:
+            waits.pop(uid, None)
+            logger.warning(f"Redis keys of run {name} not deleted after {tries + 1} tries: {exc!r}")
             return
-        raise kopf.TemporaryError(f"Redis keys of run {run.metadata.name} not deleted yet: {exc!r}", delay=2) from None
-    logger.info(f"deleted {n} Redis keys of run {run.metadata.name}")
+        raise kopf.TemporaryError(f"Redis keys of run {name} not deleted yet: {exc!r}", delay=2) from None
+    waits.pop(uid, None)
+    logger.info(f"deleted {n} Redis keys of run {name}")
 
 
 # ---- InferencePool and RelayTier ---------------------------------------------------------------
@@ -127,9 +143,7 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> kopf.
         kopf.on.update(G, V, plural, field="spec", registry=registry)(changed)
     every = options.resync_interval_s
     kopf.timer(G, V, names.RLRUN.plural, interval=every, initial_delay=every, registry=registry)(run_resync)
-    kopf.on.delete(G, V, names.RLRUN.plural, retries=DELETE_RETRIES, timeout=DELETE_TIMEOUT_S, registry=registry)(
-        run_deleted
-    )
+    kopf.on.delete(G, V, names.RLRUN.plural, timeout=DELETE_TIMEOUT_S, registry=registry)(run_deleted)
     return registry
 
 

@@ -91,6 +91,7 @@ _TYPED = {
     "Service": _Typed("CoreV1Api", "service"),
     "Secret": _Typed("CoreV1Api", "secret"),
     "Event": _Typed("CoreV1Api", "event"),
+    "Pod": _Typed("CoreV1Api", "pod"),
     "Deployment": _Typed("AppsV1Api", "deployment"),
     "StatefulSet": _Typed("AppsV1Api", "stateful_set"),
     "PodDisruptionBudget": _Typed("PolicyV1Api", "pod_disruption_budget"),

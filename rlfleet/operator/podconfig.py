@@ -11,6 +11,9 @@ in, and what is hashed, is a projection of the documents:
                  (a worker starts its engine from the builtin build of that seed) of spec.trainer
                  (tests/operator/test_pod_config.py keeps this true), so their hash leaves out the rest:
                  `trainer.steps` restarts the trainer alone;
+  servers        relays, the origin and the ingest read only a few sections of spec (SERVER_READS; the
+                 same test file keeps it true), so sampling, the task or the model roll the pods that
+                 generate, verify and train, never the ones that move bytes;
   UNTRUSTED      workers that post to an ingest, and every pod of a run trained in another cluster, get
                  neither the Redis URL nor the store nor the ingest's settings.
 Invariant: for each pod, hash = sha256(the exact projection it reads); the run's ConfigMap holds the
@@ -63,6 +66,12 @@ ORCHESTRATION = {
 }
 UNTRUSTED = [("spec", "redis", "url"), ("spec", "store"), ("spec", "ingest")]
 TRAINER_FIELDS_OTHERS_READ = ("maxAsyncLevel", "seed")
+# The spec sections each server component reads (with apiVersion, kind and metadata).
+SERVER_READS = {
+    names.RELAY: ("redis", "shardcast"),
+    names.ORIGIN: ("redis", "store"),
+    names.INGEST: ("redis", "ingest"),
+}
 
 
 def _drop(doc: dict, paths) -> dict:
@@ -123,7 +132,15 @@ def config_hash(config: str) -> str:
     return hashlib.sha256(config.encode()).hexdigest()[:16]
 
 
+def for_server(doc: dict, component: str) -> dict:
+    """The part of a run document a relay, the origin or the ingest reads (SERVER_READS)."""
+    spec = {k: v for k, v in doc["spec"].items() if k in SERVER_READS[component]}
+    return {**{k: v for k, v in doc.items() if k != "spec"}, "spec": copy.deepcopy(spec)}
+
+
 def run_reader_hash(run: RLRun, component: str) -> str:
     """Hash of what `component` reads from the run's ConfigMap."""
     doc = run_document(run)
+    if component in SERVER_READS:
+        return config_hash(text(for_server(doc, component)))
     return config_hash(text(doc if component == names.TRAINER else for_others(doc)))

@@ -119,6 +119,15 @@ def signing_env(run: RLRun, component: str) -> list[dict]:
     ]
 
 
+def torch_env(component: str) -> list[dict]:
+    """Torch's intra-op threads = the CPUs the container requests (rounded up), for the components that
+    run torch: left alone, torch takes every core of the node, and pods sharing a node oversubscribe it."""
+    if component not in (names.TRAINER, names.VERIFIER, names.ROLLOUT):
+        return []
+    field = {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}
+    return [{"name": env.TORCH_THREADS, "valueFrom": field}]
+
+
 # ---- the main container ------------------------------------------------------------------------
 
 
@@ -162,7 +171,7 @@ def build_container(
         "image": image,
         "command": ["rlfleet", component],
         "args": ["--config", names.CONFIG_PATH, "--metrics-port", str(names.METRICS_PORT), *args],
-        "env": pod_env(run, redis, component) + signing_env(run, component) + (extra_env or []),
+        "env": pod_env(run, redis, component) + torch_env(component) + signing_env(run, component) + (extra_env or []),
         "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
         "resources": resource_requirements(resources, gpus, gpu_resource),
         "volumeMounts": [

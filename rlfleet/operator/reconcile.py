@@ -173,6 +173,17 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
     return Outcome(status=status, delete=state.expired)
 
 
+async def stop_run_pods(kube: Kube, namespace: str, run: str) -> int:
+    """Delete every workload of a run being deleted (its own and its pools' and tiers', by the run label)
+    and return how many of its pods are still there: its Redis keys may go only once none is, or a
+    worker's XADD or the trainer's consumer group would make them again."""
+    selector = f"{names.RUN_LABEL}={run},app.kubernetes.io/managed-by={names.FIELD_MANAGER}"
+    for kind in ("Deployment", "StatefulSet"):
+        for obj in await kube.list(kind, namespace, label_selector=selector):
+            await kube.delete(kind, namespace, obj["metadata"]["name"])
+    return len(await kube.list("Pod", namespace, label_selector=f"{names.RUN_LABEL}={run}"))
+
+
 def run_is_active(run_body: dict) -> bool:
     """Whether a run's workloads run, from its status (neither Complete nor Failed past its deadline)."""
     for c in (run_body.get("status") or {}).get("conditions") or []:

@@ -14,7 +14,9 @@ own interfaces, routes or another testbed; every name starts with the owner tag 
             10.255.0.0/16), routes each site's /24 through it, and shapes each direction with tbf
             on the sending end. Sites route only to sites they are connected to (no transit)
   names     every host gets /etc/netns/<ns>/hosts (which `ip netns exec` mounts on /etc/hosts)
-            naming every host of the testbed and whatever `add_name` added (Service names, say)
+            naming every host of the testbed and whatever `add_name` added, then the host's own
+            entries (`set_names`: what only it resolves, e.g. a pod's Service names); a file is
+            rewritten in place, never replaced, so processes already running see the change
 Invariants: a namespace is recorded before it is created, so teardown knows everything a failed
 setup made; teardown stops every process inside each namespace (ours by construction), deletes
 the namespaces (their veths, bridges and ifbs go with them) and /etc/netns/<ns>, and runs on
@@ -82,6 +84,7 @@ class Host:
     up: int | None = None  # bit/s the host may send, None = unshaped
     down: int | None = None  # bit/s the host may receive, None = unshaped
     procs: list[subprocess.Popen] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)  # hosts-file entries of this host only: name -> ip
 
 
 @dataclass
@@ -290,16 +293,33 @@ class Testbed:
         self.names[name] = ip
         self._hosts_dirty = True
 
+    def set_names(self, host: Host | str, names: dict[str, str]) -> None:
+        """Replace the entries only `host` resolves (name -> ip) and rewrite its hosts file now."""
+        host = self.hosts[host] if isinstance(host, str) else host
+        for ip in names.values():
+            ipaddress.ip_address(ip)
+        host.names = dict(names)
+        self._write_hosts_file(host, self._common_hosts_lines())
+
+    def _common_hosts_lines(self) -> list[str]:
+        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
+        lines += [f"{h.ip} {h.name}" for h in self.hosts.values()]
+        return lines + [f"{ip} {name}" for name, ip in self.names.items()]
+
+    def _write_hosts_file(self, host: Host, common: list[str]) -> None:
+        d = NETNS_ETC / host.netns
+        d.mkdir(parents=True, exist_ok=True)
+        text = "\n".join(common + [f"{ip} {name}" for name, ip in host.names.items()]) + "\n"
+        # In place (O_TRUNC, one write): `ip netns exec` bind-mounted this inode into running processes.
+        with open(d / "hosts", "w") as f:
+            f.write(text)
+
     def _write_hosts_files(self) -> None:
         if not self._hosts_dirty:
             return
-        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-        lines += [f"{h.ip} {h.name}" for h in self.hosts.values()]
-        lines += [f"{ip} {name}" for name, ip in self.names.items()]
+        common = self._common_hosts_lines()
         for h in self.hosts.values():
-            d = NETNS_ETC / h.netns
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "hosts").write_text("\n".join(lines) + "\n")
+            self._write_hosts_file(h, common)
         self._hosts_dirty = False
 
     # ---- running -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ def test_trainer_pod_gets_its_volumes_env_and_secrets(tmp_path):
     assert env[names.ENV_POD_NAME] == "arithmetic-trainer-1" and env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
     assert env["RLFLEET_REDIS_URL"] == SECRETS["redis"][names.REDIS_URL_KEY]  # secretKeyRef
     assert env["AWS_SECRET_ACCESS_KEY"] == "secret"  # envFrom the store credentials
+    assert env["RLFLEET_TORCH_THREADS"] == "1"  # its CPU request (resourceFieldRef)
     mounts = {v.target: v for v in trainer.volumes}
     assert set(mounts) == {names.CONFIG_DIR, names.CACHE_DIR, names.SIGNING_DIR}
     config = mounts[names.CONFIG_DIR]

@@ -6,7 +6,7 @@ kmock keeps objects as plain JSON and merge-patches them. `Cluster` adds:
 - garbage collection: deleting an object deletes the objects whose ownerReferences name its uid;
 - server-side apply (`PATCH` with `application/apply-patch+yaml`): create-if-missing, and field
   ownership per field manager in `metadata.managedFields` (see `server_side_apply`);
-- `metadata.generateName` on create;
+- `metadata.generateName` on create, and `metadata.namespace` from the URL when the body has none;
 - managedFields for creates and merge patches too (operation Update, manager from `?fieldManager=`
   or the User-Agent), so an apply keeps what another manager set;
 - label selectors on list requests;
@@ -48,6 +48,7 @@ RESOURCES = {
     "v1/configmaps": ("ConfigMap", True, set()),
     "v1/services": ("Service", True, set()),
     "v1/secrets": ("Secret", True, set()),
+    "v1/pods": ("Pod", True, {"status"}),
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
     "apps/v1/statefulsets": ("StatefulSet", True, {"status", "scale"}),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, {"status"}),
@@ -329,6 +330,11 @@ class Cluster(kmock.KubernetesEmulator):
             if request.action == action.CREATE:
                 if not meta.get("name") and meta.get("generateName"):  # kopf names its Events this way
                     meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+                if request.namespace:  # a body may leave it out: the URL says it (kubectl's create does)
+                    if meta.setdefault("namespace", request.namespace) != request.namespace:
+                        raise kmock.KubernetesError(
+                            400, "BadRequest", "the namespace of the object does not match the URL"
+                        )
                 meta.update(
                     uid=str(uuid.uuid4()),
                     generation=1,

@@ -17,6 +17,7 @@ _GROUPS = {
     "Service": "api/v1",
     "Secret": "api/v1",
     "Event": "api/v1",
+    "Pod": "api/v1",
     "Deployment": "apis/apps/v1",
     "StatefulSet": "apis/apps/v1",
     "PodDisruptionBudget": "apis/policy/v1",

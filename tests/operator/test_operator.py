@@ -20,6 +20,7 @@ from kubectl import (
     get,
     has_condition,
     patch,
+    redis_db,
     secret,
     url_of,
     wait_for,
@@ -211,3 +212,27 @@ def test_delete_removes_children_and_redis_keys(api, redis_url):
         ("Deployment", "arithmetic-tier0-relay"),
     ]:
         wait_for(f"{kind} {name} collected", lambda: get(api, kind, ns, name) is None)
+
+
+def test_a_deleted_runs_redis_keys_go_after_its_pods(api, redis_url):
+    """Bug (found by the cluster in a box): the keys were deleted as soon as the run was, while its pods
+    still ran: a worker's XADD or the trainer's consumer group made them again, and they stayed. The
+    operator now deletes the run's workloads and deletes the keys once no pod of the run is left."""
+    ns = "t-delete-pods"
+    apply_example(api, ns, redis_db(redis_url, 5))
+    wait_for("trainer", lambda: get(api, "StatefulSet", ns, "arithmetic-trainer"))
+    wait_for("finalizer", lambda: get(api, "RLRun", ns, "arithmetic")["metadata"].get("finalizers"))
+    labels = names.labels("InferencePool", "arithmetic-cpu", names.ROLLOUT, "arithmetic")
+    create(api, ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker-0", "labels": labels}})
+    client = redis.Redis.from_url(redis_db(redis_url, 5))
+    keys = RunKeys("arithmetic")
+    client.hset(keys.stats, "accepted", 1)
+    assert requests.delete(url_of(api, "RLRun", ns, "arithmetic"), timeout=5).status_code == 200
+    wait_for("its workloads deleted", lambda: get(api, "StatefulSet", ns, "arithmetic-trainer") is None)
+    time.sleep(3)  # a few tries of the delete handler
+    run = get(api, "RLRun", ns, "arithmetic")
+    assert run and run["metadata"].get("deletionTimestamp"), "the run stays Terminating while its pod is there"
+    assert client.exists(keys.stats) == 1, "the keys stay while a pod of the run may write them"
+    assert requests.delete(url_of(api, "Pod", ns, "worker-0"), timeout=5).status_code == 200
+    wait_for("RLRun gone", lambda: get(api, "RLRun", ns, "arithmetic") is None)
+    assert client.exists(*keys.all()) == 0

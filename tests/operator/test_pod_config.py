@@ -68,7 +68,58 @@ def test_trainer_steps_and_verifier_replicas_restart_only_who_reads_them():
     lr = _templates(_bundle(trainer={"learningRate": 0.5}))
     assert lr["arithmetic-cpu-rollout"] == base["arithmetic-cpu-rollout"]
     sampling = _templates(_bundle(sampling={"groupSize": 4}))
-    assert all(sampling[n] != base[n] for n in base), "every component reads spec.sampling"
+    readers = {"arithmetic-trainer", "arithmetic-verifier", "arithmetic-cpu-rollout"}
+    assert {n for n in base if sampling[n] != base[n]} == readers, "who generates, verifies and trains reads it"
+
+
+def test_a_sampling_change_rolls_who_reads_it_and_not_the_servers():
+    """Bug (found by the cluster in a box): a change of sampling.temperature restarted the relays and the
+    origin, which never read it (every pod but the trainer hashed the whole run document), dropping
+    their caches mid-run. Each server hashes only the sections it reads."""
+    base = _templates(_bundle(ingest={"tokens": "t"}))
+    task = {"type": "arithmetic", "seed": 3, "maxOperand": 20, "operations": ["+"]}
+    hot = _templates(_bundle(ingest={"tokens": "t"}, sampling={"groupSize": 8, "temperature": 0.7}, task=task))
+    assert {n for n in base if hot[n] != base[n]} == {
+        "arithmetic-trainer",
+        "arithmetic-verifier",
+        "arithmetic-cpu-rollout",
+    }
+    keep = {"signingKeySecret": "arithmetic-signing", "keepVersions": 5}
+    shardcast = _templates(_bundle(ingest={"tokens": "t"}, shardcast=keep))
+    assert {n for n in base if shardcast[n] != base[n]} == {
+        "arithmetic-trainer",
+        "arithmetic-verifier",
+        "arithmetic-cpu-rollout",
+        "arithmetic-tier0-relay",
+    }
+    ingest = _templates(_bundle(ingest={"tokens": "t", "maxBacklog": 7}))
+    assert (
+        ingest["arithmetic-ingest"] != base["arithmetic-ingest"]
+        and ingest["arithmetic-origin"] == base["arithmetic-origin"]
+    )
+
+
+def test_servers_read_only_the_spec_sections_their_config_hash_holds():
+    """Keeps the projection honest: the modules of the relay, the origin and the ingest (and what they
+    share) read no run spec section outside podconfig.SERVER_READS."""
+    from rlfleet.config import RLRunSpec
+    from rlfleet.operator.podconfig import SERVER_READS
+
+    allowed = {s for sections in SERVER_READS.values() for s in sections}
+    sections = set(RLRunSpec.model_fields)
+    modules = [*(REPO / "rlfleet/services/shardcast").glob("*.py"), *(REPO / "rlfleet/services/ingest").glob("*.py")]
+    modules += [REPO / f"rlfleet/{m}.py" for m in ("runtime", "signing", "store", "streams", "checkpoint")]
+    found = {}
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "spec"
+                and node.attr in sections - allowed
+            ):
+                found.setdefault(path.name, set()).add(node.attr)
+    assert not found, f"run spec sections read by the servers (add them to podconfig.SERVER_READS): {found}"
 
 
 def test_the_configs_pods_read_still_parse_as_the_components_read_them():

@@ -11,67 +11,11 @@ from __future__ import annotations
 
 import pytest
 import redis
-from cluster import ApiCall
 from kubectl import apply_example, get, patch, redis_db, secret, wait_for
-from support import CHART, by_kind, render_chart
+from rbac import denied
+from support import CHART, render_chart
 
 from rlfleet.streams import RunKeys, encode_json
-
-# Discovery endpoints every authenticated client may read (the cluster's default system:discovery role).
-DISCOVERY = ("/api", "/apis", "/version", "/openapi")
-
-
-def _bound_rules(objects: list[dict], account: dict) -> tuple[list[dict], dict[str, list[dict]]]:
-    """(cluster-wide rules, namespace -> namespaced rules) granted to the service account."""
-
-    def binds(binding: dict) -> bool:
-        return any(
-            s["kind"] == "ServiceAccount"
-            and s["name"] == account["metadata"]["name"]
-            and s.get("namespace") == account["metadata"]["namespace"]
-            for s in binding.get("subjects", [])
-        )
-
-    cluster_roles = {r["metadata"]["name"]: r for r in by_kind(objects, "ClusterRole")}
-    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]): r for r in by_kind(objects, "Role")}
-    cluster_wide = [
-        rule
-        for binding in by_kind(objects, "ClusterRoleBinding")
-        if binds(binding)
-        for rule in cluster_roles[binding["roleRef"]["name"]]["rules"]
-    ]
-    namespaced: dict[str, list[dict]] = {}
-    for binding in by_kind(objects, "RoleBinding"):
-        if binds(binding):
-            ns = binding["metadata"]["namespace"]
-            ref = binding["roleRef"]
-            role = cluster_roles[ref["name"]] if ref["kind"] == "ClusterRole" else roles[(ns, ref["name"])]
-            namespaced.setdefault(ns, []).extend(role["rules"])
-    return cluster_wide, namespaced
-
-
-def _allows(rule: dict, call: ApiCall) -> bool:
-    return (
-        (call.group in rule.get("apiGroups", []) or "*" in rule.get("apiGroups", []))
-        and (call.resource in rule.get("resources", []) or "*" in rule.get("resources", []))
-        and (call.verb in rule["verbs"] or "*" in rule["verbs"])
-        and (not rule.get("resourceNames") or call.name in rule["resourceNames"])
-    )
-
-
-def denied(calls: list[ApiCall], objects: list[dict]) -> list[ApiCall]:
-    [account] = by_kind(objects, "ServiceAccount")
-    cluster_wide, namespaced = _bound_rules(objects, account)
-    out = []
-    for call in calls:
-        if call.resource is None:
-            if not call.path.startswith(DISCOVERY):
-                out.append(call)
-            continue
-        rules = cluster_wide + (namespaced.get(call.namespace, []) if call.namespace else [])
-        if not any(_allows(rule, call) for rule in rules):
-            out.append(call)
-    return out
 
 
 def _drive_a_run(api, redis_url) -> None:

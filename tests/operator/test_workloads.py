@@ -30,6 +30,25 @@ def test_every_workload_requests_cpu_and_memory():
         assert requests.get("cpu") and requests.get("memory"), workload["metadata"]["name"]
 
 
+def test_torch_components_use_as_many_threads_as_cpus_they_request():
+    """Bug (found by the cluster in a box): pods did not set RLFLEET_TORCH_THREADS, so torch in every
+    trainer, verifier and worker pod took all of the node's cores; five such pods on a 2-core node
+    trained 5x slower than the same processes under `rlfleet run` (which sets 1). The thread count now
+    follows each container's CPU request through the downward API."""
+    for workload in _workloads(_all_children(_bundle(ingest={"tokens": "worker-tokens"}))):
+        container = _container(workload)
+        threads = [e for e in container.get("env", []) if e["name"] == env.TORCH_THREADS]
+        if container["name"] in (names.TRAINER, names.VERIFIER, names.ROLLOUT):
+            assert threads == [
+                {
+                    "name": env.TORCH_THREADS,
+                    "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}},
+                }
+            ], container["name"]
+        else:  # no torch in the origin, relays and ingest
+            assert threads == [], container["name"]
+
+
 def _ingest_bundle(**pool_spec):
     bundle = _bundle()
     pool = bundle.pools[0]

@@ -131,6 +131,23 @@ def test_relay_keeps_the_chains_of_the_versions_it_keeps(published, tmp_path):
             time.sleep(0.05)
 
 
+def test_a_new_worker_takes_a_whole_version_when_the_versions_before_it_are_pruned(published, tmp_path):
+    """v4 is whole and a delta against v3, which retention has dropped from the store: a new worker's
+    walk past the whole v4 finds v3 nowhere (404 from the relay) and builds the whole v4 at once, instead
+    of waiting for v3 until its deadline (a worker started after a run resumed never loaded a version)."""
+    store_dir, sources, public = published
+    store = open_store(f"file://{tmp_path}/store")
+    for key in open_store(f"file://{store_dir}").list(f"{RUN}/policy/v4/"):
+        store.put_bytes(key, (store_dir / key).read_bytes())
+    with (
+        serving(origin.make_app(store, RUN)) as origin_url,
+        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 2, public_key=public)) as relay_url,
+    ):
+        report = {}
+        path = fetch_policy([relay_url], RUN, 4, tmp_path / "w", public_key=public, timeout=60, report=report)
+        assert (report["chain"], report["kinds"]) == ([4], ["full"]) and same_as(path, sources[4])
+
+
 def test_a_worker_far_behind_takes_a_whole_version_when_that_is_smaller(tmp_path):
     """fp32 at a high learning rate: deltas of ~0.7 x a checkpoint. A worker holding v1 could rebuild v3
     from two deltas (~1.4 x) but downloads the whole v3 (1 x); one holding v2 takes v3's delta."""

@@ -214,3 +214,43 @@ def test_bad_names_and_rates_are_refused_before_anything_is_made():
             tb.host("a", up="fast")
         assert [ns for ns in namespaces() if ns.startswith(tb.tag)] == []
         assert tb.host("a", up="1.5mbit").up == 1_500_000  # the name is still free
+
+
+RESOLVE = """
+import socket, sys
+for line in sys.stdin:
+    try:
+        print(socket.gethostbyname(line.strip()), flush=True)
+    except OSError:
+        print("unknown", flush=True)
+"""
+
+
+def test_a_hosts_own_names_resolve_only_there_and_reach_running_processes():
+    with Testbed() as tb:
+        a, b = tb.host("a"), tb.host("b")
+        tb.add_name("everywhere.test", b.ip)
+        resolver = tb.popen(
+            a, [sys.executable, "-c", RESOLVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+        def resolve(name: str) -> str:
+            resolver.stdin.write(name + "\n")
+            resolver.stdin.flush()
+            return resolver.stdout.readline().strip()
+
+        assert resolve("everywhere.test") == b.ip
+        assert resolve("svc.ns.svc.cluster.local") == "unknown"
+        tb.set_names(a, {"svc.ns.svc.cluster.local": b.ip, "svc": b.ip})
+        assert resolve("svc.ns.svc.cluster.local") == b.ip  # the running process sees the new entry
+        assert resolve("svc") == b.ip and resolve("everywhere.test") == b.ip
+        tb.set_names(a, {"svc": a.ip})
+        assert resolve("svc") == a.ip and resolve("svc.ns.svc.cluster.local") == "unknown"
+        seen_by_b = tb.run(b, ["getent", "hosts", "svc"], capture_output=True, text=True)
+        assert seen_by_b.returncode != 0, seen_by_b.stdout  # only a resolves its own names
+        tb.run(tb.host("c"), ["true"])  # a new host rewrites every file, keeping each host's own entries
+        assert resolve("svc") == a.ip and resolve("c") == tb.hosts["c"].ip
+        resolver.stdin.close()
+        resolver.wait(10)
+        with pytest.raises(ValueError):
+            tb.set_names(a, {"svc": "not-an-ip"})

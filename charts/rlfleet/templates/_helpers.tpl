@@ -112,6 +112,10 @@ capabilities:
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+# A deleted run's Redis keys go only once its pods are gone (found by the run label).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]

@@ -9,8 +9,9 @@ downloads every file a manifest lists, which for a delta version are its patches
        whole(K) + deltas K+1..N        for every whole K on the walk
        deltas B+1..N                   when the walk reaches a base B held here complete, with the very
                                        bytes the delta was made against (`base_sha256` = B's manifest entry)
-     The walk stops at a held base, at a version with no delta, or once the deltas alone cost more
-     than the cheapest candidate so far; the cheapest candidate is the plan. So a worker holding N-1
+     The walk stops at a held base, at a version with no delta, once the deltas alone cost more
+     than the cheapest candidate so far, or, past a whole version, at a version no source keeps any
+     more (404 everywhere: retention pruned it); the cheapest candidate is the plan. So a worker holding N-1
      downloads N's delta, one that is new or far behind a whole version and the deltas after it, or
      a whole N when that is smaller. A held base whose recorded bytes differ (another lineage) is
      discarded on the way.
@@ -131,10 +132,10 @@ class _Job:
             path.rename(trash)  # not held from here on, then deleted
             shutil.rmtree(trash, ignore_errors=True)
 
-    def manifest(self, version: int) -> tuple[bytes, dict]:
+    def manifest(self, version: int, missing_ok: bool = False) -> tuple[bytes, dict] | None:
         fetcher = self.fetcher(version)
         try:
-            return fetcher.manifest()
+            return fetcher.manifest(missing_ok)
         finally:
             fetcher.close()
 
@@ -143,7 +144,13 @@ class _Job:
         docstring)."""
         walked, best, deltas, v = [], None, 0, version  # best: (bytes, index into walked, route there)
         while True:
-            raw, manifest = self.manifest(v)
+            # Past a whole version the walk only looks for something cheaper: a version no source
+            # keeps any more (pruned by retention) ends it there.
+            got = self.manifest(v, missing_ok=best is not None)
+            if got is None:
+                log.info("run %r v%d is no longer kept; building from the cheapest route found", self.run, v)
+                break
+            raw, manifest = got
             walked.append((v, raw, manifest))
             if whole(manifest) and (best is None or deltas + size_of(whole_files(manifest)) < best[0]):
                 best = (deltas + size_of(whole_files(manifest)), len(walked) - 1, "full")

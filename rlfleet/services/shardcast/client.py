@@ -179,14 +179,20 @@ class Fetcher:
                 (self.stop or self._abort).wait(pause)
                 delay = min(delay * 2, BACKOFF_MAX)
 
-    def manifest(self) -> tuple[bytes, dict]:
-        """(raw bytes, parsed manifest) from the first source whose manifest verifies."""
+    def manifest(self, missing_ok: bool = False) -> tuple[bytes, dict] | None:
+        """(raw bytes, parsed manifest) from the first source whose manifest verifies. With `missing_ok`,
+        None once every source has answered 404 (a version older than the ones kept), instead of waiting."""
+        missing: set[str] = set()
 
-        def attempt(base: str) -> tuple[bytes, dict]:
+        def attempt(base: str) -> tuple[bytes, dict] | None:
             started = time.monotonic()
             r = self.session().get(
                 base + file_path(self.run, self.version, MANIFEST_NAME), timeout=self._request_timeout()
             )
+            if r.status_code == 404 and missing_ok:
+                missing.add(base)
+                if missing >= set(self.sources.urls):
+                    return None
             if r.status_code != 200:
                 raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
             manifest = parse_manifest(r.content, self.run, self.version, self.public_key)

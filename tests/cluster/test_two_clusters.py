@@ -1,0 +1,167 @@
+"""Two clusters in a box joined by a WAN (issue #13, item 5): cluster a installs the chart with
+examples/multicluster/cluster-a-values.yaml (trainer, verifier, origin, Redis, the ingest, two relay
+tiers, the ingest and tier 1 exposed through LoadBalancer Services and their external-dns names);
+cluster b with cluster-b-values.yaml (a remote run: its relay tier pulls from a's exposed relay, its pool
+posts to a's exposed ingest with a token per pod, and holds no Redis credentials). The link between the
+two bridges is shaped to 200 Mbit/s each way with tbf.
+
+Changes to the example values for the box, each said where it is made: CPU workers (`engine: torch`, no
+GPUs, no GPU node selector), fewer and shorter (steps, batch, replicas), the S3 endpoint of the box,
+the node's model cache for the trainer, and a short operator resync."""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import re
+import secrets
+import time
+
+import pytest
+import requests
+import yaml
+from inabox import Box, helm
+from inabox.netns import PortForward
+from prometheus_client.parser import text_string_to_metric_families
+from scenario import (
+    MULTICLUSTER,
+    NS,
+    Auditor,
+    Kubectl,
+    cluster_secrets,
+    complete,
+    make_bucket,
+    node_model_cache,
+    prebuilt_model,
+    run_redis,
+    signing_secret,
+    wait_for,
+)
+
+from rlfleet.operator import names
+
+RUN, POOL, EDGE = "arithmetic", "arithmetic-gpu", "arithmetic-edge"
+STEPS, WORKERS = 20, 2
+WAN = "200mbit"
+RESYNC = [{"name": "RLFLEET_RESYNC_INTERVAL", "value": "3"}]
+ACCESS = re.compile(r'aiohttp\.access: (\S+) \[[^]]+\] "GET /v1/[^/]+/v(\d+)/(\S+) HTTP/[0-9.]+" 2\d\d (\d+)')
+
+
+def values_a(s3_url: str, b_subnet: str) -> dict:
+    values = helm.load(MULTICLUSTER / "cluster-a-values.yaml")
+    run = values["runs"][0]["spec"]
+    run["trainer"].update(steps=STEPS, batchSize=16, podTemplate=node_model_cache(prebuilt_model()))  # box: CPU
+    run["verifier"]["replicas"] = 1  # box: one verifier on 2 cores
+    run["store"]["endpointUrl"] = s3_url  # box: its S3
+    for tier in values["relayTiers"]:
+        tier["spec"]["replicas"] = 1  # box: one relay per tier
+    for exposed in values["exposeIngests"] + values["exposeRelays"]:
+        exposed["loadBalancerSourceRanges"] = [b_subnet]  # box: cluster b's addresses
+    values["operator"]["extraEnv"] = RESYNC
+    return values
+
+
+def values_b() -> dict:
+    values = helm.load(MULTICLUSTER / "cluster-b-values.yaml")
+    [pool] = values["inferencePools"]
+    pool["spec"].update(replicas=WORKERS, engine="torch", gpus=0)  # box: CPU workers
+    del pool["spec"]["podTemplate"]  # box: no GPU nodes to select
+    values["relayTiers"][0]["spec"]["replicas"] = 1  # one edge relay: one copy per version crosses the WAN
+    values["operator"]["extraEnv"] = RESYNC
+    return values
+
+
+def access_log(pod) -> list[tuple[str, int, str, int]]:
+    """(client IP, version, file, bytes) of every checkpoint file a relay served."""
+    out = []
+    for line in pod.log.read_text(errors="replace").splitlines():
+        if m := ACCESS.search(line):
+            out.append((m.group(1), int(m.group(2)), m.group(3), int(m.group(4))))
+    return out
+
+
+def relay_counters(box, pod) -> dict[str, float]:
+    """A relay's byte counters (`rlfleet_relay_bytes_in` / `_out`) from its /metrics, through a port forward."""
+    forward = PortForward(pod.host.netns, pod.host.ip, names.SHARDCAST_PORT)
+    box.forwards.append(forward)
+    text = requests.get(f"http://127.0.0.1:{forward.port}/metrics", timeout=10).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in ("rlfleet_relay_bytes_in_total", "rlfleet_relay_bytes_out_total")
+    }
+
+
+def one_pod(cluster, workload: str):
+    [pod] = [p for p in cluster.runner.all_pods() if p.owner[1] == workload]
+    return pod
+
+
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory):
+    with Box(tmp_path_factory.mktemp("box")) as box:
+        a, b = box.cluster("a"), box.cluster("b")
+        link = box.connect(a, b, WAN)
+        s3_url = box.s3(a)
+        make_bucket(box)
+        ka, kb = Kubectl(a), Kubectl(b)
+        password = cluster_secrets(ka, box.root)
+        tokens = {f"{POOL}-rollout-{i}": secrets.token_hex(24) for i in range(WORKERS)}
+        ka.secret("arithmetic-ingest-tokens", {"tokens.yaml": yaml.safe_dump(tokens)})
+        signing_secret(kb, box.root, private=False)  # b verifies manifests; it never signs
+        kb.secret("arithmetic-gpu-tokens", tokens)
+        a.rendered = helm.install(a, values_a(s3_url, str(b.site.subnet)))
+        b.rendered = helm.install(b, values_b())
+        auditor = Auditor(run_redis(a, password), RUN)
+        auditor.start()
+        started = time.monotonic()
+        wait_for(f"RLRun {RUN} Complete in cluster a", lambda: complete(ka, RUN), timeout=600, every=2)
+        seconds = time.monotonic() - started
+        time.sleep(2)  # what is in flight lands
+        auditor.stop()
+        edge = relay_counters(box, one_pod(b, f"{EDGE}-relay"))
+        yield {"a": a, "b": b, "ka": ka, "kb": kb, "auditor": auditor, "link": box.link_bytes(link), "edge": edge,
+               "seconds": seconds, "tokens": tokens, "password": password}  # fmt: skip
+        ka.close()
+        kb.close()
+
+
+def test_5_a_run_trains_in_cluster_a_on_rollouts_from_cluster_b_through_its_relay_tier(clusters):
+    a, b, ka, auditor = clusters["a"], clusters["b"], clusters["ka"], clusters["auditor"]
+    run = ka.get("RLRun", RUN)
+    assert run["status"]["step"] == STEPS, run["status"]
+    workers = set(clusters["tokens"])
+    assert auditor.accepted and set(auditor.accepted.values()) == workers, set(auditor.accepted.values())
+    print(f"{STEPS} steps in {clusters['seconds']:.0f}s on {len(auditor.accepted)} groups from cluster b")
+    # b holds no way into a's Redis: no Secret or pod environment of b names it, and a's Redis never saw b
+    for pod in b.runner.all_pods():
+        spec = (pod.dir / "container-0.json").read_text()
+        assert "RLFLEET_REDIS_URL" not in spec and clusters["password"] not in spec, pod.name
+    clients = run_redis(a, clusters["password"]).client_list()
+    assert not [c for c in clients if ipaddress.ip_address(c["addr"].rsplit(":", 1)[0]) in b.site.subnet]
+    # every version b's workers loaded came from b's relay tier, which pulled it across the WAN once
+    edge = one_pod(b, f"{EDGE}-relay")
+    exposed = one_pod(a, "arithmetic-tier1-relay")
+    served_edge = access_log(edge)
+    for name in workers:
+        worker = b.runner.find(NS, name)
+        loaded = {int(v) for v in re.findall(r"now generating with version (\d+)", worker.log.read_text())}
+        fetched = {v for ip, v, _, _ in served_edge if ip == worker.host.ip}
+        assert loaded and loaded <= fetched, (name, sorted(loaded - fetched))
+    crossed = [(ip, v, f, n) for ip, v, f, n in access_log(exposed) if ipaddress.ip_address(ip) in b.site.subnet]
+    assert {ip for ip, *_ in crossed} == {edge.host.ip}, "only b's relay pulls across the WAN"
+    # one copy of each version crossed, however many workers b has: every file of every version once (a
+    # whole+delta version's both routes, as a relay keeps both), and the link carried little more than
+    # what b's relay received
+    times = collections.Counter((v, f) for _, v, f, _ in crossed)
+    assert max(times.values()) == 1, [k for k, n in times.items() if n > 1]
+    versions = {v for _, v, _, _ in crossed}
+    assert len(versions) >= STEPS // 2, sorted(versions)
+    a_to_b, _ = clusters["link"]
+    received, sent = clusters["edge"]["rlfleet_relay_bytes_in_total"], clusters["edge"]["rlfleet_relay_bytes_out_total"]
+    print(
+        f"WAN a->b: {a_to_b} bytes for {len(versions)} versions; b's relay received {received:.0f} bytes of "
+        f"checkpoints across it and sent {sent:.0f} to {len(workers)} workers"
+    )
+    assert a_to_b <= 1.3 * received, "the link carried one copy of each version (and protocol overhead)"
