@@ -8,7 +8,10 @@ the numbers are RestartPolicy's):
   - a component marked `done_on_success` (the trainer ranks) is finished when it exits with 0,
     and is not started again;
   - a component that exits `crash_loop` times in a row without staying up `stable_s` is
-    crash-looping: `poll` returns it and the caller stops the run, naming it and its log.
+    crash-looping: `poll` returns it and the caller stops the run, naming it and its log. Exits by
+    SIGKILL are not judged so (they back off all the same): a process cannot send itself one by
+    mistake, it comes from outside (the OOM killer, a user, a chaos test), and what killed it says
+    nothing about the run's config or code; kubelet, too, never gives up on a pod.
 Every component runs in its own session (its own process group), so a signal to the launcher's
 terminal never reaches it directly and `stop_all` can end each one with its children.
 """
@@ -88,7 +91,7 @@ class Supervisor:
                 continue
             if comp.restart_at is None:
                 comp.failures = comp.failures + 1 if now - comp.started_at < policy.stable_s else 1
-                if comp.failures >= policy.crash_loop:
+                if comp.failures >= policy.crash_loop and code != -signal.SIGKILL:
                     return comp
                 backoff = min(policy.backoff_max_s, policy.backoff_start_s * 2 ** (comp.failures - 1))
                 comp.restart_at = now + backoff

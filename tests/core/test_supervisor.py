@@ -4,6 +4,7 @@ finished components stay finished, a crash loop is reported, and stopping leaves
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -64,6 +65,17 @@ def test_a_crash_loop_is_reported_after_the_policys_count_with_growing_backoff(t
     assert failed is comp and comp.failures == FAST.crash_loop and comp.restarts == FAST.crash_loop - 1
     waits = [float(line.split("restarting in ")[1].split("s")[0]) for line in said]
     assert waits == [0.05, 0.1], said  # doubling, capped by backoff_max_s
+
+
+def test_sigkills_from_outside_back_off_but_are_never_a_crash_loop(tmp_path: Path):
+    comp = Component("oom", python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), tmp_path / "k.log")
+    said = []
+    sup = Supervisor([comp], dict(os.environ), FAST, say=said.append)
+    sup.start(comp)
+    failed = poll_until(sup, lambda f: f is not None or comp.restarts > 2 * FAST.crash_loop, seconds=30)
+    assert failed is None and comp.failures > FAST.crash_loop
+    assert all(f"exited with code {-signal.SIGKILL}" in line for line in said)
+    assert float(said[-1].split("restarting in ")[1].split("s")[0]) == FAST.backoff_max_s
 
 
 def test_staying_up_resets_the_failure_count(tmp_path: Path):
