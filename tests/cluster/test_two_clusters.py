@@ -6,8 +6,9 @@ posts to a's exposed ingest with a token per pod, and holds no Redis credentials
 two bridges is shaped to 200 Mbit/s each way with tbf.
 
 Changes to the example values for the box, each said where it is made: CPU workers (`engine: torch`, no
-GPUs, no GPU node selector), fewer and shorter (steps, batch, replicas), the S3 endpoint of the box,
-the node's model cache for the trainer, and a short operator resync."""
+GPUs, no GPU node selector, the verifier admitting torch instead of vLLM), fewer and shorter (steps,
+batch, replicas), the S3 endpoint of the box, the node's model cache for the trainer, and a short
+operator resync."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def values_a(s3_url: str, b_subnet: str) -> dict:
     run = values["runs"][0]["spec"]
     run["trainer"].update(steps=STEPS, batchSize=16, podTemplate=node_model_cache(prebuilt_model()))  # box: CPU
     run["verifier"]["replicas"] = 1  # box: one verifier on 2 cores
+    run["verifier"]["engines"] = ["torch"]  # box: cluster b's CPU workers draw with torch (seeds replayed)
     run["store"]["endpointUrl"] = s3_url  # box: its S3
     for tier in values["relayTiers"]:
         tier["spec"]["replicas"] = 1  # box: one relay per tier
