@@ -32,6 +32,7 @@ class ProcessImage:
     env: dict[str, str]
     workdir: str
     dirs: list[str] = field(default_factory=list)  # directories the image has (made in the pod's own layer)
+    keep: list[str] = field(default_factory=list)  # its files on this machine, visible whatever volumes hide
 
 
 RLFLEET = ProcessImage(
@@ -52,6 +53,7 @@ RLFLEET = ProcessImage(
     },
     workdir=str(REPO),
     dirs=[CACHE, "/home/rlfleet"],
+    keep=[str(REPO), str(VENV_BIN.parent)],
 )
 REDIS = ProcessImage(
     entrypoint=["docker-entrypoint.sh"],
@@ -59,6 +61,7 @@ REDIS = ProcessImage(
     env={"PATH": f"{Path(redis_server_binary()).parent}:{SYSTEM_PATH}", "HOME": "/data"},
     workdir="/data",
     dirs=["/data"],
+    keep=[str(Path(redis_server_binary()).parent)],
 )
 IMAGES = {
     "ghcr.io/rlfleet/rlfleet": RLFLEET,

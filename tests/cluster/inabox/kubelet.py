@@ -302,6 +302,7 @@ def start(pod: Pod, cluster, now: float) -> None:
     spec = {
         "hostname": pod.name,
         "dirs": image.dirs,
+        "keep": image.keep,
         "mounts": mounts(pod),
         "layers": str(layers),
         "hosts": str(cluster.hosts_file(pod)),

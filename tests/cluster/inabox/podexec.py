@@ -12,6 +12,9 @@ starts the container's command, and execs that command (so the pod runner's pid 
    another volume is made in that volume, after it is mounted;
 3. each volume is bind-mounted at its mountPath (read-only where the pod says so), parents first,
    from a descriptor opened before any mount (a volume on /tmp must not hide the others' sources);
+   then the image's own files (this checkout and the virtualenv, `keep`) that a volume now hides (a
+   checkout under /tmp, where the pods mount an emptyDir) are bound back at their paths, as an
+   image's files outside its volumes stay visible;
 4. chdir to the working directory and exec the command with exactly the pod's environment.
 Standard library only: it runs before anything of the pod is there.
 """
@@ -55,6 +58,7 @@ def main(spec_path: str) -> None:
     # the others' sources (the pod's directory may well live under /tmp).
     volumes = sorted(spec["mounts"], key=lambda m: m["target"].count("/"))
     sources = {m["source"]: os.open(m["source"], os.O_PATH) for m in volumes}
+    keep = {path: os.open(path, os.O_PATH) for path in spec.get("keep", [])}
     targets = [os.path.normpath(m["target"]) for m in volumes]
 
     def nested(target: str) -> bool:
@@ -91,6 +95,10 @@ def main(spec_path: str) -> None:
         mount(source, m["target"], None, MS_BIND | MS_REC)
         if m["readOnly"]:
             mount(None, m["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    for path, fd in keep.items():
+        if not os.path.exists(path):  # hidden by a volume: made in it, and the image's files bound there
+            os.makedirs(path)
+            mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
     os.chdir(spec["workdir"])
     argv = spec["argv"]
     os.execvpe(argv[0], argv, spec["env"])
