@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import redis
+import requests
 
 from rlfleet.redis_server import EmbeddedRedis, free_port
 
@@ -22,15 +27,31 @@ def redis_client(redis_url):
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
-    """An S3 API on 127.0.0.1 (moto's threaded server); yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
+def s3_endpoint(tmp_path_factory):
+    """An S3 API on 127.0.0.1 (moto's server, a process of its own); yields its endpoint URL.
 
+    Not moto's threaded server inside the test process: that imports flask, whose module-level
+    proxies raise on any attribute access outside a request, and vLLM's in-process engine start walks
+    every loaded module's attributes (its kernel overrides), so a later vLLM test would fail."""
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert server.poll() is None, log.read_text()
+        try:
+            requests.get(url, timeout=5)
+            break
+        except requests.RequestException:  # not listening yet, or busy starting
+            assert time.monotonic() < deadline, "moto's S3 server did not start: " + log.read_text()
+            time.sleep(0.1)
+    yield url
+    server.terminate()
+    server.wait(10)
 
 
 @pytest.fixture
