@@ -227,7 +227,9 @@ def test_rlfleet_run_refuses_engine_vllm_for_such_a_model_before_starting_anythi
     example = (REPO / "examples" / "arithmetic" / "rlrun.yaml").read_text()
     config = tmp_path / "rlrun.yaml"
     config.write_text(
-        example.replace("builtin://tiny-arithmetic", str(head_16)).replace("engine: torch", "engine: vllm")
+        example.replace("builtin://tiny-arithmetic", str(head_16))
+        .replace("engine: torch", "engine: vllm")
+        .replace("  verifier:\n", "  verifier:\n    engines: [vllm]\n")  # the gate admits vLLM groups
     )
     with pytest.raises(SystemExit, match=r"InferencePool arithmetic-cpu: spec.engine: vllm .*head size is 16"):
         run_local(str(config), run_dir=str(tmp_path / "run"), progress=False)
