@@ -33,7 +33,9 @@ def trainer(tmp_path, redis_url):
 
 
 def group(rollout_id: str, rewards: list[float], version: int = 0) -> RolloutGroup:
-    """Each rollout id gets its own completions: the trainer dedups on content (streams.group_digest)."""
+    """Each rollout id gets its own content, as the trainer dedups on it (streams.group_digest): its
+    characters spelled out after the prompt (a one-to-one map for the ids the tests use), and
+    completions of its own where 169 pairs allow."""
     c = zlib.crc32(rollout_id.encode())
     ids = [3 + c % 13, 3 + (c // 13) % 13, 2]
     samples = [Sample(completion_ids=ids, logprobs=[-2.0, -2.0, -2.0], proofs=[], reward=r) for r in rewards]
@@ -41,7 +43,7 @@ def group(rollout_id: str, rewards: list[float], version: int = 0) -> RolloutGro
         task_id="arith-0-1",
         worker_id="w",
         policy_version=version,
-        prompt_ids=[1, 4, 13, 5, 15],
+        prompt_ids=[1, 4, 13, 5, 15, *(3 + b % 13 for b in rollout_id.encode())],
         sampling=SamplingParams(1.0, 1.0, 0, 4, 0),
         samples=samples,
         rollout_id=rollout_id,
