@@ -10,8 +10,9 @@ the same ones scripts/images.sh builds with, so the images `make images` built a
   such a run, as a kubelet would: ConfigMap and Secret volumes become read-only host directories
   holding their keys, emptyDirs fresh world-writable host directories, `valueFrom` env values (field,
   Secret key, CPU request) and
-  `$(VAR)` references in the arguments are resolved. The cluster-in-a-box pod runner is meant to
-  start its container pods through it.
+  `$(VAR)` references in the arguments are resolved (the images tests run rendered pods with it; the
+  cluster in a box's container mode, tests/cluster/inabox/oci.py, uses `run_args` with the volumes
+  and environment its kubelet resolved).
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ def unavailable(*images: str) -> str | None:
     return None
 
 
+def require(*images: str) -> None:
+    """Skip the calling test, with the reason, where the images cannot run here; fail instead under
+    RLFLEET_IMAGES_REQUIRED=1 (.ci/run sets it after it built them), where they must run."""
+    import pytest
+
+    reason = unavailable(*images)
+    if reason and os.environ.get("RLFLEET_IMAGES_REQUIRED") == "1" and os.geteuid() == 0:
+        pytest.fail(f"RLFLEET_IMAGES_REQUIRED=1 but {reason}")
+    if reason:
+        pytest.skip(reason)
+
+
 @dataclass(frozen=True)
 class Volume:
     """A host directory or file mounted at `target` in the container."""
@@ -87,12 +100,19 @@ def run_args(
     user: str | None = None,
     workdir: str | None = None,
     name: str | None = None,
+    cap_drop: bool = True,
+    no_new_privileges: bool = True,
 ) -> list[str]:
     """The `podman run` arguments for one container (removed when it exits).
 
     A read-only root filesystem is as a pod's `readOnlyRootFilesystem: true`: no tmpfs on /tmp or
-    /run either (podman adds them by default), so only the given volumes are writable."""
-    argv = ["run", "--rm", f"--network={network}", "--cap-drop=all", "--security-opt=no-new-privileges"]
+    /run either (podman adds them by default), so only the given volumes are writable. `cap_drop` and
+    `no_new_privileges` are a pod's `capabilities.drop: [ALL]` and `allowPrivilegeEscalation: false`."""
+    argv = ["run", "--rm", f"--network={network}"]
+    if cap_drop:
+        argv.append("--cap-drop=all")
+    if no_new_privileges:
+        argv.append("--security-opt=no-new-privileges")
     if read_only:
         argv += ["--read-only", "--read-only-tmpfs=false"]
     if user:

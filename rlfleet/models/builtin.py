@@ -168,6 +168,11 @@ def resolve_model_path(
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
         build_builtin(name, task_spec, steps, seed, tmp, progress)
+        # A node's model cache is shared: built by whoever ran first (root, a CI job), read by every pod's
+        # user. mkdtemp and safetensors make owner-only files; the model is no secret (rebuilt from code).
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
         try:
             os.rename(tmp, dest)
         except OSError:  # another process finished first; its copy is identical

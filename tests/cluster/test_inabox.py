@@ -1,20 +1,25 @@
 """The box itself, on small workloads of plain Python servers: what the pod runner promises (controllers,
-kubelet, DNS, volumes, environment, restarts, probes) is what the operator's tests then rely on."""
+kubelet, DNS, volumes, environment, restarts, probes) is what the operator's tests then rely on. Every
+test runs twice: pods as processes, and pods as podman containers of the CPU image (`make images`;
+skipped with the reason where podman or the image is missing)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 import requests
-from inabox import Box
+from containers import CPU_IMAGE, podman, require
+from inabox import Box, kubelet, oci
 from inabox.helm import create
 
 from rlfleet.testbed.commands import namespaces
 
 NS = "web"
-IMAGE = "ghcr.io/rlfleet/rlfleet:0.0.0"
+# Process mode runs any tag of the project's images from this checkout; container mode the image built here.
+IMAGE = {"processes": "ghcr.io/rlfleet/rlfleet:0.0.0", "containers": CPU_IMAGE}
 # Serves GET /ready (200 once FILE /tmp/unready is absent), /env, /file?p=PATH, /get?url=URL (a fetch made
 # from inside the pod), and exits with code 3 on /crash.
 SERVER = r"""
@@ -37,11 +42,11 @@ ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
 """
 
 
-def workload(kind: str, name: str, replicas: int, extra_env: list[dict] | None = None) -> dict:
+def workload(kind: str, name: str, replicas: int, image: str, extra_env: list[dict] | None = None) -> dict:
     labels = {"app": name}
     container = {
         "name": "web",
-        "image": IMAGE,
+        "image": image,
         "command": ["python", "-c", SERVER],
         "ports": [{"name": "http", "containerPort": 8080}],
         "env": [
@@ -116,10 +121,14 @@ def get_in(cluster, pod: dict, path: str) -> requests.Response:
         return requests.get(f"http://127.0.0.1:{fwd.port}{path}", timeout=10)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with Box(tmp_path_factory.mktemp("box")) as box:
+@pytest.fixture(scope="module", params=["processes", "containers"])
+def cluster(request, tmp_path_factory):
+    mode = request.param
+    if mode == "containers":
+        require(CPU_IMAGE)
+    with Box(tmp_path_factory.mktemp("box"), pods=mode) as box:
         c = box.cluster("t")
+        c.image = IMAGE[mode]
         client = c.client()
         create(client, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
         create(
@@ -143,14 +152,17 @@ def cluster(tmp_path_factory):
         for obj in (
             service("web"),
             service("db", headless=True),
-            workload("Deployment", "web", 2),
-            workload("StatefulSet", "db", 2),
+            workload("Deployment", "web", 2, c.image),
+            workload("StatefulSet", "db", 2, c.image),
         ):
             create(client, obj)
         client.close()
         yield c
         tag = box.tb.tag
     assert not [ns for ns in namespaces() if ns.startswith(tag)], "the box left network namespaces behind"
+    if mode == "containers":
+        left = podman("ps", "--all", "--quiet", f"--filter=label={oci.LABEL}={c.runner.oci_id}").stdout.split()
+        assert not left, f"the box left containers behind: {left}"
 
 
 def test_pods_get_their_env_volumes_names_and_reach_each_other_by_service_names(cluster):
@@ -197,7 +209,7 @@ def test_a_template_change_rolls_every_pod_and_a_crash_restarts_with_backoff(clu
     api = cluster.runner.api
     api.patch("Deployment", NS, "web", {"spec": {"replicas": 2}})
     old = wait_for("2 ready", lambda: len(ready_pods(cluster, "web")) == 2 and ready_pods(cluster, "web"))
-    template = workload("Deployment", "web", 2, [{"name": "V", "value": "2"}])["spec"]["template"]
+    template = workload("Deployment", "web", 2, cluster.image, [{"name": "V", "value": "2"}])["spec"]["template"]
     api.patch("Deployment", NS, "web", {"spec": {"template": template}})
     new = wait_for(
         "2 new ready pods",
@@ -246,3 +258,38 @@ def test_namespaces_are_listed_as_kopf_lists_them(cluster):
     assert {"default", NS} <= {item["metadata"]["name"] for item in listed.json()["items"]}
     watched = requests.get(f"{cluster.api.url}/api/v1/namespaces?watch=true&timeoutSeconds=1", timeout=10)
     assert watched.status_code == 200 and watched.text == ""
+
+
+def test_a_pod_runs_in_the_runtime_its_mode_names(cluster):
+    """Process mode: the program is the pod's process, on this machine's filesystem. Container mode: it runs
+    in a container of its image (the image's filesystem, its non-root user), named after the pod."""
+    web = wait_for("a ready web pod", lambda: ready_pods(cluster, "web"))
+    pod = cluster.runner.find(NS, web[0]["name"])
+    pid = kubelet.main_pid(pod)
+    assert open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:2] == [b"python", b"-c"]
+    uid = next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("Uid:"))
+    image_root = f"/proc/{pid}/root/opt/rlfleet/examples"  # the CPU image's WORKDIR holds the examples
+    if cluster.runner.mode == "containers":
+        [inspected] = json.loads(podman("container", "inspect", pod.container_name).stdout)
+        assert inspected["ImageName"] == CPU_IMAGE and inspected["Config"]["Hostname"] == pod.name
+        assert uid == "10001" and os.path.isdir(image_root)
+    else:
+        assert pod.container_name is None and uid == "0" and not os.path.isdir(image_root)
+
+
+def test_a_pod_that_cannot_start_waits_with_the_reason(cluster):
+    """As a kubelet: container mode refuses a container with runAsNonRoot whose image's user is root (the
+    base image's); process mode refuses an image it has no entry for. Either way the pod waits in
+    CreateContainerConfigError, with the reason, and never starts."""
+    base = "localhost/rlfleet-base:bookworm"  # `make images` builds it first; its user is root
+    rooted = workload("Deployment", "rooted", 1, base)
+    rooted["spec"]["template"]["spec"]["securityContext"] = {"runAsNonRoot": True}
+    client = cluster.client()
+    create(client, rooted)
+    client.close()
+    [pod] = wait_for("the refused pod", lambda: pods(cluster, "rooted") or None)
+    found = cluster.runner.find(NS, pod["name"])
+    wait_for("its reason", lambda: found.waiting == "CreateContainerConfigError")
+    reason = "runAsNonRoot" if cluster.runner.mode == "containers" else "image table"
+    assert reason in found.message and found.proc is None and found.restarts == 0, found.message
+    cluster.runner.api.delete("Deployment", NS, "rooted")

@@ -5,7 +5,9 @@ sampling temperature changed while it trains; then deleted.
 
 The tests share one box and run in file order: each asserts one acceptance item on what the module's
 fixtures did (`trained`: the run to completion; `extended`: the scaling and the spec change), so a
-failure names the item. A failed test prints what every pod logged."""
+failure names the item. A failed test prints what every pod logged. The module runs twice: pods as
+processes, then pods as podman containers of the images `make images` built (issue #18; skipped with
+the reason where podman or the images are missing)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import time
 
 import pytest
 import requests
-from inabox import Box, helm
+from containers import CPU_IMAGE, require
+from inabox import Box, helm, kubelet
 from inabox.helm import BUILTIN
 from rbac import denied
 from scenario import (
@@ -62,9 +65,11 @@ def pods_of(cluster, workload: str, ready: bool = False) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module")
-def box(tmp_path_factory):
-    with Box(tmp_path_factory.mktemp("box")) as b:
+@pytest.fixture(scope="module", params=["processes", "containers"])
+def box(request, tmp_path_factory):
+    if request.param == "containers":
+        require(CPU_IMAGE)
+    with Box(tmp_path_factory.mktemp("box"), pods=request.param) as b:
         yield b
 
 
@@ -111,11 +116,10 @@ def test_1_the_chart_installs_and_the_operator_runs_as_its_deployment(a):
     [deployment] = [o for o in a.rendered if o["kind"] == "Deployment" and o["metadata"]["name"] == "rlfleet-operator"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     [pod] = pods_of(a, "rlfleet-operator", ready=True)
-    process = a.runner.find(NS, pod["name"]).proc
-    environ = dict(
-        kv.split("=", 1) for kv in open(f"/proc/{process.pid}/environ", "rb").read().decode().split("\0") if "=" in kv
-    )
-    argv = open(f"/proc/{process.pid}/cmdline", "rb").read().decode().rstrip("\0").split("\0")
+    pid = kubelet.main_pid(a.runner.find(NS, pod["name"]))
+    variables = open(f"/proc/{pid}/environ", "rb").read().decode().split("\0")
+    environ = dict(kv.split("=", 1) for kv in variables if "=" in kv)
+    argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().rstrip("\0").split("\0")
     assert argv[-len(container["args"]) :] == container["args"], argv  # `rlfleet operator` with the chart's args
     for item in container["env"]:
         expected = item.get("value", NS if "fieldRef" in item.get("valueFrom", {}) else None)
@@ -150,6 +154,11 @@ def test_2_the_example_trains_to_completion_through_the_operator(a, k, trained):
     exits = [e for e in a.runner.events if e["event"] == "exited"]
     assert not exits, f"containers that exited on their own: {exits}"
     assert all(p["restarts"] == 0 and p["ready"] for p in a.runner.snapshot()), a.runner.snapshot()
+    if a.runner.mode == "containers":  # every pod of the project's images ran from its image; Redis as a process
+        pods = a.runner.all_pods()
+        assert {p.owner[1] for p in pods if p.container_name} == set(COMPONENT_OF) - {"rlfleet-redis"}, pods
+        assert {p.owner[1] for p in pods if not p.container_name} == {"rlfleet-redis"}, pods
+        assert {p.container["image"] for p in pods if p.container_name} == {CPU_IMAGE}
 
 
 @pytest.fixture(scope="module")

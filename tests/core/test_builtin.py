@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -45,6 +46,9 @@ def test_builds_are_deterministic_by_seed_and_cached(tmp_path, monkeypatch):
     assert model.config.model_type == "qwen2"
     assert tokenizer.decode(tokenizer("3+4=")["input_ids"], skip_special_tokens=True) == "3+4="
     assert not list((tmp_path / "b" / "builtin").glob(".build-*")), "no half-written builds are left"
+    # a node's cache is read by pods running as another user than the one that built it
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [first, *first.iterdir()]}
+    assert modes.pop(first.name) == 0o755 and set(modes.values()) == {0o644}, modes
 
 
 def test_a_changed_architecture_gets_a_new_build_and_leaves_the_other_builtins_cached(tmp_path, monkeypatch):

@@ -12,13 +12,12 @@ missing image fails instead of skipping.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from containers import CPU_IMAGE, OPERATOR_IMAGE, PodContainer, Volume, run_container, unavailable
+from containers import CPU_IMAGE, OPERATOR_IMAGE, PodContainer, Volume, require, run_container
 from rendered import SECRETS, cluster_bundle, rendered_pods
 from support import REPO
 
@@ -31,21 +30,13 @@ POD_CHECK = (Path(__file__).parent / "pod_check.py").read_text()
 COMPONENTS = ["trainer", "rollout", "verifier", "origin", "relay", "ingest", "operator"]
 
 
-def needs(*images: str) -> None:
-    reason = unavailable(*images)
-    if reason and os.environ.get("RLFLEET_IMAGES_REQUIRED") == "1" and os.geteuid() == 0:
-        pytest.fail(f"RLFLEET_IMAGES_REQUIRED=1 but {reason}")
-    if reason:
-        pytest.skip(reason)
-
-
 def python_in(image: str, code: str, *args: str, **options):
     """Run Python code in the image (its venv's python3), as the image's user, read-only root."""
     return run_container(image, ["-c", code, *args], entrypoint=["python3"], **options)
 
 
 def test_cpu_image_entrypoints_start():
-    needs(CPU_IMAGE)
+    require(CPU_IMAGE)
     code = """
 import importlib, os, subprocess, sys
 from rlfleet.cli import COMPONENTS
@@ -66,7 +57,7 @@ print(torch.__version__, os.getuid())
 
 
 def test_operator_image_starts_without_torch():
-    needs(OPERATOR_IMAGE)
+    require(OPERATOR_IMAGE)
     for args, usage in ((["--help"], "usage: rlfleet"), (["operator", "--help"], "usage: rlfleet operator")):
         proc = run_container(OPERATOR_IMAGE, args)
         assert proc.returncode == 0 and usage in proc.stdout, proc.stdout + proc.stderr
@@ -93,7 +84,7 @@ print(",".join(m for m in ("torch", "transformers", "vllm") if importlib.util.fi
 
 @pytest.mark.parametrize("example", ["arithmetic", "math"])
 def test_every_path_a_rendered_pod_names_exists_or_is_mounted(example, tmp_path):
-    needs(CPU_IMAGE)
+    require(CPU_IMAGE)
     pods, config_maps = rendered_pods(cluster_bundle(example))
     assert {n.rsplit("-", 1)[-1] for n, _ in pods} == {"origin", "trainer", "verifier", "ingest", "rollout", "relay"}
     failures = {}
@@ -117,7 +108,7 @@ def test_every_path_a_rendered_pod_names_exists_or_is_mounted(example, tmp_path)
 def test_cpu_image_runs_the_example_read_only_without_network(tmp_path):
     """`rlfleet run examples/arithmetic/rlrun.yaml --steps 5` in the image: the builtin model is built
     in the container (nothing downloaded: no network), every write lands in the pods' cache volume."""
-    needs(CPU_IMAGE)
+    require(CPU_IMAGE)
     [(_, template)] = [(n, t) for n, t in rendered_pods(cluster_bundle("arithmetic"))[0] if n.endswith("trainer")]
     writable = [
         m["mountPath"]

@@ -2,7 +2,7 @@
 its API server and one host per pod; a routed, shaped link between two sites is a WAN; S3 is moto's
 server on a host of its own, reached like an external endpoint.
 
-    with Box(tmp_path) as box:
+    with Box(tmp_path) as box:             # Box(tmp_path, pods="containers"): pods as podman containers
         a = box.cluster("a")               # API server + pod runner on bridge a
         s3 = box.s3(a)                     # http://s3.inabox.test:9000, a name every pod resolves
         helm.install(a, values)            # the chart, as `helm install` applies it
@@ -76,8 +76,8 @@ class Cluster:
 class Box:
     """See the module docstring."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, pods: str = "processes"):
+        self.root, self.pods = root, pods  # pods: the runners' mode, "processes" or "containers" (runner.py)
         self.tb = Testbed()
         self.clusters: dict[str, Cluster] = {}
         self.forwards: list[PortForward] = []
@@ -111,7 +111,7 @@ class Box:
         directory = self.root / name
         directory.mkdir(parents=True, exist_ok=True)
         api = ApiServer(directory, api_host).__enter__()
-        runner = PodRunner(name, self, api, site, directory / "pods")
+        runner = PodRunner(name, self, api, site, directory / "pods", self.pods)
         cluster = self.clusters[name] = Cluster(self, name, site, api, runner)
         runner.start()
         return cluster

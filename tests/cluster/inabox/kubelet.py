@@ -1,5 +1,6 @@
-"""The kubelet of the box: one pod = one process group in a network namespace of its own (a testbed
-host: its own IP on the cluster's bridge), started, probed, restarted and stopped as a kubelet would.
+"""The kubelet of the box: one pod = one process group (or one container) in a network namespace of its
+own (a testbed host: its own IP on the cluster's bridge), started, probed, restarted and stopped as a
+kubelet would.
 
 - Volumes (made once per pod, under the pod's directory): configMap and secret (keys or `items` as
   files; missing and not optional: the container waits in CreateContainerConfigError and is tried
@@ -11,6 +12,8 @@ host: its own IP on the cluster's bridge), started, probed, restarted and stoppe
   uid, labels, annotations, pod IP, node name, service account), resourceFieldRef; then
   KUBERNETES_SERVICE_HOST/PORT and HOSTNAME. `$(VAR)` in command and args too.
 - Start: podexec.py in the pod's namespace (mounts, exec); the pod's command or the image's entrypoint.
+  In the runner's container mode, a pod whose image is built here is `podman run` of it instead (oci.py),
+  with the same volumes and environment.
 - Restart (restartPolicy Always): back-off 10 s doubling to 300 s while the container keeps failing
   (reset once it ran 10 minutes); CrashLoopBackOff while it waits; restartCount counts restarts.
 - Probes (httpGet, tcpSocket) from the node to the pod's IP: the startup probe gates the others;
@@ -34,7 +37,7 @@ from pathlib import Path
 
 from rlfleet.testbed import Host
 
-from . import netns
+from . import netns, oci
 from .images import process_image
 
 PODEXEC = Path(__file__).with_name("podexec.py")
@@ -72,7 +75,8 @@ class Pod:
     dir: Path
     ordinal: int | None = None
     created: float = field(default_factory=time.monotonic)
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | None = None  # the container's first process, or `podman run` in container mode
+    container_name: str | None = None  # the podman container in container mode
     started_at: float | None = None  # monotonic, of the running container
     start_time: str | None = None  # RFC 3339, of the running container
     restarts: int = 0
@@ -241,9 +245,10 @@ def _resource(pod: Pod, ref: dict) -> str:
     return str(math.ceil(quantity(value) / quantity(ref.get("divisor", "1"))))  # a kubelet rounds up
 
 
-def environment(pod: Pod, cluster) -> dict[str, str]:
-    image = process_image(pod.container["image"])
-    env = dict(image.env) if image else {}
+def environment(pod: Pod, cluster, image_env: dict[str, str]) -> dict[str, str]:
+    """The container's environment: `image_env` (process mode: the image's; a container has its own), then
+    the pod's (see the module docstring)."""
+    env = dict(image_env)
     for source in pod.container.get("envFrom") or []:
         prefix = source.get("prefix", "")
         if "secretRef" in source:
@@ -288,13 +293,38 @@ def environment(pod: Pod, cluster) -> dict[str, str]:
 
 
 def start(pod: Pod, cluster, now: float) -> None:
-    """Start the pod's container (process mode): volumes once, env now, podexec in the pod's namespace."""
-    image = process_image(pod.container["image"])
-    if image is None:
-        raise ConfigError(f"image {pod.container['image']!r} is not in the box's image table (ErrImagePull)")
+    """Start the pod's container: volumes once, env now, then a container of its image where the runner
+    runs containers and the image is here (oci.py), else podexec in the pod's namespace (process mode)."""
+    name = pod.container["image"]
+    as_container = cluster.mode == "containers" and oci.is_local(name)
+    image = None if as_container else process_image(name)
+    if image is None and not as_container:
+        raise ConfigError(f"image {name!r} is neither built here nor in the box's image table (ErrImagePull)")
     if not pod.volumes_made:
         make_volumes(pod, cluster)
-    env = environment(pod, cluster)
+    env = environment(pod, cluster, image.env if image else {})
+    log = open(pod.log, "ab")
+    log.write(f"---- inabox: container start {pod.restarts} at {time.strftime('%H:%M:%S')}\n".encode())
+    log.flush()
+    with log:
+        if as_container:
+            argv = oci.run_argv(pod, cluster.oci_id, env, mounts(pod), cluster.hosts_file(pod))
+            (pod.dir / f"container-{pod.restarts}.json").write_text(json.dumps(argv, indent=1))
+            pod.proc, pod.container_name = oci.popen(argv, log), oci.container_name(cluster.oci_id, pod, pod.restarts)
+        else:
+            pod.proc, pod.container_name = _start_process(pod, cluster, image, env, log), None
+    pod.started_at, pod.start_time = now, _rfc3339()
+    pod.waiting, pod.message, pod.startup_done, pod.ready = None, "", False, False
+    pod.probes = {
+        kind: Probe(pod.container[kind], due=now + float(pod.container[kind].get("initialDelaySeconds", 0)))
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe")
+        if kind in pod.container
+    }
+    if "startupProbe" not in pod.probes:
+        pod.startup_done = True
+
+
+def _start_process(pod: Pod, cluster, image, env: dict[str, str], log):
     command = [expand(a, env) for a in pod.container.get("command") or image.entrypoint]
     args = [expand(a, env) for a in pod.container.get("args") or ([] if pod.container.get("command") else image.cmd)]
     layers = pod.dir / "layers" / str(pod.restarts)
@@ -312,21 +342,8 @@ def start(pod: Pod, cluster, now: float) -> None:
     }
     spec_path = pod.dir / f"container-{pod.restarts}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    with open(pod.log, "ab") as log:
-        log.write(f"---- inabox: container start {pod.restarts} at {time.strftime('%H:%M:%S')}\n".encode())
-        log.flush()
-        pod.proc = cluster.popen(
-            pod, ["unshare", "--uts", "--", sys.executable, str(PODEXEC), str(spec_path)], stdout=log, stderr=log
-        )
-    pod.started_at, pod.start_time = now, _rfc3339()
-    pod.waiting, pod.message, pod.startup_done, pod.ready = None, "", False, False
-    pod.probes = {
-        kind: Probe(pod.container[kind], due=now + float(pod.container[kind].get("initialDelaySeconds", 0)))
-        for kind in ("startupProbe", "livenessProbe", "readinessProbe")
-        if kind in pod.container
-    }
-    if "startupProbe" not in pod.probes:
-        pod.startup_done = True
+    argv = ["unshare", "--uts", "--", sys.executable, str(PODEXEC), str(spec_path)]
+    return cluster.popen(pod, argv, stdout=log, stderr=log)
 
 
 def exited(pod: Pod, now: float) -> None:
@@ -342,11 +359,21 @@ def exited(pod: Pod, now: float) -> None:
 
 
 def signal_group(pod: Pod, sig: int) -> None:
-    if pod.running:
-        try:
-            os.killpg(pod.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+    """`sig` to the pod's container: through podman in container mode (to the podman process itself while
+    its container is not created yet), to the process group in process mode."""
+    if not pod.running:
+        return
+    if pod.container_name and oci.kill(pod.container_name, sig):
+        return
+    try:
+        os.killpg(pod.proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def main_pid(pod: Pod) -> int:
+    """The host pid of the program the pod's container runs."""
+    return oci.main_pid(pod.container_name) if pod.container_name else pod.proc.pid
 
 
 def grace_seconds(pod: Pod) -> float:

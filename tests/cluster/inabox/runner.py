@@ -5,7 +5,9 @@ Every TICK_S it lists Deployments, StatefulSets and Services, and
 1. removes the pods of workloads that are gone, and applies each workload's plan (controllers.py):
    new pods (each a testbed host of its own on the cluster's bridge, a Pod object in the API) and
    pods to remove (SIGTERM, SIGKILL after their grace period, then the Pod object is deleted);
-2. steps each pod's kubelet (kubelet.py): start when due, count exits, back off, probe;
+2. steps each pod's kubelet (kubelet.py): start when due, count exits, back off, probe; a pod runs as
+   processes (podexec.py, the fast default) or, in mode "containers", as a podman container of its
+   image where that image is built here (oci.py; others, the chart's Redis, stay processes);
 3. rewrites each pod's hosts file where its view of the Services changed;
 4. writes back what changed: Pod status, workload status (replicas, readyReplicas, ...), and for a
    Service of type LoadBalancer its ingress IP (a ready endpoint's), publishing the name in its
@@ -28,10 +30,11 @@ from pathlib import Path
 
 import requests
 
-from . import controllers, kubelet
+from . import controllers, kubelet, oci
 from .kubelet import ConfigError, Pod
 
 log = logging.getLogger("inabox")
+MODES = ("processes", "containers")
 TICK_S = 0.5
 EXTERNAL_DNS = "external-dns.alpha.kubernetes.io/hostname"
 PATHS = {
@@ -89,8 +92,12 @@ class AdminApi:
 class PodRunner:
     """The controllers, kubelet and DNS of one cluster (see the module docstring)."""
 
-    def __init__(self, name: str, box, api_server, site, root: Path):
+    def __init__(self, name: str, box, api_server, site, root: Path, mode: str = "processes"):
+        if mode not in MODES:
+            raise ValueError(f"pod runner mode {mode!r}: one of {MODES}")
         self.name, self.box, self.api_server, self.site, self.root = name, box, api_server, site, root
+        self.mode = mode
+        self.oci_id = f"{box.tb.tag}-{name}"  # the label of this runner's containers (container mode)
         self.api = AdminApi(api_server.url)
         self.pods: dict[tuple[str, str], Pod] = {}
         self.gone: list[Pod] = []
@@ -362,6 +369,8 @@ class PodRunner:
                 except Exception:
                     kubelet.signal_group(pod, signal.SIGKILL)
                     pod.proc.wait(30)
+        if self.mode == "containers":
+            oci.remove_all(self.oci_id)
         self._probes.shutdown(wait=False, cancel_futures=True)
 
     def snapshot(self) -> list[dict]:
