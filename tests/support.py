@@ -5,11 +5,29 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rlfleet.services.shardcast.protocol import serving  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root
+
+
+def wait_for(what: str, fn, timeout: float = 10.0, every: float = 0.1):
+    """fn() until it returns something true, and that value; AssertionError naming `what` and fn's last
+    answer after `timeout` seconds. A KeyError, IndexError or TypeError from fn counts as not yet (a
+    status or object that is not there yet) and is its last answer."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        try:
+            last = fn()
+        except (KeyError, IndexError, TypeError) as exc:
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+        time.sleep(every)
 
 
 def tiny_policy_dir(

@@ -5,10 +5,10 @@ an auditor that follows the run's `verified` stream through a port forward to it
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import secrets
 import threading
-import time
 from pathlib import Path
 
 import boto3
@@ -17,6 +17,7 @@ import redis
 import yaml
 from inabox import Cluster
 from inabox.images import REPO
+from support import wait_for as poll
 
 from rlfleet.config import load_bundle
 from rlfleet.operator import names
@@ -26,21 +27,9 @@ NS = "rlfleet"
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
 MULTICLUSTER = REPO / "examples" / "multicluster"
 BUCKET = "rlfleet-checkpoints"
+# support.wait_for, polling once a second: the tests' conditions are API round trips and file reads.
+wait_for = functools.partial(poll, every=1.0)
 GROUP, VERSION = names.GROUP, names.VERSION
-
-
-def wait_for(what: str, fn, timeout: float, every: float = 1.0):
-    """fn() until it returns something true; its value. AssertionError naming `what` after `timeout` s."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except (KeyError, IndexError, TypeError) as exc:
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 class Kubectl:

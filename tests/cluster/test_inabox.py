@@ -5,20 +5,22 @@ skipped with the reason where podman or the image is missing)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import time
 
 import pytest
 import requests
 from containers import CPU_IMAGE, podman, require
 from inabox import Box, kubelet, oci
 from inabox.helm import create
+from support import wait_for as poll
 
 from rlfleet.testbed.commands import namespaces
 
 NS = "web"
 # Process mode runs any tag of the project's images from this checkout; container mode the image built here.
+wait_for = functools.partial(poll, timeout=60, every=0.2)
 IMAGE = {"processes": "ghcr.io/rlfleet/rlfleet:0.0.0", "containers": CPU_IMAGE}
 # Serves GET /ready (200 once FILE /tmp/unready is absent), /env, /file?p=PATH, /get?url=URL (a fetch made
 # from inside the pod), and exits with code 3 on /crash.
@@ -92,16 +94,6 @@ def service(name: str, headless: bool = False) -> dict:
     if headless:
         spec["clusterIP"] = "None"
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": NS}, "spec": spec}
-
-
-def wait_for(what: str, fn, timeout: float = 60):
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def ready_pods(cluster, owner: str) -> list[dict]:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import pytest
 import redis
 import requests
+from support import wait_for
 
 from rlfleet.asgi import BackgroundServer
 from rlfleet.config import ConfigError, IngestSpec, parse_bundle
@@ -64,13 +65,6 @@ def ingest(redis_url: str, **spec):
         client.close()
 
 
-def wait_until(condition, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def post(base: str, body, token: str | None = "token-of-w1", run: str = RUN) -> requests.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return requests.post(rollouts_url(base, run), data=body, headers=headers, timeout=10)
@@ -92,7 +86,7 @@ def test_honest_group_is_enqueued_byte_for_byte(redis_url):
         assert entries[0][1] == {MESSAGE_FIELD: body}
         assert RolloutGroup.decode(entries[0][1]).rollout_id == resp.json()["rollout_id"]
         # /healthz answers from the Redis watch, which reads the backlog about once a second
-        wait_until(lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1)
+        wait_for("one group in the inbox", lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1, 5)
         metrics = requests.get(base + "/metrics", timeout=5).text
         assert 'rlfleet_ingest_requests_total{code="202"}' in metrics
 
@@ -301,7 +295,7 @@ def test_the_ingest_works_with_its_own_redis_user(tmp_path):
         body = group_bytes()
         assert post(base, body).status_code == 202 and post(base, body).json()["duplicate"] is True
         assert request_ticket(requests.Session(), tickets_url(base, RUN), TOKENS["w1"], threading.Event()) == 0
-        wait_until(lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1)
+        wait_for("one group in the inbox", lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1, 5)
         admin = redis.Redis.from_url(server.url)
         admin.hset(KEYS.banned, "w2", "{}")
         assert post(base, group_bytes("w2"), token="token-of-w2").status_code == 403

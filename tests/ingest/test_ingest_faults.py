@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import pytest
 import redis
 import requests
+from support import wait_for
 from test_ingest import KEYS, RUN, TOKENS, group_bytes, post
 
 from rlfleet.config import ConfigError, parse_bundle
@@ -67,13 +68,6 @@ def ingest_process(tmp_path, redis_url: str, ingest: str = "{}"):
         log.close()
 
 
-def wait_for(condition, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
-
-
 # ---- item 14: Redis trouble ---------------------------------------------------------------------
 
 
@@ -84,18 +78,18 @@ def test_redis_down_or_stalled_gives_503_with_retry_after_and_an_honest_cheap_he
     try:
         with ingest_process(tmp_path, url) as base:
             assert post(base, group_bytes()).status_code == 202
-            wait_for(lambda: requests.get(base + "/healthz", timeout=2).status_code == 200)
+            wait_for("healthz 200", lambda: requests.get(base + "/healthz", timeout=2).status_code == 200)
 
             server.stop()  # Redis down
             resp = post(base, group_bytes())
             assert resp.status_code == 503 and int(resp.headers["Retry-After"]) >= 1, resp.text
             assert "Redis" in resp.json()["detail"]
-            wait_for(lambda: requests.get(base + "/healthz", timeout=2).status_code == 503)
+            wait_for("healthz 503", lambda: requests.get(base + "/healthz", timeout=2).status_code == 503)
             assert requests.get(base + "/healthz", timeout=2).json()["status"] == "redis_unavailable"
 
             server = EmbeddedRedis(tmp_path / "redis", port=port)  # back: accepted again
             server.start()
-            wait_for(lambda: post(base, group_bytes()).status_code == 202)
+            wait_for("a post accepted (202)", lambda: post(base, group_bytes()).status_code == 202)
 
             os.kill(server.proc.pid, signal.SIGSTOP)  # Redis stalled: no answer at all
             try:
@@ -109,13 +103,13 @@ def test_redis_down_or_stalled_gives_503_with_retry_after_and_an_honest_cheap_he
                 resp = post(base, group_bytes())
                 assert resp.status_code == 503 and resp.headers["Retry-After"], resp.text
                 assert time.monotonic() - t0 < 8.0
-                wait_for(lambda: requests.get(base + "/healthz", timeout=2).status_code == 503)
+                wait_for("healthz 503", lambda: requests.get(base + "/healthz", timeout=2).status_code == 503)
                 for t in stuck:
                     t.join(15)
                 assert health.status_code in (200, 503)
             finally:
                 os.kill(server.proc.pid, signal.SIGCONT)
-            wait_for(lambda: requests.get(base + "/healthz", timeout=2).status_code == 200)
+            wait_for("healthz 200", lambda: requests.get(base + "/healthz", timeout=2).status_code == 200)
     finally:
         server.stop()
 
@@ -221,14 +215,14 @@ def test_bodies_in_flight_and_connections_are_bounded(tmp_path, redis_url):
         assert resp.headers["Retry-After"]
         for s in held:
             s.close()
-        wait_for(lambda: post(base, group_bytes()).status_code == 202)
+        wait_for("a post accepted (202)", lambda: post(base, group_bytes()).status_code == 202)
         held = [hold(10) for _ in range(4)]  # four small requests in flight: the connection bound
         time.sleep(0.5)
         resp = post(base, group_bytes())
         assert resp.status_code == 503 and "maxBufferedBytes" not in resp.text, resp.text
         for s in held:
             s.close()
-        wait_for(lambda: post(base, group_bytes()).status_code == 202)
+        wait_for("a post accepted (202)", lambda: post(base, group_bytes()).status_code == 202)
 
 
 # ---- item 18: rate budget and the backlog bound -----------------------------------------------

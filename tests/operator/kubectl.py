@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import requests
 import yaml
 from support import REPO
@@ -11,7 +9,6 @@ from support import REPO
 from rlfleet.operator import names
 
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
-TIMEOUT_S = 10
 _GROUPS = {
     "ConfigMap": "api/v1",
     "Service": "api/v1",
@@ -46,19 +43,6 @@ def patch(api, kind, ns, name, body, sub=None):
         url_of(api, kind, ns, name, sub), json=body, timeout=5, headers={"Content-Type": "application/merge-patch+json"}
     )
     assert r.status_code == 200, r.text
-
-
-def wait_for(what: str, fn, timeout: float = TIMEOUT_S):
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except (KeyError, TypeError, IndexError) as exc:
-            last = exc
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def condition(obj, type_="Ready"):

@@ -23,8 +23,8 @@ from kubectl import (
     redis_db,
     secret,
     url_of,
-    wait_for,
 )
+from support import wait_for
 
 from rlfleet.operator import names
 from rlfleet.streams import RunKeys, encode_json

@@ -19,9 +19,8 @@ from kubectl import (
     redis_db,
     secret,
     url_of,
-    wait_for,
 )
-from support import REPO
+from support import REPO, wait_for
 
 
 def test_deleting_a_run_whose_redis_secret_is_forbidden_finishes(api, emulator, redis_url):

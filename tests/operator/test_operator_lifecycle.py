@@ -9,18 +9,8 @@ import time
 
 import redis
 import requests
-from kubectl import (
-    apply_example,
-    condition,
-    events,
-    get,
-    has_condition,
-    patch,
-    redis_db,
-    unknown_status_fields,
-    url_of,
-    wait_for,
-)
+from kubectl import apply_example, condition, events, get, has_condition, patch, redis_db, unknown_status_fields, url_of
+from support import wait_for
 
 from rlfleet.operator import names
 from rlfleet.streams import RunKeys, encode_json

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import redis
-from kubectl import apply_example, get, patch, redis_db, secret, wait_for
+from kubectl import apply_example, get, patch, redis_db, secret
 from rbac import denied
-from support import CHART, render_chart
+from support import CHART, render_chart, wait_for
 
 from rlfleet.streams import RunKeys, encode_json
 

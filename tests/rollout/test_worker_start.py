@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import serving, tiny_policy_dir
+from support import serving, tiny_policy_dir, wait_for
 
 from rlfleet import env
 from rlfleet.checkpoint import publish_version
@@ -32,13 +32,6 @@ spec:
   sampling: {{groupSize: 2, maxTokens: 4}}
   store: {{uri: "file://{store}"}}
 """
-
-
-def wait_for(condition, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("base_is_local", [True, False])
@@ -65,7 +58,7 @@ def test_the_engine_starts_before_version_0_and_generates_with_its_weights(
         thread.start()
         try:
             if base_is_local:
-                wait_for(lambda: worker.engine is not None)
+                wait_for("the worker's engine", lambda: worker.engine is not None, 60, every=0.05)
                 assert worker.engine.version == -1, "nothing is generated before version 0 is loaded"
             time.sleep(0.3)
             assert thread.is_alive(), "the worker waits for version 0"

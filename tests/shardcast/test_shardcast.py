@@ -15,7 +15,7 @@ import pytest
 import requests
 from aiohttp import web
 from prometheus_client import REGISTRY
-from support import serving
+from support import serving, wait_for
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, publish_version, save_model_dir, verify_dir, version_key
 from rlfleet.services.shardcast import origin, relay
@@ -52,14 +52,6 @@ def sha256(path: Path) -> str:
 
 def metric(name: str) -> float:
     return REGISTRY.get_sample_value(name) or 0.0
-
-
-def wait_for(predicate, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -237,11 +229,13 @@ def test_relay_prefetches_announced_versions(tmp_path, redis_client):
         serving(origin.make_app(store, RUN)) as origin_url,
         serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 3, redis_client=redis_client)),
     ):
-        wait_for(lambda: (held / "v1" / COMPLETE_MARKER).exists(), 10, "prefetch of the newest announced v1")
+        wait_for(
+            "prefetch of the newest announced v1", lambda: (held / "v1" / COMPLETE_MARKER).exists(), 10, every=0.05
+        )
         publish_version(store, RUN, 2, small_version(tmp_path / "v2", 2))
         redis_client.xadd(policy, {b"m": b"not json"})  # a bad message is skipped, not fatal
         redis_client.xadd(policy, encode_json({"version": 2, "step": 2}))
-        wait_for(lambda: (held / "v2" / COMPLETE_MARKER).exists(), 10, "prefetch of v2")
+        wait_for("prefetch of v2", lambda: (held / "v2" / COMPLETE_MARKER).exists(), 10, every=0.05)
     assert metric("rlfleet_relay_bytes_in_total") - in_before >= 600_000  # no client ever asked
 
 
@@ -309,7 +303,7 @@ def test_versions_are_announced_by_long_poll_through_origin_and_relay(tmp_path, 
         for t in waiters:
             t.join(30)
         assert answers == {origin_url: 1, relay_url: 1}
-        wait_for(lambda: (held / "v1" / COMPLETE_MARKER).exists(), 20, "the relay's prefetch of v1")
+        wait_for("the relay's prefetch of v1", lambda: (held / "v1" / COMPLETE_MARKER).exists(), 20, every=0.05)
         assert wait_for_version([relay_url], RUN, 1, timeout=0.5) is None  # nothing newer than v1
         assert wait_for_version([relay_url], RUN, 0, timeout=5) == 1  # answered at once
 
