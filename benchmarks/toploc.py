@@ -12,6 +12,8 @@ process, in `--rounds` interleaved rounds (medians; other processes' load moves 
   - per core: all of the above again with one torch thread. One worker core makes a group in
     gen + proofs seconds; one verifier core clears a group in f * prefill checks + light checks at
     spot-check fraction f, so it keeps up with (gen + proofs) / (f * prefill + light) worker cores;
+    the ceiling of that figure: the prefill's matrix products alone (every linear layer of the model
+    on as many positions), timed on one core, put in place of the prefill;
   - proof bytes per 32 generated tokens (prompt chunk included);
   - detection / false rejections per class, under the TOPLOC authors' thresholds and under the
     fp32-calibrated ones of tests/toploc/test_gate_tamper.py. The checks are the gate's own.
@@ -41,6 +43,7 @@ from rlfleet.checkpoint import save_model_dir
 from rlfleet.config import parse_bundle
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.redis_server import EmbeddedRedis
+from rlfleet.sampling import stop_token_ids
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.batch import prefill_verdicts
 from rlfleet.services.toploc.checks import Checker, Rejection
@@ -87,9 +90,12 @@ def random_policy(dest: Path, hidden: int, layers: int, seed: int) -> Path:
     return dest
 
 
-def make_group(engine: TorchEngine, index: int, spec, timing: dict) -> RolloutGroup:
+def make_group(engine: TorchEngine, index: int, spec, timing: dict, ignore_eos: bool = True) -> RolloutGroup:
+    """A group as a worker makes it, timed into `timing`. `ignore_eos` (as vLLM's): every completion has
+    maxTokens tokens, so throughput compares like with like; such groups pass the prefill checks but
+    not the light checks, which refuse tokens after a stop token."""
     s = spec.sampling
-    engine.stop_ids = frozenset()  # ignore EOS (as vLLM's ignore_eos): every completion has maxTokens tokens
+    engine.stop_ids = frozenset() if ignore_eos else stop_token_ids(engine.model, engine.tokenizer)
     prompt_ids = engine.tokenizer(make_run_task(spec).problem(f"arith-0-{index}").prompt)["input_ids"]
     params = SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=index)
     t0 = time.perf_counter()
@@ -106,7 +112,7 @@ def make_group(engine: TorchEngine, index: int, spec, timing: dict) -> RolloutGr
         policy_version=0,
         prompt_ids=prompt_ids,
         sampling=params,
-        samples=[Sample(g.completion_ids, g.logprobs, p) for g, p in zip(gens, proofs)],
+        samples=[Sample(g.completion_ids, g.logprobs, p, finish_reason=g.finish_reason) for g, p in zip(gens, proofs)],
     )
 
 
@@ -139,8 +145,12 @@ def measure(engine: TorchEngine, spec, checker: Checker, n_groups: int, first_in
     assert batched(checker, model, tok, groups) == [None] * n_groups, "an honest group was rejected"
     t1 = time.perf_counter()
     assert one_by_one(checker, model, tok, groups) == [None] * n_groups
+    t_one = time.perf_counter()
+    # the light checks, on groups that end where the policy stopped them (what the gate accepts)
+    untimed = dict(timing)
+    ended = [make_group(engine, first_index + n_groups + i, spec, untimed, ignore_eos=False) for i in range(n_groups)]
     t2 = time.perf_counter()
-    for g in groups:
+    for g in ended:
         checker.check(g, None, prefill=False)
     t3 = time.perf_counter()
     n = timing["tokens"]
@@ -148,13 +158,31 @@ def measure(engine: TorchEngine, spec, checker: Checker, n_groups: int, first_in
         "gen_tps": n / timing["generate"],
         "proof_pct": 100 * timing["proofs"] / timing["generate"],
         "verify_tps": n / (t1 - t0),
-        "verify_one_tps": n / (t2 - t1),
+        "verify_one_tps": n / (t_one - t1),
         "gen_s": timing["generate"] / n_groups,  # per group
         "proof_s": timing["proofs"] / n_groups,
         "prefill_s": (t1 - t0) / n_groups,
         "light_s": (t3 - t2) / n_groups,
         "groups": groups,
     }
+
+
+def matmul_floor_s(model, groups: list[RolloutGroup]) -> float:
+    """Seconds per group that the prefill's matrix products alone take on this core: every linear layer of
+    the model (and the output head) applied to as many positions as the groups' rows hold, timed on
+    its own (best of 3). No prefill of these rows can be faster than this with the same weights and
+    dtype, so it bounds what any batching or Python-side saving can bring."""
+    positions = sum(len(g.prompt_ids) + len(s.completion_ids) for g in groups for s in g.samples)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    best = float("inf")
+    with torch.inference_mode():
+        inputs = {m.in_features: torch.randn(positions, m.in_features) for m in linears}
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for m in linears:
+                torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
+            best = min(best, time.perf_counter() - t0)
+    return best / len(groups)
 
 
 def profile_verification(checker: Checker, model, tok, groups: list[RolloutGroup]) -> str:
@@ -204,6 +232,8 @@ def main() -> int:
                 m = measure(honest, spec, checker, args.groups, first_index=1000 * r)
                 if r:
                     rounds[t].append(m)
+        torch.set_num_threads(1)
+        floor_s = matmul_floor_s(model, rounds[1][-1]["groups"])
         torch.set_num_threads(threads)
         groups = rounds[threads][-1]["groups"]
         profile = profile_verification(checker, model, tok, groups) if args.profile else ""
@@ -217,6 +247,7 @@ def main() -> int:
     worker_s = med(1, "gen_s") + med(1, "proof_s")
     verifier_s = fraction * med(1, "prefill_s") + med(1, "light_s")
     cores = worker_s / verifier_s
+    cores_ceiling = worker_s / (fraction * floor_s + med(1, "light_s"))  # prefill at its matmul floor
     proof_bytes = sum(len(p) for g in groups for s in g.samples for p in s.proofs)
     decode_bytes = sum(len(p) for g in groups for s in g.samples for p in s.proofs[1:])
     tokens = sum(len(s.completion_ids) for g in groups for s in g.samples)
@@ -291,6 +322,10 @@ def main() -> int:
         f"| one verifier core keeps up with (spotCheckFraction {fraction:g}, the default) | - | {cores:.1f} worker "
         f"cores |"
     )
+    print(
+        f"| ... if the prefill took only its matrix products ({1e3 * floor_s:.1f} ms a group, "
+        f"{100 * floor_s / med(1, 'prefill_s'):.0f} % of it) | - | {cores_ceiling:.1f} worker cores (ceiling) |"
+    )
     for f in (0.5, 0.25, 0.1):
         print(
             f"| ... at spotCheckFraction {f:g} | - | "
@@ -321,6 +356,8 @@ def main() -> int:
             "proof_overhead_pct": med(threads, "proof_pct"),
             "proof_overhead_pct_one_thread": med(1, "proof_pct"),
             "worker_cores_per_verifier_core": cores,
+            "worker_cores_per_verifier_core_ceiling": cores_ceiling,
+            "prefill_matmul_floor_s_per_group": floor_s,
             "spot_check_fraction": fraction,
             "generation_tok_s": gen_tps,
             "verification_tok_s": verify_tps,
