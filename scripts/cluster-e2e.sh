@@ -6,7 +6,7 @@
 #   CLUSTER=existing scripts/cluster-e2e.sh   # use the current kubectl context instead of kind
 #
 # Needs: docker, kind (unless CLUSTER=existing), kubectl, helm, python3 with rlfleet installed.
-# It builds the CPU image, installs the chart with its in-chart Redis and a MinIO store, applies
+# It builds the CPU and operator images, installs the chart with its in-chart Redis and a MinIO store, applies
 # the arithmetic example as an RLRun (20 steps), scales the InferencePool through the scale
 # subresource while it trains, waits for condition Complete, checks the finished run released its
 # workloads, deletes the run and checks its children, pools and tiers are gone.
@@ -19,6 +19,7 @@ STEPS=${STEPS:-20}
 TIMEOUT=${TIMEOUT:-1800}
 VERSION=$(python3 -c 'import tomllib;print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])')
 IMAGE=ghcr.io/rlfleet/rlfleet:${VERSION}
+OPERATOR_IMAGE=ghcr.io/rlfleet/rlfleet-operator:${VERSION}
 WORK=$(mktemp -d)
 
 cleanup() {
@@ -35,9 +36,10 @@ if [ "$CLUSTER" = kind ]; then
   kind get clusters | grep -qx rlfleet-e2e || kind create cluster --name rlfleet-e2e --wait 120s
 fi
 
-step "image $IMAGE"
+step "images $IMAGE $OPERATOR_IMAGE"
 docker build -f docker/Dockerfile.cpu -t "$IMAGE" .
-[ "$CLUSTER" = kind ] && kind load docker-image "$IMAGE" --name rlfleet-e2e
+docker build -f docker/Dockerfile.operator -t "$OPERATOR_IMAGE" .
+[ "$CLUSTER" = kind ] && kind load docker-image "$IMAGE" "$OPERATOR_IMAGE" --name rlfleet-e2e
 
 step "chart (operator, CRDs, in-chart Redis)"
 kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f -

@@ -225,20 +225,19 @@ def test_default_images_are_the_dockerfiles_images(chart):
     app_version = chart.metadata["appVersion"]
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert app_version == pyproject["project"]["version"]
-    env = {
-        e["name"]: e.get("value")
-        for e in by_kind(render(chart, {}), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
+    [operator] = by_kind(render(chart, {}), "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
     for dockerfile, value_key, env_name in (
         ("Dockerfile.cpu", "image", "RLFLEET_IMAGE"),
         ("Dockerfile.gpu", "gpuImage", "RLFLEET_GPU_IMAGE"),
+        ("Dockerfile.operator", "operatorImage", None),  # the operator's own container
     ):
         text = (ROOT / "docker" / dockerfile).read_text()
         [label] = re.findall(r'io\.rlfleet\.image="([^"]+)"', text)
         [version] = re.findall(r"^ARG VERSION=(\S+)$", text, re.M)
         assert chart.values[value_key]["repository"] == label, dockerfile
         assert version == app_version, dockerfile
-        assert env[env_name] == f"{label}:{app_version}"
+        assert (env[env_name] if env_name else operator["image"]) == f"{label}:{app_version}"
     assert env["RLFLEET_IMAGE"] == names.DEFAULT_IMAGE, "the operator's fallback image differs from the chart's"
     torch_pin = next(d for d in pyproject["project"]["optional-dependencies"]["train"] if d.startswith("torch=="))
     assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in (ROOT / "docker" / "Dockerfile.cpu").read_text()

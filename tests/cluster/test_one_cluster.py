@@ -15,7 +15,7 @@ import time
 
 import pytest
 import requests
-from containers import CPU_IMAGE, require
+from containers import CPU_IMAGE, OPERATOR_IMAGE, require
 from inabox import Box, helm, kubelet
 from inabox.helm import BUILTIN
 from rbac import denied
@@ -68,7 +68,7 @@ def pods_of(cluster, workload: str, ready: bool = False) -> list[dict]:
 @pytest.fixture(scope="module", params=["processes", "containers"])
 def box(request, tmp_path_factory):
     if request.param == "containers":
-        require(CPU_IMAGE)
+        require(CPU_IMAGE, OPERATOR_IMAGE)
     with Box(tmp_path_factory.mktemp("box"), pods=request.param) as b:
         yield b
 
@@ -158,7 +158,8 @@ def test_2_the_example_trains_to_completion_through_the_operator(a, k, trained):
         pods = a.runner.all_pods()
         assert {p.owner[1] for p in pods if p.container_name} == set(COMPONENT_OF) - {"rlfleet-redis"}, pods
         assert {p.owner[1] for p in pods if not p.container_name} == {"rlfleet-redis"}, pods
-        assert {p.container["image"] for p in pods if p.container_name} == {CPU_IMAGE}
+        images = {p.owner[1]: p.container["image"] for p in pods if p.container_name}
+        assert images.pop("rlfleet-operator") == OPERATOR_IMAGE and set(images.values()) == {CPU_IMAGE}, images
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{- define "rlfleet.operatorImage" -}}
+{{- printf "%s:%s" .Values.operatorImage.repository (default .Chart.AppVersion .Values.operatorImage.tag) -}}
+{{- end -}}
+
 {{- define "rlfleet.gpuImage" -}}
 {{- printf "%s:%s" .Values.gpuImage.repository (default .Chart.AppVersion .Values.gpuImage.tag) -}}
 {{- end -}}
