@@ -7,14 +7,15 @@ in the synchronous run (G: waiting for a batch = generation + verification; T: t
 per step) and the overlap bound (G + T) / max(G, T) that the asynchronous speed-up can reach,
 plus the reward of both at equal steps. Steady state only: the first `--skip` steps are left out.
 
-`--balanced`: the arithmetic example with groups of 64 samples, 4 groups per step and one worker:
-a wider group costs the worker little more per token (one batched decode) and the trainer
-proportionally more, so training a step costs about what generating its batch does (the bound is
-near 2; the example's own config generates about 2.4x longer than it trains). It runs on a fixed
-core split: the trainer on the first CPU, everything else (worker, verifier, relay, origin, Redis,
-the launcher) on the second. Sync leaves each core idle while the other works; async can use both.
-Per stage it prints the core's utilisation (CPU seconds of its processes per wall second, steady
-state; below 100 % where other processes share the core or the stage waits).
+`--balanced`: the arithmetic example with groups of 64 samples, 4 groups per step, 5 updates per
+batch (`trainer.epochs`, at a fifth of the example's learning rate) and one worker. Per step the
+trainer's work is mostly fixed (publishing, saving its state), and one update of 256 short samples
+is a fraction of what generating and verifying them costs; the 5 updates bring training near
+generation (bound near 2; the example's own config generates about 3x longer than it trains). It
+runs on a fixed core split: the trainer on the first CPU, everything else (worker, verifier, relay,
+origin, Redis, the launcher) on the second. Sync leaves each core idle while the other works; async
+can use both. Per stage it prints the core's utilisation (CPU seconds of its processes per wall
+second, steady state; below 100 % where other processes share the core or the stage waits).
 
     python benchmarks/async_vs_sync.py [--steps 60] [--async-level 2] [--balanced] [--json PATH]
 """
@@ -36,7 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
-BALANCED = {"groupSize": 64, "batchSize": 4, "replicas": 1}
+BALANCED = {"groupSize": 64, "batchSize": 4, "epochs": 5, "learningRate": 2.0e-4, "replicas": 1}
 
 
 def descendants(pid: int) -> list[int]:
@@ -119,6 +120,8 @@ def run(config: Path, level: int, steps: int, workdir: Path, balanced: bool) -> 
     if balanced:
         docs[0]["spec"]["sampling"]["groupSize"] = BALANCED["groupSize"]
         docs[0]["spec"]["trainer"]["batchSize"] = BALANCED["batchSize"]
+        docs[0]["spec"]["trainer"]["epochs"] = BALANCED["epochs"]
+        docs[0]["spec"]["trainer"]["learningRate"] = BALANCED["learningRate"]
         for d in docs:
             if d["kind"] == "InferencePool":
                 d["spec"]["replicas"] = BALANCED["replicas"]
@@ -175,7 +178,8 @@ def main() -> int:
     if args.balanced and len(cpus) >= 2:
         print(
             f"core split: CPU {cpus[0]} trainer; CPU {cpus[1]} rollout worker, verifier, relay, origin, Redis, "
-            f"launcher (groupSize {BALANCED['groupSize']}, batchSize {BALANCED['batchSize']}, 1 worker)"
+            f"launcher (groupSize {BALANCED['groupSize']}, batchSize {BALANCED['batchSize']}, "
+            f"epochs {BALANCED['epochs']}, learningRate {BALANCED['learningRate']}, 1 worker)"
         )
     else:
         print(f"no core split: every process on CPUs {cpus}")

@@ -50,6 +50,14 @@ class TrainerSpec(Spec):
         description="INTELLECT-2 two-sided clipping: for negative advantages the ratio is capped at delta.",
     )
     max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient-norm clip.")
+    epochs: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Optimizer updates per batch (GRPO's mu): each a full pass over the step's groups with the ratio "
+        "taken against the sampling logprobs, so passes after the first are off-policy within the clip range. One "
+        "policy version is published per step whatever the count.",
+    )
     max_async_level: int = Field(
         default=2,
         ge=0,

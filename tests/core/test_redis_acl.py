@@ -1,6 +1,7 @@
 """Redis ACL users per role (issue 16 item 6), against a real redis-server: what `rlfleet run` gives its
-embedded Redis and each component. A worker may add to its run's inbox and read the policy stream,
-nothing else; each role's grants are enough for the component's real code (tests/toploc/test_gate_acl.py)."""
+embedded Redis and each component. A worker may add to its run's inbox and read the policy stream and
+the trainer's demand, nothing else; each role's grants are enough for the component's real code
+(tests/toploc/test_gate_acl.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def test_a_worker_can_add_to_its_inbox_and_read_the_policy_stream_only(served):
     c["trainer"].xadd(keys.policy, {b"m": b"{}"})
     assert read.xrevrange(keys.policy, count=1) and read.xread({keys.policy: "0"}) and read.xlen(keys.rollouts) == 1
     assert tickets.hincrby(keys.tickets, "w1", 1) == 1
+    c["trainer"].hset(keys.demand, mapping={"oldest": 3, "need": 2})
+    assert read.hmget(keys.demand, ["oldest", "need"]) == [b"3", b"2"] and read.xlen(keys.verified) == 0
     for user in (w, read, tickets):
         for forbidden in (
             lambda: user.xadd(keys.verified, {b"m": b"forged"}),  # skip the gate
@@ -51,6 +54,7 @@ def test_a_worker_can_add_to_its_inbox_and_read_the_policy_stream_only(served):
             lambda: user.hincrby(keys.workers, "victim|rejected", 5),  # blame a victim
             lambda: user.hset(keys.banned, "victim", "{}"),
             lambda: user.zadd(keys.trained, {"d": 1}),
+            lambda: user.hset(keys.demand, "oldest", 10**6),  # every other worker would pause for good
             lambda: user.xrange(keys.verified),
             lambda: user.xreadgroup("verifiers", "w", {keys.rollouts: ">"}),  # take others' groups
             lambda: user.xdel(keys.rollouts, "0-1"),

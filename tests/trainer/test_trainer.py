@@ -9,12 +9,13 @@ import zlib
 import pytest
 import redis
 import torch
-from support import tiny_policy_dir, trainer_run_config
+from support import tiny_policy_dir, trainer_run_config, wait_for
 
 from rlfleet.config import parse_bundle
 from rlfleet.runtime import Context
 from rlfleet.services.trainer.loss import grpo_loss
 from rlfleet.services.trainer.main import Trainer, lr_factor
+from rlfleet.services.trainer.update import grpo_update
 from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams
 
 TRAINER = (
@@ -136,3 +137,69 @@ def test_a_restarted_trainer_holding_fewer_pending_messages_than_a_batch_goes_on
     trainer.ctx.stop.set()  # ends a livelocked collect() so the test can report it
     worker.join(5)
     assert [g.rollout_id for g in result.get("batch", [])] == ["held", "new"], "collect() never filled the batch"
+
+
+def test_the_trainer_tells_the_workers_what_it_still_wants(tmp_path, redis_url):
+    """keys.demand (read by the workers, rollout/main.py Worker.paused): while collecting, the oldest
+    version it trains, the groups its step lacks and the verified entries it holds; once the batch is
+    held, the next step's oldest; and a trainer restarted from an older state lowers what a later one
+    had raised."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    bundle = parse_bundle(trainer_run_config(policy, tmp_path / "store", "{batchSize: 2, maxAsyncLevel: 0}"))
+    client = redis.Redis.from_url(redis_url)
+    keys = RunKeys("tr")
+
+    def demand() -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in client.hgetall(keys.demand).items()}
+
+    def run(trainer: Trainer, steps: int) -> threading.Thread:
+        thread = threading.Thread(target=trainer.run, args=(steps,), daemon=True)
+        thread.start()
+        return thread
+
+    first = Trainer(Context(bundle=bundle, redis=client, keys=keys, stop=threading.Event()), output_dir=None)
+    thread = run(first, 1)
+    wait_for("the first demand", lambda: demand() == {"oldest": 0, "need": 2, "held": 0}, 60)
+    client.xadd(keys.verified, group("a", [1.0, 0.0]).encode())
+    wait_for("one group taken", lambda: demand() == {"oldest": 0, "need": 1, "held": 1})
+    client.xadd(keys.verified, group("b", [0.0, 1.0]).encode())
+    thread.join(60)
+    assert not thread.is_alive() and first.version == 1
+    assert demand() == {"oldest": 1, "need": 2, "held": 2}, "version 0 is not wanted once step 1 holds its batch"
+
+    client.hset(keys.demand, "oldest", 7)  # left by a trainer whose later state was lost
+    second = Trainer(Context(bundle=bundle, redis=client, keys=keys, stop=threading.Event()), output_dir=None)
+    thread = run(second, 3)
+    try:
+        wait_for("the resumed trainer's demand", lambda: demand() == {"oldest": 1, "need": 2, "held": 0}, 60)
+    finally:
+        second.ctx.stop.set()
+        thread.join(30)
+    client.close()
+
+
+def test_epochs_are_that_many_updates_on_the_same_batch(tmp_path, redis_url):
+    """trainer.epochs: 2 updates in one step equal two steps of 1 update on the same groups (same
+    sampling logprobs, the optimizer's state carried), and differ from one."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    client = redis.Redis.from_url(redis_url)
+
+    def make(epochs: int) -> Trainer:
+        config = trainer_run_config(policy, tmp_path / f"store{epochs}", f"{{batchSize: 2, epochs: {epochs}}}")
+        ctx = Context(bundle=parse_bundle(config), redis=client, keys=RunKeys(f"e{epochs}"), stop=threading.Event())
+        return Trainer(ctx, output_dir=None)
+
+    groups = [group("a", [1.0, 0.0]), group("b", [0.0, 1.0, 1.0])]
+    once, twice = make(1), make(2)
+    assert twice.spec.trainer.epochs == 2
+    for _ in range(2):
+        grpo_update(once.prefill, once.optimizer, groups, once.spec.trainer, 1.0, once.tokenizer.pad_token_id)
+    first = dict(once.model.state_dict())
+    stats = grpo_update(twice.prefill, twice.optimizer, groups, twice.spec.trainer, 1.0, twice.tokenizer.pad_token_id)
+    assert stats["samples"] == 5
+    for name, tensor in twice.model.state_dict().items():
+        torch.testing.assert_close(tensor, first[name], rtol=0, atol=0)
+    single = make(1)
+    grpo_update(single.prefill, single.optimizer, groups, single.spec.trainer, 1.0, single.tokenizer.pad_token_id)
+    assert any(not torch.equal(t, first[n]) for n, t in single.model.state_dict().items())
+    client.close()

@@ -38,8 +38,9 @@ from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, group
 # Step 1: plain SGD with momentum on a batch of 12 completions (6 per rank), no clipping.
 FIRST = TrainerSpec(learning_rate=0.5, max_grad_norm=1e6)
 # Step 2: one completion (rank 1 has none of its own and joins FSDP's collectives with a
-# placeholder); the entropy bonus gives it a gradient, and a small clip makes the norm matter.
-SECOND = TrainerSpec(learning_rate=0.5, entropy_coef=0.5, max_grad_norm=0.05)
+# placeholder, once per update of its 2 epochs); the entropy bonus gives it a gradient, and a small
+# clip makes the norm matter.
+SECOND = TrainerSpec(learning_rate=0.5, entropy_coef=0.5, max_grad_norm=0.05, epochs=2)
 
 
 def single_completion() -> list[RolloutGroup]:

@@ -243,7 +243,17 @@ class Worker:
             log.info("now generating with version %d", version)
 
     def paused(self) -> str | None:
-        """Why generation should wait now, or None (an ingest worker's backlog is the ingest's to refuse)."""
+        """Why generation should wait now, or None (an ingest worker's backlog is the ingest's to refuse).
+
+        - `version_lag`: the engine is more than maxAsyncLevel versions behind the newest announced one;
+        - `batch_full`: the trainer already holds the batch of the last step that could train this
+          version (its demand's `oldest`), so a group sampled now would arrive stale; at maxAsyncLevel 0
+          that is every moment between a batch filling and the next version loading;
+        - `enough_queued`: the groups queued for the trainer and not yet taken by it (the inbox and the
+          verified stream, less the entries it holds) cover its current step's `need` and, when this
+          version will still be trained one step later (newer than `oldest`), one batch more: what
+          keeps the trainer fed while it trains; anything deeper would only wait and go stale;
+        - `backlog`: the inbox holds more than the pool's maxPending."""
         if self.ingest_url:
             newest = self.follower.announced
         else:
@@ -252,7 +262,19 @@ class Worker:
         LAG.set(lag)
         if lag > self.spec.trainer.max_async_level:
             return "version_lag"
-        if not self.ingest_url and self.reader.xlen(self.ctx.keys.rollouts) > self.max_pending:
+        if self.ingest_url:
+            return None
+        keys = self.ctx.keys
+        oldest, need, held = self.reader.hmget(keys.demand, ["oldest", "need", "held"])
+        if oldest is not None and self.engine.version < int(oldest):
+            return "batch_full"
+        queued = self.reader.xlen(keys.rollouts)
+        if need is not None:
+            ahead = queued + self.reader.xlen(keys.verified) - int(held or 0)
+            later = self.engine.version > int(oldest)  # still trainable once the trainer's step advances
+            if ahead >= int(need) + later * self.spec.trainer.batch_size:
+                return "enough_queued"
+        if queued > self.max_pending:
             return "backlog"
         return None
 

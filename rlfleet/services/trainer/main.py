@@ -131,6 +131,7 @@ class Trainer:
         batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
         self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
         while len(batch) < want and not self.ctx.stop.is_set():
+            self.set_demand(self.version - max_lag, want - len(batch), len(ack))
             # After a restart, first the messages this consumer read but never acknowledged, walked
             # once by id (reading pending entries from "0" again would return the same ones forever).
             start = self._pending_cursor or ">"
@@ -162,6 +163,16 @@ class Trainer:
                     else:
                         batch.append(group)
         return batch, ack, drops
+
+    def set_demand(self, oldest: int, need: int, held: int) -> None:
+        """Tell the workers what this trainer still wants (`keys.demand`): the oldest policy version it
+        will still train, how many groups its current step lacks, and how many entries of the verified
+        stream it holds uncommitted (so a worker can count the groups queued beyond them). A worker
+        holding an older version, or seeing enough queued for what is wanted, pauses instead of
+        sampling groups that would arrive stale (rollout/main.py `Worker.paused`). Written at every
+        start, so a trainer resumed from an older state never leaves workers waiting for a version it
+        will not publish."""
+        self.ctx.redis.hset(self.ctx.keys.demand, mapping={"oldest": oldest, "need": need, "held": held})
 
     def step(self, groups: list[RolloutGroup]) -> dict:
         """One GRPO update on `groups` (on every rank); returns its statistics."""
@@ -233,6 +244,10 @@ class Trainer:
             if stopping:
                 log.info("stopping before step %d; %d unacknowledged groups will be redelivered", step, len(groups))
                 return
+            if self.rank == 0:  # the batch is held: the next step trains from one version newer
+                self.set_demand(
+                    self.version + 1 - self.spec.trainer.max_async_level, self.spec.trainer.batch_size, len(ack)
+                )
             groups = broadcast(groups, self.rank, self.world)
             t1 = time.monotonic()
             stats = self.step(groups)

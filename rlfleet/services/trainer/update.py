@@ -93,11 +93,7 @@ def grpo_update(
     advantages = (torch.stack([advantages[i] for i in mine]) if mine else torch.zeros(0)).to(device)
 
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    stats: dict[str, float] = {}
-    loss = torch.zeros(())
-    if rows:
-        scored = score(model, rows, temperature, pad_id, want_entropy=t.entropy_coef > 0)
+    if rows:  # what every update of this batch shares: the mask, the sampling logprobs, the reference's
         width = max(len(r) for r in rows) - 1
 
         def aligned(per_row: list[torch.Tensor]) -> torch.Tensor:
@@ -108,45 +104,58 @@ def grpo_update(
             return out
 
         mask = aligned([torch.ones(len(r) - 1) for r in rows])
+        sampled = aligned([torch.tensor([0.0] * s + o) for s, o in zip(starts, old)])
         ref_lp = None
         if reference is not None:
             with torch.no_grad():
                 ref_lp = aligned(score(reference, rows, temperature, pad_id).logprobs)
-        loss, stats = grpo_loss(
-            aligned(scored.logprobs),
-            aligned([torch.tensor([0.0] * s + o) for s, o in zip(starts, old)]),
-            advantages,
-            mask,
-            t.eps_low,
-            t.eps_high,
-            t.delta,
-            normalization=t.normalization,
-            entropy=aligned(scored.entropy) if scored.entropy else None,
-            entropy_coef=t.entropy_coef,
-            ref_logprobs=ref_lp,
-            kl_coef=t.kl_coef,
-            denominator=denominator,
-        )
-        loss.backward()
-    elif sharded:
-        # FSDP's gathers and reduce-scatters run inside forward and backward: this rank joins them
-        # with a placeholder row whose loss is multiplied by zero, so it adds nothing to the gradient.
-        if reference is not None:
-            with torch.no_grad():
-                score(reference, [[pad_id, pad_id]], temperature, pad_id)
-        placeholder = score(model, [[pad_id, pad_id]], temperature, pad_id).logprobs[0]
-        (placeholder.sum() * 0.0).backward()
-    if world > 1:
-        for p in [] if sharded else model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        total = torch.tensor([loss.item()], device=device)  # NCCL reduces GPU tensors only
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        loss = total[0]
-        stats = whole_batch_token_means(stats, sum(len(o) for o in old), t, device)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-    optimizer.step()
+    elif sharded and reference is not None:  # join the reference's FSDP collectives as the other ranks do
+        with torch.no_grad():
+            score(reference, [[pad_id, pad_id]], temperature, pad_id)
+
+    def one_pass() -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """One optimizer update over this rank's rows (every rank joins it): (loss, statistics, grad norm)."""
+        optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {}
+        loss = torch.zeros(())
+        if rows:
+            scored = score(model, rows, temperature, pad_id, want_entropy=t.entropy_coef > 0)
+            loss, stats = grpo_loss(
+                aligned(scored.logprobs),
+                sampled,
+                advantages,
+                mask,
+                t.eps_low,
+                t.eps_high,
+                t.delta,
+                normalization=t.normalization,
+                entropy=aligned(scored.entropy) if scored.entropy else None,
+                entropy_coef=t.entropy_coef,
+                ref_logprobs=ref_lp,
+                kl_coef=t.kl_coef,
+                denominator=denominator,
+            )
+            loss.backward()
+        elif sharded:
+            # FSDP's gathers and reduce-scatters run inside forward and backward: this rank joins them
+            # with a placeholder row whose loss is multiplied by zero, so it adds nothing to the gradient.
+            placeholder = score(model, [[pad_id, pad_id]], temperature, pad_id).logprobs[0]
+            (placeholder.sum() * 0.0).backward()
+        if world > 1:
+            for p in [] if sharded else model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            total = torch.tensor([loss.item()], device=device)  # NCCL reduces GPU tensors only
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            loss = total[0]
+            stats = whole_batch_token_means(stats, sum(len(o) for o in old), t, device)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        optimizer.step()
+        return loss, stats, grad_norm
+
+    for _ in range(t.epochs):  # GRPO's mu updates; the statistics returned are the last one's
+        loss, stats, grad_norm = one_pass()
     model.eval()
     rewards_arr = np.array(rewards)
     return {

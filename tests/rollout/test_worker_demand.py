@@ -1,0 +1,104 @@
+"""A rollout worker samples only what the trainer can still train (rlfleet/services/rollout/main.py,
+Worker.paused, from the trainer's `demand` hash): a real worker loop with a real engine, an origin over
+HTTP and a real Redis; the test plays the trainer's side of the hash and the policy stream."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from support import serving, tiny_policy_dir, wait_for
+
+from rlfleet import env
+from rlfleet.checkpoint import publish_version
+from rlfleet.config import load_bundle
+from rlfleet.runtime import Context
+from rlfleet.services.rollout.main import RolloutOptions, Worker
+from rlfleet.services.shardcast.origin import make_app
+from rlfleet.signing import generate_keypair, load_private_key, make_signer
+from rlfleet.store import open_store
+from rlfleet.streams import RolloutGroup, RunKeys, encode_json
+
+CONFIG = """
+apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: demand}}
+spec:
+  model: {{path: "{model}"}}
+  task: {{type: arithmetic, maxOperand: 20}}
+  sampling: {{groupSize: 2, maxTokens: 4}}
+  trainer: {{batchSize: 3, maxAsyncLevel: {level}}}
+  store: {{uri: "file://{store}"}}
+---
+apiVersion: rlfleet.io/v1alpha1
+kind: InferencePool
+metadata: {{name: pool}}
+spec: {{run: demand, replicas: 1, maxPending: 100}}
+"""
+
+
+def settled(redis_client, keys, quiet: float = 1.0) -> int:
+    """The inbox length once no group has been added for `quiet` seconds (the worker is paused)."""
+    last, since = -1, time.monotonic()
+    while True:
+        n = redis_client.xlen(keys.rollouts)
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return n
+        time.sleep(0.05)
+
+
+def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis_client, monkeypatch):
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(CONFIG.format(model=tmp_path / "not-here", store=tmp_path / "store", level=1))
+    bundle = load_bundle(config)
+    key_file, public = generate_keypair(tmp_path / "keys")
+    monkeypatch.setenv(env.PUBLIC_KEY, public)
+    store = open_store(bundle.run.spec.store.uri)
+    signer = make_signer(load_private_key(key_file))
+    for v in (0, 1):
+        publish_version(store, "demand", v, tiny_policy_dir(tmp_path / f"v{v}", seed=v), signer=signer)
+    keys = RunKeys("demand")
+    ctx = Context(bundle=bundle, redis=redis_client, keys=keys, stop=threading.Event())
+    # The trainer holds its batch for the step that trains version 0 last: version 0 is no longer wanted.
+    redis_client.hset(keys.demand, mapping={"oldest": 1, "need": 3})
+    redis_client.xadd(keys.policy, encode_json({"version": 0}))
+    with serving(make_app(store, "demand")) as origin_url:
+        options = RolloutOptions(config=config, worker_id="w", cache_dir=tmp_path / "cache", relay_urls=[origin_url])
+        worker = Worker(ctx, options)
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            wait_for("the worker's engine on version 0", lambda: worker.engine and worker.engine.version == 0, 60)
+            assert worker.paused() == "batch_full"
+            assert settled(redis_client, keys) == 0, "no group is sampled on a version the trainer will not train"
+
+            redis_client.xadd(keys.policy, encode_json({"version": 1}))
+            wait_for("the swap to version 1", lambda: worker.engine.version == 1, 60)
+            # Version 1 is the oldest the next step trains and no later step will: its 3 groups only.
+            assert settled(redis_client, keys) == 3
+            assert worker.paused() == "enough_queued"
+            # A trainer collecting at version 1 (maxAsyncLevel 1: oldest 0) trains version 1 for one
+            # more step: this step's 3 groups and one more batch of 3, then the worker waits.
+            redis_client.hset(keys.demand, "oldest", 0)
+            assert settled(redis_client, keys) == 6
+            assert worker.paused() == "enough_queued"
+
+            redis_client.hset(keys.demand, "need", 1)  # the trainer took 2 of its step's groups from elsewhere
+            assert worker.paused() == "enough_queued", "the 6 queued cover 1 + one batch"
+            redis_client.xtrim(keys.rollouts, maxlen=2, approximate=False)  # the gate took 4 of them
+            assert settled(redis_client, keys) == 4
+            versions = [RolloutGroup.decode(m).policy_version for _, m in redis_client.xrange(keys.rollouts)]
+            assert versions == [1, 1, 1, 1]
+            # Verified groups the trainer has not taken count as queued; those it holds do not.
+            redis_client.xadd(keys.verified, {b"m": b"held by the trainer"})
+            redis_client.xadd(keys.verified, {b"m": b"waiting for the trainer"})
+            redis_client.hset(keys.demand, "held", 1)
+            redis_client.xtrim(keys.rollouts, maxlen=2, approximate=False)
+            assert settled(redis_client, keys) == 3, "2 in the inbox + 1 verified waiting cover 1 + one batch"
+        finally:
+            ctx.stop.set()
+            thread.join(30)
+    assert not thread.is_alive()
+    worker.engine.close()
