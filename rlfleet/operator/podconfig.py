@@ -7,8 +7,9 @@ in, and what is hashed, is a projection of the documents:
                  suspend, deadlines...): left out of every document, so `kubectl scale`, an HPA or KEDA,
                  or a scheduling change never changes a config or a config hash (the pod template
                  changes by itself where such a field matters to it);
-  other readers  every component but the trainer reads only `trainer.maxAsyncLevel` and `trainer.seed`
-                 (a worker starts its engine from the builtin build of that seed) of spec.trainer
+  other readers  every component but the trainer reads only `trainer.maxAsyncLevel`, `trainer.batchSize`
+                 (a worker sizes the queue it keeps for the trainer by it) and `trainer.seed` (a worker
+                 starts its engine from the builtin build of that seed) of spec.trainer
                  (tests/operator/test_pod_config.py keeps this true), so their hash leaves out the rest:
                  `trainer.steps` restarts the trainer alone;
   servers        relays, the origin and the ingest read only a few sections of spec (SERVER_READS; the
@@ -65,7 +66,7 @@ ORCHESTRATION = {
     ],
 }
 UNTRUSTED = [("spec", "redis", "url"), ("spec", "store"), ("spec", "ingest")]
-TRAINER_FIELDS_OTHERS_READ = ("maxAsyncLevel", "seed")
+TRAINER_FIELDS_OTHERS_READ = ("maxAsyncLevel", "batchSize", "seed")
 # The spec sections each server component reads (with apiVersion, kind and metadata).
 SERVER_READS = {
     names.RELAY: ("redis", "shardcast"),

@@ -37,6 +37,29 @@ def operator_log(tmp_path_factory):
     return tmp_path_factory.mktemp("operator") / "operator.log"
 
 
+@pytest.fixture(autouse=True)
+def _operator_log_start(request):
+    """Where the operator's log stood when a test using it began (the report hook below reads from there)."""
+    if "api" in request.fixturenames:
+        log = request.getfixturevalue("operator_log")
+        request.node.operator_log_from = (log, log.stat().st_size if log.exists() else 0)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed operator test shows what the operator logged while it ran: its reconciles are in
+    another process, so a timeout in the test says nothing of why without it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and hasattr(item, "operator_log_from"):
+        log, start = item.operator_log_from
+        with open(log, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        report.sections.append(("operator log during the test (last 8000 characters)", text[-8000:]))
+
+
 @pytest.fixture(scope="session")
 def api(emulator, operator_log, tmp_path_factory):
     """Base URL of the emulator, with `rlfleet operator` running against it."""
