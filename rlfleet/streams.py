@@ -45,8 +45,8 @@ class RunKeys:
         self.policy = f"{prefix}:policy"
         self.stats = f"{prefix}:stats"
         self.trained = f"{prefix}:trained"  # sorted set: content digest -> policy version it trained
-        # hash: what the trainer still wants (oldest: the oldest policy version it will still train;
-        # need: the groups its current step still lacks); rlfleet/services/trainer/main.py set_demand
+        # hash: what the trainer still wants (oldest: the oldest policy version it will still train; need:
+        # the groups its current step lacks; held: verified entries it holds); trainer/main.py set_demand
         self.demand = f"{prefix}:demand"
         # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
         self.workers = f"{prefix}:workers"

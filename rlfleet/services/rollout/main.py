@@ -265,12 +265,15 @@ class Worker:
         if self.ingest_url:
             return None
         keys = self.ctx.keys
-        oldest, need, held = self.reader.hmget(keys.demand, ["oldest", "need", "held"])
+        with self.reader.pipeline(transaction=False) as pipe:  # one round trip, every 20 ms while paused
+            pipe.hmget(keys.demand, ["oldest", "need", "held"])
+            pipe.xlen(keys.rollouts)
+            pipe.xlen(keys.verified)
+            (oldest, need, held), queued, verified = pipe.execute()
         if oldest is not None and self.engine.version < int(oldest):
             return "batch_full"
-        queued = self.reader.xlen(keys.rollouts)
         if need is not None:
-            ahead = queued + self.reader.xlen(keys.verified) - int(held or 0)
+            ahead = queued + verified - int(held or 0)
             later = self.engine.version > int(oldest)  # still trainable once the trainer's step advances
             if ahead >= int(need) + later * self.spec.trainer.batch_size:
                 return "enough_queued"
