@@ -126,12 +126,12 @@ class Trainer:
     def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
         """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
         keys, r = self.ctx.keys, self.ctx.redis
-        want, max_lag = self.spec.trainer.batch_size, self.spec.trainer.max_async_level
+        want, oldest = self.spec.trainer.batch_size, self.oldest_trained(self.version)
         skip_flat = self.spec.trainer.skip_zero_advantage_groups
         batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
         self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
         while len(batch) < want and not self.ctx.stop.is_set():
-            self.set_demand(self.version - max_lag, want - len(batch), len(ack))
+            self.set_demand(oldest, want - len(batch), len(ack))
             # After a restart, first the messages this consumer read but never acknowledged, walked
             # once by id (reading pending entries from "0" again would return the same ones forever).
             start = self._pending_cursor or ">"
@@ -154,7 +154,7 @@ class Trainer:
                     if r.zscore(keys.trained, digest) is not None or any(group_digest(g) == digest for g in batch):
                         drops["duplicate"] += 1
                         self.dropped_ids["duplicate"].append(group.rollout_id)
-                    elif self.version - group.policy_version > max_lag:
+                    elif group.policy_version < oldest:
                         drops["stale"] += 1
                         self.dropped_ids["stale"].append(group.rollout_id)
                     elif skip_flat and len({s.reward for s in group.samples}) == 1:
@@ -163,6 +163,10 @@ class Trainer:
                     else:
                         batch.append(group)
         return batch, ack, drops
+
+    def oldest_trained(self, version: int) -> int:
+        """The oldest policy version a step taken while holding `version` trains (maxAsyncLevel back)."""
+        return version - self.spec.trainer.max_async_level
 
     def set_demand(self, oldest: int, need: int, held: int) -> None:
         """Tell the workers what this trainer still wants (`keys.demand`): the oldest policy version it
@@ -245,9 +249,7 @@ class Trainer:
                 log.info("stopping before step %d; %d unacknowledged groups will be redelivered", step, len(groups))
                 return
             if self.rank == 0:  # the batch is held: the next step trains from one version newer
-                self.set_demand(
-                    self.version + 1 - self.spec.trainer.max_async_level, self.spec.trainer.batch_size, len(ack)
-                )
+                self.set_demand(self.oldest_trained(self.version + 1), self.spec.trainer.batch_size, len(ack))
             groups = broadcast(groups, self.rank, self.world)
             t1 = time.monotonic()
             stats = self.step(groups)
