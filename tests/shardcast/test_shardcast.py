@@ -19,7 +19,7 @@ from support import serving, wait_for
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, publish_version, save_model_dir, verify_dir, version_key
 from rlfleet.services.shardcast import origin, relay
-from rlfleet.services.shardcast.client import FetchError, fetch_version, latest_version_http, wait_for_version
+from rlfleet.services.shardcast.client import FetchError, fetch_version, wait_for_version
 from rlfleet.services.shardcast.protocol import file_path, latest_path
 from rlfleet.services.shardcast.protocol import healthz as origin_healthz
 from rlfleet.store import open_store
@@ -44,6 +44,13 @@ def proxy_app(upstream: str, mangle) -> web.Application:
     app.router.add_get("/v1/{run}/latest", forward)
     app.router.add_get(r"/v1/{run}/v{version:\d+}/{name:.+}", forward)
     return app
+
+
+def latest_version(base_url: str, run: str) -> int:
+    """What a server's `latest` answers (HTTP 200 expected)."""
+    r = requests.get(base_url + latest_path(run), timeout=10)
+    r.raise_for_status()
+    return int(r.json()["version"])
 
 
 def sha256(path: Path) -> str:
@@ -100,9 +107,9 @@ def test_origin_relay_client_delivers_a_model(store, model_dir, tmp_path):
         serving(origin.make_app(store, RUN)) as origin_url,
         serving(relay.make_app(origin_url, tmp_path / "relay", RUN, keep_versions=3)) as relay_url,
     ):
-        assert latest_version_http(origin_url, RUN) == 1
+        assert latest_version(origin_url, RUN) == 1
         path = fetch_version([relay_url], RUN, 1, tmp_path / "worker", timeout=30)
-        assert latest_version_http(relay_url, RUN) == 1
+        assert latest_version(relay_url, RUN) == 1
         for url in (origin_url, relay_url):  # HTTP Range, on the origin (store) and the relay (disk)
             file_url = url + file_path(RUN, 1, "model.safetensors")
             r = requests.get(file_url, headers={"Range": "bytes=10-19"}, timeout=10)
@@ -136,7 +143,7 @@ def test_partial_versions_are_never_served(tmp_path):
             assert requests.get(url + file_path(RUN, 2, MANIFEST_NAME), timeout=10).status_code == 404
             assert requests.get(url + file_path(RUN, 1, "not-listed.bin"), timeout=10).status_code == 404
             assert requests.get(url + "/v1/other-run/latest", timeout=10).status_code == 404
-            assert latest_version_http(url, RUN) == 1
+            assert latest_version(url, RUN) == 1
         # a client asking for v2 early keeps retrying until it is published
         result = {}
         waiter = threading.Thread(

@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,13 +20,14 @@ from pathlib import Path
 import pytest
 import requests
 from aiohttp import web
-from support import serving
+from support import serving, wait_for
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, manifest_signing_bytes, publish_version
 from rlfleet.redis_server import free_port
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchError, Sources, fetch_version
-from rlfleet.services.shardcast.protocol import file_path, healthz
+from rlfleet.services.shardcast.protocol import file_path, healthz, latest_path
+from rlfleet.services.shardcast.sources import READ_TIMEOUT
 from rlfleet.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.store import open_store
 from rlfleet.streams import RunKeys, encode_json
@@ -469,3 +471,59 @@ def test_relay_killed_mid_pull_resumes_with_only_the_missing_shards(tmp_path, ke
             assert same_files(path, src)
         finally:
             stop_process(proc)
+
+
+@contextlib.contextmanager
+def hung_server():
+    """A server that accepts connections and never answers (a SIGSTOPped origin's kernel still
+    completes handshakes); yields (base URL, the list of connections it accepted)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the listener closed
+            while True:
+                accepted.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (close alone does not)
+        listener.close()
+        for conn in accepted:
+            conn.close()
+        thread.join(5)
+
+
+def test_a_relay_stops_at_once_while_every_request_upstream_hangs(tmp_path, keys, redis_client):
+    """The upstream hangs with one of each request the relay makes in flight: the pull of an
+    announced version, the probe for a version a client asks for, `latest`. The relay stops well
+    before READ_TIMEOUT would free any of them (a probe once read for 60 s and kept a stopping relay
+    past its grace period), and the clients waiting on the probe and on `latest` get 502."""
+    _, public, _ = keys
+    answers: dict[str, int] = {}
+
+    def ask(name: str, path: str) -> None:
+        with contextlib.suppress(requests.RequestException):
+            answers[name] = requests.get(relay_url + path, timeout=30).status_code
+
+    with hung_server() as (upstream, accepted):
+        app = relay.make_app(upstream, tmp_path / "relay", RUN, 3, redis_client=redis_client, public_key=public)
+        with serving(app) as relay_url:
+            redis_client.xadd(RunKeys(RUN).policy, encode_json({"version": 1}))  # the pull of v1
+            clients = [
+                threading.Thread(target=ask, args=("probe", file_path(RUN, 2, MANIFEST_NAME))),
+                threading.Thread(target=ask, args=("latest", latest_path(RUN))),
+            ]
+            for client in clients:
+                client.start()
+            wait_for("the pull, the probe and `latest` to reach the upstream", lambda: len(accepted) >= 3)
+            assert answers == {}  # all three wait on the upstream
+            stopping = time.monotonic()
+        stopped_in = time.monotonic() - stopping
+        for client in clients:
+            client.join(5)
+    assert stopped_in < READ_TIMEOUT / 2, f"the relay took {stopped_in:.1f} s to stop"
+    assert answers == {"probe": 502, "latest": 502}

@@ -27,9 +27,11 @@ Algorithm (`fetch_version`):
 404, 5xx and connection errors mean "not there yet": retry, backing off (0.1 s doubling to 5 s)
 after every source failed once. The retry loop is our own (not urllib3's Retry): a sha256
 mismatch must rotate sources, and a 404 for a brand-new version is retried until the deadline.
-Shard bodies go through http.client rather than requests: `readinto` a reused buffer is the one
-way in Python to take bytes off the socket without a copy per chunk (requests/urllib3 allocate a
-bytes object per chunk), and at GB/s that copy is most of the cost.
+Manifests and shard bodies go through http.client rather than requests: `readinto` a reused buffer
+is the one way in Python to take bytes off the socket without a copy per chunk (requests/urllib3
+allocate a bytes object per chunk), and at GB/s that copy is most of the cost; and a fetcher that
+owns its sockets can `abort` reads blocked on a hung source from another thread (a stopping relay
+does; otherwise a read gives up after READ_TIMEOUT).
 The relay reuses `Fetcher` (and staging.py's `ShardJournal`) for its own pulls (relay.py).
 `wait_for_version` long-polls `latest?after=N` (protocol.py) for a process without the policy stream.
 """
@@ -41,14 +43,13 @@ import http.client
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
-
-import requests
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, parse_manifest, version_dir_name
 from rlfleet.services.shardcast.protocol import file_path
@@ -61,7 +62,6 @@ from rlfleet.services.shardcast.sources import (
     FetchError,
     HTTPStatusError,
     Sources,
-    latest_version_http,
     wait_for_version,
 )
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, allocate, install
@@ -69,7 +69,7 @@ from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, allocate, 
 log = logging.getLogger("rlfleet.shardcast.client")
 
 # The client's public surface: other services import these from here (pyproject's import contracts).
-__all__ = ["PARALLEL", "FetchError", "Fetcher", "Sources", "fetch_version", "latest_version_http", "wait_for_version"]
+__all__ = ["PARALLEL", "FetchError", "Fetcher", "Sources", "fetch_version", "wait_for_version"]
 
 RECV_CHUNK = 1 << 20  # bytes per readinto/hash step; a broken connection keeps all it received
 PARALLEL = 4
@@ -95,22 +95,14 @@ class Fetcher:
         self.on_bytes, self.stop, self.public_key = on_bytes, stop, public_key
         self.parallel = max(1, parallel)
         self.last_error = "none"
-        self._abort = threading.Event()  # one shard worker failed for good: the others stop too
-        self._local = threading.local()  # per thread: a requests session, connections, a buffer
-        self._closers: list[Callable[[], None]] = []
+        self._abort = threading.Event()  # one shard worker failed for good, or `abort`: every thread stops
+        self._local = threading.local()  # per thread: its connections, a buffer
+        self._conns: list[http.client.HTTPConnection] = []  # every thread's, for `close` and `abort`
         self._lock = threading.Lock()
 
     @property
     def stopped(self) -> bool:
         return self.stop is not None and self.stop.is_set()
-
-    def session(self) -> requests.Session:
-        s = getattr(self._local, "session", None)
-        if s is None:
-            s = self._local.session = requests.Session()
-            with self._lock:
-                self._closers.append(s.close)
-        return s
 
     def connection(self, base: str, fresh: bool = False) -> tuple[http.client.HTTPConnection, str]:
         """This thread's keep-alive connection to `base` (a new one with `fresh`), and its path prefix."""
@@ -123,7 +115,7 @@ class Fetcher:
             kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
             conn = conns[base] = kind(parts.hostname, parts.port, timeout=READ_TIMEOUT)
             with self._lock:
-                self._closers.append(conn.close)
+                self._conns.append(conn)
         return conn, parts.path.rstrip("/")
 
     def drop_connection(self, base: str) -> None:
@@ -140,9 +132,23 @@ class Fetcher:
 
     def close(self) -> None:
         with self._lock:
-            closers, self._closers = self._closers, []
-        for close in closers:
-            close()
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
+
+    def abort(self) -> None:
+        """Stop this fetch now, from any thread: no new request starts, and every read blocked on a
+        socket returns at once (shutdown wakes a blocked recv; close from another thread does not).
+        The fetch then raises FetchError as if stopped; a connection opened between a thread's check
+        and this call still gives up after READ_TIMEOUT."""
+        self._abort.set()
+        with self._lock:
+            socks = [conn.sock for conn in self._conns if conn.sock is not None]
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed by its thread
+                pass
 
     def _check(self) -> None:
         if self.stopped or self._abort.is_set():
@@ -186,18 +192,21 @@ class Fetcher:
 
         def attempt(base: str) -> tuple[bytes, dict] | None:
             started = time.monotonic()
-            r = self.session().get(
-                base + file_path(self.run, self.version, MANIFEST_NAME), timeout=self._request_timeout()
-            )
-            if r.status_code == 404 and missing_ok:
+            try:
+                r = self._request(base, file_path(self.run, self.version, MANIFEST_NAME), {})
+                body = r.read()
+            except BaseException:
+                self.drop_connection(base)  # its response may be half read
+                raise
+            if r.status == 404 and missing_ok:
                 missing.add(base)
                 if missing >= set(self.sources.urls):
                     return None
-            if r.status_code != 200:
-                raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
-            manifest = parse_manifest(r.content, self.run, self.version, self.public_key)
-            self.sources.success(base, len(r.content), time.monotonic() - started)
-            return r.content, manifest
+            if r.status != 200:
+                raise HTTPStatusError(f"HTTP {r.status}: {body[:200].decode(errors='replace').strip()}")
+            manifest = parse_manifest(body, self.run, self.version, self.public_key)
+            self.sources.success(base, len(body), time.monotonic() - started)
+            return body, manifest
 
         return self._retry(MANIFEST_NAME, attempt)
 
@@ -281,6 +290,7 @@ class Fetcher:
         """GET on this thread's connection to `base`; a kept-alive connection the server closed
         meanwhile is replaced once, at once (that is not a failure of the source)."""
         for fresh in (False, True):
+            self._check()  # an aborted fetch opens nothing new
             conn, prefix = self.connection(base, fresh)
             conn.timeout = self._request_timeout()[1]
             if conn.sock is not None:

@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-import requests
 from aiohttp import web
 
 from rlfleet.checkpoint import MANIFEST_NAME
 from rlfleet.runtime import ComponentOptions
-from rlfleet.services.shardcast.client import PARALLEL, FetchError, latest_version_http
+from rlfleet.services.shardcast.client import PARALLEL, FetchError
 from rlfleet.services.shardcast.protocol import (
     ROUTE_FILE,
     ROUTE_HEALTH,
@@ -35,6 +34,7 @@ from rlfleet.services.shardcast.protocol import (
     answer_long_poll,
     check_run,
     healthz,
+    latest_path,
     long_poll_args,
     metrics,
     request_version,
@@ -72,8 +72,9 @@ def make_app(
             return await answer_long_poll(relay.board, *poll)
         held = relay.held()
         try:
-            version = await asyncio.to_thread(latest_version_http, relay.upstream, run, 10.0)
-        except (requests.RequestException, ValueError, KeyError) as exc:
+            body = await relay.ask_upstream(latest_path(run))
+            version = None if body is None else int(json.loads(body)["version"])
+        except (FetchError, ValueError, KeyError, TypeError) as exc:
             if not held:
                 raise web.HTTPBadGateway(
                     text=f"upstream {relay.upstream} failed ({exc}) and no version is held\n"
@@ -99,7 +100,7 @@ def make_app(
                 manifest = json.loads(raw)
         except (VersionGone, NotUpstream) as exc:
             raise web.HTTPNotFound(text=f"{exc}\n") from None
-        except (FetchError, DiskBoundError, requests.RequestException) as exc:
+        except (FetchError, DiskBoundError) as exc:
             raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
         except FileNotFoundError:  # pruned between the check and the read
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
@@ -117,7 +118,7 @@ def make_app(
                     return await stream(request, where, index, size, open_file, BYTES_OUT.inc)
                 except FileNotFoundError:
                     raise
-                except (FetchError, DiskBoundError, requests.RequestException, OSError) as exc:  # the pull failed
+                except (FetchError, DiskBoundError, OSError) as exc:  # the pull failed
                     raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
             return await send_file(request, size, open_file, BYTES_OUT.inc)
         except FileNotFoundError:  # pruned between the check and the open
@@ -129,9 +130,10 @@ def make_app(
         relay.board.bind(app)
 
         async def on_shutdown(app: web.Application) -> None:
-            relay.shutdown()
+            await relay.shutdown()
 
         app.on_shutdown.append(on_shutdown)
+        relay.open_upstream()
         await asyncio.to_thread(relay.clean_start)
         stop = threading.Event()
         listener = follower = None

@@ -21,6 +21,8 @@
                 then each new one) and pulls every announced version before anyone asks; a
                 restarted relay catches up the same way. Without a stream, a task long-polls the
                 upstream's `latest?after=N` instead (no timer: upstream answers on a new version)
+  shutdown      a hung upstream cannot hold a stopping relay: probes and `latest` use an aiohttp session
+                closed at shutdown, and the pulls' Fetchers are aborted (blocked reads return at once)
   retention     the newest `keep_versions` complete versions and every version their delta chains pass through
                 (delta.chain.retained); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older
                 versions are dropped (renamed away first) before a pull starts, a version larger than it is refused
@@ -40,7 +42,6 @@ from pathlib import Path
 
 import aiohttp
 import redis
-import requests
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
@@ -48,6 +49,7 @@ from rlfleet.delta.chain import dir_retained
 from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, FetchError, Sources
 from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_path
 from rlfleet.services.shardcast.pull import Pull
+from rlfleet.services.shardcast.sources import CONNECT_TIMEOUT, READ_TIMEOUT
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
 from rlfleet.streams import MessageError, RunKeys, decode_json
 
@@ -108,6 +110,8 @@ class Relay:
         self.fetch_timeout = fetch_timeout
         self.public_key, self.max_disk, self.parallel = public_key, max_disk_bytes, parallel
         self.closing = threading.Event()  # aborts pulls in flight at shutdown
+        self.http: aiohttp.ClientSession | None = None  # upstream probes and `latest`; open while serving
+        self._fetchers: set[Fetcher] = set()  # the pulls' downloads in flight, aborted at shutdown
         self.board = VersionBoard()  # what long-polls of `latest` are told
         self._pulls: dict[int, Pull] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -178,12 +182,23 @@ class Relay:
             VERSIONS_HELD.set(len(self.held()))
             DISK_BYTES.set(self._disk_used() + room_for)
 
-    def _upstream_has(self, version: int) -> bool:
-        r = requests.get(self.upstream + file_path(self.run, version, MANIFEST_NAME), timeout=(5, 60))
-        if r.status_code == 404:
-            return False
-        r.raise_for_status()
-        return True
+    def open_upstream(self) -> None:
+        """Open the session for probes and `latest` (event-loop thread, at start)."""
+        timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT)
+        self.http = aiohttp.ClientSession(timeout=timeout)
+
+    async def ask_upstream(self, path: str) -> bytes | None:
+        """The body of a GET of `path` upstream, None on HTTP 404; FetchError for anything else."""
+        if self.http is None or self.http.closed:
+            raise FetchError("the relay is shutting down")
+        try:
+            async with self.http.get(self.upstream + path) as r:
+                body = await r.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise FetchError(f"upstream {self.upstream} did not answer {path}: {exc!r}") from None
+        if r.status not in (200, 404):
+            raise FetchError(f"upstream {self.upstream} answered {path} with HTTP {r.status}: {body[:200]!r}")
+        return body if r.status == 200 else None
 
     async def locate(self, version: int, probe: bool) -> Path | Pull:
         """The complete directory of `version`, or the pull that is bringing it. With `probe`, a
@@ -192,7 +207,11 @@ class Relay:
             return self.version_dir(version)
         if self.too_old(version):
             raise VersionGone(f"v{version} is older than the newest {self.keep} versions this relay keeps")
-        if version not in self._pulls and probe and not await asyncio.to_thread(self._upstream_has, version):
+        if (
+            version not in self._pulls
+            and probe
+            and await self.ask_upstream(file_path(self.run, version, MANIFEST_NAME)) is None
+        ):
             raise NotUpstream(f"upstream {self.upstream} has no v{version} (yet)")
         if self.has(version):  # finished while we probed
             return self.version_dir(version)
@@ -229,6 +248,7 @@ class Relay:
             public_key=self.public_key,
             parallel=self.parallel,
         )
+        self._fetchers.add(fetcher)
         journal = ShardJournal(partial)
         try:
             raw, manifest = fetcher.manifest()
@@ -266,6 +286,7 @@ class Relay:
                 shutil.rmtree(partial, ignore_errors=True)
             raise
         finally:
+            self._fetchers.discard(fetcher)
             journal.close()
             fetcher.close()
         FETCH_SECONDS.observe(time.monotonic() - started)
@@ -296,15 +317,19 @@ class Relay:
                     continue
         raise FileNotFoundError(name)
 
-    def shutdown(self) -> None:
-        """Stop the pulls and answer every request waiting on one at once (event-loop thread):
-        aiohttp waits for open requests before it stops, and a pull thread may sit in a read
-        from a stalled upstream for READ_TIMEOUT."""
+    async def shutdown(self) -> None:
+        """Stop the pulls and everything asked of upstream, and answer every request waiting on
+        them at once (event-loop thread): aiohttp waits for open requests before it stops, and the
+        process waits for the pull threads; a hung upstream would hold both for READ_TIMEOUT."""
         self.closing.set()
+        for fetcher in list(self._fetchers):
+            fetcher.abort()
         for pull in list(self._pulls.values()):
             if pull.error is None:
                 pull.error = FetchError("the relay is shutting down")
             pull._wake()
+        if self.http is not None:
+            await self.http.close()  # requests in flight fail at once
 
     def prefetch(self, version: int) -> None:
         """Start pulling `version` in the background and offer it to long-polls (event-loop thread only)."""

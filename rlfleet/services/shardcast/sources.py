@@ -105,16 +105,6 @@ class Sources:
             self.fail[url] += 1
 
 
-def latest_version_http(base_url: str, run: str, timeout: float = 10.0) -> int | None:
-    """The newest version `base_url` offers for `run`, or None when it has none (HTTP 404).
-    Other failures raise (requests.RequestException)."""
-    r = requests.get(base_url.rstrip("/") + latest_path(run), timeout=timeout)
-    if r.status_code == 404:
-        return None
-    r.raise_for_status()
-    return int(r.json()["version"])
-
-
 def wait_for_version(
     base_urls: list[str],
     run: str,
