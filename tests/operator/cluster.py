@@ -9,6 +9,9 @@ kmock keeps objects as plain JSON and merge-patches them. `Cluster` adds:
 - `metadata.generateName` on create, and `metadata.namespace` from the URL when the body has none;
 - managedFields for creates and merge patches too (operation Update, manager from `?fieldManager=`
   or the User-Agent), so an apply keeps what another manager set;
+- JSON patches: a new resourceVersion, and 422 when one does not apply (kopf removes its finalizer
+  with a `test` of the resourceVersion and waits for the next event on 422; kmock answers 500,
+  which kopf retries for ~50 s, so a run deleted during a status write stayed that long);
 - label selectors on list requests;
 - a record of every request (`calls`) for the RBAC replay, and `forbidden` to answer chosen
   requests with 403 as an RBAC-limited server would.
@@ -30,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp.web
+import jsonpatch
 import kmock
 import yaml
 from kmock._internal import dicts as kmock_dicts
@@ -348,6 +352,12 @@ class Cluster(kmock.KubernetesEmulator):
                 after = kmock_dicts.patch_dict(copy.deepcopy(existing.raw), request.data)
                 if request.subresource != "status" and after.get("spec") != existing.raw.get("spec"):
                     meta["generation"] = existing.raw["metadata"].get("generation", 1) + 1
+        if request.action == action.UPDATE and existing is not None and isinstance(request.data, list):
+            try:  # the same check kmock makes next, with the API server's status for its failure
+                jsonpatch.apply_patch(existing.raw, request.data)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                raise kmock.KubernetesError(422, "Invalid", f"the JSON patch does not apply: {exc}") from None
+            request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": str(next(_versions))})
         uid = existing.raw["metadata"].get("uid") if existing is not None else None
         response = await super()._handle(request)
         if uid and self._objects[key].deleted:
