@@ -193,10 +193,15 @@ def extended(a, k, trained):
     wait_for("3 more steps", lambda: step() >= at + 3, 120)
     # What was accepted, then the stream, then what was trained: an accepted group leaves the stream only
     # in the trainer's commit, which its metrics record follows, so one in neither is lost. (Accepted last,
-    # a group the gate accepted after the stream was read would count as lost.)
+    # a group the gate accepted after the stream was read would count as lost.) A step committed just before
+    # the stream was read may not have written its record yet; the trainer's steps run one after another, so
+    # that can only be the step after the last record read then: the records are taken once it is there.
     facts["accepted"] = dict(auditor.accepted)
     facts["queued"] = auditor.queued()
-    facts["records"] = trainer_records(a, RUN)
+    after = trainer_records(a, RUN)[-1]["step"] + 1
+    facts["records"] = wait_for(
+        f"the record of step {after}", lambda: (r := trainer_records(a, RUN)) and r[-1]["step"] >= after and r, 120
+    )
     # the spec change
     facts["before"] = {p["name"]: p for p in a.runner.snapshot()}
     mark = len(a.runner.events)
