@@ -35,7 +35,7 @@ from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.progress import BuildProgress, Progress, startup_status
 from rlfleet.redis_acl import ADMIN, COMPONENT_ROLES, WORKER_ROLES, RunAcl
 from rlfleet.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
-from rlfleet.report import read_metrics, write_reports
+from rlfleet.report import read_metrics, reward_trend, write_reports
 from rlfleet.streams import RunKeys
 from rlfleet.supervisor import Component, Supervisor
 from rlfleet.topology import ORIGIN, Node, bundle_graph
@@ -332,9 +332,9 @@ def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component,
               f"{failed.failures} times in a row); see {failed.log}", file=sys.stderr)  # fmt: skip
         return 1
     print(
-        f"rlfleet: done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s, reward "
-        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}, accepted {summary['accepted']}, "
-        f"rejected {summary['rejected']}; {run_path / 'summary.json'}, {run_path / 'reward.png'}",
+        f"rlfleet: done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s, {reward_trend(summary)}, "
+        f"accepted {summary['accepted']}, rejected {summary['rejected']}; {run_path / 'summary.json'}, "
+        f"{run_path / 'reward.png'}",
         file=sys.stderr,
     )
     return 0

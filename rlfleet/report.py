@@ -26,17 +26,20 @@ def summarize(records: list[dict], wall_seconds: float) -> dict:
         }
     tenth = max(1, len(records) // 10)
 
-    def mean(rows: list[dict], key: str) -> float:
-        return sum(r[key] for r in rows) / len(rows)
+    def mean(rows: list[dict], key: str) -> float | None:  # None: no row has it (records of an older trainer)
+        values = [r[key] for r in rows if key in r]
+        return sum(values) / len(values) if values else None
 
     first, last = records[:tenth], records[-tenth:]
     return {
         "steps": len(records),
         "policy_version": records[-1]["policy_version"],
-        "reward_first": mean(first, "reward_mean"),
+        "reward_first": mean(first, "reward_mean"),  # of the trained batches
         "reward_last": mean(last, "reward_mean"),
         "accuracy_first": mean(first, "accuracy"),
         "accuracy_last": mean(last, "accuracy"),
+        "sampled_reward_first": mean(first, "sampled_reward_mean"),
+        "sampled_reward_last": mean(last, "sampled_reward_mean"),
         "samples": sum(r["samples"] for r in records),
         "accepted": records[-1]["accepted"],
         "rejected": records[-1]["rejected"],
@@ -46,8 +49,18 @@ def summarize(records: list[dict], wall_seconds: float) -> dict:
     }
 
 
+def reward_trend(summary: dict) -> str:
+    """ "reward A -> B (as sampled C -> D)": the trained batches' reward over the first and last tenth, and
+    the reward of everything the trainer read where the records have it."""
+    trend = f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}"
+    if summary.get("sampled_reward_last") is not None:
+        trend += f" (as sampled {summary['sampled_reward_first']:.3f} -> {summary['sampled_reward_last']:.3f})"
+    return trend
+
+
 def plot(records: list[dict], dest: Path, title: str) -> None:
-    """PNG of reward and accuracy per step, with a 10-step moving average of the reward."""
+    """PNG of reward and accuracy per step, with a 10-step moving average of the reward, and the reward
+    of everything the trainer read (sampled_reward_mean) where the records have it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,6 +77,9 @@ def plot(records: list[dict], dest: Path, title: str) -> None:
     ax.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward (batch mean)")
     ax.plot(steps, smooth, color="tab:blue", label=f"reward ({window}-step mean)")
     ax.plot(steps, [r["accuracy"] for r in records], color="tab:green", alpha=0.6, linestyle=":", label="accuracy")
+    sampled = [(r["step"], r["sampled_reward_mean"]) for r in records if "sampled_reward_mean" in r]
+    if sampled:
+        ax.plot(*zip(*sampled), color="tab:orange", alpha=0.8, label="reward as sampled (dropped groups too)")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1.02)

@@ -69,9 +69,12 @@ def test_example_learns_end_to_end(tmp_path):
     assert set(summary["rejected_by_reason"]) <= {"stale_version"}, summary
     assert summary["rejected"] <= 32, summary
     assert summary["accepted"] >= 150 * 16
-    # The learned policy is clearly better than the warm start (means over the first/last tenth).
-    assert summary["reward_last"] >= 0.8, summary
-    assert summary["reward_last"] - summary["reward_first"] >= 0.3, summary
+    # The learned policy is clearly better than the warm start (means over the first/last tenth): the reward
+    # of what it samples (sampled_reward_*) rises to ~0.96. The trained batches' reward peaks near 0.87 and
+    # ends near 0.81, since late in the run most of what the trainer drops as repeats is solved prompts.
+    assert summary["sampled_reward_last"] >= 0.9, summary
+    assert summary["sampled_reward_last"] - summary["sampled_reward_first"] >= 0.3, summary
+    assert summary["reward_last"] - summary["reward_first"] >= 0.2, summary
     assert (run_dir / "reward.png").stat().st_size > 10_000
     logs = sorted(p.name for p in (run_dir / "logs").iterdir())
     assert {

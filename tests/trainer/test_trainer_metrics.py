@@ -36,6 +36,7 @@ SERIES = {
     "step": ("rlfleet_trainer_step", {}),
     "policy_version": ("rlfleet_trainer_policy_version", {}),
     "reward_mean": ("rlfleet_trainer_reward_mean", {}),
+    "sampled_reward_mean": ("rlfleet_trainer_sampled_reward_mean", {}),
     "staleness_mean": ("rlfleet_trainer_staleness_mean", {}),
     "staleness_max": ("rlfleet_trainer_staleness_max", {}),
     "samples": ("rlfleet_trainer_samples_total", {}),
@@ -88,6 +89,8 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
         and record["dropped_duplicate"] == 1
         and record["dropped_zero_advantage"] == 1
     )
+    # p and q are trained (reward 0.5); the sampled reward counts the dropped duplicate and flat group too
+    assert record["reward_mean"] == 0.5 and record["sampled_reward_mean"] == 5 / 8
     unmapped = set(record) - set(SERIES) - {"rejected", "rejected_by_reason", "rollout_ids", "dropped_rollout_ids"}
     assert not unmapped, f"metrics.jsonl fields without a Prometheus series in this test: {sorted(unmapped)}"
     for field, (name, labels) in SERIES.items():

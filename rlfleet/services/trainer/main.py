@@ -97,6 +97,7 @@ class Trainer:
         self.version = 0
         self.started = time.monotonic()
         self.dropped_ids: dict[str, list[str]] = {}
+        self.read_rewards: list[float] = []  # every sample's reward in the groups a step read, dropped ones too
         self._pending_cursor: str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
@@ -130,6 +131,7 @@ class Trainer:
         skip_flat = self.spec.trainer.skip_zero_advantage_groups
         batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
         self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
+        self.read_rewards = []
         while len(batch) < want and not self.ctx.stop.is_set():
             self.set_demand(oldest, want - len(batch), len(ack))
             # After a restart, first the messages this consumer read but never acknowledged, walked
@@ -150,6 +152,7 @@ class Trainer:
                         log.error("undecodable verified message %s: %s", msg_id, exc)
                         drops["malformed"] += 1
                         continue
+                    self.read_rewards += [s.reward for s in group.samples]
                     digest = group_digest(group)
                     if r.zscore(keys.trained, digest) is not None or any(group_digest(g) == digest for g in batch):
                         drops["duplicate"] += 1
@@ -271,6 +274,9 @@ class Trainer:
                 "step": step,
                 "policy_version": self.version,
                 **stats,
+                # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
+                # dropped, and late in a run most drops are repeats of solved prompts (all correct).
+                "sampled_reward_mean": float(np.mean(self.read_rewards)),
                 "staleness_mean": float(np.mean(lags)),
                 "staleness_max": max(lags),
                 **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},

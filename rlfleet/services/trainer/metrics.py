@@ -17,6 +17,10 @@ from rlfleet.config import RejectionReason
 STEP = Gauge("rlfleet_trainer_step", "Optimizer steps taken")
 VERSION = Gauge("rlfleet_trainer_policy_version", "Latest published policy version")
 REWARD = Gauge("rlfleet_trainer_reward_mean", "Mean verified reward of the last batch")
+SAMPLED_REWARD = Gauge(
+    "rlfleet_trainer_sampled_reward_mean",
+    "Mean reward of every group the last step read, the ones it dropped too (the policy's reward as sampled)",
+)
 STALENESS = Gauge("rlfleet_trainer_staleness_mean", "Mean policy lag of the last batch, in versions")
 STALENESS_MAX = Gauge("rlfleet_trainer_staleness_max", "Largest policy lag of a group in the last batch, in versions")
 ELAPSED = Gauge("rlfleet_trainer_elapsed_seconds", "Seconds from the trainer's start to the end of its last step")
@@ -50,7 +54,20 @@ for _reason in DROP_REASONS:
     DROPPED.labels(_reason)
 for _phase in PHASES:
     STEP_SECONDS.labels(_phase)
-EXPORTED = (STEP, VERSION, REWARD, STALENESS, STALENESS_MAX, ELAPSED, SAMPLES, DROPPED, STEP_SECONDS, STAT, GROUPS)
+EXPORTED = (
+    STEP,
+    VERSION,
+    REWARD,
+    SAMPLED_REWARD,
+    STALENESS,
+    STALENESS_MAX,
+    ELAPSED,
+    SAMPLES,
+    DROPPED,
+    STEP_SECONDS,
+    STAT,
+    GROUPS,
+)
 NOT_EXPORTED = {
     "rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement",
     "dropped_rollout_ids": "the audit trail of dropped rollouts by reason (dropped_* counts them)",
@@ -59,7 +76,7 @@ NOT_EXPORTED = {
 
 def export_step(record: dict) -> None:
     """Put every field of a metrics.jsonl record (except NOT_EXPORTED) on /metrics.
-    Mapping: step, policy_version, reward_mean, staleness_mean/max -> their gauges; the GRPO
+    Mapping: step, policy_version, reward_mean, sampled_reward_mean, staleness_mean/max -> their gauges; the GRPO
     statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; dropped_* ->
     the dropped counter by reason; wait/compute/publish_seconds -> the step-time histogram by phase;
     wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
@@ -67,6 +84,7 @@ def export_step(record: dict) -> None:
     STEP.set(record["step"])
     VERSION.set(record["policy_version"])
     REWARD.set(record["reward_mean"])
+    SAMPLED_REWARD.set(record["sampled_reward_mean"])
     STALENESS.set(record["staleness_mean"])
     STALENESS_MAX.set(record["staleness_max"])
     ELAPSED.set(record["wall_seconds"])
