@@ -33,6 +33,11 @@ G, V = names.GROUP, names.VERSION
 STOP_TIMEOUT_S = 60.0  # a deleted run's pods get this long to stop before its Redis keys go anyway
 DELETE_RETRIES = 3  # tries at the Redis keys once the pods are gone; then the finalizer goes
 DELETE_TIMEOUT_S = STOP_TIMEOUT_S + 30.0  # kopf's bound on the whole delete handler
+# A run's finalizer goes only once its timer has exited, and the timer may be mid-call when the deletion
+# is handled (waiting for the answer to its own DELETE of the run past its TTL, or reconciling when a user
+# deletes it). kopf gives it 10 event-loop cycles, then looks again after `cancellation_polling` (60 s by
+# default): a deleted run stayed a minute. It now waits up to this long, then looks again this often.
+TIMER_EXIT_S = 2.0
 
 
 def _ctx(memo) -> reconcile.Ctx:
@@ -56,6 +61,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=G, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # kopf's own Events: failures only; ours come from reconcile.py
     settings.persistence.finalizer = f"{G}/cleanup"
+    settings.background.instant_exit_timeout = TIMER_EXIT_S
+    settings.background.cancellation_polling = TIMER_EXIT_S
     logger.info(f"rlfleet operator: {memo.options.defaults}, resync every {memo.options.resync_interval_s} s")
 
 

@@ -13,8 +13,9 @@ kmock keeps objects as plain JSON and merge-patches them. `Cluster` adds:
   with a `test` of the resourceVersion and waits for the next event on 422; kmock answers 500,
   which kopf retries for ~50 s, so a run deleted during a status write stayed that long);
 - label selectors on list requests;
-- a record of every request (`calls`) for the RBAC replay, and `forbidden` to answer chosen
-  requests with 403 as an RBAC-limited server would.
+- a record of every request (`calls`) for the RBAC replay, `forbidden` to answer chosen
+  requests with 403 as an RBAC-limited server would, and `late` to answer chosen deletes late (the
+  object's watch events go out at once, as a loaded API server's may overtake its response).
 It does not validate bodies against schemas (test_crds.py and kubernetes-validate do).
 
 `EmulatedCluster` runs it in a thread with its own event loop and writes a kubeconfig for it, so
@@ -298,10 +299,11 @@ class Cluster(kmock.KubernetesEmulator):
 
     calls: list[ApiCall]
     forbidden: set[tuple[str, str | None, str | None]]  # (resource, namespace, name) answered 403
+    late: dict[tuple[str, str | None, str | None], float]  # (resource, namespace, name) -> seconds a DELETE waits
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.calls, self.forbidden = [], set()
+        self.calls, self.forbidden, self.late = [], set(), {}
         for res, (kind, namespaced, subresources) in RESOURCES.items():
             self.resources[res] = kmock.ResourceInfo(
                 kind=kind, namespaced=namespaced, subresources=subresources, verbs=VERBS
@@ -360,6 +362,8 @@ class Cluster(kmock.KubernetesEmulator):
             request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": str(next(_versions))})
         uid = existing.raw["metadata"].get("uid") if existing is not None else None
         response = await super()._handle(request)
+        if call.verb == "delete" and (delay := self.late.get((call.resource, call.namespace, call.name))):
+            await asyncio.sleep(delay)  # the deletion's watch event went out in super()._handle
         if uid and self._objects[key].deleted:
             await self._collect(uid)
         return response
