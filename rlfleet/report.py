@@ -50,8 +50,8 @@ def summarize(records: list[dict], wall_seconds: float) -> dict:
 
 
 def reward_trend(summary: dict) -> str:
-    """ "reward A -> B (as sampled C -> D)": the trained batches' reward over the first and last tenth, and
-    the reward of everything the trainer read where the records have it."""
+    """The run's reward line, `reward A -> B (as sampled C -> D)`: the trained batches' reward over the
+    first and last tenth, then the reward of everything the trainer read where the records have it."""
     trend = f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}"
     if summary.get("sampled_reward_last") is not None:
         trend += f" (as sampled {summary['sampled_reward_first']:.3f} -> {summary['sampled_reward_last']:.3f})"
