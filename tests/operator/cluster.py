@@ -11,7 +11,7 @@ kmock keeps objects as plain JSON and merge-patches them. `Cluster` adds:
   or the User-Agent), so an apply keeps what another manager set;
 - JSON patches: a new resourceVersion, and 422 when one does not apply (kopf removes its finalizer
   with a `test` of the resourceVersion and waits for the next event on 422; kmock answers 500,
-  which kopf retries for ~50 s, so a run deleted during a status write stayed that long);
+  which kopf would retry with its error backoff, ~50 s, before the deleted object could go);
 - label selectors on list requests;
 - a record of every request (`calls`) for the RBAC replay, `forbidden` to answer chosen
   requests with 403 as an RBAC-limited server would, and `late` to answer chosen deletes late (the

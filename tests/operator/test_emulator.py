@@ -18,7 +18,7 @@ def _json_patch(url: str, ops: list) -> requests.Response:
 def test_a_stale_finalizer_removal_gets_422_and_a_fresh_one_deletes(emulator):
     """kopf removes its finalizer with a JSON patch that tests the resourceVersion it last saw. A write
     in between must fail it with 422 (kopf then waits for that write's event and tries again); a 500
-    made kopf retry the stale patch for ~50 s while the deleted object stayed."""
+    would make kopf retry the stale patch with its error backoff (~50 s) while the deleted object stays."""
     base = f"{emulator.url}/api/v1/namespaces/{NS}/configmaps"
     created = requests.post(
         base, json={"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "held", "finalizers": ["x.io/f"]}}

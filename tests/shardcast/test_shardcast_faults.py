@@ -1,5 +1,6 @@
 """Shardcast under attack and failure, on real servers over 127.0.0.1: malicious relays, a relay
-killed mid-transfer (a real `rlfleet relay` process), cut-through, resume, retention and disk bounds."""
+killed mid-transfer (a real `rlfleet relay` process), cut-through, resume, retention and disk bounds,
+and a relay stopping while its upstream hangs."""
 
 from __future__ import annotations
 
