@@ -71,7 +71,7 @@ REFERENCE_DUMMY = "data1.bin"  # every shardcast server must serve it: its clien
 
 def rlfleet_client(urls: list[str], dest: str, public_key: str, mode: str = "cut-through") -> None:
     from rlfleet.services.shardcast.client import fetch_version, wait_for_version
-    from rlfleet.signing import parse_public_key
+    from rlfleet.versions.signing import parse_public_key
 
     key = parse_public_key(public_key)
     print("waiting", flush=True)
@@ -297,8 +297,8 @@ def sha256_rate() -> float:
 def run_rlfleet(
     column: str, args, work: Path, env: dict, public: str, store, manifest: tuple[str, bytes], redis_client
 ) -> float:
-    from rlfleet.redis_server import free_port
-    from rlfleet.streams import RunKeys, encode_json
+    from rlfleet.local.redis_server import free_port
+    from rlfleet.wire.streams import RunKeys, encode_json
 
     cli = [sys.executable, "-m", "rlfleet.cli"]
     config = work / "rlrun.yaml"
@@ -347,7 +347,7 @@ def run_rlfleet(
 def run_reference(poll: int, args, work: Path, source: Path) -> float:
     import shardcast
 
-    from rlfleet.redis_server import free_port
+    from rlfleet.local.redis_server import free_port
 
     package = Path(shardcast.__file__).parent
     dummy = os.urandom(1 << 20)
@@ -442,11 +442,11 @@ def main() -> int:
         if value < 1:
             raise SystemExit(f"{name} must be >= 1, got {value}")
 
-    from rlfleet import env as rlfleet_env
-    from rlfleet.checkpoint import manifest_key, publish_version
-    from rlfleet.redis_server import EmbeddedRedis
-    from rlfleet.signing import generate_keypair, load_private_key, make_signer
-    from rlfleet.store import open_store
+    from rlfleet.local.redis_server import EmbeddedRedis
+    from rlfleet.versions.checkpoint import manifest_key, publish_version
+    from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
+    from rlfleet.versions.store import open_store
+    from rlfleet.wire import env as rlfleet_env
 
     reference_ok = True
     if "reference" in args.systems:
@@ -499,7 +499,7 @@ def main() -> int:
                 "PYTHONPATH": str(ROOT),
             }
             with Procs(env, work) as procs:  # the bounds, measured against the origin alone
-                from rlfleet.redis_server import free_port
+                from rlfleet.local.redis_server import free_port
 
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"

@@ -4,7 +4,7 @@ the systems, the report; wan_runs.py: the processes of each system on the testbe
     python benchmarks/broadcast.py --wan [--topology default large] [--systems tree direct reference]
                                          [--no-cut-through] [--json PATH] [--size-mib N ...]
 
-Every node is a host of an rlfleet.testbed (a network namespace with its own address on one bridge)
+Every node is a host of an testbed (a network namespace with its own address on one bridge)
 whose access link is shaped as the topology says: the origin's and the relays' uplinks (tbf on
 egress), the clients' downlinks (tbf on an ifb fed by their ingress). One testbed per topology;
 the systems take turns on the same hosts and links, each a fresh set of OS processes.
@@ -57,7 +57,7 @@ from pathlib import Path
 
 from wan_runs import Bed, Outcome, prepare, run_reference, run_rlfleet
 
-from rlfleet.testbed import Testbed
+from testbed import Testbed
 
 MBIT = 10**6
 CPU_LIMIT = 0.9
@@ -327,7 +327,7 @@ def topology(name: str, args) -> Topology:
 
 
 def main(argv: list[str]) -> int:
-    from rlfleet.testbed import unavailable_reason
+    from testbed import unavailable_reason
 
     args = parse_args(argv)
     reason = unavailable_reason()

@@ -17,7 +17,7 @@ on the run's append-only file, and the audit compares:
   versions      every step's policy version is the step number: no version lost or repeated
 It also samples Redis's used memory and the run directory's size, and prints the reward of the
 first and last tenth of steps. The identity of "the same work" is the group's content digest
-(rlfleet.streams.group_digest) where the streams module has one, else the rollout id.
+(rlfleet.wire.streams.group_digest) where the streams module has one, else the rollout id.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from rlfleet import streams  # noqa: E402
 from rlfleet.config import load_bundle  # noqa: E402
-from rlfleet.redis_server import EmbeddedRedis  # noqa: E402
-from rlfleet.report import read_metrics, summarize  # noqa: E402
-from rlfleet.streams import RolloutGroup, RunKeys  # noqa: E402
+from rlfleet.local.redis_server import EmbeddedRedis  # noqa: E402
+from rlfleet.local.report import read_metrics, summarize  # noqa: E402
+from rlfleet.wire.streams import RolloutGroup, RunKeys  # noqa: E402
 
 KINDS = ("rollout", "verifier", "relay", "origin", "trainer", "redis")
 

@@ -59,8 +59,8 @@ def large_model(dest: Path, dtype: str, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlfleet.checkpoint import save_model_dir
     from rlfleet.models.builtin import build_tokenizer
+    from rlfleet.versions.checkpoint import save_model_dir
 
     tokenizer = build_tokenizer()
     width = 4 if dtype == "float32" else 2
@@ -87,14 +87,14 @@ def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path) -> lis
     """`steps` + 1 consecutive versions work/v0 .. work/v{steps} made by real GRPO steps (module docstring)."""
     import torch
 
-    from rlfleet.checkpoint import save_model_dir
     from rlfleet.config import load_bundle
     from rlfleet.models.builtin import resolve_model_path
-    from rlfleet.policy import load_policy
+    from rlfleet.models.policy import load_policy
     from rlfleet.services.rollout.engines import make_engine
     from rlfleet.services.trainer.update import grpo_update
-    from rlfleet.streams import RolloutGroup, Sample, SamplingParams
     from rlfleet.tasks import make_run_task
+    from rlfleet.versions.checkpoint import save_model_dir
+    from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
 
     spec = load_bundle(EXAMPLE).run.spec
     trainer = spec.trainer.model_copy(update={"learning_rate": lr})
@@ -133,9 +133,9 @@ def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path) -> lis
 
 def publish_series(paths: list[Path], store_dir: Path, deltas, signer, shard_size: int | None = None) -> list[dict]:
     """Publish the versions in order through the trainer's PolicyPublisher; per version its `last` record."""
-    from rlfleet.checkpoint import DEFAULT_SHARD_SIZE
-    from rlfleet.delta.publish import PolicyPublisher
-    from rlfleet.store import open_store
+    from rlfleet.versions.checkpoint import DEFAULT_SHARD_SIZE
+    from rlfleet.versions.publish import PolicyPublisher
+    from rlfleet.versions.store import open_store
 
     store = open_store(f"file://{store_dir}")
     publisher = PolicyPublisher(store, RUN, deltas, signer, shard_size or DEFAULT_SHARD_SIZE)
@@ -155,8 +155,8 @@ def follow(store_dir: Path, count: int, dest: Path, public_key) -> list[dict]:
     in order with fetch_policy; per version the bytes it received and the seconds it took."""
     from rlfleet.services.shardcast import origin, relay
     from rlfleet.services.shardcast.assemble import fetch_policy
-    from rlfleet.services.shardcast.protocol import serving
-    from rlfleet.store import open_store
+    from rlfleet.versions.store import open_store
+    from tests.support import serving
 
     store, rows = open_store(f"file://{store_dir}"), []
     with (
@@ -185,7 +185,7 @@ def delta_client(urls: list[str], dest: str, public_key: str, versions: list[int
     before the one it holds. "waiting" is printed once the process is ready."""
     from rlfleet.services.shardcast.assemble import fetch_policy
     from rlfleet.services.shardcast.client import Sources, wait_for_version
-    from rlfleet.signing import parse_public_key
+    from rlfleet.versions.signing import parse_public_key
 
     key, sources, dest = parse_public_key(public_key), Sources(urls), Path(dest)
     print("waiting", flush=True)
@@ -209,7 +209,7 @@ def delta_client(urls: list[str], dest: str, public_key: str, versions: list[int
 
 def entropy_bound(base: Path, new: Path) -> float:
     """Bits per byte any per-element lossless code of new-vs-base needs (zeroth order, module docstring)."""
-    from rlfleet.delta.codec import UINT, tensor_layout
+    from rlfleet.versions.codec import UINT, tensor_layout
 
     head, tensors = tensor_layout(new)
     _, base_tensors = tensor_layout(base)
@@ -290,8 +290,8 @@ def main() -> int:
     if args.steps < 1:
         raise SystemExit(f"--steps must be >= 1, got {args.steps}")
 
-    from rlfleet.policy import configure_torch_threads
-    from rlfleet.signing import generate_keypair, load_private_key, make_signer, parse_public_key
+    from rlfleet.models.policy import configure_torch_threads
+    from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 
     configure_torch_threads()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rlfleet-delta-bench-"))

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlfleet.report import read_metrics
+from rlfleet.local.report import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,16 +30,16 @@ from pathlib import Path
 
 import torch
 
-from rlfleet.checkpoint import publish_version, save_model_dir
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.services.rollout.engines import make_engine
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import fetch_version
-from rlfleet.services.shardcast.protocol import serving
-from rlfleet.signing import generate_keypair, load_private_key, make_signer, parse_public_key
-from rlfleet.store import open_store
-from rlfleet.streams import SamplingParams
 from rlfleet.tasks.arithmetic import ArithmeticTask
+from rlfleet.versions.checkpoint import publish_version, save_model_dir
+from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
+from rlfleet.versions.store import open_store
+from rlfleet.wire.streams import SamplingParams
+from tests.support import serving
 
 RUN = "bench"
 

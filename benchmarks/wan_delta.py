@@ -47,7 +47,7 @@ from broadcast_wan import CPU_LIMIT, Plan, Topology, bound_seconds, load
 from delta import RUN, make_series, publish_series
 from wan_runs import PORT, Bed, relay_bytes_out, start_rlfleet
 
-from rlfleet.testbed import cpu_seconds, machine_busy
+from testbed import cpu_seconds, machine_busy
 
 SERIES = {
     "builtin-float32": ("builtin", "float32"),
@@ -102,11 +102,11 @@ def mean(xs: list[float]) -> float | None:
 
 def run_phase(bed: Bed, name: str, phase: str, paths: list[Path], keys: tuple) -> dict[int, dict]:
     """One phase (module docstring): {version: its record} for v1..vK (those every client finished)."""
-    from rlfleet.checkpoint import manifest_key
     from rlfleet.config import DeltaSpec
-    from rlfleet.delta.chain import delta_files, result_files, size_of, transfer_bytes, whole_files
-    from rlfleet.store import open_store
-    from rlfleet.streams import RunKeys, encode_json
+    from rlfleet.versions.chain import delta_files, result_files, size_of, transfer_bytes, whole_files
+    from rlfleet.versions.checkpoint import manifest_key
+    from rlfleet.versions.store import open_store
+    from rlfleet.wire.streams import RunKeys, encode_json
 
     signer, public = keys
     topo, args = bed.topo, bed.args
@@ -196,7 +196,7 @@ def describe(r: dict) -> str:
 def run_all(bed: Bed, series: dict[str, tuple[str, float, list[Path]]]) -> dict:
     """Every series ({label: (SERIES name, learning rate, v0..vK)}) on this testbed: the run record's `delta`
     part."""
-    from rlfleet.signing import generate_keypair, load_private_key, make_signer
+    from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
 
     private, public = generate_keypair(bed.work / "delta-keys")
     keys = (make_signer(load_private_key(private)), public)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from broadcast import FILE, REFERENCE_DUMMY, ROOT, RUN, expect_line, finish_reports
 
-from rlfleet.testbed import Testbed, cpu_seconds, machine_busy, stop_measured
+from testbed import Testbed, cpu_seconds, machine_busy, stop_measured
 
 if TYPE_CHECKING:
     from broadcast_wan import System, Topology
@@ -126,8 +126,8 @@ def start_rlfleet(bed: Bed, config: Path, public: str, via_relays: bool, home: P
     client on the announcements' server)."""
     import redis
 
-    from rlfleet import env as rlfleet_env
-    from rlfleet.redis_server import redis_server_binary
+    from rlfleet.local.redis_server import redis_server_binary
+    from rlfleet.wire import env as rlfleet_env
 
     redis_dir = home / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,7 @@ def start_rlfleet(bed: Bed, config: Path, public: str, via_relays: bool, home: P
 
 
 def run_rlfleet(bed: Bed, system: System) -> Outcome:
-    from rlfleet.streams import RunKeys, encode_json
+    from rlfleet.wire.streams import RunKeys, encode_json
 
     work, store, (key, manifest) = bed.work, bed.store, bed.manifest
     urls, env, client = start_rlfleet(bed, work / "rlrun.yaml", bed.public, system.via_relays, work)
@@ -248,9 +248,9 @@ def run_reference(bed: Bed, system: System) -> Outcome:
 def prepare(bed: Bed) -> None:
     """The checkpoint (incompressible), a key pair, the RLRun config, and the version published to
     the store with its manifest held back (each system makes it visible when its clock starts)."""
-    from rlfleet.checkpoint import manifest_key, publish_version
-    from rlfleet.signing import generate_keypair, load_private_key, make_signer
-    from rlfleet.store import open_store
+    from rlfleet.versions.checkpoint import manifest_key, publish_version
+    from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
+    from rlfleet.versions.store import open_store
 
     work, size = bed.work, bed.topo.size
     src = work / "src"

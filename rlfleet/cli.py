@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "validate":
         from rlfleet.config import load_bundle
-        from rlfleet.topology import bundle_graph
+        from rlfleet.wire.topology import bundle_graph
 
         bundle = load_bundle(args.file)
         bundle_graph(bundle, args.file)
@@ -162,7 +162,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         return 0
     if args.command == "run":
-        from rlfleet.launcher import run_local
+        from rlfleet.local.launcher import run_local
 
         try:
             return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)

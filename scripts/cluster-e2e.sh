@@ -75,7 +75,7 @@ kubectl -n "$NS" create secret generic s3-creds --dry-run=client -o yaml \
   --from-literal=AWS_ACCESS_KEY_ID=rlfleet --from-literal=AWS_SECRET_ACCESS_KEY=rlfleet-secret | kubectl apply -f -
 
 step "signing key"
-python3 -c "from rlfleet.signing import generate_keypair; import sys; generate_keypair(sys.argv[1])" "$WORK/keys"
+python3 -c "from rlfleet.versions.signing import generate_keypair; import sys; generate_keypair(sys.argv[1])" "$WORK/keys"
 kubectl -n "$NS" create secret generic arithmetic-signing --dry-run=client -o yaml \
   --from-file=signing-key="$WORK/keys/signing-key" --from-literal=public-key="$(cat "$WORK/keys/public-key")" | kubectl apply -f -
 

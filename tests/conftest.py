@@ -10,7 +10,7 @@ import pytest
 import redis
 import requests
 
-from rlfleet.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis, free_port
 
 
 @pytest.fixture

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from rlfleet.services.shardcast.protocol import serving  # noqa: F401  (tests import it from here)
+import redis
+import requests
+from aiohttp import web
+
+from rlfleet.local.redis_server import free_port
+from rlfleet.services.shardcast.protocol import serve_until
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root
 
@@ -40,8 +49,8 @@ def tiny_policy_dir(
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlfleet.checkpoint import save_model_dir
     from rlfleet.models.builtin import build_tokenizer
+    from rlfleet.versions.checkpoint import save_model_dir
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -130,8 +139,8 @@ def trained_versions(dest: Path, count: int, dtype: str = "float32", lr: float =
     which moves every weight like a GRPO step does (Adam's update is about lr per element, whatever the loss)."""
     import torch
 
-    from rlfleet.checkpoint import save_model_dir
-    from rlfleet.policy import load_policy
+    from rlfleet.models.policy import load_policy
+    from rlfleet.versions.checkpoint import save_model_dir
 
     first = tiny_policy_dir(dest / "init", seed=seed)
     model, tokenizer = load_policy(first, dtype)
@@ -150,3 +159,69 @@ def trained_versions(dest: Path, count: int, dtype: str = "float32", lr: float =
         paths.append(dest / f"v{v}")
         save_model_dir(model, tokenizer, paths[-1])
     return paths
+
+
+@contextmanager
+def serving(app: web.Application, host: str = "127.0.0.1", start_timeout: float = 10.0) -> Iterator[str]:
+    """Serve `app` on a free port of `host` from a background thread (tests, benchmarks); yield its
+    base URL once `/healthz` answers. On exit the server stops and its thread is joined."""
+    port, stop = free_port(), threading.Event()
+    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, host, port, stop)), daemon=True)
+    thread.start()
+    url = f"http://{host}:{port}"
+    deadline = time.monotonic() + start_timeout
+    while True:
+        try:
+            if requests.get(url + "/healthz", timeout=1).ok:
+                break
+        except requests.ConnectionError:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"server on {url} did not start") from None
+            time.sleep(0.02)
+    try:
+        yield url
+    finally:
+        stop.set()
+        thread.join(15)
+        if thread.is_alive():
+            raise RuntimeError(f"server on {url} did not stop within 15 s")
+
+
+def redis_client(port: int, **kwargs) -> redis.Redis:
+    """A client for a test's own redis-server that never retries (redis-py's default retries with
+    back-off make a dead server look like a hang): a refused connection fails the call at once."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis(port=port, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2, socket_timeout=10, **kwargs)
+
+
+def start_rendered_redis(args: list[str], data_dir: Path, **auth) -> tuple[subprocess.Popen, int]:
+    """A real redis-server started with the arguments a rendered container runs, its `--port` and
+    `--dir` replaced by a free port and `data_dir` (a chart renders `--dir /data`, a path a machine
+    may lack). Returns (process, port) once the server answers PING as `auth` (username/password);
+    a server that exits or never answers fails in seconds with what it printed."""
+    from rlfleet.local.redis_server import redis_server_binary
+
+    args = list(args)
+    port = free_port()
+    args[args.index("--port") + 1] = str(port)
+    if "--dir" in args:
+        args[args.index("--dir") + 1] = str(data_dir)
+    else:
+        args += ["--dir", str(data_dir)]
+    log = data_dir / f"redis-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([redis_server_binary(), *args], stdout=out, stderr=subprocess.STDOUT)
+    client = redis_client(port, **auth)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return proc, port
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait(5)
+                raise AssertionError(f"redis-server {args} did not start: {log.read_text()[-2000:]}") from None
+            time.sleep(0.05)

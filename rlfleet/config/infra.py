@@ -28,8 +28,9 @@ class RedisSpec(Spec):
     )
     role_urls: bool = Field(
         default=False,
-        description="Cluster only: urlSecret also holds one URL per Redis ACL role (rlfleet/redis_acl.py; the chart's "
-        "redis.acl.users), keys url-trainer, url-verifier, url-ingest, url-reader (origin, relays, worker reads), "
+        description="Cluster only: urlSecret also holds one URL per Redis ACL role "
+        "(rlfleet/wire/redis_acl.py; the chart's redis.acl.users), keys url-trainer, url-verifier, url-ingest, "
+        "url-reader (origin, relays, worker reads), "
         "url-worker and url-tickets (worker writes); each pod gets its role's, so a worker can only add to the "
         "inbox. `url` stays the operator's.",
     )
@@ -66,7 +67,7 @@ class StoreSpec(Spec):
 
 class DeltaSpec(Spec):
     """How the trainer publishes a version: whole, or as what changed since the previous one
-    (rlfleet/delta/). A client holding the previous version downloads only the delta; one without it
+    (rlfleet/versions/). A client holding the previous version downloads only the delta; one without it
     downloads the newest full version and the deltas after it."""
 
     enabled: bool = Field(

@@ -30,7 +30,7 @@ class SamplingSpec(Spec):
         default="worker",
         description="Who chooses each group's task and seed. `worker`: the worker draws them. `run`: a worker asks "
         "the run for a work ticket (Redis, or the ingest's tickets endpoint) and the ticket fixes task and seed "
-        "(rlfleet/assignment.py); the gate accepts each ticket once and only from the worker it was issued to, so "
+        "(rlfleet/wire/assignment.py); the gate accepts each ticket once and only from the worker it was issued to, so "
         "a worker cannot grind seeds or tasks, and tickets it drops are counted.",
     )
 

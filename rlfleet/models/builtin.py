@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rlfleet import env
+from rlfleet.wire import env
 
 BUILD_VERSION = 2
 BUILTIN_PREFIX = "builtin://"

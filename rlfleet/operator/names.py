@@ -52,7 +52,7 @@ INGEST_TOKENS_KEY = "tokens.yaml"  # key inside the ingest tokens Secret
 WORKER_TOKENS_DIR = "/var/run/rlfleet/worker-tokens"  # a pool's workerTokens Secret: one file per pod name
 SHM_DIR = "/dev/shm"  # vLLM workers get a memory-backed /dev/shm (the container runtime's default is 64 MiB)
 
-# The pod's own name, from the downward API (rlfleet's own variables are named in rlfleet/env.py).
+# The pod's own name, from the downward API (rlfleet's own variables are named in rlfleet/wire/env.py).
 ENV_POD_NAME = "POD_NAME"
 
 # Annotations and labels.

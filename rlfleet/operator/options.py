@@ -1,12 +1,12 @@
-"""`rlfleet operator`'s settings: read once when it starts (the command line and rlfleet.env), never at import."""
+"""`rlfleet operator`'s settings: read once when it starts (the command line and rlfleet.wire.env), never at import."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet import env
 from rlfleet.operator import names
 from rlfleet.operator.pods import ClusterDefaults
+from rlfleet.wire import env
 
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 

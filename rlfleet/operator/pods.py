@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet import env, redis_acl
 from rlfleet.config import API_VERSION, RLRun
 from rlfleet.config.workload import ResourcesSpec
 from rlfleet.operator import names
 from rlfleet.operator.overrides import merge_pod_template
+from rlfleet.wire import env, redis_acl
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def pod_env(run: RLRun, redis: bool = True, component: str | None = None) -> lis
 
 
 def redis_role_env(secret: str, component: str) -> list[dict]:
-    """The urlSecret's `url-<role>` of the component's Redis ACL role (rlfleet/redis_acl.py); a rollout
+    """The urlSecret's `url-<role>` of the component's Redis ACL role (rlfleet/wire/redis_acl.py); a rollout
     worker also reads and takes tickets as their own users."""
 
     def from_secret(name: str, role: str) -> dict:

@@ -13,7 +13,6 @@ Deployments whose workers XADD to the inbox directly.
 
 from __future__ import annotations
 
-from rlfleet import env
 from rlfleet.config import InferencePool, RelayTier, RLRun
 from rlfleet.operator import names, podconfig
 from rlfleet.operator.pods import (
@@ -31,6 +30,7 @@ from rlfleet.operator.pods import (
 )
 from rlfleet.operator.relays import resolve_pool_relays
 from rlfleet.operator.resources import check_cluster_pool
+from rlfleet.wire import env
 
 
 def build_pool_config_map(run: RLRun, pool: InferencePool, namespace: str, owner: Owner | None = None) -> dict:

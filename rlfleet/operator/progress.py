@@ -3,7 +3,7 @@ the run is deleted. Blocking calls with short timeouts; the reconciler runs them
 
 from __future__ import annotations
 
-from rlfleet.streams import RunKeys
+from rlfleet.wire.streams import RunKeys
 
 REDIS_TIMEOUT_S = 3.0
 
@@ -16,8 +16,8 @@ def _client(url: str):
 
 def read_progress(url: str, run_name: str) -> dict:
     """step / policyVersion / reward from the policy stream, accepted / rejected from the stats hash."""
-    from rlfleet.runtime import latest_announced_version
-    from rlfleet.streams import decode_json
+    from rlfleet.wire.runtime import latest_announced_version
+    from rlfleet.wire.streams import decode_json
 
     keys = RunKeys(run_name)
     client = _client(url)

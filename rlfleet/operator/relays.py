@@ -16,7 +16,7 @@ from rlfleet.operator.pods import (
     service,
 )
 from rlfleet.operator.resources import MissingDependency
-from rlfleet.topology import Node, TopologyError, relay_graph
+from rlfleet.wire.topology import Node, TopologyError, relay_graph
 
 
 def node_url(node: Node, run: str, namespace: str) -> str:

@@ -14,7 +14,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from support import REPO
+
+from tests.support import REPO
 
 helm = pytest.importorskip("helm_python")
 

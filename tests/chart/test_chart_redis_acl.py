@@ -1,20 +1,17 @@
 """The chart's Redis with ACL users per role (issue 16 item 6): rendered by the real Helm SDK, valid for
 Kubernetes, and the rendered redis-server arguments run on a real redis-server with the same grants as
-`rlfleet run`'s (rlfleet/redis_acl.py)."""
+`rlfleet run`'s (rlfleet/wire/redis_acl.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import time
 
 import kubernetes_validate
 import pytest
 import redis
-from test_chart import KUBE_VERSIONS, by_kind, render
 
-from rlfleet.redis_acl import role_rules
-from rlfleet.redis_server import free_port, redis_server_binary
-from rlfleet.streams import RunKeys
+from rlfleet.wire.redis_acl import role_rules
+from rlfleet.wire.streams import RunKeys
+from tests.chart.test_chart import KUBE_VERSIONS, by_kind, render
+from tests.support import redis_client, start_rendered_redis
 
 helm = pytest.importorskip("helm_python")
 
@@ -43,7 +40,7 @@ def redis_container(chart, values: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def chart():
-    from test_chart import CHART
+    from tests.chart.test_chart import CHART
 
     with helm.Chart.load(CHART) as loaded:
         yield loaded
@@ -78,23 +75,15 @@ def test_the_rendered_arguments_give_a_real_redis_the_roles(chart, tmp_path):
     args = list(c["args"])
     for name, value in passwords.items():
         args = [a.replace(f"$({name})", value) for a in args]
-    port = free_port()
-    args[args.index("--port") + 1] = str(port)
-    proc = subprocess.Popen([redis_server_binary(), *args, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    proc, port = start_rendered_redis(args, tmp_path, username="arithmetic-worker", password="pw0")
     try:
         keys = RunKeys("arithmetic")
-        worker = redis.Redis(port=port, username="arithmetic-worker", password="pw0")
-        for _ in range(100):
-            try:
-                worker.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+        worker = redis_client(port, username="arithmetic-worker", password="pw0")
         assert worker.xadd(keys.rollouts, {b"m": b"group"})
         with pytest.raises(redis.exceptions.NoPermissionError):
             worker.xadd(keys.verified, {b"m": b"forged"})
-        assert redis.Redis(port=port, username="arithmetic-reader", password="pw1").xlen(keys.rollouts) == 1
-        assert redis.Redis(port=port, password="admin-pw").ping()  # the default user: the operator's
+        assert redis_client(port, username="arithmetic-reader", password="pw1").xlen(keys.rollouts) == 1
+        assert redis_client(port, password="admin-pw").ping()  # the default user: the operator's
     finally:
         proc.terminate()
         proc.wait(10)

@@ -5,16 +5,14 @@ arguments keep a real redis-server's streams across a SIGKILL."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 
 import kubernetes_validate
 import pytest
-import redis
-from test_chart import KUBE_VERSIONS, by_kind, render
 
-from rlfleet.redis_server import free_port, redis_server_binary
-from rlfleet.streams import RunKeys
+from rlfleet.wire.streams import RunKeys
+from tests.chart.test_chart import KUBE_VERSIONS, by_kind, render
+from tests.support import redis_client, start_rendered_redis
 
 helm = pytest.importorskip("helm_python")
 
@@ -23,7 +21,7 @@ ON = {"redis": {"enabled": True}}
 
 @pytest.fixture(scope="module")
 def chart():
-    from test_chart import CHART
+    from tests.chart.test_chart import CHART
 
     with helm.Chart.load(CHART) as loaded:
         yield loaded
@@ -87,37 +85,23 @@ def test_persistence_values_are_checked_by_the_schema(chart):
     assert option(deploy["spec"]["template"]["spec"]["containers"][0]["args"], "--appendonly") == "no"
 
 
-def start(args: list[str], data_dir, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([redis_server_binary(), *args, "--dir", str(data_dir)], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise AssertionError("redis-server did not start")
-
-
 def test_the_rendered_arguments_keep_the_queue_across_a_kill(chart, tmp_path):
     """What the container runs, on a real redis-server: SIGKILLed after the writes, restarted on the same
     directory (a pod's container restart with its /data), every stream entry is back."""
     deploy, _ = redis_objects(chart, ON)
-    args = list(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
-    port = free_port()
-    args[args.index("--port") + 1] = str(port)
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
     keys = RunKeys("arithmetic")
-    proc = start(args, tmp_path, port)
+    proc, port = start_rendered_redis(args, tmp_path)
     try:
-        client = redis.Redis(port=port)
+        client = redis_client(port)
         ids = [client.xadd(keys.verified, {b"m": f"group {i}".encode()}) for i in range(50)]
         time.sleep(0.3)  # the file is written at once; everysec fsyncs within the second
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-    proc = start(args, tmp_path, port)
+    proc, port = start_rendered_redis(args, tmp_path)
     try:
-        entries = redis.Redis(port=port).xrange(keys.verified)
+        entries = redis_client(port).xrange(keys.verified)
         assert [e[0] for e in entries] == ids and entries[-1][1] == {b"m": b"group 49"}
     finally:
         proc.terminate()

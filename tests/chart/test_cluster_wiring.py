@@ -9,12 +9,12 @@ import os
 
 import pytest
 import yaml
-from test_chart import CHART, NAMESPACE, RELEASE, by_kind, helm, render
 
 from rlfleet.config import parse_bundle
 from rlfleet.operator import builders as b
 from rlfleet.operator import names
 from rlfleet.operator.crd import MAX_RUN_NAME
+from tests.chart.test_chart import CHART, NAMESPACE, RELEASE, by_kind, helm, render
 
 EXAMPLE = CHART.parent.parent / "examples" / "arithmetic" / "rlrun.yaml"
 

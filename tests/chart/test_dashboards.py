@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO
+
+from tests.support import REPO
 
 DASHBOARDS = REPO / "charts" / "rlfleet" / "dashboards"
 SERVICE_MODULES = [

@@ -3,15 +3,9 @@ reason otherwise. A failed test prints what every pod of the open boxes logged."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-# The box builds on the operator tests' API emulator (tests/operator/cluster.py) and RBAC evaluator.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "operator"))
-
-from rlfleet.testbed import unavailable_reason  # noqa: E402
+from testbed import unavailable_reason
 
 
 def box_unavailable() -> str | None:
@@ -40,7 +34,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed and "tests/cluster/" in str(item.fspath).replace("\\", "/"):
-        from inabox.box import OPEN
+        from tests.cluster.inabox.box import OPEN
 
         for box in OPEN:
             report.sections.append(("what the box's pods logged", box.report()))

@@ -15,13 +15,13 @@ import boto3
 import kubernetes
 import redis
 import yaml
-from inabox import Cluster
-from inabox.images import REPO
-from support import wait_for as poll
 
 from rlfleet.config import load_bundle
 from rlfleet.operator import names
-from rlfleet.streams import RolloutGroup, RunKeys
+from rlfleet.wire.streams import RolloutGroup, RunKeys
+from tests.cluster.inabox import Cluster
+from tests.cluster.inabox.images import REPO
+from tests.support import wait_for as poll
 
 NS = "rlfleet"
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
@@ -155,7 +155,7 @@ def make_bucket(box) -> None:
 
 def signing_secret(k: Kubectl, directory: Path, private: bool = True) -> str:
     """The run's signing key Secret (both halves; a remote cluster gets the public one only); the public key."""
-    from rlfleet.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keypair
+    from rlfleet.versions.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keypair
 
     key_dir = directory / "keys"
     if not (key_dir / PUBLIC_KEY_FILE).exists():

@@ -11,12 +11,12 @@ import os
 
 import pytest
 import requests
-from containers import CPU_IMAGE, podman, require
-from inabox import Box, kubelet, oci
-from inabox.helm import create
-from support import wait_for as poll
 
-from rlfleet.testbed.commands import namespaces
+from testbed.commands import namespaces
+from tests.cluster.inabox import Box, kubelet, oci
+from tests.cluster.inabox.helm import create
+from tests.containers import CPU_IMAGE, podman, require
+from tests.support import wait_for as poll
 
 NS = "web"
 # Process mode runs any tag of the project's images from this checkout; container mode the image built here.
@@ -107,7 +107,7 @@ def pods(cluster, owner: str) -> list[dict]:
 def get_in(cluster, pod: dict, path: str) -> requests.Response:
     """GET http://POD_IP:8080/path through a port forward into the pod's network."""
     found = cluster.runner.find(NS, pod["name"])
-    from inabox.netns import PortForward
+    from tests.cluster.inabox.netns import PortForward
 
     with PortForward(found.host.netns, found.host.ip, 8080) as fwd:
         return requests.get(f"http://127.0.0.1:{fwd.port}{path}", timeout=10)

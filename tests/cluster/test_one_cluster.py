@@ -15,11 +15,11 @@ import time
 
 import pytest
 import requests
-from containers import CPU_IMAGE, OPERATOR_IMAGE, require
-from inabox import Box, helm, kubelet
-from inabox.helm import BUILTIN
-from rbac import denied
-from scenario import (
+
+from rlfleet.wire.streams import RunKeys
+from tests.cluster.inabox import Box, helm, kubelet
+from tests.cluster.inabox.helm import BUILTIN
+from tests.cluster.scenario import (
     NS,
     Auditor,
     Kubectl,
@@ -34,8 +34,8 @@ from scenario import (
     trainer_records,
     wait_for,
 )
-
-from rlfleet.streams import RunKeys
+from tests.containers import CPU_IMAGE, OPERATOR_IMAGE, require
+from tests.operator.rbac import denied
 
 RUN, POOL = "arithmetic", "arithmetic-cpu"
 # 80 steps: the reward of the last tenth is about 0.88 in the local run, 0.43 in the first (README).

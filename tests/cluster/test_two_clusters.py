@@ -21,10 +21,12 @@ import time
 import pytest
 import requests
 import yaml
-from inabox import Box, helm
-from inabox.netns import PortForward
 from prometheus_client.parser import text_string_to_metric_families
-from scenario import (
+
+from rlfleet.operator import names
+from tests.cluster.inabox import Box, helm
+from tests.cluster.inabox.netns import PortForward
+from tests.cluster.scenario import (
     MULTICLUSTER,
     NS,
     Auditor,
@@ -38,8 +40,6 @@ from scenario import (
     signing_secret,
     wait_for,
 )
-
-from rlfleet.operator import names
 
 RUN, POOL, EDGE = "arithmetic", "arithmetic-gpu", "arithmetic-edge"
 STEPS, WORKERS = 20, 2

@@ -11,14 +11,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from support import REPO
 
 from rlfleet.config import ArithmeticTaskSpec, DatasetSpec, MathTaskSpec, ModelSpec, load_bundle
 from rlfleet.models.builtin import BUILTINS, SHIPPED, build_tokenizer, resolve_model_path
+from rlfleet.models.policy import load_policy
 from rlfleet.models.warm_start import noisy_answer
-from rlfleet.policy import load_policy
 from rlfleet.tasks import make_task
 from rlfleet.tasks.math import answers_match
+from tests.support import REPO
 
 TASK = ArithmeticTaskSpec(type="arithmetic", max_operand=20)
 ROOT = REPO

@@ -1,4 +1,4 @@
-"""The config tree (rlfleet/config.py) and `rlfleet validate`: every error is reported with its field path."""
+"""The config tree (rlfleet/config/) and `rlfleet validate`: every error is reported with its field path."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import REPO
 
 from rlfleet.config import ConfigError, load_bundle, parse_bundle
+from tests.support import REPO
 
 ROOT = REPO
 # RLRun bundles (Helm values files under examples/ are checked by tests/chart/test_chart.py).

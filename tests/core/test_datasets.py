@@ -39,7 +39,7 @@ def test_rows_from_s3(s3_env, monkeypatch):
 
 def test_builtin_sets_ship_in_the_package_and_need_no_working_directory(tmp_path, monkeypatch):
     """`builtin://tiny-math` reads the set shipped inside rlfleet, so a pod (any working directory) has it."""
-    from support import REPO
+    from tests.support import REPO
 
     monkeypatch.chdir(tmp_path)
     rows = read_rows("builtin://tiny-math")

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from support import trained_versions
 
-from rlfleet.checkpoint import (
+from rlfleet.config import DeltaSpec
+from rlfleet.versions.chain import DeltaError, base_of, delta_files, required_base, result_files, retained, whole
+from rlfleet.versions.checkpoint import (
     ManifestError,
     VersionExistsError,
     check_manifest,
@@ -25,12 +26,11 @@ from rlfleet.checkpoint import (
     publish_version,
     read_manifest,
 )
-from rlfleet.config import DeltaSpec
-from rlfleet.delta.chain import DeltaError, base_of, delta_files, required_base, result_files, retained, whole
-from rlfleet.delta.codec import apply_file, encode_file, read_index
-from rlfleet.delta.publish import PolicyPublisher, local_entries
-from rlfleet.signing import SignatureError, generate_keypair, load_private_key, make_signer, parse_public_key
-from rlfleet.store import open_store
+from rlfleet.versions.codec import apply_file, encode_file, read_index
+from rlfleet.versions.publish import PolicyPublisher, local_entries
+from rlfleet.versions.signing import SignatureError, generate_keypair, load_private_key, make_signer, parse_public_key
+from rlfleet.versions.store import open_store
+from tests.support import trained_versions
 
 
 def sha256(path: Path) -> str:

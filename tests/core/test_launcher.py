@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from support import REPO
-
 from rlfleet.config import load_bundle
-from rlfleet.launcher import plan
+from rlfleet.local.launcher import plan
+from tests.support import REPO
 
 ROOT = REPO
 

@@ -1,7 +1,7 @@
 """Loading a policy directory: the tokenizer a run uses is the one the model was built with."""
 
 from rlfleet.models.builtin import build_tokenizer
-from rlfleet.policy import load_policy
+from rlfleet.models.policy import load_policy
 from tests.support import tiny_policy_dir
 
 

@@ -1,11 +1,11 @@
-"""What `rlfleet run` prints while it waits (rlfleet/progress.py), without a terminal: the build's warm start,
+"""What `rlfleet run` prints while it waits (rlfleet/local/progress.py), without a terminal: the build's warm start,
 and before the first step what the run waits for, read from a real Redis."""
 
 from __future__ import annotations
 
-from rlfleet import progress
-from rlfleet.progress import BuildProgress, Progress, startup_status
-from rlfleet.streams import RunKeys, encode_json
+from rlfleet.local import progress
+from rlfleet.local.progress import BuildProgress, Progress, startup_status
+from rlfleet.wire.streams import RunKeys, encode_json
 
 
 def test_startup_status_follows_the_streams(redis_client):

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import redis
-from support import REPO
 
 from rlfleet.config import parse_bundle
-from rlfleet.launcher import plan, redis_env
-from rlfleet.redis_acl import ADMIN, ROLES, RunAcl, chart_roles, user_name
-from rlfleet.redis_server import EmbeddedRedis
-from rlfleet.streams import RunKeys
+from rlfleet.local.launcher import plan, redis_env
+from rlfleet.local.redis_server import EmbeddedRedis
+from rlfleet.wire.redis_acl import ADMIN, ROLES, RunAcl, chart_roles, user_name
+from rlfleet.wire.streams import RunKeys
+from tests.support import REPO
 
 
 @pytest.fixture
@@ -109,5 +109,5 @@ def test_rlfleet_run_gives_each_component_its_role(tmp_path):
 def test_the_charts_acl_roles_are_the_generated_ones():
     chart = REPO / "charts" / "rlfleet" / "files" / "redis-acl-roles.yaml"
     assert chart.read_text() == chart_roles(), (
-        "regenerate: python -m rlfleet.redis_acl > charts/rlfleet/files/redis-acl-roles.yaml"
+        "regenerate: python -m rlfleet.wire.redis_acl > charts/rlfleet/files/redis-acl-roles.yaml"
     )

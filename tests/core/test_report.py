@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlfleet.report import reward_trend, summarize
+from rlfleet.local.report import reward_trend, summarize
 
 
 def record(step: int, reward: float, sampled: float | None) -> dict:

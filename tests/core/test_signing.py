@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet import env
-from rlfleet.checkpoint import ManifestError, parse_manifest, publish_version
 from rlfleet.config import ShardcastSpec
-from rlfleet.signing import (
+from rlfleet.versions.checkpoint import ManifestError, parse_manifest, publish_version
+from rlfleet.versions.signing import (
     KeyConfigError,
     SignatureError,
     generate_keypair,
@@ -22,7 +21,8 @@ from rlfleet.signing import (
     run_public_key,
     run_signer,
 )
-from rlfleet.store import open_store
+from rlfleet.versions.store import open_store
+from rlfleet.wire import env
 
 
 def version_dir(path: Path) -> Path:
@@ -52,7 +52,7 @@ def test_signed_manifest_verifies_and_any_change_is_caught(tmp_path, keys):
     with pytest.raises(SignatureError, match="does not verify"):
         parse_manifest(json.dumps(forged).encode(), "r", 1, public)
     attacker = make_signer(load_private_key(generate_keypair(tmp_path / "attacker")[0]))
-    from rlfleet.checkpoint import manifest_signing_bytes
+    from rlfleet.versions.checkpoint import manifest_signing_bytes
 
     forged["signature"] = attacker(manifest_signing_bytes(forged))  # re-signed with another key
     with pytest.raises(SignatureError, match="does not verify"):

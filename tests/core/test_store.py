@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from rlfleet.checkpoint import (
+from rlfleet.versions.checkpoint import (
     ChecksumError,
     ManifestError,
     VersionExistsError,
@@ -26,7 +26,7 @@ from rlfleet.checkpoint import (
     version_key,
     version_prefix,
 )
-from rlfleet.store import CheckpointStore, FileStore, S3Store, open_store
+from rlfleet.versions.store import CheckpointStore, FileStore, S3Store, open_store
 
 
 @pytest.fixture(params=["file", "s3"])

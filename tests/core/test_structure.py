@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import REPO
+from tests.support import REPO
 
 PACKAGE = REPO / "rlfleet"
 MAX_LINES = 400

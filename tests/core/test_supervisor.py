@@ -1,4 +1,4 @@
-"""The local run's restart policy (rlfleet/supervisor.py) with real processes: restart with back-off,
+"""The local run's restart policy (rlfleet/local/supervisor.py) with real processes: restart with back-off,
 finished components stay finished, a crash loop is reported, and stopping leaves nothing behind."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlfleet.supervisor import Component, RestartPolicy, Supervisor
+from rlfleet.local.supervisor import Component, RestartPolicy, Supervisor
 
 FAST = RestartPolicy(backoff_start_s=0.05, backoff_max_s=0.2, stable_s=1.0, crash_loop=3)
 

@@ -1,4 +1,4 @@
-"""One relay tree (rlfleet/topology.py) for `rlfleet run` and the operator: the rules, the refusals,
+"""One relay tree (rlfleet/wire/topology.py) for `rlfleet run` and the operator: the rules, the refusals,
 and the same bundles fed to the local launcher's plan and the operator's builders give the same graph."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.config import parse_bundle
-from rlfleet.launcher import plan
+from rlfleet.local.launcher import plan
 from rlfleet.operator import builders, names
-from rlfleet.topology import ORIGIN, Node, TopologyError, relay_graph
+from rlfleet.wire.topology import ORIGIN, Node, TopologyError, relay_graph
 
 NS = "team"
 RUN = """\

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO
 
 from rlfleet.services.shardcast.sources import READ_TIMEOUT
+from tests.support import REPO
 
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
 
@@ -282,7 +282,7 @@ def test_a_vllm_worker_serves_the_run_through_weight_swaps_and_stops_cleanly(tmp
     """A real vLLM rollout worker in `rlfleet run`: its rollouts pass the TOPLOC gate before and after
     in-place swaps to the trainer's versions, and at the end its engine-core process is shut down
     by the worker, not by vLLM's exit-time finalizer."""
-    from support import tiny_policy_dir
+    from tests.support import tiny_policy_dir
 
     model = tiny_policy_dir(tmp_path / "policy", seed=0, num_attention_heads=2, num_key_value_heads=1)  # head size 32
     config = tmp_path / "rlrun.yaml"

@@ -4,10 +4,10 @@ for the tests that run them as containers (test_images.py) or lay them out (test
 from __future__ import annotations
 
 import yaml
-from support import REPO
 
 from rlfleet.config import parse_bundle
 from rlfleet.operator import builders, names
+from tests.support import REPO
 
 SECRETS = {
     "redis": {names.REDIS_URL_KEY: "redis://redis.team-a.svc:6379/0"},

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import stat
 
-from containers import CPU_IMAGE, PodContainer, Volume, run_args
-from rendered import SECRETS, cluster_bundle, rendered_pods
-
 from rlfleet.operator import names
+from tests.containers import CPU_IMAGE, PodContainer, Volume, run_args
+from tests.images.rendered import SECRETS, cluster_bundle, rendered_pods
 
 
 def pod(tmp_path, suffix: str) -> PodContainer:

@@ -12,10 +12,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from support import REPO
 
 from rlfleet.operator import names
 from rlfleet.operator.pods import pod_env
+from tests.support import REPO
 
 DOCKER = REPO / "docker"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*"))

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from containers import CPU_IMAGE, OPERATOR_IMAGE, PodContainer, Volume, require, run_container
-from rendered import SECRETS, cluster_bundle, rendered_pods
-from support import REPO
 
 from rlfleet.operator import names
+from tests.containers import CPU_IMAGE, OPERATOR_IMAGE, PodContainer, Volume, require, run_container
+from tests.images.rendered import SECRETS, cluster_bundle, rendered_pods
+from tests.support import REPO
 
 pytestmark = pytest.mark.images
 

@@ -17,14 +17,14 @@ from contextlib import contextmanager
 import pytest
 import redis
 import requests
-from support import wait_for
 
-from rlfleet.asgi import BackgroundServer
 from rlfleet.config import ConfigError, IngestSpec, parse_bundle
-from rlfleet.redis_server import free_port
+from rlfleet.local.redis_server import free_port
 from rlfleet.services.ingest.app import load_tokens, make_app
 from rlfleet.services.ingest.client import post_group, rollouts_url
-from rlfleet.streams import MESSAGE_FIELD, SCHEMA_VERSION, RolloutGroup, RunKeys, Sample, SamplingParams
+from rlfleet.wire.asgi import BackgroundServer
+from rlfleet.wire.streams import MESSAGE_FIELD, SCHEMA_VERSION, RolloutGroup, RunKeys, Sample, SamplingParams
+from tests.support import wait_for
 
 RUN = "demo"
 TOKENS = {"w1": "token-of-w1", "w2": "token-of-w2"}
@@ -284,10 +284,10 @@ def test_work_tickets_are_issued_to_the_tokens_worker(redis_url):
 
 
 def test_the_ingest_works_with_its_own_redis_user(tmp_path):
-    """Its ACL user (rlfleet/redis_acl.py) is enough for admission, idempotency, tickets, bans and health."""
-    from rlfleet.redis_acl import ADMIN, RunAcl, user_name
-    from rlfleet.redis_server import EmbeddedRedis
+    """Its ACL user (rlfleet/wire/redis_acl.py) is enough for admission, idempotency, tickets, bans and health."""
+    from rlfleet.local.redis_server import EmbeddedRedis
     from rlfleet.services.ingest.client import request_ticket, tickets_url
+    from rlfleet.wire.redis_acl import ADMIN, RunAcl, user_name
 
     acl = RunAcl.generate(RUN)
     server = EmbeddedRedis(tmp_path / "redis", acl=acl.acl_file(), auth=(user_name(ADMIN, RUN), acl.passwords[ADMIN]))

@@ -19,12 +19,12 @@ from contextlib import contextmanager
 import pytest
 import redis
 import requests
-from support import wait_for
-from test_ingest import KEYS, RUN, TOKENS, group_bytes, post
 
 from rlfleet.config import ConfigError, parse_bundle
-from rlfleet.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis, free_port
 from rlfleet.services.ingest.client import rollouts_url
+from tests.ingest.test_ingest import KEYS, RUN, TOKENS, group_bytes, post
+from tests.support import wait_for
 
 CONFIG = """
 apiVersion: rlfleet.io/v1alpha1

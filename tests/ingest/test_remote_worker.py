@@ -10,13 +10,13 @@ import sys
 import time
 
 import pytest
-from support import serving, tiny_policy_dir
-from test_ingest import ingest
 
-from rlfleet.checkpoint import publish_version
 from rlfleet.services.shardcast import origin
-from rlfleet.store import FileStore
-from rlfleet.streams import RolloutGroup, RunKeys
+from rlfleet.versions.checkpoint import publish_version
+from rlfleet.versions.store import FileStore
+from rlfleet.wire.streams import RolloutGroup, RunKeys
+from tests.ingest.test_ingest import ingest
+from tests.support import serving, tiny_policy_dir
 
 RUN = "demo"  # test_ingest's ingest serves this run, with worker w1's token
 CONFIG = """

@@ -11,9 +11,9 @@ import time
 
 import pytest
 import requests
-from cluster import EmulatedCluster
 
-from rlfleet.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis, free_port
+from tests.operator.cluster import EmulatedCluster
 
 RESYNC_INTERVAL_S = "1"  # timers every second
 # What the chart sets (the operator reads it when it starts); test_operator_checks.py checks it is used.

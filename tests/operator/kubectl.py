@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import requests
 import yaml
-from support import REPO
 
 from rlfleet.operator import names
+from tests.support import REPO
 
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
 _GROUPS = {

@@ -8,7 +8,7 @@ that the RBAC objects stored in it do not allow.
 
 from __future__ import annotations
 
-from cluster import ApiCall
+from tests.operator.cluster import ApiCall
 
 # Discovery endpoints every authenticated client may read (the cluster's default system:discovery role).
 DISCOVERY = ("/api", "/apis", "/version", "/openapi")

@@ -7,12 +7,12 @@ import re
 import kubernetes_validate
 import pytest
 import yaml
-from support import REPO
 
-from rlfleet import env
 from rlfleet.config import parse_bundle
 from rlfleet.operator import builders as b
 from rlfleet.operator import conditions, names, podconfig
+from rlfleet.wire import env
+from tests.support import REPO
 
 ROOT = REPO
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"

@@ -8,11 +8,11 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from support import REPO
 
 from rlfleet.cli import main as cli_main
 from rlfleet.config import KINDS, ConfigError, parse_bundle
 from rlfleet.operator import crd, names
+from tests.support import REPO
 
 ROOT = REPO
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
@@ -23,7 +23,7 @@ def test_checked_in_crds_match_the_generator():
     for name, text in crd.crd_files().items():
         path = ROOT / "crds" / name
         assert path.exists(), f"{path} missing: run `rlfleet crds --out crds/`"
-        assert path.read_text() == text, f"{path} drifted from rlfleet/config.py: run `rlfleet crds --out crds/`"
+        assert path.read_text() == text, f"{path} drifted from rlfleet/config/: run `rlfleet crds --out crds/`"
     assert sorted(p.name for p in (ROOT / "crds").glob("*.yaml")) == sorted(crd.crd_files())
 
 

@@ -11,7 +11,10 @@ import time
 
 import redis
 import requests
-from kubectl import (
+
+from rlfleet.operator import names
+from rlfleet.wire.streams import RunKeys, encode_json
+from tests.operator.kubectl import (
     SIGNING_SECRET,
     apply_example,
     condition,
@@ -24,10 +27,7 @@ from kubectl import (
     secret,
     url_of,
 )
-from support import wait_for
-
-from rlfleet.operator import names
-from rlfleet.streams import RunKeys, encode_json
+from tests.support import wait_for
 
 
 def test_example_crs_become_children_with_owners_and_status(api, redis_url):

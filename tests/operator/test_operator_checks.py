@@ -7,7 +7,8 @@ import time
 
 import requests
 import yaml
-from kubectl import (
+
+from tests.operator.kubectl import (
     SIGNING_SECRET,
     apply_example,
     condition,
@@ -20,7 +21,7 @@ from kubectl import (
     secret,
     url_of,
 )
-from support import REPO, wait_for
+from tests.support import REPO, wait_for
 
 
 def test_deleting_a_run_whose_redis_secret_is_forbidden_finishes(api, emulator, redis_url):

@@ -10,11 +10,21 @@ import time
 import pytest
 import redis
 import requests
-from kubectl import apply_example, condition, events, get, has_condition, patch, redis_db, unknown_status_fields, url_of
-from support import wait_for
 
 from rlfleet.operator import names
-from rlfleet.streams import RunKeys, encode_json
+from rlfleet.wire.streams import RunKeys, encode_json
+from tests.operator.kubectl import (
+    apply_example,
+    condition,
+    events,
+    get,
+    has_condition,
+    patch,
+    redis_db,
+    unknown_status_fields,
+    url_of,
+)
+from tests.support import wait_for
 
 WORKLOADS = [
     ("StatefulSet", "arithmetic-trainer"),

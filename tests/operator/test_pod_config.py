@@ -6,13 +6,13 @@ from __future__ import annotations
 import ast
 
 import yaml
-from support import REPO
-from test_builders import NS, _bundle
 
 from rlfleet.config import TrainerSpec, parse_bundle
 from rlfleet.operator import builders as b
 from rlfleet.operator import names
 from rlfleet.operator.podconfig import TRAINER_FIELDS_OTHERS_READ
+from tests.operator.test_builders import NS, _bundle
+from tests.support import REPO
 
 
 def _pool(bundle, **spec):
@@ -108,7 +108,10 @@ def test_servers_read_only_the_spec_sections_their_config_hash_holds():
     allowed = {s for sections in SERVER_READS.values() for s in sections}
     sections = set(RLRunSpec.model_fields)
     modules = [*(REPO / "rlfleet/services/shardcast").glob("*.py"), *(REPO / "rlfleet/services/ingest").glob("*.py")]
-    modules += [REPO / f"rlfleet/{m}.py" for m in ("runtime", "signing", "store", "streams", "checkpoint")]
+    modules += [
+        REPO / f"rlfleet/{m}.py"
+        for m in ("wire/runtime", "versions/signing", "versions/store", "wire/streams", "versions/checkpoint")
+    ]
     found = {}
     for path in modules:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -143,7 +146,7 @@ def test_components_other_than_the_trainer_read_only_the_projected_fields_of_spe
     for path in (REPO / "rlfleet").rglob("*.py"):
         rel = path.relative_to(REPO).as_posix()
         if rel.startswith(("rlfleet/services/trainer/", "rlfleet/operator/", "rlfleet/config/")) or rel in (
-            "rlfleet/launcher.py",
+            "rlfleet/local/launcher.py",
         ):
             continue
         for node in ast.walk(ast.parse(path.read_text())):

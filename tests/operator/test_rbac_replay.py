@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import redis
-from kubectl import apply_example, get, patch, redis_db, secret
-from rbac import denied
-from support import CHART, render_chart, wait_for
 
-from rlfleet.streams import RunKeys, encode_json
+from rlfleet.wire.streams import RunKeys, encode_json
+from tests.operator.kubectl import apply_example, get, patch, redis_db, secret
+from tests.operator.rbac import denied
+from tests.support import CHART, render_chart, wait_for
 
 
 def _drive_a_run(api, redis_url) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from test_builders import K8S_VERSION, NS, _all_children, _bundle, _env
 
-from rlfleet import env
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.operator.pools import build_rollout_workload
+from rlfleet.wire import env
+from tests.operator.test_builders import K8S_VERSION, NS, _all_children, _bundle, _env
 
 
 def key_of(pod: dict, name: str) -> str | None:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 import yaml
-from support import REPO
-from test_builders import KUBE_VERSIONS
 
 from rlfleet.cli import main as cli_main
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.operator.render import render_bundle, render_text
+from tests.operator.test_builders import KUBE_VERSIONS
+from tests.support import REPO
 
 EXAMPLES = [REPO / "examples" / "arithmetic" / "rlrun.yaml", *sorted((REPO / "examples" / "math").glob("*.yaml"))]
 CLUSTER = {

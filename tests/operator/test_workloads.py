@@ -7,11 +7,11 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 import yaml
-from test_builders import K8S_VERSION, KUBE_VERSIONS, NS, _all_children, _bundle, _container
 
-from rlfleet import env
 from rlfleet.operator import builders as b
 from rlfleet.operator import names
+from rlfleet.wire import env
+from tests.operator.test_builders import K8S_VERSION, KUBE_VERSIONS, NS, _all_children, _bundle, _container
 
 
 def _workloads(children):

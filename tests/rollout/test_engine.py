@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rlfleet.models.builtin import build_tokenizer
-from rlfleet.policy import score
+from rlfleet.models.policy import score
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine, filter_logits
-from rlfleet.streams import SamplingParams
+from rlfleet.wire.streams import SamplingParams
 
 PROMPT = "12+7="
 

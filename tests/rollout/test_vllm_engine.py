@@ -12,16 +12,16 @@ import importlib.util
 import pytest
 import redis
 import torch
-from support import REPO, tiny_policy_dir
 
 from rlfleet.config import parse_bundle
-from rlfleet.policy import load_policy, score
-from rlfleet.sampling import completion_text
+from rlfleet.models.policy import load_policy, score
+from rlfleet.models.sampling import completion_text
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.proof import build_proofs
-from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
 from rlfleet.tasks import make_task
+from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
+from tests.support import REPO, tiny_policy_dir
 
 pytestmark = [
     pytest.mark.slow,
@@ -221,7 +221,7 @@ def test_the_builtin_tiny_math_passes_the_head_size_check(tmp_path, monkeypatch)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
 def test_rlfleet_run_refuses_engine_vllm_for_such_a_model_before_starting_anything(tmp_path):
 
-    from rlfleet.launcher import run_local
+    from rlfleet.local.launcher import run_local
 
     head_16 = tiny_policy_dir(tmp_path / "h16", seed=0)
     example = (REPO / "examples" / "arithmetic" / "rlrun.yaml").read_text()

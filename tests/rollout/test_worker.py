@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import threading
 
-from support import trainer_run_config
-
-from rlfleet.checkpoint import version_dir_name
 from rlfleet.config import parse_bundle
-from rlfleet.runtime import Context
 from rlfleet.services.rollout.main import VersionFollower
-from rlfleet.streams import RunKeys
+from rlfleet.versions.checkpoint import version_dir_name
+from rlfleet.wire.runtime import Context
+from rlfleet.wire.streams import RunKeys
+from tests.support import trainer_run_config
 
 
 def test_pruning_never_removes_the_version_the_engine_took(tmp_path, redis_client):

@@ -7,17 +7,16 @@ from __future__ import annotations
 import threading
 import time
 
-from support import serving, tiny_policy_dir, wait_for
-
-from rlfleet import env
-from rlfleet.checkpoint import publish_version
 from rlfleet.config import load_bundle
-from rlfleet.runtime import Context
 from rlfleet.services.rollout.main import RolloutOptions, Worker
 from rlfleet.services.shardcast.origin import make_app
-from rlfleet.signing import generate_keypair, load_private_key, make_signer
-from rlfleet.store import open_store
-from rlfleet.streams import RolloutGroup, RunKeys, encode_json
+from rlfleet.versions.checkpoint import publish_version
+from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
+from rlfleet.versions.store import open_store
+from rlfleet.wire import env
+from rlfleet.wire.runtime import Context
+from rlfleet.wire.streams import RolloutGroup, RunKeys, encode_json
+from tests.support import serving, tiny_policy_dir, wait_for
 
 CONFIG = """
 apiVersion: rlfleet.io/v1alpha1

@@ -15,15 +15,22 @@ import pytest
 import requests
 from aiohttp import web
 from prometheus_client import REGISTRY
-from support import serving, wait_for
 
-from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, publish_version, save_model_dir, verify_dir, version_key
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchError, fetch_version, wait_for_version
 from rlfleet.services.shardcast.protocol import file_path, latest_path
 from rlfleet.services.shardcast.protocol import healthz as origin_healthz
-from rlfleet.store import open_store
-from rlfleet.streams import RunKeys, encode_json
+from rlfleet.versions.checkpoint import (
+    COMPLETE_MARKER,
+    MANIFEST_NAME,
+    publish_version,
+    save_model_dir,
+    verify_dir,
+    version_key,
+)
+from rlfleet.versions.store import open_store
+from rlfleet.wire.streams import RunKeys, encode_json
+from tests.support import serving, wait_for
 
 RUN = "demo"
 

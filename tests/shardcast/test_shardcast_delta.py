@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import requests
 from aiohttp import web
-from support import serving, trained_versions
 
-from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, manifest_signing_bytes
 from rlfleet.config import DeltaSpec
-from rlfleet.delta.publish import PolicyPublisher, local_entries
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchError
 from rlfleet.services.shardcast.protocol import healthz
-from rlfleet.signing import generate_keypair, load_private_key, make_signer, parse_public_key
-from rlfleet.store import open_store
+from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, manifest_signing_bytes
+from rlfleet.versions.publish import PolicyPublisher, local_entries
+from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
+from rlfleet.versions.store import open_store
+from tests.support import serving, trained_versions
 
 RUN = "demo"
 SHARD = 8192

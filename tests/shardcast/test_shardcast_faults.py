@@ -21,17 +21,17 @@ from pathlib import Path
 import pytest
 import requests
 from aiohttp import web
-from support import serving, wait_for
 
-from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, manifest_signing_bytes, publish_version
-from rlfleet.redis_server import free_port
+from rlfleet.local.redis_server import free_port
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchError, Sources, fetch_version
 from rlfleet.services.shardcast.protocol import file_path, healthz, latest_path
 from rlfleet.services.shardcast.sources import READ_TIMEOUT
-from rlfleet.signing import generate_keypair, load_private_key, make_signer, parse_public_key
-from rlfleet.store import open_store
-from rlfleet.streams import RunKeys, encode_json
+from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, manifest_signing_bytes, publish_version
+from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
+from rlfleet.versions.store import open_store
+from rlfleet.wire.streams import RunKeys, encode_json
+from tests.support import serving, wait_for
 
 RUN = "demo"
 SHARD = 64 * 1024

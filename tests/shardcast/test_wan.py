@@ -1,4 +1,4 @@
-"""Shardcast over a simulated WAN (rlfleet.testbed): `benchmarks/broadcast.py --wan` on its `small`
+"""Shardcast over a simulated WAN (testbed): `benchmarks/broadcast.py --wan` on its `small`
 topology, 64 MiB through 1 relay to 4 clients (origin up 400 Mbit/s, relay up 800, clients down
 200), and the same clients straight from the origin. Every client must hold the verified version
 and the testbed must leave no namespace behind. Root only (skipped with the reason otherwise)."""
@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
-from support import REPO
 
-from rlfleet.testbed import unavailable_reason
-from rlfleet.testbed.commands import NETNS_ETC, namespaces
+from testbed import unavailable_reason
+from testbed.commands import NETNS_ETC, namespaces
+from tests.support import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 

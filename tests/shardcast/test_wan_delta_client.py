@@ -10,13 +10,12 @@ import shutil
 import subprocess
 import sys
 
-from support import REPO, serving, trained_versions
-
 from rlfleet.config import DeltaSpec
-from rlfleet.delta.publish import PolicyPublisher, local_entries
 from rlfleet.services.shardcast import origin
-from rlfleet.signing import generate_keypair, load_private_key, make_signer
-from rlfleet.store import open_store
+from rlfleet.versions.publish import PolicyPublisher, local_entries
+from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
+from rlfleet.versions.store import open_store
+from tests.support import REPO, serving, trained_versions
 
 RUN = "delta-bench"  # benchmarks/delta.py RUN: the run the role follows
 

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO
 
-from rlfleet.testbed import Testbed, TestbedUnavailable, stale_namespaces, sweep, unavailable_reason
-from rlfleet.testbed.commands import NETNS_ETC, REGISTER, namespaces
+from testbed import Testbed, TestbedUnavailable, stale_namespaces, sweep, unavailable_reason
+from testbed.commands import NETNS_ETC, REGISTER, namespaces
+from tests.support import REPO
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
@@ -111,7 +111,7 @@ def test_a_failed_setup_is_torn_down_too():
 
 OWNER = """
 import sys, time
-from rlfleet.testbed import Testbed
+from testbed import Testbed
 with Testbed() as tb:
     tb.host("a", down=10e6); tb.host("b", up=10e6)
     tb.popen("a", ["sleep", "600"])
@@ -167,7 +167,7 @@ def dead_pid() -> int:
 
 STUBBORN = """
 import sys, time
-from rlfleet.testbed import Testbed
+from testbed import Testbed
 with Testbed() as tb:
     tb.host("a", down=10e6)
     stubborn = tb.popen("a", ["sh", "-c", "trap '' TERM; echo ready; exec sleep 600"], stdout=-1, text=True)
@@ -190,7 +190,7 @@ def test_a_second_signal_during_teardown_does_not_cut_it_short():
 
 
 def test_refusal_names_the_reason():
-    check = "from rlfleet.testbed import Testbed\nwith Testbed(): pass"
+    check = "from testbed import Testbed\nwith Testbed(): pass"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     no_tools = subprocess.run(
         [sys.executable, "-c", check], env={**env, "PATH": "/nonexistent"}, capture_output=True, text=True
@@ -198,7 +198,7 @@ def test_refusal_names_the_reason():
     assert no_tools.returncode != 0 and "TestbedUnavailable" in no_tools.stderr
     assert "iproute2" in no_tools.stderr and "ip and tc not on PATH" in no_tools.stderr
     # the interpreter itself is root's to run here, so the child drops its effective uid after start
-    drop = "import os\nimport rlfleet.testbed\nos.setegid(65534)\nos.seteuid(65534)\n"
+    drop = "import os\nimport testbed\nos.setegid(65534)\nos.seteuid(65534)\n"
     as_nobody = subprocess.run([sys.executable, "-c", drop + check], env=env, capture_output=True, text=True)
     assert as_nobody.returncode != 0 and "needs root" in as_nobody.stderr, as_nobody.stderr
     assert issubclass(TestbedUnavailable, RuntimeError)

@@ -14,11 +14,11 @@ import uuid
 
 import torch
 
-from rlfleet.policy import score
+from rlfleet.models.policy import score
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.proof import build_proofs
-from rlfleet.streams import RolloutGroup, Sample, SamplingParams
 from rlfleet.tasks import make_run_task
+from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
 
 
 def text_of(tokenizer, completion_ids: list[int]) -> str:
@@ -233,9 +233,9 @@ def half_engine(policy_dir, version: int = 0) -> TorchEngine:
 
 def one_step_later(policy_dir, dest, spec, groups: list[RolloutGroup]):
     """The policy after one GRPO step on `groups` (the run's trainer settings), saved as an HF directory."""
-    from rlfleet.checkpoint import save_model_dir
-    from rlfleet.policy import load_policy
+    from rlfleet.models.policy import load_policy
     from rlfleet.services.trainer.update import grpo_update
+    from rlfleet.versions.checkpoint import save_model_dir
 
     model, tokenizer = load_policy(policy_dir)
     t = spec.trainer

@@ -9,17 +9,17 @@ import re
 
 import pytest
 import torch
-from support import tiny_policy_dir
-from test_gate import gate_system, honest_group, verified_ids
-from test_gate_tamper import STRICT, fp8_rounded, outside_top_k
 
-from rlfleet.policy import score
-from rlfleet.redis_server import EmbeddedRedis
+from rlfleet.local.redis_server import EmbeddedRedis
+from rlfleet.models.policy import score
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc import batch
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.gate import Gate
-from rlfleet.streams import RolloutGroup, Sample, SamplingParams, decode_json
+from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams, decode_json
+from tests.support import tiny_policy_dir
+from tests.toploc.test_gate import gate_system, honest_group, verified_ids
+from tests.toploc.test_gate_tamper import STRICT, fp8_rounded, outside_top_k
 
 SAMPLING = "{groupSize: 4, maxTokens: 6, topK: 8}"
 

@@ -13,23 +13,23 @@ from contextlib import contextmanager
 
 import pytest
 import redis
-from support import serving, tiny_policy_dir
 
-from rlfleet import env
-from rlfleet.checkpoint import publish_version
 from rlfleet.config import ConfigError, parse_bundle
-from rlfleet.runtime import Context
-from rlfleet.sampling import completion_text
+from rlfleet.models.sampling import completion_text
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.shardcast.origin import make_app
 from rlfleet.services.toploc.gate import Gate
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.services.toploc.reputation import is_banned, one_worker_stats
 from rlfleet.services.trainer.main import Trainer
-from rlfleet.signing import generate_keypair, load_private_key, make_signer
-from rlfleet.store import open_store
-from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, decode_json, encode_json, group_digest
 from rlfleet.tasks import make_task
+from rlfleet.versions.checkpoint import publish_version
+from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
+from rlfleet.versions.store import open_store
+from rlfleet.wire import env
+from rlfleet.wire.runtime import Context
+from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, decode_json, encode_json, group_digest
+from tests.support import serving, tiny_policy_dir
 
 CONFIG = """
 apiVersion: rlfleet.io/v1alpha1

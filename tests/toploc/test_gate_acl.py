@@ -1,25 +1,25 @@
 """The verifier, the trainer and a worker on a Redis with one ACL user per role (issue 16 item 6), as
-`rlfleet run` starts them: each role's grants (rlfleet/redis_acl.py) are enough for the component's
+`rlfleet run` starts them: each role's grants (rlfleet/wire/redis_acl.py) are enough for the component's
 real work, and a worker's forged `verified` entry is refused by Redis itself."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import attacks
 import pytest
 import redis
 import requests
-from test_gate import gate_system, rejections, run_gate, verified_ids
 
-from rlfleet.redis_acl import ADMIN, RunAcl, user_name
-from rlfleet.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis, free_port
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.sharding import full_model_state
-from rlfleet.streams import group_digest
+from rlfleet.wire.redis_acl import ADMIN, RunAcl, user_name
+from rlfleet.wire.streams import group_digest
+from tests.toploc import attacks
+from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
 
 
 def test_each_component_works_with_its_own_redis_user(tmp_path):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 
 import httpx
-from support import tiny_policy_dir
-from test_gate import gate_system, honest_group, run_gate, verified_ids
 
-from rlfleet.redis_server import free_port
+from rlfleet.local.redis_server import free_port
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
-from rlfleet.streams import SCHEMA_VERSION
+from rlfleet.wire.streams import SCHEMA_VERSION
+from tests.support import tiny_policy_dir
+from tests.toploc.test_gate import gate_system, honest_group, run_gate, verified_ids
 
 
 def body(group) -> dict:

@@ -4,14 +4,14 @@ its replay guards in Redis, against a real origin and redis-server."""
 from __future__ import annotations
 
 import pytest
-from test_gate import gate_system
 
-from rlfleet.checkpoint import publish_version
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.gate import Gate
-from rlfleet.signing import PRIVATE_KEY_FILE, load_private_key, make_signer
-from rlfleet.store import open_store
-from rlfleet.streams import RolloutGroup, Sample, SamplingParams, encode_json
+from rlfleet.versions.checkpoint import publish_version
+from rlfleet.versions.signing import PRIVATE_KEY_FILE, load_private_key, make_signer
+from rlfleet.versions.store import open_store
+from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams, encode_json
+from tests.toploc.test_gate import gate_system
 
 
 def group(version: int, n: int, ticket: int | None = None) -> RolloutGroup:

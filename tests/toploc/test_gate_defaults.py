@@ -11,18 +11,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import attacks
 import torch
-from test_gate import gate_system, rejections, run_gate, verified_ids
 
-from rlfleet import env
-from rlfleet.checkpoint import publish_version
 from rlfleet.config import parse_bundle
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.checks import possible_tokens
-from rlfleet.signing import load_private_key, make_signer
-from rlfleet.store import open_store
-from rlfleet.streams import encode_json
+from rlfleet.versions.checkpoint import publish_version
+from rlfleet.versions.signing import load_private_key, make_signer
+from rlfleet.versions.store import open_store
+from rlfleet.wire import env
+from rlfleet.wire.streams import encode_json
+from tests.toploc import attacks
+from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
 
 SAMPLING = "{groupSize: 4, maxTokens: 6, topP: 0.9}"
 

@@ -7,11 +7,10 @@ are, special tokens included (no skipping past them).
 
 from __future__ import annotations
 
-import attacks
-from test_gate import gate_system, rejections, run_gate, verified_ids
-
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
-from rlfleet.streams import RolloutGroup
+from rlfleet.wire.streams import RolloutGroup
+from tests.toploc import attacks
+from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
 
 
 def test_a_dropped_eos_and_tokens_after_eos_are_rejected(tmp_path, redis_url):

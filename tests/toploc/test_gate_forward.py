@@ -7,15 +7,15 @@ skipped the prefill keeps the worker's (the gate has nothing better).
 
 from __future__ import annotations
 
-import attacks
 import pytest
 import torch
-from test_gate import gate_system, run_gate
 
-from rlfleet.policy import score
+from rlfleet.models.policy import score
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.trainer.main import Trainer
-from rlfleet.streams import RolloutGroup
+from rlfleet.wire.streams import RolloutGroup
+from tests.toploc import attacks
+from tests.toploc.test_gate import gate_system, run_gate
 
 SHIFT = 0.03
 

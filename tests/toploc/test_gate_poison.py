@@ -11,13 +11,13 @@ import threading
 import time
 
 from prometheus_client import REGISTRY
-from test_gate import gate_system, honest_group, run_gate, verified_ids
 
-from rlfleet.redis_server import free_port
+from rlfleet.local.redis_server import free_port
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
-from rlfleet.streams import MESSAGE_FIELD, decode_json
+from rlfleet.wire.streams import MESSAGE_FIELD, decode_json
+from tests.toploc.test_gate import gate_system, honest_group, run_gate, verified_ids
 
 
 def hostile_bodies(honest: dict) -> dict[str, bytes]:

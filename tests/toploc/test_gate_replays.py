@@ -7,12 +7,12 @@ seed or task id a worker chooses.
 
 from __future__ import annotations
 
-import attacks
 import pytest
-from test_gate import gate_system, rejections, run_gate, verified_ids
 
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.trainer.main import Trainer
+from tests.toploc import attacks
+from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_the_trainer_trains_the_same_work_once_under_any_ids(system):
 def _commit_args(trainer, groups) -> list:
     """What Trainer.commit records as trained: content digests (rollout ids before issue 16)."""
     try:
-        from rlfleet.streams import group_digest
+        from rlfleet.wire.streams import group_digest
     except ImportError:
         return [[g.rollout_id for g in groups]]
     return [[group_digest(g) for g in groups]]

@@ -1,6 +1,6 @@
 """Issue 16 item 3: seeds per sample, replayed at the gate where the engine is deterministic.
 
-The torch engine draws each sample from its own seed by inverse CDF (rlfleet/sampling.py), so a
+The torch engine draws each sample from its own seed by inverse CDF (rlfleet/models/sampling.py), so a
 sample is the same whatever batch or thread count drew it, and the gate re-draws every token from
 its prefill (replay.py). vLLM's groups cannot be replayed: the gate admits them only when the run
 lists vllm in spec.verifier.engines and then checks them by proofs and logprobs alone. A run can
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import copy
 
-import attacks
 import pytest
 import torch
-from support import tiny_policy_dir
-from test_gate import gate_system, rejections, run_gate, verified_ids
 
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.reputation import one_worker_stats
+from tests.support import tiny_policy_dir
+from tests.toploc import attacks
+from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
 
 SAMPLING = "{groupSize: 4, maxTokens: 6, topP: 0.9}"
 
@@ -96,13 +96,13 @@ def test_vllm_groups_need_admission_and_are_checked_without_replay(tmp_path, red
 
 
 def _records(ctx) -> list[dict]:
-    from rlfleet.streams import decode_json
+    from rlfleet.wire.streams import decode_json
 
     return [decode_json(f) for _, f in ctx.redis.xrange(ctx.keys.rejected)]
 
 
 def test_run_assigned_tickets_fix_task_and_seed(tmp_path, redis_url):
-    from rlfleet.assignment import assigned_work, issue_ticket
+    from rlfleet.wire.assignment import assigned_work, issue_ticket
 
     sampling = "{groupSize: 4, maxTokens: 6, assignment: run}"
     with gate_system(tmp_path, redis_url, sampling=sampling) as (ctx, policy, origin_url, tmp):

@@ -13,15 +13,15 @@ import copy
 
 import pytest
 import torch
-from support import tiny_policy_dir
-from test_gate import gate_system, honest_group, rejections, run_gate, verified_ids
 
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.checks import possible_tokens
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.services.toploc.reputation import is_banned, one_worker_stats
-from rlfleet.streams import SCHEMA_VERSION, RolloutGroup, SamplingParams, decode_json
 from rlfleet.tasks import make_task
+from rlfleet.wire.streams import SCHEMA_VERSION, RolloutGroup, SamplingParams, decode_json
+from tests.support import tiny_policy_dir
+from tests.toploc.test_gate import gate_system, honest_group, rejections, run_gate, verified_ids
 
 STRICT = (
     "{maxMessageBytes: 65536, logprobTolerance: 1.0e-4, "

@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from support import REPO
 
 from rlfleet.cli import main as cli_main
 from rlfleet.services.toploc.conformance import run_conformance
@@ -23,6 +22,7 @@ from rlfleet.services.toploc.proof import (
     chunk_rows,
     verify_proofs,
 )
+from tests.support import REPO
 
 CONFORMANCE_DIR = REPO / "tests" / "data" / "toploc"
 

@@ -9,14 +9,14 @@ import zlib
 import pytest
 import redis
 import torch
-from support import tiny_policy_dir, trainer_run_config, wait_for
 
 from rlfleet.config import parse_bundle
-from rlfleet.runtime import Context
 from rlfleet.services.trainer.loss import grpo_loss
 from rlfleet.services.trainer.main import Trainer, lr_factor
 from rlfleet.services.trainer.update import grpo_update
-from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams
+from rlfleet.wire.runtime import Context
+from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams
+from tests.support import tiny_policy_dir, trainer_run_config, wait_for
 
 TRAINER = (
     "{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-2, skipZeroAdvantageGroups: true, entropyCoef: 0.01, "

@@ -5,18 +5,18 @@ from __future__ import annotations
 import threading
 
 import redis
-from support import serving, tiny_policy_dir, trainer_run_config
-from test_trainer import group
 
-from rlfleet.checkpoint import list_versions, read_manifest
 from rlfleet.config import parse_bundle
-from rlfleet.delta.chain import base_of
-from rlfleet.policy import load_policy
-from rlfleet.runtime import Context
+from rlfleet.models.policy import load_policy
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.trainer.main import Trainer
-from rlfleet.streams import RunKeys
+from rlfleet.versions.chain import base_of
+from rlfleet.versions.checkpoint import list_versions, read_manifest
+from rlfleet.wire.runtime import Context
+from rlfleet.wire.streams import RunKeys
+from tests.support import serving, tiny_policy_dir, trainer_run_config
+from tests.trainer.test_trainer import group
 
 
 def test_trainer_publishes_deltas_that_rebuild_its_weights(tmp_path, redis_url):

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from support import tiny_policy_dir
 
 from rlfleet.config import TrainerSpec
-from rlfleet.policy import load_policy
-from rlfleet.redis_server import free_port
+from rlfleet.local.redis_server import free_port
+from rlfleet.models.policy import load_policy
 from rlfleet.services.trainer.update import grpo_update
-from rlfleet.streams import RolloutGroup, Sample, SamplingParams
+from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
+from tests.support import tiny_policy_dir
 
 
 def batch() -> list[RolloutGroup]:

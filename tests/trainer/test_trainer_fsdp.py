@@ -14,14 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from support import serving, start_trainer, tiny_policy_dir, trainer_run_config
-from test_trainer import group
-from test_trainer_dp import batch
 
-from rlfleet.checkpoint import save_model_dir
 from rlfleet.config import TrainerSpec
-from rlfleet.policy import load_policy, load_weights_in_place
-from rlfleet.redis_server import free_port
+from rlfleet.local.redis_server import free_port
+from rlfleet.models.policy import load_policy, load_weights_in_place
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.trainer.sharding import (
@@ -32,8 +28,12 @@ from rlfleet.services.trainer.sharding import (
     shard_policy,
 )
 from rlfleet.services.trainer.update import grpo_update
-from rlfleet.store import open_store
-from rlfleet.streams import RolloutGroup, RunKeys, Sample, SamplingParams, group_digest
+from rlfleet.versions.checkpoint import save_model_dir
+from rlfleet.versions.store import open_store
+from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, group_digest
+from tests.support import serving, start_trainer, tiny_policy_dir, trainer_run_config
+from tests.trainer.test_trainer import group
+from tests.trainer.test_trainer_dp import batch
 
 # Step 1: plain SGD with momentum on a batch of 12 completions (6 per rank), no clipping.
 FIRST = TrainerSpec(learning_rate=0.5, max_grad_norm=1e6)

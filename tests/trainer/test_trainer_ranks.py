@@ -9,11 +9,11 @@ import time
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-from support import start_trainer, tiny_policy_dir, trainer_run_config
-from test_trainer import group
 
-from rlfleet.redis_server import free_port
-from rlfleet.streams import RunKeys
+from rlfleet.local.redis_server import free_port
+from rlfleet.wire.streams import RunKeys
+from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
+from tests.trainer.test_trainer import group
 
 TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 1, replicas: 2}"
 

@@ -9,10 +9,10 @@ import signal
 import time
 
 import pytest
-from support import start_trainer, tiny_policy_dir, trainer_run_config
-from test_trainer import group
 
-from rlfleet.streams import RunKeys, group_digest
+from rlfleet.wire.streams import RunKeys, group_digest
+from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
+from tests.trainer.test_trainer import group
 
 TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 10}"
 
@@ -67,8 +67,8 @@ def test_a_step_saved_but_not_yet_recorded_is_recorded_once_on_resume(tmp_path, 
     import redis as redis_lib
 
     from rlfleet.config import parse_bundle
-    from rlfleet.runtime import Context
     from rlfleet.services.trainer.main import Trainer
+    from rlfleet.wire.runtime import Context
 
     bundle = parse_bundle(trainer_run_config(tiny_policy_dir(tmp_path / "policy", seed=0), tmp_path / "store", TRAINER))
     for rid in ("a", "b"):

@@ -43,13 +43,13 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from rlfleet.assignment import issue_ticket
 from rlfleet.config import ConfigError, IngestSpec
-from rlfleet.runtime import ComponentOptions
 from rlfleet.services.ingest.client import ROLLOUTS_PATH, TICKETS_PATH
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, group_digest
+from rlfleet.wire.assignment import issue_ticket
+from rlfleet.wire.runtime import ComponentOptions
+from rlfleet.wire.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, group_digest
 
 log = logging.getLogger("rlfleet.ingest")
 
@@ -308,7 +308,7 @@ class IngestOptions(ComponentOptions):
 
 
 def main(options: IngestOptions) -> int:
-    from rlfleet.runtime import component_context
+    from rlfleet.wire.runtime import component_context
 
     ctx = component_context(options, "ingest")
     spec = ctx.bundle.run.spec

@@ -1,7 +1,7 @@
 """`rlfleet rollout`: a worker of an InferencePool.
 
 Loop: draw a task id and seed (or, when the run assigns work, take a ticket that fixes them:
-rlfleet/assignment.py), sample G completions with the current policy version, build TOPLOC proofs of
+rlfleet/wire/assignment.py), sample G completions with the current policy version, build TOPLOC proofs of
 their final hidden states, XADD the group to the inbox. A background thread follows the `policy`
 stream and downloads each announced version through the relays (checking every file's sha256; a delta
 version is rebuilt from the one held here, shardcast/assemble.py)
@@ -34,21 +34,21 @@ import redis
 import requests
 from prometheus_client import Counter, Gauge
 
-from rlfleet import env
-from rlfleet.assignment import assigned_work, issue_ticket
-from rlfleet.checkpoint import prune_cache
 from rlfleet.models.builtin import local_model_path
-from rlfleet.policy import configure_torch_threads
-from rlfleet.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
-from rlfleet.sampling import completion_text
+from rlfleet.models.policy import configure_torch_threads
+from rlfleet.models.sampling import completion_text
 from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import Sources, wait_for_version
 from rlfleet.services.toploc.proof import build_proofs_many
-from rlfleet.signing import run_public_key
-from rlfleet.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
 from rlfleet.tasks import make_run_task
+from rlfleet.versions.checkpoint import prune_cache
+from rlfleet.versions.signing import run_public_key
+from rlfleet.wire import env
+from rlfleet.wire.assignment import assigned_work, issue_ticket
+from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
+from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -187,7 +187,7 @@ class Worker:
         self.task = make_run_task(self.spec)
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
         self.rng = np.random.default_rng(seed)
-        # Redis users per job (rlfleet/redis_acl.py): ctx.redis only adds to the inbox; reads and tickets
+        # Redis users per job (rlfleet/wire/redis_acl.py): ctx.redis only adds to the inbox; reads and tickets
         # go through their own users when the launcher or the operator gives them (else ctx.redis).
         self.reader = self.tickets = None
         if not self.ingest_url:

@@ -39,11 +39,11 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, version_dir_name
-from rlfleet.delta.chain import DeltaError, base_of, delta_files, result_files, size_of, whole, whole_files
-from rlfleet.delta.codec import apply_file
 from rlfleet.services.shardcast.client import PARALLEL, Fetcher, FetchError, Sources
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, install
+from rlfleet.versions.chain import DeltaError, base_of, delta_files, result_files, size_of, whole, whole_files
+from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, version_dir_name
+from rlfleet.versions.codec import apply_file
 
 log = logging.getLogger("rlfleet.shardcast.client")
 

@@ -51,7 +51,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, parse_manifest, version_dir_name
 from rlfleet.services.shardcast.protocol import file_path
 from rlfleet.services.shardcast.sources import (
     BACKOFF_MAX,
@@ -65,6 +64,7 @@ from rlfleet.services.shardcast.sources import (
     wait_for_version,
 )
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, allocate, install
+from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, parse_manifest, version_dir_name
 
 log = logging.getLogger("rlfleet.shardcast.client")
 

@@ -29,8 +29,6 @@ import redis
 from aiohttp import web
 from prometheus_client import Counter
 
-from rlfleet.checkpoint import MANIFEST_NAME, latest_version, manifest_key, version_key
-from rlfleet.runtime import ComponentOptions
 from rlfleet.services.shardcast.protocol import (
     ROUTE_FILE,
     ROUTE_HEALTH,
@@ -47,8 +45,10 @@ from rlfleet.services.shardcast.protocol import (
     send_range,
     serve_until,
 )
-from rlfleet.store import CheckpointStore
-from rlfleet.streams import RunKeys
+from rlfleet.versions.checkpoint import MANIFEST_NAME, latest_version, manifest_key, version_key
+from rlfleet.versions.store import CheckpointStore
+from rlfleet.wire.runtime import ComponentOptions
+from rlfleet.wire.streams import RunKeys
 
 log = logging.getLogger("rlfleet.shardcast.origin")
 
@@ -151,7 +151,7 @@ class OriginOptions(ComponentOptions):
 
 def main(options: OriginOptions) -> int:
     """`rlfleet origin`: serve the store of the config's run on host:port until SIGTERM."""
-    from rlfleet.runtime import component_context, open_run_store
+    from rlfleet.wire.runtime import component_context, open_run_store
 
     ctx = component_context(options, "origin")
     store = open_run_store(ctx, str(options.config))

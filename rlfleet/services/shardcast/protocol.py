@@ -25,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import BinaryIO
 
 from aiohttp import web
@@ -241,33 +239,3 @@ async def serve_until(app: web.Application, host: str, port: int, stop: threadin
             await asyncio.sleep(0.2)
     finally:
         await runner.cleanup()
-
-
-@contextmanager
-def serving(app: web.Application, host: str = "127.0.0.1", start_timeout: float = 10.0) -> Iterator[str]:
-    """Serve `app` on a free port of `host` from a background thread (tests, benchmarks); yield its
-    base URL once `/healthz` answers. On exit the server stops and its thread is joined."""
-    import requests
-
-    from rlfleet.redis_server import free_port
-
-    port, stop = free_port(), threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, host, port, stop)), daemon=True)
-    thread.start()
-    url = f"http://{host}:{port}"
-    deadline = time.monotonic() + start_timeout
-    while True:
-        try:
-            if requests.get(url + "/healthz", timeout=1).ok:
-                break
-        except requests.ConnectionError:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"server on {url} did not start") from None
-            time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        stop.set()
-        thread.join(15)
-        if thread.is_alive():
-            raise RuntimeError(f"server on {url} did not stop within 15 s")

@@ -23,8 +23,6 @@ from pathlib import Path
 import redis
 from aiohttp import web
 
-from rlfleet.checkpoint import MANIFEST_NAME
-from rlfleet.runtime import ComponentOptions
 from rlfleet.services.shardcast.client import PARALLEL, FetchError
 from rlfleet.services.shardcast.protocol import (
     ROUTE_FILE,
@@ -44,6 +42,8 @@ from rlfleet.services.shardcast.protocol import (
 )
 from rlfleet.services.shardcast.pull import Pull, stream
 from rlfleet.services.shardcast.relay_cache import BYTES_OUT, CLIENTS, DiskBoundError, NotUpstream, Relay, VersionGone
+from rlfleet.versions.checkpoint import MANIFEST_NAME
+from rlfleet.wire.runtime import ComponentOptions
 
 RELAY = web.AppKey("relay", Relay)
 
@@ -179,8 +179,8 @@ class RelayOptions(ComponentOptions):
 
 def main(options: RelayOptions) -> int:
     """`rlfleet relay`: pull from the upstream into the cache dir, serve on host:port until SIGTERM."""
-    from rlfleet.runtime import component_context
-    from rlfleet.signing import run_public_key
+    from rlfleet.versions.signing import run_public_key
+    from rlfleet.wire.runtime import component_context
 
     # Without Redis (a relay tier of a run trained in another cluster) it follows its upstream's long-poll.
     ctx = component_context(options, "relay", redis_optional=True)

@@ -44,14 +44,14 @@ import aiohttp
 import redis
 from prometheus_client import Counter, Gauge, Histogram
 
-from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
-from rlfleet.delta.chain import dir_retained
 from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, FetchError, Sources
 from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_path
 from rlfleet.services.shardcast.pull import Pull
 from rlfleet.services.shardcast.sources import CONNECT_TIMEOUT, READ_TIMEOUT
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
-from rlfleet.streams import MessageError, RunKeys, decode_json
+from rlfleet.versions.chain import dir_retained
+from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
+from rlfleet.wire.streams import MessageError, RunKeys, decode_json
 
 log = logging.getLogger("rlfleet.shardcast.relay")
 

@@ -12,9 +12,9 @@ import time
 
 import requests
 
-from rlfleet.checkpoint import ChecksumError, ManifestError
 from rlfleet.services.shardcast.protocol import latest_path
-from rlfleet.signing import SignatureError
+from rlfleet.versions.checkpoint import ChecksumError, ManifestError
+from rlfleet.versions.signing import SignatureError
 
 log = logging.getLogger("rlfleet.shardcast.client")
 

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from rlfleet.checkpoint import COMPLETE_MARKER, MANIFEST_NAME
+from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME
 
 log = logging.getLogger("rlfleet.shardcast.staging")
 

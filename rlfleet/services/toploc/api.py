@@ -22,10 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from rlfleet.asgi import BackgroundServer
 from rlfleet.services.toploc.checks import Rejection
 from rlfleet.services.toploc.reputation import one_worker_stats, worker_stats
-from rlfleet.streams import MESSAGE_FIELD
+from rlfleet.wire.asgi import BackgroundServer
+from rlfleet.wire.streams import MESSAGE_FIELD
 
 
 class Verdict(BaseModel):

@@ -29,9 +29,9 @@ from collections import defaultdict
 
 import torch
 
-from rlfleet.policy import Scored, score
+from rlfleet.models.policy import Scored, score
 from rlfleet.services.toploc.checks import Checker, Outcome, Rejection, decode_group
-from rlfleet.streams import RolloutGroup
+from rlfleet.wire.streams import RolloutGroup
 
 # Padded positions per prefill: bounds its activations (positions x hidden) and logits (positions x
 # vocabulary); past a few thousand positions a larger batch no longer runs faster per token on a GPU.

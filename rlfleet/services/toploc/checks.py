@@ -37,19 +37,27 @@ from typing import get_args
 import redis
 import torch
 
-from rlfleet.assignment import ticket_problem
 from rlfleet.config import RejectionReason, RLRunSpec
-from rlfleet.policy import Scored, score
-from rlfleet.runtime import latest_announced_version
-from rlfleet.sampling import completion_text, context_length, stop_token_ids
+from rlfleet.models.policy import Scored, score
+from rlfleet.models.sampling import completion_text, context_length, stop_token_ids
 from rlfleet.services.toploc.calibration import Calibration, calibration
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.guards import ticket_replay, work_replay
 from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs_many
 from rlfleet.services.toploc.replay import group_replay
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.streams import ID_MAX_CHARS, MESSAGE_FIELD, SCHEMA_VERSION, MessageError, RolloutGroup, RunKeys, text_field
 from rlfleet.tasks import make_run_task
+from rlfleet.wire.assignment import ticket_problem
+from rlfleet.wire.runtime import latest_announced_version
+from rlfleet.wire.streams import (
+    ID_MAX_CHARS,
+    MESSAGE_FIELD,
+    SCHEMA_VERSION,
+    MessageError,
+    RolloutGroup,
+    RunKeys,
+    text_field,
+)
 
 REASONS: tuple[str, ...] = get_args(RejectionReason)
 
@@ -101,7 +109,7 @@ def _peek(fields: dict) -> dict:
 def possible_tokens(
     logp: torch.Tensor, tokens: torch.Tensor, top_p: float, top_k: int, slack: float, top_p_slack: float = 0.0
 ) -> torch.Tensor:
-    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (rlfleet.sampling.keep_mask).
+    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (rlfleet.models.sampling.keep_mask).
 
     logp (T, V) is log_softmax(logits / temperature) recomputed by the verifier; it may differ from the
     worker's by about `slack` per entry, so only tokens more likely than the sampled one by 2*slack count

@@ -1,4 +1,4 @@
-"""Where a completion stops (check 1 of checks.py, every group): rlfleet/sampling.py's contract.
+"""Where a completion stops (check 1 of checks.py, every group): rlfleet/models/sampling.py's contract.
 
 A completion holds no token after its first stop token, and either ends with one or has exactly
 `completion_budget` tokens (min(maxTokens, context - prompt - 1)): a completion cut short without a
@@ -10,7 +10,7 @@ stop token (sampling.completion_text).
 
 from __future__ import annotations
 
-from rlfleet.sampling import completion_budget
+from rlfleet.models.sampling import completion_budget
 
 
 def ending_problem(group, stop_ids: frozenset[int], context: int) -> str | None:

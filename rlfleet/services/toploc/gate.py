@@ -39,15 +39,15 @@ from pathlib import Path
 import redis
 from prometheus_client import Counter
 
-from rlfleet.checkpoint import prune_cache
-from rlfleet.policy import configure_torch_threads, load_policy
-from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group
+from rlfleet.models.policy import configure_torch_threads, load_policy
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.reputation import ban_plan, field
-from rlfleet.signing import run_public_key
-from rlfleet.streams import RolloutGroup, encode_json
+from rlfleet.versions.checkpoint import prune_cache
+from rlfleet.versions.signing import run_public_key
+from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
+from rlfleet.wire.streams import RolloutGroup, encode_json
 
 __all__ = ["REASONS", "Gate", "Rejection", "main"]
 

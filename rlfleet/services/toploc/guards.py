@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import redis
 
-from rlfleet.streams import RolloutGroup, RunKeys, group_digest
+from rlfleet.wire.streams import RolloutGroup, RunKeys, group_digest
 
 PRUNE_BATCH = 64  # guards dropped per claim at most (each claim adds one, so the backlog shrinks)
 

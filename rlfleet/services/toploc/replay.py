@@ -1,7 +1,7 @@
 """Seed replay: is each token of a sample the one its seed draws? (check 4 of checks.py, `torch` groups)
 
 The torch engine draws token t of sample i as the inverse CDF of the filtered distribution at the
-uniform u_t of the sample's own stream (rlfleet/sampling.py). The gate holds the same distribution
+uniform u_t of the sample's own stream (rlfleet/models/sampling.py). The gate holds the same distribution
 from its prefill (logits (T, V) of the claimed version at the run's temperature) and the same
 uniforms from the seed, so it re-draws every position at once, no decoding: the worker's token must
 be the one drawn. Exact but for float noise: the gate's logits differ from the decode's by about
@@ -13,7 +13,7 @@ What this catches that no threshold can: a temperature lie with recomputed logpr
 low-temperature decoding, cherry-picked or duplicated samples, forced completions, drafts from a
 cheaper model proven with one real prefill: each picks tokens its seed would not. What it cannot:
 a worker that chooses the seed itself can try many and submit the group it likes (grinding); the
-run can assign seeds and tasks instead (rlfleet/assignment.py). vLLM draws with its own sampler (on
+run can assign seeds and tasks instead (rlfleet/wire/assignment.py). vLLM draws with its own sampler (on
 a GPU not bit-reproducibly either), so `vllm` groups are not replayed (checks.py).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rlfleet.sampling import keep_mask, sample_seed, sample_uniforms
+from rlfleet.models.sampling import keep_mask, sample_seed, sample_uniforms
 
 
 def _consistent(logits: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor, tol: float):

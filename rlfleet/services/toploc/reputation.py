@@ -19,7 +19,7 @@ import time
 import redis
 
 from rlfleet.config import BanPolicySpec
-from rlfleet.streams import RunKeys
+from rlfleet.wire.streams import RunKeys
 
 
 def field(worker_id: str, counter: str) -> str:

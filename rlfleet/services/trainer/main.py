@@ -7,7 +7,7 @@ One step:
      prompt, sampling, completions, whatever ids the worker gave it) is acknowledged and skipped
      (at-least-once delivery made exactly-once);
   2. group-normalized advantages, GRPO loss with two-sided clipping (loss.py), grad-norm clip, AdamW;
-  3. publish version v+1 to the store (manifest last; whole or as a delta against v, rlfleet/delta/publish.py),
+  3. publish version v+1 to the store (manifest last; whole or as a delta against v, rlfleet/versions/publish.py),
      announce it on the `policy` stream;
   4. save the resume state, then record the digests as trained and XACK their messages, so a
      crash before the state is saved redelivers them and a crash after it never trains them twice
@@ -27,10 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlfleet.checkpoint import prune_versions, save_model_dir
-from rlfleet.delta.publish import PolicyPublisher
-from rlfleet.policy import Prefill, configure_torch_threads, load_policy
-from rlfleet.runtime import ComponentOptions, Context, component_context, ensure_group, open_run_store
+from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step, withdraw
 from rlfleet.services.trainer.sharding import (
     full_model_state,
@@ -41,8 +38,11 @@ from rlfleet.services.trainer.sharding import (
 )
 from rlfleet.services.trainer.state import load_state, save_state
 from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
-from rlfleet.signing import run_signer
-from rlfleet.streams import MessageError, RolloutGroup, encode_json, group_digest
+from rlfleet.versions.checkpoint import prune_versions, save_model_dir
+from rlfleet.versions.publish import PolicyPublisher
+from rlfleet.versions.signing import run_signer
+from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, open_run_store
+from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest
 
 log = logging.getLogger("rlfleet.trainer")
 TRAINED_DIGESTS_KEPT = 200_000

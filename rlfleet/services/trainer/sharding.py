@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from rlfleet.policy import Prefill
+from rlfleet.models.policy import Prefill
 
 
 def shard_policy(lm, world: int) -> Prefill:

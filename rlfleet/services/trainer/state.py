@@ -23,7 +23,7 @@ import io
 
 import torch
 
-from rlfleet.store import CheckpointStore
+from rlfleet.versions.store import CheckpointStore
 
 STATE_FORMAT = 2  # 2: optimizer state keyed by parameter name (was: by index)
 

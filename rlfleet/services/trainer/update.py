@@ -19,10 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlfleet.policy import score
+from rlfleet.models.policy import score
 from rlfleet.services.trainer.loss import group_advantages, grpo_loss
 from rlfleet.services.trainer.sharding import is_sharded
-from rlfleet.streams import RolloutGroup
+from rlfleet.wire.streams import RolloutGroup
 
 
 def training_device() -> torch.device:

@@ -4,7 +4,7 @@ started by a pod runner that plays the kubelet and the workload controllers. Tes
 product; tests/cluster/ uses it, docs/kubernetes.md says what it stands for and what only a real
 cluster shows.
 
-    box.py         clusters, S3 and WAN links on one rlfleet.testbed
+    box.py         clusters, S3 and WAN links on one testbed
     apiserver.py   a cluster's API server: tests/operator/cluster.py's emulator, TLS on the bridge,
                    service-account tokens, RBAC, CRD-served kinds
     runner.py      one cluster's loop: controllers, kubelet, DNS, status

@@ -29,15 +29,15 @@ from pathlib import Path
 
 import aiohttp.web
 import kmock
-from cluster import RESOURCES, VERBS, ApiCall, Cluster, api_call, write_kubeconfig
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from rbac import allowed, bound_rules
 
 from rlfleet.operator import names
-from rlfleet.testbed import Host
+from testbed import Host
+from tests.operator.cluster import RESOURCES, VERBS, ApiCall, Cluster, api_call, write_kubeconfig
+from tests.operator.rbac import allowed, bound_rules
 
 from . import netns
 

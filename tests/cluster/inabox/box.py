@@ -1,4 +1,4 @@
-"""Clusters in a box: one testbed (rlfleet.testbed) holding, per cluster, a site (its bridge), a host for
+"""Clusters in a box: one testbed (testbed) holding, per cluster, a site (its bridge), a host for
 its API server and one host per pod; a routed, shaped link between two sites is a WAN; S3 is moto's
 server on a host of its own, reached like an external endpoint.
 
@@ -26,8 +26,8 @@ from pathlib import Path
 import kubernetes
 import requests
 
-from rlfleet.testbed import Host, Site, Testbed
-from rlfleet.testbed.commands import NETNS_ETC, sh
+from testbed import Host, Site, Testbed
+from testbed.commands import NETNS_ETC, sh
 
 from .apiserver import ApiServer
 from .netns import PortForward

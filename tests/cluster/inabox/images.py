@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlfleet.redis_server import redis_server_binary
+from rlfleet.local.redis_server import redis_server_binary
 
 REPO = Path(__file__).resolve().parents[3]
 VENV_BIN = Path(sys.executable).parent

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlfleet.testbed import Host
+from testbed import Host
 
 from . import netns, oci
 from .images import process_image

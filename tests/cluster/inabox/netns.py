@@ -17,7 +17,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
-from rlfleet.testbed.commands import NETNS_RUN
+from testbed.commands import NETNS_RUN
 
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -25,7 +25,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from containers import Volume, podman, podman_env, run_args
+from tests.containers import Volume, podman, podman_env, run_args
 
 LABEL = "io.rlfleet.inabox"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlfleet.streams import SamplingParams
+from rlfleet.wire.streams import SamplingParams
 
 if TYPE_CHECKING:  # the engines package imports without torch: the launcher checks pools before anything starts
     import torch
@@ -35,12 +35,12 @@ class Engine(ABC):
     name: str  # what a group records as its `engine` (the gate replays `torch` groups, not `vllm` ones)
     version: int
     tokenizer: object
-    stop_ids: frozenset[int]  # rlfleet.sampling.stop_token_ids of the model: a completion ends at the first
+    stop_ids: frozenset[int]  # rlfleet.models.sampling.stop_token_ids of the model: a completion ends at the first
 
     @abstractmethod
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int = 0) -> list[Generation]:
         """Samples first .. first+n-1 of a group of one prompt; sample i draws with
-        `rlfleet.sampling.sample_seed(params.seed, i)` (rlfleet/sampling.py)."""
+        `rlfleet.models.sampling.sample_seed(params.seed, i)` (rlfleet/models/sampling.py)."""
 
     @abstractmethod
     def load_weights(self, model_dir: Path, version: int) -> None:

@@ -9,7 +9,7 @@ fed once more after sampling stops, so proofs cover every completion token witho
 prefill. Token logprobs are those of `log_softmax(logits / temperature)` over the full vocabulary
 (what the trainer and verifier recompute); top-p/top-k only restrict which tokens may be drawn.
 
-Tokens are drawn as rlfleet/sampling.py says (inverse CDF of each sample's own uniform stream), so a
+Tokens are drawn as rlfleet/models/sampling.py says (inverse CDF of each sample's own uniform stream), so a
 sample depends on the weights, the prompt and its seed only, not on the batch it was drawn in: the
 gate replays it from one prefill (rlfleet/services/toploc/replay.py).
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlfleet.policy import load_policy, load_weights_in_place
-from rlfleet.sampling import (
+from rlfleet.models.policy import load_policy, load_weights_in_place
+from rlfleet.models.sampling import (
     completion_budget,
     context_length,
     draw,
@@ -32,7 +32,7 @@ from rlfleet.sampling import (
     stop_token_ids,
 )
 from rlfleet.services.rollout.engines.base import Engine, Generation
-from rlfleet.streams import SamplingParams
+from rlfleet.wire.streams import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ computed by the old weights is reused. Invariant: `generate` and `load_weights` 
 a group's requests (and their continuations) all run on one version and each `Generation`
 records it; a swap waits for the group in flight.
 
-Sampling: one request per sample, seeded `rlfleet.sampling.sample_seed(group seed, index)`, stopping
+Sampling: one request per sample, seeded `rlfleet.models.sampling.sample_seed(group seed, index)`, stopping
 at exactly the gate's stop tokens (`stop_token_ids`). vLLM draws with its own sampler (and on a GPU
 not bit-reproducibly), so groups record `engine: vllm` and the gate cannot replay their seeds: it
 admits them only when `spec.verifier.engines` lists vllm, and checks them by their proofs and
@@ -62,12 +62,12 @@ from pathlib import Path
 
 import torch
 
-from rlfleet import env
-from rlfleet.policy import DTYPES, load_tokenizer
-from rlfleet.sampling import sample_seed
+from rlfleet.models.policy import DTYPES, load_tokenizer
+from rlfleet.models.sampling import sample_seed
 from rlfleet.services.rollout.engines.base import Engine, Generation
 from rlfleet.services.rollout.engines.vllm_pin import INSTALL_HINT, VLLM_VERSION, check_supported, cpu_build
-from rlfleet.streams import SamplingParams
+from rlfleet.wire import env
+from rlfleet.wire.streams import SamplingParams
 
 # CPU defaults for a shared machine: the KV cache is sized explicitly (env.VLLM_KV_CACHE_BYTES; vLLM's
 # CPU default asks for a fraction of all RAM), and worker threads are not pinned to cores other
@@ -338,12 +338,12 @@ def _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled) -> 
 
 
 def _stop_ids(model_dir: Path, tokenizer) -> frozenset[int]:
-    """rlfleet.sampling.stop_token_ids from the config files (the model itself lives in vLLM's worker)."""
+    """rlfleet.models.sampling.stop_token_ids from the config files (the model itself lives in vLLM's worker)."""
     from types import SimpleNamespace
 
     from transformers import AutoConfig, GenerationConfig
 
-    from rlfleet.sampling import stop_token_ids
+    from rlfleet.models.sampling import stop_token_ids
 
     try:
         generation = GenerationConfig.from_pretrained(str(model_dir))

@@ -19,7 +19,7 @@ import hashlib
 import numpy as np
 import redis
 
-from rlfleet.streams import RolloutGroup, RunKeys
+from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 
 def issue_ticket(client: redis.Redis, keys: RunKeys, worker_id: str) -> int:

@@ -1,7 +1,7 @@
 """Delta versions in manifests: the signed `delta` section, which version needs which, retention.
 
 A policy version is published whole (its manifest's `files` are the checkpoint), as a delta against
-the version before it, its base, or both (rlfleet.delta.publish). A manifest with a delta has the usual
+the version before it, its base, or both (rlfleet.versions.publish). A manifest with a delta has the usual
 `files` (what travels: patch files, files shipped whole, each with size, sha256 and shards, so relays
 store and forward them like any file) and, covered by the same signature,
 
@@ -110,7 +110,7 @@ def check_section(manifest: dict) -> None:
     format 1, an int base below the version, resulting files with unique safe names, each from one
     source that the transferred `files` back (a patch file, or the same file shipped whole), and every
     resulting file that is also among `files` identical to it there."""
-    from rlfleet.store import check_key
+    from rlfleet.versions.store import check_key
 
     section = manifest.get(DELTA)
     if section is None:

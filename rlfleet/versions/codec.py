@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from rlfleet.delta.chain import DeltaError
+from rlfleet.versions.chain import DeltaError
 
 MAGIC = b"RLFDELT1"
 TRAILER = struct.Struct("<Q8s")  # index length, magic

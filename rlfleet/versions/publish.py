@@ -32,7 +32,16 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from rlfleet.checkpoint import (
+from rlfleet.versions.chain import (
+    DELTA,
+    FORMAT,
+    delta_files,
+    read_manifest_chain,
+    result_files,
+    size_of,
+    transfer_bytes,
+)
+from rlfleet.versions.checkpoint import (
     COMPLETE_MARKER,
     DEFAULT_SHARD_SIZE,
     MANIFEST_NAME,
@@ -41,11 +50,10 @@ from rlfleet.checkpoint import (
     read_manifest,
     sha256_file,
 )
-from rlfleet.delta.chain import DELTA, FORMAT, delta_files, read_manifest_chain, result_files, size_of, transfer_bytes
-from rlfleet.delta.codec import encode_file
-from rlfleet.store import CheckpointStore
+from rlfleet.versions.codec import encode_file
+from rlfleet.versions.store import CheckpointStore
 
-log = logging.getLogger("rlfleet.delta")
+log = logging.getLogger("rlfleet.versions")
 
 PATCH_DIR, PATCH_SUFFIX = "delta", ".delta"  # delta/model.safetensors.delta: names sort patches first, so
 # a relay pulling a version that is whole and a delta (files in name order) has the patches first

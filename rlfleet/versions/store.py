@@ -7,7 +7,7 @@ leading slashes are refused. Invariants:
   - a missing key raises `KeyError(key)` from every read;
   - `list(prefix)` is a plain string-prefix match (S3 semantics) and returns sorted keys;
   - nothing is created implicitly on S3: a missing bucket is an error that names it.
-Ordering between keys (the manifest written last) is the caller's job, see rlfleet.checkpoint.
+Ordering between keys (the manifest written last) is the caller's job, see rlfleet.versions.checkpoint.
 `open_store(uri)` is the factory, keyed by URI scheme. S3 goes through boto3 (retries, multipart).
 """
 

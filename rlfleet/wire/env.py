@@ -2,7 +2,7 @@
 
 Processes read them when they start (in `main`, `component_context`, the operator's start-up),
 never at import, so a test or a launcher can set them before it starts a component in-process.
-Run configuration lives in the config models (rlfleet/config.py); these are per-process settings
+Run configuration lives in the config models (rlfleet/config/); these are per-process settings
 that a pod, the local launcher or an operator image supplies.
 """
 

@@ -9,7 +9,7 @@ Streams (keys built only by `RunKeys`):
 A message is one Redis field `m` holding compact JSON; token ids, logprobs and proofs travel as
 base64 of little-endian int32 / float32 / raw bytes. `SCHEMA_VERSION` changes with any
 incompatible change; a consumer dead-letters what it cannot decode and keeps running.
-Schema 2: samples are drawn as rlfleet/sampling.py says (seed per sample, replayable), and a group
+Schema 2: samples are drawn as rlfleet/models/sampling.py says (seed per sample, replayable), and a group
 records the `engine` that drew it and, when the run assigns work, its `ticket`.
 
 What a group *is* (`group_digest`): its prompt tokens, sampling parameters (not the seed) and the
@@ -51,7 +51,7 @@ class RunKeys:
         # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
         self.workers = f"{prefix}:workers"
         self.banned = f"{prefix}:banned"  # hash: worker id -> JSON ban record (why, when)
-        self.tickets = f"{prefix}:tickets"  # hash: worker id -> work tickets issued (rlfleet/assignment.py)
+        self.tickets = f"{prefix}:tickets"  # hash: worker id -> work tickets issued (rlfleet/wire/assignment.py)
         self.attempts = f"{prefix}:attempts"  # hash: inbox entry id -> verifier attempts not yet committed
         self.dead_letter = f"{prefix}:deadletter"  # inbox entries no verifier could handle (poison pills)
         # The gate's one-time guards (rlfleet/services/toploc/guards.py): hash content digest -> entry|seed,
@@ -68,7 +68,7 @@ class RunKeys:
         return f"{self._submitted_prefix}{digest}"
 
     def patterns(self) -> dict[str, str]:
-        """Glob patterns of the per-item keys (for Redis ACL key rules, rlfleet/redis_acl.py)."""
+        """Glob patterns of the per-item keys (for Redis ACL key rules, rlfleet/wire/redis_acl.py)."""
         return {"submitted": f"{self._submitted_prefix}*"}
 
     def all(self) -> list[str]:
@@ -184,7 +184,7 @@ class SamplingParams:
     top_p: float
     top_k: int
     max_tokens: int
-    seed: int  # the group's; sample i draws with rlfleet.sampling.sample_seed(seed, i)
+    seed: int  # the group's; sample i draws with rlfleet.models.sampling.sample_seed(seed, i)
 
 
 @dataclass
@@ -198,7 +198,7 @@ class RolloutGroup:
     sampling: SamplingParams
     samples: list[Sample]
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    engine: str = "torch"  # what drew the samples: "torch" (replayable, rlfleet/sampling.py) or "vllm"
+    engine: str = "torch"  # what drew the samples: "torch" (replayable, rlfleet/models/sampling.py) or "vllm"
     ticket: int | None = None  # the run-assigned work ticket (spec.sampling.assignment: run), else None
     schema: int = SCHEMA_VERSION
 

@@ -24,8 +24,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from rlfleet import env
 from rlfleet.config import ConfigError
+from rlfleet.wire import env
 
 ALG = "ed25519"
 PRIVATE_KEY_FILE, PUBLIC_KEY_FILE = "signing-key", "public-key"

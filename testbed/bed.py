@@ -23,7 +23,7 @@ the namespaces (their veths, bridges and ifbs go with them) and /etc/netns/<ns>,
 normal exit, on exceptions, on SIGTERM/SIGHUP (turned into SystemExit while the testbed is open)
 and at interpreter exit. Only a SIGKILL of the owner leaves namespaces behind: each is recorded
 in /run/rlfleet-testbed/<tag> before it is made, the tag carries the owner's pid, and
-`python -m rlfleet.testbed sweep` removes what a dead owner recorded (and nothing else).
+`python -m testbed sweep` removes what a dead owner recorded (and nothing else).
 Bridged traffic inside a site is unshaped (the switch is not the bottleneck); a host's own up/down
 rates are its access link, which is the model of a machine on the internet.
 """
@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from rlfleet.testbed.commands import (
+from testbed.commands import (
     NETNS_ETC,
     CommandError,
     namespaces,
@@ -55,7 +55,7 @@ from rlfleet.testbed.commands import (
     unregister,
 )
 
-log = logging.getLogger("rlfleet.testbed")
+log = logging.getLogger("testbed")
 
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for processes left at teardown
 _CAUGHT = (signal.SIGTERM, signal.SIGHUP)  # turned into SystemExit while a testbed is open

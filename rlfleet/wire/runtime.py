@@ -11,9 +11,9 @@ from pathlib import Path
 
 import redis
 
-from rlfleet import env
 from rlfleet.config import Bundle, ConfigError, load_bundle
-from rlfleet.streams import RunKeys
+from rlfleet.wire import env
+from rlfleet.wire.streams import RunKeys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +94,7 @@ def connect_redis(url: str) -> redis.Redis:
 
 def open_run_store(ctx: Context, source: str = "config"):
     """The run's checkpoint store: env RLFLEET_STORE_URI (set by the local launcher) or spec.store.uri."""
-    from rlfleet.store import open_store
+    from rlfleet.versions.store import open_store
 
     spec = ctx.bundle.run.spec.store
     uri = env.get(env.STORE_URI) or spec.uri
@@ -116,7 +116,7 @@ def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
 
 def latest_announced_version(client: redis.Redis, keys: RunKeys) -> int | None:
     """The newest version on the policy stream, or None before the first publish."""
-    from rlfleet.streams import decode_json
+    from rlfleet.wire.streams import decode_json
 
     entries = client.xrevrange(keys.policy, count=1)
     return int(decode_json(entries[0][1])["version"]) if entries else None

@@ -14,9 +14,9 @@ Invariants:
 Manifest: {"run", "version", "created", "shard_size", "files": [{"name", "size", "sha256",
   "shards": [{"offset", "size", "sha256"}]}][, "delta"][, "signature"]}. A delta version's `files` are
   what travels (patch files); its signed "delta" section names the base version and the resulting
-  files with their sha256 (rlfleet.delta.chain). Pruning keeps the chains of kept versions.
+  files with their sha256 (rlfleet.versions.chain). Pruning keeps the chains of kept versions.
 Signing: `publish_version(..., signer=f)` stores f(manifest_signing_bytes(manifest)) under
-"signature"; the bytes are canonical JSON of the manifest without that field (rlfleet.signing).
+"signature"; the bytes are canonical JSON of the manifest without that field (rlfleet.versions.signing).
 `parse_manifest` checks the signature first, then the shape; nothing of an unchecked manifest is used.
 """
 
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rlfleet.delta.chain import check_section, required_base, retained
-from rlfleet.store import CheckpointStore, check_key
+from rlfleet.versions.chain import check_section, required_base, retained
+from rlfleet.versions.store import CheckpointStore, check_key
 
 MANIFEST_NAME = "manifest.json"
 COMPLETE_MARKER = ".complete"  # written last into a downloaded version directory
@@ -234,13 +234,13 @@ def _check_shards(where: str, entry: dict, shard_size: int) -> None:
 def parse_manifest(raw: bytes, run: str, version: int, public_key=None) -> dict:
     """The manifest in `raw` if its signature verifies with `public_key` (an ed25519 public key;
     None = signatures not required) and it is well formed for run/version. Raises
-    rlfleet.signing.SignatureError or ManifestError; the signature is checked before anything else."""
+    rlfleet.versions.signing.SignatureError or ManifestError; the signature is checked before anything else."""
     try:
         manifest = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ManifestError(f"manifest of {run!r} v{version}: not JSON ({exc})") from None
     if public_key is not None:
-        from rlfleet.signing import SignatureError, verify_signature
+        from rlfleet.versions.signing import SignatureError, verify_signature
 
         if not isinstance(manifest, dict):
             raise SignatureError(f"manifest of {run!r} v{version}: not a JSON object, so not signed")

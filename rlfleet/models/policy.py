@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlfleet import env
+from rlfleet.wire import env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

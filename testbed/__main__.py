@@ -1,4 +1,4 @@
-"""`python -m rlfleet.testbed list|sweep`: the testbed namespaces on this machine, and removal of
+"""`python -m testbed list|sweep`: the testbed namespaces on this machine, and removal of
 those whose owner process is gone (what a SIGKILLed run leaves; live testbeds are never touched)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlfleet.testbed.commands import namespaces, registered, require_available, stale_namespaces, sweep
+from testbed.commands import namespaces, registered, require_available, stale_namespaces, sweep
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m rlfleet.testbed", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m testbed", description=__doc__.split("\n")[0])
     ap.add_argument("action", choices=["list", "sweep"])
     args = ap.parse_args()
     require_available()

@@ -7,7 +7,7 @@ restart on the same directory reloads every stream (the queue of accepted, untra
 included); only a crash of the whole machine can lose up to the last second of writes, which
 `always` would avoid at the cost of one fsync per write. Tests run without persistence.
 
-ACL (`acl_file`, written by rlfleet/redis_acl.py): the server then serves only the users of that
+ACL (`acl_file`, written by rlfleet/wire/redis_acl.py): the server then serves only the users of that
 file (the default user off), and EmbeddedRedis's `url` carries the credentials of `auth`.
 """
 
@@ -97,7 +97,7 @@ class EmbeddedRedis:
         acl: str | None = None,
         auth: tuple[str, str] | None = None,
     ):
-        """`acl`: an aclfile's text (rlfleet/redis_acl.py); `auth`: the (user, password) `url` carries."""
+        """`acl`: an aclfile's text (rlfleet/wire/redis_acl.py); `auth`: the (user, password) `url` carries."""
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.persistent = persistent

@@ -4,8 +4,8 @@ Shared by the WAN tests, `benchmarks/broadcast.py --wan` and the cluster-in-a-bo
 states the layout and its invariants. Root and iproute2 are required; `unavailable_reason()` says
 why not, for a test to skip with."""
 
-from rlfleet.testbed.bed import Host, Link, Site, Testbed
-from rlfleet.testbed.commands import (
+from testbed.bed import Host, Link, Site, Testbed
+from testbed.commands import (
     CommandError,
     TestbedUnavailable,
     cpu_seconds,

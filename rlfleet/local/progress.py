@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from rlfleet.streams import RunKeys
+from rlfleet.wire.streams import RunKeys
 
 HEARTBEAT_S = 5  # without a terminal, an unchanged status is repeated this often
 

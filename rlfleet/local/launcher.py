@@ -1,11 +1,11 @@
 """`rlfleet run FILE`: the whole system on one machine, one OS process per component.
 
 It builds the builtin model if needed (so components never race to build it), then starts an
-embedded redis-server (append-only file, rlfleet/redis_server.py), the Shardcast origin, each
-RelayTier's relays (the tree of rlfleet/topology.py), the verifier replicas, each InferencePool's
+embedded redis-server (append-only file, rlfleet/local/redis_server.py), the Shardcast origin, each
+RelayTier's relays (the tree of rlfleet/wire/topology.py), the verifier replicas, each InferencePool's
 workers and the trainer (one process per rank when trainer.replicas > 1, with the torchrun-style
 environment of the trainer pods), with the same `rlfleet <component>` entrypoints the containers use.
-Components run under a restart policy with back-off, as pods would (rlfleet/supervisor.py): a
+Components run under a restart policy with back-off, as pods would (rlfleet/local/supervisor.py): a
 crash costs seconds, not the run; a component that crash-loops stops the run, named with its log.
 The run ends when the trainer finishes its steps; Ctrl-C (or SIGTERM) stops everything, a second
 Ctrl-C kills what is still stopping; `summary.json` is written either way. A run directory holds
@@ -14,7 +14,7 @@ Redis's append-only file and the trainer's state from the store, and reuses the 
 Manifests are signed: a run key pair is kept in RUN_DIR/keys (unless RLFLEET_SIGNING_KEY_FILE
 is set); only the trainer gets the private key file, every component gets the public key
 (env RLFLEET_PUBLIC_KEY).
-Redis has one ACL user per role with fresh passwords on each launch (rlfleet/redis_acl.py; the
+Redis has one ACL user per role with fresh passwords on each launch (rlfleet/wire/redis_acl.py; the
 default user is off, the aclfile RUN_DIR/redis/users.acl is the owner's only): each component gets
 its role's URLs (`redis_env`: a worker can add to the inbox and read the policy stream, nothing
 more), the launcher and endpoints.json the run's admin user.
@@ -30,15 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from rlfleet import env
 from rlfleet.config import Bundle, ConfigError, load_bundle
-from rlfleet.progress import BuildProgress, Progress, startup_status
-from rlfleet.redis_acl import ADMIN, COMPONENT_ROLES, WORKER_ROLES, RunAcl
-from rlfleet.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
-from rlfleet.report import read_metrics, reward_trend, write_reports
-from rlfleet.streams import RunKeys
-from rlfleet.supervisor import Component, Supervisor
-from rlfleet.topology import ORIGIN, Node, bundle_graph
+from rlfleet.local.progress import BuildProgress, Progress, startup_status
+from rlfleet.local.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
+from rlfleet.local.report import read_metrics, reward_trend, write_reports
+from rlfleet.local.supervisor import Component, Supervisor
+from rlfleet.wire import env
+from rlfleet.wire.redis_acl import ADMIN, COMPONENT_ROLES, WORKER_ROLES, RunAcl
+from rlfleet.wire.streams import RunKeys
+from rlfleet.wire.topology import ORIGIN, Node, bundle_graph
 
 # `rlfleet run` starts one process per replica; more than this on one machine is a mistake, not a run.
 MAX_LOCAL_PROCESSES = 64
@@ -180,7 +180,7 @@ def run_keys(environ: dict, key_dir: Path) -> dict:
     """Set environ's RLFLEET_PUBLIC_KEY for every component; return the trainer-only env naming the
     private key: RLFLEET_SIGNING_KEY_FILE if given, else the pair in `key_dir` (made on the run's
     first launch, reused when it resumes, so the versions it already signed still verify)."""
-    from rlfleet.signing import PRIVATE_KEY_FILE, generate_keypair, load_private_key, public_key_text
+    from rlfleet.versions.signing import PRIVATE_KEY_FILE, generate_keypair, load_private_key, public_key_text
 
     given = environ.pop(env.SIGNING_KEY_FILE, None) or (
         key_dir / PRIVATE_KEY_FILE if (key_dir / PRIVATE_KEY_FILE).exists() else None

@@ -1,0 +1,10 @@
+"""The one-machine runtime behind `rlfleet run`: every component as an OS process on this machine.
+
+launcher.py      the run: builds the model once, starts Redis and every component, waits, reports
+supervisor.py    processes under a restart policy with back-off, as kubelet runs a pod's containers
+redis_server.py  the embedded `redis-server` (a free loopback port, its own data directory)
+progress.py      what the terminal shows while a run starts and trains
+report.py        `summary.json` and `reward.png` from the trainer's `metrics.jsonl`
+Nothing outside this package imports it except the command line: the components never know
+whether they run here or in a pod.
+"""
