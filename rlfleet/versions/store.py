@@ -19,6 +19,13 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlfleet.config import ConfigError
+from rlfleet.wire import env
+
+if TYPE_CHECKING:
+    from rlfleet.wire.runtime import Context
 
 CHUNK = 1 << 20
 TMP_PREFIX = ".tmp-"  # file-store temp files; never listed
@@ -312,3 +319,14 @@ def open_store(uri: str, endpoint_url: str | None = None) -> CheckpointStore:
             raise bad
         return S3Store(bucket, prefix, endpoint_url=endpoint_url)
     raise bad
+
+
+def open_run_store(ctx: Context, source: str = "config") -> CheckpointStore:
+    """The run's checkpoint store: env RLFLEET_STORE_URI (set by the local launcher) or spec.store.uri."""
+    spec = ctx.bundle.run.spec.store
+    uri = env.get(env.STORE_URI) or spec.uri
+    if not uri:
+        raise ConfigError(
+            source, ["spec.store.uri: required outside `rlfleet run` (file:///dir or s3://bucket/prefix)"]
+        )
+    return open_store(uri, spec.endpoint_url)

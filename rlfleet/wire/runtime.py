@@ -92,19 +92,6 @@ def connect_redis(url: str) -> redis.Redis:
     )
 
 
-def open_run_store(ctx: Context, source: str = "config"):
-    """The run's checkpoint store: env RLFLEET_STORE_URI (set by the local launcher) or spec.store.uri."""
-    from rlfleet.versions.store import open_store
-
-    spec = ctx.bundle.run.spec.store
-    uri = env.get(env.STORE_URI) or spec.uri
-    if not uri:
-        raise ConfigError(
-            source, ["spec.store.uri: required outside `rlfleet run` (file:///dir or s3://bucket/prefix)"]
-        )
-    return open_store(uri, spec.endpoint_url)
-
-
 def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
     """Create a consumer group reading the stream from its start; an existing group is kept."""
     try:

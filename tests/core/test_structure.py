@@ -92,3 +92,10 @@ def test_import_contracts_hold():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 broken" in result.stdout, result.stdout
+
+
+def test_the_ground_floor_holds_few_modules():
+    """rlfleet/'s own modules are the entry points, not rooms: everything else lives in a package named
+    for what it is (local, versions, wire, models, config, tasks, services, operator)."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= 6, f"loose modules in rlfleet/: {loose}; group them into a package"

@@ -151,7 +151,8 @@ class OriginOptions(ComponentOptions):
 
 def main(options: OriginOptions) -> int:
     """`rlfleet origin`: serve the store of the config's run on host:port until SIGTERM."""
-    from rlfleet.wire.runtime import component_context, open_run_store
+    from rlfleet.versions.store import open_run_store
+    from rlfleet.wire.runtime import component_context
 
     ctx = component_context(options, "origin")
     store = open_run_store(ctx, str(options.config))

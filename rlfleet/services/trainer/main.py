@@ -41,7 +41,8 @@ from rlfleet.services.trainer.update import broadcast, grpo_update, init_distrib
 from rlfleet.versions.checkpoint import prune_versions, save_model_dir
 from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
-from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, open_run_store
+from rlfleet.versions.store import open_run_store
+from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest
 
 log = logging.getLogger("rlfleet.trainer")

@@ -1,0 +1,215 @@
+"""The repository's structure in numbers, read from the code's own imports (nothing is run or imported).
+
+    python scripts/structure.py [--repo DIR] [--json]
+
+Prints, for the checkout at DIR (default: this one), what a newcomer meets:
+  rooms      each package of rlfleet/ (and each loose module beside them) with its files and lines;
+  arrows     imports between rooms, counted (function-level imports included: a lazy import still ties
+             two rooms together); a pair of rooms that import each other is a room-level circle;
+  circles    module-level import circles anywhere in the repository (rlfleet, tests, benchmarks, scripts,
+             testbed), found by depth-first search;
+  habits     functions of 8 or more parameters, `manifest: dict` parameters, files over 400 lines, and
+             the modules that spell each component's name as a string.
+Run it on two checkouts (e.g. `git worktree add /tmp/before REV`) to compare a change's before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+COMPONENTS = ("trainer", "rollout", "verifier", "ingest", "origin", "relay")
+SOURCE_FOLDERS = ("rlfleet", "testbed", "tests", "benchmarks", "scripts")
+MAX_LINES = 400
+
+
+def modules_of(repo: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every Python file under the source folders (a folder without an
+    __init__.py still names its files by path, as a script's sibling imports resolve)."""
+    found = {}
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((repo / folder).rglob("*.py")):
+            if "data" in path.relative_to(repo).parts:
+                continue
+            parts = list(path.relative_to(repo).with_suffix("").parts)
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph(repo: Path) -> dict[str, set[str]]:
+    """Module -> the repository modules it imports. A bare `import x` inside benchmarks/ or scripts/
+    resolves against its own folder first (how a script imports a sibling)."""
+    modules = modules_of(repo)
+
+    def resolve(name: str, folder: str) -> str | None:
+        for candidate in (f"{folder}.{name}", name):
+            while candidate and candidate not in modules:
+                candidate = candidate.rpartition(".")[0]
+            if candidate and candidate != folder:
+                return candidate
+        return None
+
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        folder = module.split(".")[0]
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                base = module.split(".")[: -node.level] if path.name != "__init__.py" else module.split(".")
+                base = base[: len(base) - node.level + 1] if path.name == "__init__.py" else base
+                prefix = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{prefix}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                hit = resolve(target, folder)
+                if hit and hit != module:
+                    edges[module].add(hit)
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path a -> ... -> a, or None (depth-first search, three colours)."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(edges):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def all_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Circles, one per strongly connected group of modules (each reported once, by find_cycle on it)."""
+    cycles, remaining = [], dict(edges)
+    while cycle := find_cycle(remaining):
+        cycles.append(cycle)
+        for module in cycle:
+            remaining.pop(module, None)
+        remaining = {m: {t for t in ts if t in remaining} for m, ts in remaining.items()}
+    return cycles
+
+
+def room(module: str) -> str | None:
+    """The room of an rlfleet module: its package under rlfleet/ (`rlfleet.services` and its
+    sub-packages count as one room each: `rlfleet.services.trainer`), or the loose module itself."""
+    parts = module.split(".")
+    if parts[0] != "rlfleet" or len(parts) < 2:
+        return None
+    if parts[1] == "services" and len(parts) > 2:
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def many_parameters(repo: Path, at_least: int = 8) -> list[str]:
+    out = []
+    for path in sorted((repo / "rlfleet").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                count = len([n for n in names if n not in ("self", "cls")])
+                if count >= at_least:
+                    out.append(f"{path.relative_to(repo)}:{node.name} ({count})")
+    return out
+
+
+def measure(repo: Path) -> dict:
+    edges = import_graph(repo)
+    package = repo / "rlfleet"
+    rooms: dict[str, dict] = {}
+    for module, path in modules_of(repo).items():
+        if (r := room(module)) is None:
+            continue
+        entry = rooms.setdefault(r, {"files": 0, "lines": 0})
+        entry["files"] += 1
+        entry["lines"] += len(path.read_text().splitlines())
+    arrows: Counter[tuple[str, str]] = Counter()
+    for module, targets in edges.items():
+        for target in targets:
+            a, b = room(module), room(target)
+            if a and b and a != b:
+                arrows[(a, b)] += 1
+    room_circles = sorted({tuple(sorted((a, b))) for (a, b) in arrows if (b, a) in arrows})
+    sources = [p for p in package.rglob("*.py")]
+    names = {
+        c: sorted(str(p.relative_to(repo)) for p in sources if re.search(rf"[\"']{c}[\"']", p.read_text()))
+        for c in COMPONENTS
+    }
+    return {
+        "loose_modules": sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py"),
+        "rooms": dict(sorted(rooms.items())),
+        "arrows": {f"{a} -> {b}": n for (a, b), n in sorted(arrows.items())},
+        "room_circles": [" <-> ".join(pair) for pair in room_circles],
+        "module_circles": [" -> ".join(c) for c in all_cycles(edges)],
+        "functions_with_8_or_more_parameters": many_parameters(repo),
+        "manifest_dict_parameters": sum(p.read_text().count("manifest: dict") for p in sources),
+        "files_over_400_lines": sorted(
+            str(p.relative_to(repo)) for p in sources if len(p.read_text().splitlines()) > MAX_LINES
+        ),
+        "modules_spelling_each_component": names,
+    }
+
+
+def print_report(m: dict) -> None:
+    print(f"loose modules in rlfleet/: {len(m['loose_modules'])}: {', '.join(m['loose_modules'])}")
+    print(f"\nrooms ({len(m['rooms'])}):")
+    for name, r in m["rooms"].items():
+        print(f"  {name:36} {r['files']:3} files {r['lines']:6} lines")
+    print(f"\narrows between rooms: {len(m['arrows'])} (imports counted)")
+    for arrow, n in m["arrows"].items():
+        print(f"  {arrow:70} {n}")
+    print(f"\nrooms that import each other: {len(m['room_circles'])}")
+    for pair in m["room_circles"]:
+        print(f"  {pair}")
+    print(f"\nmodule import circles in the repository: {len(m['module_circles'])}")
+    for cycle in m["module_circles"]:
+        print(f"  {cycle}")
+    many = m["functions_with_8_or_more_parameters"]
+    print(f"\nfunctions with 8 or more parameters: {len(many)}")
+    for f in many:
+        print(f"  {f}")
+    print(f"\n`manifest: dict` parameters: {m['manifest_dict_parameters']}")
+    print(f"files over {MAX_LINES} lines in rlfleet/: {len(m['files_over_400_lines'])} {m['files_over_400_lines']}")
+    print("\nmodules that spell a component's name as a string:")
+    for c, files in m["modules_spelling_each_component"].items():
+        print(f"  {c:9} {len(files)}: {', '.join(files)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    args = parser.parse_args()
+    m = measure(args.repo.resolve())
+    if args.json:
+        print(json.dumps(m, indent=2))
+    else:
+        print_report(m)
+
+
+if __name__ == "__main__":
+    main()
