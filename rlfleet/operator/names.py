@@ -6,9 +6,16 @@ the same object (idempotent apply) and two kinds never produce the same child na
 
 from __future__ import annotations
 
-GROUP = "rlfleet.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+from rlfleet.config.base import API_VERSION as API_VERSION
+from rlfleet.config.base import GROUP as GROUP
+from rlfleet.config.base import VERSION as VERSION
+from rlfleet.wire.components import INGEST as INGEST
+from rlfleet.wire.components import ORIGIN as ORIGIN
+from rlfleet.wire.components import RELAY as RELAY
+from rlfleet.wire.components import ROLLOUT as ROLLOUT
+from rlfleet.wire.components import TRAINER as TRAINER
+from rlfleet.wire.components import VERIFIER as VERIFIER
+
 CATEGORY = "rlfleet"
 FIELD_MANAGER = "rlfleet-operator"
 DEFAULT_IMAGE = "ghcr.io/rlfleet/rlfleet:0.1.0"
@@ -59,8 +66,9 @@ ENV_POD_NAME = "POD_NAME"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"  # on pod templates: a changed config rolls the pods
 RUN_LABEL = f"{GROUP}/run"  # on every child, and on the pools and tiers of a run
 
-# Components (the `rlfleet <component>` subcommands that run in pods).
-TRAINER, VERIFIER, ORIGIN, ROLLOUT, RELAY, INGEST = "trainer", "verifier", "origin", "rollout", "relay", "ingest"
+# The components (TRAINER, VERIFIER, ...: the `rlfleet <component>` subcommands that run in pods) and the
+# API group and version are imported above from where they are spelled: rlfleet/wire/components.py and
+# rlfleet/config/base.py.
 
 # A StatefulSet's pods get a `controller-revision-hash` label `<name>-<10 chars>` (at most 63), so
 # its name is at most 52 characters.

@@ -41,6 +41,7 @@ from rlfleet.services.trainer.update import broadcast, grpo_update, init_distrib
 from rlfleet.versions.checkpoint import prune_versions, save_model_dir
 from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
+from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, open_run_store
 from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest
 
@@ -324,7 +325,7 @@ class TrainerOptions(ComponentOptions):
 
 
 def main(options: TrainerOptions) -> int:
-    ctx = component_context(options, "trainer")
+    ctx = component_context(options, components.TRAINER)
     configure_torch_threads()
     if options.output_dir:
         options.output_dir.mkdir(parents=True, exist_ok=True)
