@@ -77,21 +77,21 @@ MAX_STATEFULSET_NAME = 52
 
 def trainer(run: str) -> str:
     """Trainer StatefulSet and its headless Service."""
-    return f"{run}-trainer"
+    return f"{run}-{TRAINER}"
 
 
 def verifier(run: str) -> str:
-    return f"{run}-verifier"
+    return f"{run}-{VERIFIER}"
 
 
 def ingest(run: str) -> str:
     """Ingest Deployment and Service (HTTP front of the inbox for outside workers)."""
-    return f"{run}-ingest"
+    return f"{run}-{INGEST}"
 
 
 def origin(run: str) -> str:
     """Origin Deployment and Service."""
-    return f"{run}-origin"
+    return f"{run}-{ORIGIN}"
 
 
 def run_config(run: str) -> str:
@@ -103,17 +103,17 @@ def rollout(pool: str) -> str:
     """Rollout workload of an InferencePool (a Deployment, or a StatefulSet when its workers post to an
     ingest: pod names POOL-rollout-0.. are their worker ids), its headless Service and its
     PodDisruptionBudget."""
-    return f"{pool}-rollout"
+    return f"{pool}-{ROLLOUT}"
 
 
 def pool_config(pool: str) -> str:
     """ConfigMap with the RLRun YAML plus the pool's own document (the workers read `--pool`)."""
-    return f"{pool}-rollout-config"
+    return f"{rollout(pool)}-config"
 
 
 def relay(tier: str) -> str:
     """Relay Deployment, Service and PodDisruptionBudget of a RelayTier."""
-    return f"{tier}-relay"
+    return f"{tier}-{RELAY}"
 
 
 def service_url(service: str, namespace: str, port: int = SHARDCAST_PORT) -> str:
