@@ -14,15 +14,7 @@ import importlib
 import sys
 from pathlib import Path
 
-# subcommand -> (module, options class) of each component process
-COMPONENTS = {
-    "trainer": ("rlfleet.services.trainer.main", "TrainerOptions"),
-    "rollout": ("rlfleet.services.rollout.main", "RolloutOptions"),
-    "verifier": ("rlfleet.services.toploc.gate", "VerifierOptions"),
-    "ingest": ("rlfleet.services.ingest.app", "IngestOptions"),
-    "origin": ("rlfleet.services.shardcast.origin", "OriginOptions"),
-    "relay": ("rlfleet.services.shardcast.relay", "RelayOptions"),
-}
+from rlfleet.wire.components import COMPONENTS, INGEST, ORIGIN, RELAY, ROLLOUT, TRAINER, VERIFIER
 
 
 def _add_component_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +23,76 @@ def _add_component_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--redis-url", default=None, help="overrides spec.redis.url (env RLFLEET_REDIS_URL)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = none)")
+
+
+def _trainer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output-dir", default=None, type=Path, help="where metrics.jsonl is written")
+    p.add_argument("--steps", type=int, default=None, help="override spec.trainer.steps")
+    p.add_argument(
+        "--hold-when-done",
+        action="store_true",
+        help="after the last step wait for SIGTERM instead of exiting (what the operator's pods do)",
+    )
+
+
+def _rollout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worker-id", required=True)
+    p.add_argument("--pool", default=None, help="InferencePool name (default: the file's only pool)")
+    p.add_argument("--relay-url", dest="relay_urls", action="append", default=[], help="relay base URL (repeatable)")
+    p.add_argument("--cache-dir", required=True, type=Path, help="where downloaded policy versions are kept")
+
+
+def _verifier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--consumer", required=True, help="consumer name in the verifier group")
+    p.add_argument("--origin-url", required=True, help="trusted checkpoint source (origin or relay base URL)")
+    p.add_argument("--cache-dir", required=True, type=Path)
+    p.add_argument(
+        "--api-port", type=int, default=0, help="HTTP API port: /verify, /workers, /healthz, /metrics, /docs (0 = none)"
+    )
+    p.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address (0.0.0.0 in a pod)")
+
+
+def _ingest_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument(
+        "--tokens-file",
+        default=None,
+        type=Path,
+        help="YAML/JSON {workerId: token} file (overrides spec.ingest.tokensFile)",
+    )
+
+
+def _origin_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+
+
+def _relay_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--upstream", required=True, help="upstream base URL (origin or a lower-tier relay)")
+    p.add_argument("--cache-dir", required=True, type=Path)
+    p.add_argument(
+        "--keep-versions", type=int, default=None, help="versions kept on disk (default spec.shardcast.keepVersions)"
+    )
+    p.add_argument(
+        "--max-disk-bytes",
+        type=int,
+        default=None,
+        help="disk bound of the cache (default spec.shardcast.relayMaxDiskBytes; none: keep-versions only)",
+    )
+
+
+# Each component's own arguments (the names of its options class's fields).
+COMPONENT_ARGS = {
+    TRAINER: _trainer_args,
+    ROLLOUT: _rollout_args,
+    VERIFIER: _verifier_args,
+    INGEST: _ingest_args,
+    ORIGIN: _origin_args,
+    RELAY: _relay_args,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,64 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a config file and print every error with its field path")
     p.add_argument("file")
 
-    p = sub.add_parser("trainer", help="GRPO trainer process")
-    _add_component_args(p)
-    p.add_argument("--output-dir", default=None, type=Path, help="where metrics.jsonl is written")
-    p.add_argument("--steps", type=int, default=None, help="override spec.trainer.steps")
-    p.add_argument(
-        "--hold-when-done",
-        action="store_true",
-        help="after the last step wait for SIGTERM instead of exiting (what the operator's pods do)",
-    )
-
-    p = sub.add_parser("rollout", help="rollout worker process")
-    _add_component_args(p)
-    p.add_argument("--worker-id", required=True)
-    p.add_argument("--pool", default=None, help="InferencePool name (default: the file's only pool)")
-    p.add_argument("--relay-url", dest="relay_urls", action="append", default=[], help="relay base URL (repeatable)")
-    p.add_argument("--cache-dir", required=True, type=Path, help="where downloaded policy versions are kept")
-
-    p = sub.add_parser("verifier", help="TOPLOC verification gate process")
-    _add_component_args(p)
-    p.add_argument("--consumer", required=True, help="consumer name in the verifier group")
-    p.add_argument("--origin-url", required=True, help="trusted checkpoint source (origin or relay base URL)")
-    p.add_argument("--cache-dir", required=True, type=Path)
-    p.add_argument(
-        "--api-port", type=int, default=0, help="HTTP API port: /verify, /workers, /healthz, /metrics, /docs (0 = none)"
-    )
-    p.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address (0.0.0.0 in a pod)")
-
-    p = sub.add_parser("ingest", help="authenticated HTTP ingest of rollout groups from workers outside the cluster")
-    _add_component_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument(
-        "--tokens-file",
-        default=None,
-        type=Path,
-        help="YAML/JSON {workerId: token} file (overrides spec.ingest.tokensFile)",
-    )
-
-    p = sub.add_parser("origin", help="Shardcast origin: serves policy versions from the store over HTTP")
-    _add_component_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-
-    p = sub.add_parser("relay", help="Shardcast relay: pulls versions from upstream, checks them, serves them")
-    _add_component_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--upstream", required=True, help="upstream base URL (origin or a lower-tier relay)")
-    p.add_argument("--cache-dir", required=True, type=Path)
-    p.add_argument(
-        "--keep-versions", type=int, default=None, help="versions kept on disk (default spec.shardcast.keepVersions)"
-    )
-    p.add_argument(
-        "--max-disk-bytes",
-        type=int,
-        default=None,
-        help="disk bound of the cache (default spec.shardcast.relayMaxDiskBytes; none: keep-versions only)",
-    )
+    for spec in COMPONENTS.values():  # one subcommand per component of the registry, in its order
+        p = sub.add_parser(spec.name, help=spec.help)
+        _add_component_args(p)
+        COMPONENT_ARGS[spec.name](p)
 
     p = sub.add_parser("operator", help="Kubernetes operator (kopf): reconciles RLRun, InferencePool and RelayTier")
     p.add_argument(
@@ -201,11 +209,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlfleet.services.toploc.conformance import run_conformance_cli
 
         return run_conformance_cli(args.dir)
-    module_name, options_name = COMPONENTS[args.command]  # argparse rejects any other command
-    module = importlib.import_module(module_name)
-    options_cls = getattr(module, options_name)
+    spec = COMPONENTS[args.command]  # argparse rejects any other command
+    module = importlib.import_module(spec.module)
+    options_cls = getattr(module, spec.options)
     options = options_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(options_cls)})
-    return module.main(options)
+    return getattr(module, spec.main)(options)
 
 
 if __name__ == "__main__":

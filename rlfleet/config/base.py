@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-API_VERSION = "rlfleet.io/v1alpha1"
+# The API version of every document, spelled here only: the models' `apiVersion` field takes this type,
+# the operator's CRDs its group and version.
+ApiVersion = Literal["rlfleet.io/v1alpha1"]
+API_VERSION: str = get_args(ApiVersion)[0]
+GROUP, VERSION = API_VERSION.split("/")
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 

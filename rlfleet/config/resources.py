@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlfleet.config.base import NAME_PATTERN, Metadata, Spec
+from rlfleet.config.base import API_VERSION, NAME_PATTERN, ApiVersion, Metadata, Spec
 from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
 from rlfleet.config.tasks import LengthPenaltySpec, ModelSpec, TaskSpec
 from rlfleet.config.training import SamplingSpec, TrainerSpec
@@ -148,21 +148,21 @@ class RelayTierSpec(Spec):
 
 
 class RLRun(Spec):
-    api_version: Literal["rlfleet.io/v1alpha1"] = Field(alias="apiVersion", description="Always rlfleet.io/v1alpha1.")
+    api_version: ApiVersion = Field(alias="apiVersion", description=f"Always {API_VERSION}.")
     kind: Literal["RLRun"] = Field(description="RLRun.")
     metadata: Metadata
     spec: RLRunSpec
 
 
 class InferencePool(Spec):
-    api_version: Literal["rlfleet.io/v1alpha1"] = Field(alias="apiVersion", description="Always rlfleet.io/v1alpha1.")
+    api_version: ApiVersion = Field(alias="apiVersion", description=f"Always {API_VERSION}.")
     kind: Literal["InferencePool"] = Field(description="InferencePool.")
     metadata: Metadata
     spec: InferencePoolSpec
 
 
 class RelayTier(Spec):
-    api_version: Literal["rlfleet.io/v1alpha1"] = Field(alias="apiVersion", description="Always rlfleet.io/v1alpha1.")
+    api_version: ApiVersion = Field(alias="apiVersion", description=f"Always {API_VERSION}.")
     kind: Literal["RelayTier"] = Field(description="RelayTier.")
     metadata: Metadata
     spec: RelayTierSpec

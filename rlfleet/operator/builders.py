@@ -3,7 +3,7 @@
 Every function here (and in pools.py, relays.py) is pure: no API calls, no clock; plain dicts that the
 operator applies as they are and that `rlfleet render` prints; tests call them directly and validate
 them against the Kubernetes JSON schemas. The processes in the pods are the `rlfleet <component>`
-entrypoints with the local launcher's arguments (rlfleet/local/launcher.py `plan()`), except that ports are
+entrypoints with the local launcher's arguments (rlfleet/local/plan.py `plan()`), except that ports are
 fixed (names.SHARDCAST_PORT, names.METRICS_PORT) and peers are Service DNS names.
 
     RLRun          -> ConfigMap (the run's YAML), trainer StatefulSet + headless Service,

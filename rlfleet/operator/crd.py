@@ -243,11 +243,11 @@ def build_crd(kind: names.KindInfo) -> dict:
                         "openAPIV3Schema": {
                             "type": "object",
                             **({"x-kubernetes-validations": RUN_RULES} if kind is names.RLRUN else {}),
-                            "description": f"{kind.kind} (rlfleet.io/v1alpha1): reconciled by `rlfleet operator`; "
+                            "description": f"{kind.kind} ({names.API_VERSION}): reconciled by `rlfleet operator`; "
                             "the same document runs locally with `rlfleet run`.",
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string", "description": "Always rlfleet.io/v1alpha1."},
+                                "apiVersion": {"type": "string", "description": f"Always {names.API_VERSION}."},
                                 "kind": {"type": "string", "description": f"{kind.kind}."},
                                 "metadata": {"type": "object"},
                                 "spec": spec,

@@ -6,9 +6,16 @@ the same object (idempotent apply) and two kinds never produce the same child na
 
 from __future__ import annotations
 
-GROUP = "rlfleet.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+from rlfleet.config.base import API_VERSION as API_VERSION
+from rlfleet.config.base import GROUP as GROUP
+from rlfleet.config.base import VERSION as VERSION
+from rlfleet.wire.components import INGEST as INGEST
+from rlfleet.wire.components import ORIGIN as ORIGIN
+from rlfleet.wire.components import RELAY as RELAY
+from rlfleet.wire.components import ROLLOUT as ROLLOUT
+from rlfleet.wire.components import TRAINER as TRAINER
+from rlfleet.wire.components import VERIFIER as VERIFIER
+
 CATEGORY = "rlfleet"
 FIELD_MANAGER = "rlfleet-operator"
 DEFAULT_IMAGE = "ghcr.io/rlfleet/rlfleet:0.1.0"
@@ -59,8 +66,9 @@ ENV_POD_NAME = "POD_NAME"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"  # on pod templates: a changed config rolls the pods
 RUN_LABEL = f"{GROUP}/run"  # on every child, and on the pools and tiers of a run
 
-# Components (the `rlfleet <component>` subcommands that run in pods).
-TRAINER, VERIFIER, ORIGIN, ROLLOUT, RELAY, INGEST = "trainer", "verifier", "origin", "rollout", "relay", "ingest"
+# The components (TRAINER, VERIFIER, ...: the `rlfleet <component>` subcommands that run in pods) and the
+# API group and version are imported above from where they are spelled: rlfleet/wire/components.py and
+# rlfleet/config/base.py.
 
 # A StatefulSet's pods get a `controller-revision-hash` label `<name>-<10 chars>` (at most 63), so
 # its name is at most 52 characters.
@@ -69,21 +77,21 @@ MAX_STATEFULSET_NAME = 52
 
 def trainer(run: str) -> str:
     """Trainer StatefulSet and its headless Service."""
-    return f"{run}-trainer"
+    return f"{run}-{TRAINER}"
 
 
 def verifier(run: str) -> str:
-    return f"{run}-verifier"
+    return f"{run}-{VERIFIER}"
 
 
 def ingest(run: str) -> str:
     """Ingest Deployment and Service (HTTP front of the inbox for outside workers)."""
-    return f"{run}-ingest"
+    return f"{run}-{INGEST}"
 
 
 def origin(run: str) -> str:
     """Origin Deployment and Service."""
-    return f"{run}-origin"
+    return f"{run}-{ORIGIN}"
 
 
 def run_config(run: str) -> str:
@@ -95,17 +103,17 @@ def rollout(pool: str) -> str:
     """Rollout workload of an InferencePool (a Deployment, or a StatefulSet when its workers post to an
     ingest: pod names POOL-rollout-0.. are their worker ids), its headless Service and its
     PodDisruptionBudget."""
-    return f"{pool}-rollout"
+    return f"{pool}-{ROLLOUT}"
 
 
 def pool_config(pool: str) -> str:
     """ConfigMap with the RLRun YAML plus the pool's own document (the workers read `--pool`)."""
-    return f"{pool}-rollout-config"
+    return f"{rollout(pool)}-config"
 
 
 def relay(tier: str) -> str:
     """Relay Deployment, Service and PodDisruptionBudget of a RelayTier."""
-    return f"{tier}-relay"
+    return f"{tier}-{RELAY}"
 
 
 def service_url(service: str, namespace: str, port: int = SHARDCAST_PORT) -> str:

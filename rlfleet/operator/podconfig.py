@@ -38,17 +38,17 @@ ORCHESTRATION = {
         ("spec", "suspend"),
         ("spec", "remote"),
         ("spec", "image"),
-        ("spec", "origin"),
+        ("spec", names.ORIGIN),
         ("spec", "activeDeadlineSeconds"),
         ("spec", "ttlSecondsAfterFinished"),
         ("spec", "redis", "urlSecret"),
         ("spec", "store", "credentialsSecret"),
         ("spec", "shardcast", "signingKeySecret"),
-        ("spec", "ingest", "tokens"),
-        ("spec", "ingest", "resources"),
-        ("spec", "ingest", "podTemplate"),
-        *(("spec", "trainer", f) for f in ("replicas", "gpus", "gpuResource", "resources", "podTemplate")),
-        *(("spec", "verifier", f) for f in ("replicas", "resources", "podTemplate")),
+        ("spec", names.INGEST, "tokens"),
+        ("spec", names.INGEST, "resources"),
+        ("spec", names.INGEST, "podTemplate"),
+        *(("spec", names.TRAINER, f) for f in ("replicas", "gpus", "gpuResource", "resources", "podTemplate")),
+        *(("spec", names.VERIFIER, f) for f in ("replicas", "resources", "podTemplate")),
     ],
     "InferencePool": [
         ("spec", f)
@@ -57,7 +57,7 @@ ORCHESTRATION = {
             "gpus",
             "gpuResource",
             "image",
-            "relay",
+            names.RELAY,
             "workerTokens",
             "resources",
             "podTemplate",
@@ -65,13 +65,13 @@ ORCHESTRATION = {
         )
     ],
 }
-UNTRUSTED = [("spec", "redis", "url"), ("spec", "store"), ("spec", "ingest")]
+UNTRUSTED = [("spec", "redis", "url"), ("spec", "store"), ("spec", names.INGEST)]
 TRAINER_FIELDS_OTHERS_READ = ("maxAsyncLevel", "batchSize", "seed")
 # The spec sections each server component reads (with apiVersion, kind and metadata).
 SERVER_READS = {
     names.RELAY: ("redis", "shardcast"),
     names.ORIGIN: ("redis", "store"),
-    names.INGEST: ("redis", "ingest"),
+    names.INGEST: ("redis", names.INGEST),
 }
 
 
@@ -102,8 +102,8 @@ def untrusted(doc: dict) -> dict:
 def for_others(doc: dict) -> dict:
     """A run document as every component but the trainer reads it (spec.trainer cut to what they read)."""
     doc = copy.deepcopy(doc)
-    trainer = doc["spec"].get("trainer") or {}
-    doc["spec"]["trainer"] = {k: v for k, v in trainer.items() if k in TRAINER_FIELDS_OTHERS_READ}
+    trainer = doc["spec"].get(names.TRAINER) or {}
+    doc["spec"][names.TRAINER] = {k: v for k, v in trainer.items() if k in TRAINER_FIELDS_OTHERS_READ}
     return doc
 
 

@@ -16,14 +16,14 @@ from rlfleet.operator.pods import (
     service,
 )
 from rlfleet.operator.resources import MissingDependency
-from rlfleet.wire.topology import Node, TopologyError, relay_graph
+from rlfleet.wire.topology import ORIGIN, URL, Node, TopologyError, relay_graph
 
 
 def node_url(node: Node, run: str, namespace: str) -> str:
     """A node of the relay tree (topology.py) as the Service URL pods reach it by."""
-    if node.kind == "url":
+    if node.kind == URL:
         return node.name
-    return names.service_url(names.origin(run) if node.kind == "origin" else names.relay(node.name), namespace)
+    return names.service_url(names.origin(run) if node == ORIGIN else names.relay(node.name), namespace)
 
 
 def resolve_upstream(run: RLRun, tier: RelayTier, tiers: list[RelayTier], namespace: str) -> str:

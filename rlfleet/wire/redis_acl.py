@@ -21,7 +21,7 @@ user, not per key: a user that may XADD the inbox and read the policy stream cou
 policy stream (a fake version would stall every worker and the gate), or HINCRBY it into a hash.
 
 Where it is used: `rlfleet run` gives its embedded Redis these users with fresh passwords and each
-component its role's URLs (launcher.py); the chart renders the same rules for the users listed in
+component its role's URLs (rlfleet/local/plan.py); the chart renders the same rules for the users listed in
 `redis.acl.users` (charts/rlfleet/files/redis-acl-roles.yaml, generated from `ROLES` by
 `python -m rlfleet.wire.redis_acl`; a test keeps them equal), and with `spec.redis.roleUrls` the operator
 gives each pod the urlSecret's `url-{role}` keys.
@@ -40,6 +40,7 @@ import sys
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from rlfleet.wire.components import COMPONENTS, INGEST, READER, ROLLOUT, TICKETS, TRAINER, VERIFIER, WORKER
 from rlfleet.wire.streams import RunKeys
 
 CONNECT = ["ping", "client|setinfo"]  # what redis-py sends on connect (SETINFO's refusal is ignored)
@@ -47,14 +48,14 @@ SCRIPTS = ["evalsha", "eval", "script|load"]  # redis-py's registered scripts; t
 
 # Per role: the RunKeys attributes (or per-item key patterns, `RunKeys.patterns`) and the commands.
 ROLES: dict[str, tuple[list[str], list[str]]] = {
-    "worker": (["rollouts"], ["xadd", "xlen"]),
-    "reader": (["policy", "rollouts", "verified", "demand"], ["xread", "xrevrange", "xlen", "hmget"]),
-    "tickets": (["tickets"], ["hincrby"]),
-    "ingest": (
+    WORKER: (["rollouts"], ["xadd", "xlen"]),
+    READER: (["policy", "rollouts", "verified", "demand"], ["xread", "xrevrange", "xlen", "hmget"]),
+    TICKETS: (["tickets"], ["hincrby"]),
+    INGEST: (
         ["rollouts", "banned", "tickets", "submitted"],
         ["xadd", "xlen", "get", "set", "hexists", "hincrby", *SCRIPTS],
     ),
-    "verifier": (
+    VERIFIER: (
         [
             "rollouts",
             "verified",
@@ -96,7 +97,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             *SCRIPTS,
         ],
     ),
-    "trainer": (
+    TRAINER: (
         ["verified", "policy", "trained", "stats", "demand"],
         [
             "hset",
@@ -117,23 +118,17 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     ),
 }
 ADMIN = "admin"
-# The role of each `rlfleet` subcommand's main Redis client (env RLFLEET_REDIS_URL); a rollout worker also
-# reads as `reader` and takes tickets as `tickets` (WORKER_ROLES), one of a pool with ingestUrl only reads.
-COMPONENT_ROLES = {
-    "trainer": "trainer",
-    "verifier": "verifier",
-    "rollout": "worker",
-    "ingest": "ingest",
-    "origin": "reader",
-    "relay": "reader",
-}
-WORKER_ROLES = {"write": "worker", "read": "reader", "tickets": "tickets"}
+# The role of each `rlfleet` subcommand's main Redis client (env RLFLEET_REDIS_URL), from the component
+# registry; a rollout worker also reads as `reader` and takes tickets as `tickets` (WORKER_ROLES), one of a
+# pool with ingestUrl only reads.
+COMPONENT_ROLES = {c.name: c.role for c in COMPONENTS.values()}
+WORKER_ROLES = dict(zip(("write", "read", "tickets"), COMPONENTS[ROLLOUT].roles, strict=True))
 
 
 def role_rules(role: str, keys: RunKeys) -> str:
     """The ACL rules (after `user NAME on >PASSWORD`) of `role` for the run of `keys`."""
     if role == ADMIN:
-        return f"resetkeys ~rlfleet:{keys.run}:* resetchannels +@all"
+        return f"resetkeys ~{keys.prefix}:* resetchannels +@all"
     names, commands = ROLES[role]
     patterns = keys.patterns()
     key_rules = " ".join(f"~{patterns[n] if n in patterns else getattr(keys, n)}" for n in names)

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from rlfleet.wire.components import TRAINER
+
 SCHEMA_VERSION = 2
 MESSAGE_FIELD = b"m"
 
@@ -38,7 +40,7 @@ class RunKeys:
 
     def __init__(self, run: str):
         self.run = run
-        prefix = f"rlfleet:{run}"
+        self.prefix = prefix = f"rlfleet:{run}"  # every key of the run starts with it (ACL rules, cleanup)
         self.rollouts = f"{prefix}:rollouts"
         self.verified = f"{prefix}:verified"
         self.rejected = f"{prefix}:rejected"
@@ -61,7 +63,7 @@ class RunKeys:
         self.tickets_used = f"{prefix}:tickets-used"
         self._submitted_prefix = f"{prefix}:submitted:"
         self.verifier_group = "verifiers"
-        self.trainer_group = "trainer"
+        self.trainer_group = TRAINER
 
     def submitted(self, digest: str) -> str:
         """The ingest's idempotency record of one submission, by content digest (a key with a TTL)."""

@@ -14,20 +14,22 @@ a problem of the document that makes it, so one bad tier does not block the othe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from rlfleet.config import Bundle, ConfigError, InferencePool, RelayTier
+from rlfleet.wire import components
+
+TIER, URL = "tier", "url"  # the kinds of node besides the origin (components.ORIGIN)
 
 
 @dataclass(frozen=True)
 class Node:
     """A checkpoint source: the origin, a RelayTier (by name), or a URL outside the cluster."""
 
-    kind: Literal["origin", "tier", "url"]
+    kind: str  # components.ORIGIN, TIER or URL
     name: str = ""  # the tier's name or the URL
 
 
-ORIGIN = Node("origin")
+ORIGIN = Node(components.ORIGIN)
 
 
 class TopologyError(ValueError):
@@ -76,7 +78,7 @@ def relay_graph(run: str, pools: list[InferencePool], tiers: list[RelayTier]) ->
     for name, tier in sorted(mine.items()):
         spec, who = tier.spec, f"RelayTier {name}"
         if spec.upstream_url:
-            graph.upstreams[name] = Node("url", spec.upstream_url.rstrip("/"))
+            graph.upstreams[name] = Node(URL, spec.upstream_url.rstrip("/"))
         elif spec.upstream:
             if spec.upstream not in mine:
                 problem(
@@ -84,7 +86,7 @@ def relay_graph(run: str, pools: list[InferencePool], tiers: list[RelayTier]) ->
                     f"spec.upstream: RelayTier {spec.upstream!r} of run {run!r} does not exist; create it or drop "
                     f"spec.upstream",
                 )
-            graph.upstreams[name] = Node("tier", spec.upstream)
+            graph.upstreams[name] = Node(TIER, spec.upstream)
         elif spec.tier == 0:
             graph.upstreams[name] = ORIGIN
         else:
@@ -96,11 +98,11 @@ def relay_graph(run: str, pools: list[InferencePool], tiers: list[RelayTier]) ->
                 )
                 graph.upstreams[name] = ORIGIN
             else:
-                graph.upstreams[name] = Node("tier", below[0])
+                graph.upstreams[name] = Node(TIER, below[0])
     for name in sorted(mine):
         seen = [name]
         node = graph.upstreams[name]
-        while node.kind == "tier" and node.name in graph.upstreams:
+        while node.kind == TIER and node.name in graph.upstreams:
             if node.name in seen:
                 problem(
                     f"RelayTier {name}",
@@ -112,7 +114,7 @@ def relay_graph(run: str, pools: list[InferencePool], tiers: list[RelayTier]) ->
             node = graph.upstreams[node.name]
 
     top = max((t.spec.tier for t in mine.values()), default=None)
-    graph.default_sources = [Node("tier", n) for n in sorted(mine) if mine[n].spec.tier == top] or [ORIGIN]
+    graph.default_sources = [Node(TIER, n) for n in sorted(mine) if mine[n].spec.tier == top] or [ORIGIN]
     for pool in pools:
         if pool.spec.run != run:
             continue
@@ -123,7 +125,7 @@ def relay_graph(run: str, pools: list[InferencePool], tiers: list[RelayTier]) ->
                     f"InferencePool {name}",
                     f"spec.relay: RelayTier {relay!r} of run {run!r} does not exist; create it or drop spec.relay",
                 )
-            graph.sources[name] = [Node("tier", relay)]
+            graph.sources[name] = [Node(TIER, relay)]
         else:
             graph.sources[name] = graph.default_sources
     return graph

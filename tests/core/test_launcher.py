@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
+from rlfleet.cli import build_parser
 from rlfleet.config import load_bundle
-from rlfleet.local.launcher import plan
+from rlfleet.local.plan import Process, endpoints, plan
+from rlfleet.wire.components import TRAINER
 from tests.support import REPO
 
 ROOT = REPO
@@ -16,7 +20,7 @@ def test_trainer_replicas_are_ranks_with_the_torchrun_environment_of_the_trainer
         text.replace("    maxAsyncLevel: 2\n", "    maxAsyncLevel: 2\n    replicas: 3\n    sharding: fsdp\n")
     )
     comps = plan(load_bundle(config), config, tmp_path)
-    trainers = [c for c in comps if c.argv[3] == "trainer"]
+    trainers = [c for c in comps if c.kind == TRAINER]
     assert [c.name for c in trainers] == ["trainer/2", "trainer/1", "trainer"], "rank 0 last: the launcher waits on it"
     assert [c.env["RANK"] for c in trainers] == ["2", "1", "0"]
     assert {c.env["WORLD_SIZE"] for c in trainers} == {"3"}
@@ -26,5 +30,79 @@ def test_trainer_replicas_are_ranks_with_the_torchrun_environment_of_the_trainer
 
 def test_one_trainer_replica_gets_no_distributed_environment(tmp_path):
     config = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
-    trainers = [c for c in plan(load_bundle(config), config, tmp_path) if c.argv[3] == "trainer"]
+    trainers = [c for c in plan(load_bundle(config), config, tmp_path) if c.kind == TRAINER]
     assert [(c.name, c.env) for c in trainers] == [("trainer", {})]
+
+
+def test_each_process_s_command_line_is_built_from_its_record(tmp_path):
+    config = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
+    procs = plan(load_bundle(config), config, tmp_path, steps=7)
+    by_name = {p.name: p for p in procs}
+    assert list(by_name) == [
+        "origin",
+        "relay/arithmetic-tier0-0",
+        "verifier/0",
+        "rollout/arithmetic-cpu-0",
+        "rollout/arithmetic-cpu-1",
+        "trainer",
+    ]
+    origin, relay, verifier = by_name["origin"], by_name["relay/arithmetic-tier0-0"], by_name["verifier/0"]
+    relay_url, cache = f"http://127.0.0.1:{relay.port}", tmp_path / "cache"
+    head = [sys.executable, "-m", "rlfleet.cli"]
+    argv = {p.name: p.argv[3:] for p in procs}
+    origin_url, common = f"http://127.0.0.1:{origin.port}", ["--config", str(config)]
+    relay_args = ["--port", str(relay.port), "--upstream", origin_url, "--cache-dir", str(cache / "arithmetic-tier0-0")]
+    verifier_args = ["--consumer", "verifier-0", "--origin-url", origin_url, "--cache-dir", str(cache / "verifier-0")]
+
+    def worker(i: int) -> list[str]:
+        worker_id = f"arithmetic-cpu-{i}"
+        return [
+            "--worker-id",
+            worker_id,
+            "--pool",
+            "arithmetic-cpu",
+            "--relay-url",
+            relay_url,
+            "--cache-dir",
+            str(cache / worker_id),
+        ]
+
+    assert argv == {
+        "origin": ["origin", *common, "--port", str(origin.port)],
+        "relay/arithmetic-tier0-0": ["relay", *common, *relay_args, "--keep-versions", "3"],
+        "verifier/0": ["verifier", *common, *verifier_args, "--api-port", str(verifier.api_port)],
+        "rollout/arithmetic-cpu-0": ["rollout", *common, *worker(0)],
+        "rollout/arithmetic-cpu-1": ["rollout", *common, *worker(1)],
+        "trainer": ["trainer", *common, "--output-dir", str(tmp_path), "--steps", "7"],
+    }
+    assert all(p.argv[:3] == head for p in procs)
+    assert [p.log.name for p in procs] == [
+        "origin.log",
+        "relay-arithmetic-tier0-0.log",
+        "verifier-0.log",
+        "rollout-arithmetic-cpu-0.log",
+        "rollout-arithmetic-cpu-1.log",
+        "trainer.log",
+    ]
+    parser = build_parser()
+    for p in procs:  # the CLI reads back what the record says
+        args = parser.parse_args(p.argv[3:])
+        assert args.command == p.kind
+        for option in ("port", "upstream", "pool", "relay_urls", "cache_dir", "api_port", "steps"):
+            if getattr(p, option) not in (None, []):
+                assert getattr(args, option) == getattr(p, option), (p.name, option)
+    assert [c.done_on_success for c in map(Process.component, procs)] == [False] * 5 + [True]
+
+
+def test_endpoints_are_the_http_ports_the_registry_names(tmp_path):
+    config = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
+    procs = plan(load_bundle(config), config, tmp_path)
+    by_name = {p.name: p for p in procs}
+    assert endpoints("redis://r", procs) == {
+        "redis": "redis://r",
+        "http": {
+            "origin": f"http://127.0.0.1:{by_name['origin'].port}",
+            "relay/arithmetic-tier0-0": f"http://127.0.0.1:{by_name['relay/arithmetic-tier0-0'].port}",
+            "verifier/0": f"http://127.0.0.1:{by_name['verifier/0'].api_port}",
+        },
+    }

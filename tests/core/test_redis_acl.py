@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from rlfleet.config import parse_bundle
-from rlfleet.local.launcher import plan, redis_env
+from rlfleet.local.plan import plan, redis_env
 from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.wire.redis_acl import ADMIN, ROLES, RunAcl, chart_roles, user_name
 from rlfleet.wire.streams import RunKeys

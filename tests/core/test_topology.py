@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.config import parse_bundle
-from rlfleet.local.launcher import plan
+from rlfleet.local.plan import plan
 from rlfleet.operator import builders, names
 from rlfleet.wire.topology import ORIGIN, Node, TopologyError, relay_graph
 
@@ -116,12 +116,12 @@ def _local_graph(bundle, tmp_path) -> tuple[dict, dict]:
     """{tier: upstream node}, {pool: source nodes} read back from the launcher's processes."""
     config = tmp_path / "rlrun.yaml"
     comps = plan(bundle, config, tmp_path)
-    origin_url = "http://127.0.0.1:" + next(c for c in comps if c.name == "origin").argv[-1]
+    origin_url = f"http://127.0.0.1:{next(c for c in comps if c.name == 'origin').port}"
     node_of = {origin_url: ORIGIN}
     for c in comps:
         if c.name.startswith("relay/"):
             tier_name = c.name.split("/", 1)[1].rsplit("-", 1)[0]
-            node_of[f"http://127.0.0.1:{c.argv[c.argv.index('--port') + 1]}"] = Node("tier", tier_name)
+            node_of[f"http://127.0.0.1:{c.port}"] = Node("tier", tier_name)
 
     def node(url: str) -> Node:
         return node_of.get(url, Node("url", url))
@@ -130,11 +130,9 @@ def _local_graph(bundle, tmp_path) -> tuple[dict, dict]:
     for c in comps:
         if c.name.startswith("relay/"):
             tier_name = c.name.split("/", 1)[1].rsplit("-", 1)[0]
-            upstreams.setdefault(tier_name, set()).add(node(c.argv[c.argv.index("--upstream") + 1]))
+            upstreams.setdefault(tier_name, set()).add(node(c.upstream))
         if c.name.startswith("rollout/"):
-            pool_name = c.argv[c.argv.index("--pool") + 1]
-            urls = [c.argv[i + 1] for i, a in enumerate(c.argv) if a == "--relay-url"]
-            sources[pool_name] = {node(u) for u in urls}
+            sources[c.pool] = {node(u) for u in c.relay_urls}
     return upstreams, sources
 
 
@@ -179,8 +177,8 @@ def test_local_and_cluster_relay_graphs_agree(case, tmp_path):
 def test_local_tier_replicas_spread_over_the_replicas_of_the_tier_below(tmp_path):
     bundle = parse_bundle(BUNDLES["two tiers, pool on the top one"])
     comps = plan(bundle, tmp_path / "rlrun.yaml", tmp_path)
-    t0_url = next(f"http://127.0.0.1:{c.argv[c.argv.index('--port') + 1]}" for c in comps if c.name == "relay/t0-0")
+    t0_url = next(f"http://127.0.0.1:{c.port}" for c in comps if c.name == "relay/t0-0")
     t1 = [c for c in comps if c.name.startswith("relay/t1-")]
-    assert len(t1) == 3 and all(c.argv[c.argv.index("--upstream") + 1] == t0_url for c in t1)
+    assert len(t1) == 3 and all(c.upstream == t0_url for c in t1)
     workers = [c for c in comps if c.name.startswith("rollout/p-")]
-    assert len(workers) == 3 and all(sum(a == "--relay-url" for a in c.argv) == 3 for c in workers)
+    assert len(workers) == 3 and all(len(c.relay_urls) == 3 for c in workers)

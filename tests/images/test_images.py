@@ -39,12 +39,12 @@ def test_cpu_image_entrypoints_start():
     require(CPU_IMAGE)
     code = """
 import importlib, os, subprocess, sys
-from rlfleet.cli import COMPONENTS
+from rlfleet.wire.components import COMPONENTS
 for cmd in [["--help"], *[[c, "--help"] for c in sys.argv[1:]]]:
     out = subprocess.run(["rlfleet", *cmd], capture_output=True, text=True)
     assert out.returncode == 0 and "usage: rlfleet" in out.stdout, (cmd, out.stdout, out.stderr)
-for module, options in COMPONENTS.values():  # what each component imports once past its arguments
-    getattr(importlib.import_module(module), options)
+for c in COMPONENTS.values():  # what each component imports once past its arguments
+    getattr(importlib.import_module(c.module), c.options), getattr(importlib.import_module(c.module), c.main)
 importlib.import_module("rlfleet.operator.handlers")
 import torch
 print(torch.__version__, os.getuid())

@@ -47,6 +47,7 @@ from rlfleet.config import ConfigError, IngestSpec
 from rlfleet.services.ingest.client import ROLLOUTS_PATH, TICKETS_PATH
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
 from rlfleet.services.toploc.reputation import is_banned
+from rlfleet.wire import components
 from rlfleet.wire.assignment import issue_ticket
 from rlfleet.wire.runtime import ComponentOptions
 from rlfleet.wire.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, group_digest
@@ -310,7 +311,7 @@ class IngestOptions(ComponentOptions):
 def main(options: IngestOptions) -> int:
     from rlfleet.wire.runtime import component_context
 
-    ctx = component_context(options, "ingest")
+    ctx = component_context(options, components.INGEST)
     spec = ctx.bundle.run.spec
     tokens_file = options.tokens_file or spec.ingest.tokens_file
     if not tokens_file:

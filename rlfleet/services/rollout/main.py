@@ -45,7 +45,7 @@ from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
-from rlfleet.wire import env
+from rlfleet.wire import components, env
 from rlfleet.wire.assignment import assigned_work, issue_ticket
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
 from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
@@ -366,7 +366,7 @@ class Worker:
                         self.token,
                         group.encode()[MESSAGE_FIELD],
                         self.ctx.stop,
-                        on_wait=PAUSED.labels("ingest").inc,
+                        on_wait=PAUSED.labels(components.INGEST).inc,
                     )
                     is None
                 ):
@@ -380,7 +380,7 @@ class Worker:
 def main(options: RolloutOptions) -> int:
     if not options.relay_urls:
         raise SystemExit("rlfleet rollout: at least one --relay-url is required")
-    ctx = component_context(options, "rollout", redis_optional=True)  # an ingest pool's workers run without it
+    ctx = component_context(options, components.ROLLOUT, redis_optional=True)  # an ingest pool's workers run without it
     configure_torch_threads()
     worker = Worker(ctx, options)
     try:

@@ -47,6 +47,7 @@ from rlfleet.services.shardcast.protocol import (
 )
 from rlfleet.versions.checkpoint import MANIFEST_NAME, latest_version, manifest_key, version_key
 from rlfleet.versions.store import CheckpointStore
+from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions
 from rlfleet.wire.streams import RunKeys
 
@@ -154,7 +155,7 @@ def main(options: OriginOptions) -> int:
     from rlfleet.versions.store import open_run_store
     from rlfleet.wire.runtime import component_context
 
-    ctx = component_context(options, "origin")
+    ctx = component_context(options, components.ORIGIN)
     store = open_run_store(ctx, str(options.config))
     asyncio.run(serve_until(make_app(store, ctx.run_name, ctx.redis), options.host, options.port, ctx.stop))
     return 0

@@ -43,9 +43,10 @@ from rlfleet.services.shardcast.protocol import (
 from rlfleet.services.shardcast.pull import Pull, stream
 from rlfleet.services.shardcast.relay_cache import BYTES_OUT, CLIENTS, DiskBoundError, NotUpstream, Relay, VersionGone
 from rlfleet.versions.checkpoint import MANIFEST_NAME
+from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions
 
-RELAY = web.AppKey("relay", Relay)
+RELAY = web.AppKey(components.RELAY, Relay)
 
 
 def make_app(
@@ -183,7 +184,7 @@ def main(options: RelayOptions) -> int:
     from rlfleet.wire.runtime import component_context
 
     # Without Redis (a relay tier of a run trained in another cluster) it follows its upstream's long-poll.
-    ctx = component_context(options, "relay", redis_optional=True)
+    ctx = component_context(options, components.RELAY, redis_optional=True)
     shardcast = ctx.bundle.run.spec.shardcast
     app = make_app(
         options.upstream,

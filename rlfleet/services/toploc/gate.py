@@ -46,6 +46,7 @@ from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection,
 from rlfleet.services.toploc.reputation import ban_plan, field
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
+from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.wire.streams import RolloutGroup, encode_json
 
@@ -207,7 +208,7 @@ class Gate:
                 "worker_id": worker,
                 "inbox_id": msg_id.decode(),
                 "rollout_id": group.rollout_id if group else None,
-                "verifier": self.consumer,
+                components.VERIFIER: self.consumer,
             }
             original = next(iter(fields.values()), b"")[: v.max_message_bytes]  # an oversize one is cut
             out = {**encode_json(record), b"original": original}
@@ -302,7 +303,7 @@ class Gate:
             "inbox_id": msg_id.decode(),
             "attempts": tries,
             "last_error": self._errors.pop(msg_id, "the verifier stopped while handling it"),
-            "verifier": self.consumer,
+            components.VERIFIER: self.consumer,
         }
         original = next(iter(fields.values()), b"")[: v.max_message_bytes]
         flat = [x for kv in {**encode_json(record), b"original": original}.items() for x in kv]
@@ -354,7 +355,7 @@ class VerifierOptions(ComponentOptions):
 
 
 def main(options: VerifierOptions) -> int:
-    ctx = component_context(options, "verifier")
+    ctx = component_context(options, components.VERIFIER)
     configure_torch_threads()
     gate = Gate(ctx, options.consumer, options.origin_url, options.cache_dir)
     if options.api_port:

@@ -42,6 +42,7 @@ from rlfleet.versions.checkpoint import prune_versions, save_model_dir
 from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
+from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest
 
@@ -325,7 +326,7 @@ class TrainerOptions(ComponentOptions):
 
 
 def main(options: TrainerOptions) -> int:
-    ctx = component_context(options, "trainer")
+    ctx = component_context(options, components.TRAINER)
     configure_torch_threads()
     if options.output_dir:
         options.output_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,215 @@
+"""The processes of a local run (`rlfleet run`), as typed records; pure: nothing is started here.
+
+A `Process` says what one process is: its component (a record of the registry, rlfleet/wire/components.py),
+its instance within that component (a relay replica, a verifier, a worker, a trainer rank), and the
+options it is started with as fields (ports, upstream, pool, cache dir...). Everything the launcher
+derives from a process (its Redis URLs, its endpoint, its name and log) reads those fields; the
+`rlfleet <component>` command line is built from them only when the process is handed to the
+supervisor (`Process.argv`), and nothing parses it back.
+Names are built by `Process.name`: the component's, then `/instance` when there is one ("relay/t0-0",
+"trainer/2"); the log is `logs/<component>[-instance].log`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from rlfleet.config import Bundle, ConfigError
+from rlfleet.local.redis_server import free_port
+from rlfleet.local.supervisor import Component
+from rlfleet.wire import env
+from rlfleet.wire.components import COMPONENTS, ORIGIN, RELAY, ROLLOUT, TRAINER, VERIFIER, ComponentSpec
+from rlfleet.wire.redis_acl import WORKER_ROLES, RunAcl
+from rlfleet.wire.topology import ORIGIN as ORIGIN_NODE
+from rlfleet.wire.topology import URL, Node, bundle_graph
+
+# `rlfleet run` starts one process per replica; more than this on one machine is a mistake, not a run.
+MAX_LOCAL_PROCESSES = 64
+
+
+def _flag(name: str, repeat: bool = False):
+    """A field that is the command-line option `name` of its component (repeated once per item)."""
+    return {"flag": name, "repeat": repeat}
+
+
+@dataclass
+class Process:
+    """One process of the run. The option fields are declared in the order their flags are written."""
+
+    spec: ComponentSpec
+    config: Path
+    log_dir: Path
+    instance: str = ""
+    rank: int = 0  # a trainer's rank (rank 0 reads the streams and publishes)
+    env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
+    # The component's options (None / empty: not given).
+    port: int | None = field(default=None, metadata=_flag("--port"))
+    upstream: str | None = field(default=None, metadata=_flag("--upstream"))
+    consumer: str | None = field(default=None, metadata=_flag("--consumer"))
+    origin_url: str | None = field(default=None, metadata=_flag("--origin-url"))
+    worker_id: str | None = field(default=None, metadata=_flag("--worker-id"))
+    pool: str | None = field(default=None, metadata=_flag("--pool"))
+    relay_urls: list[str] = field(default_factory=list, metadata=_flag("--relay-url", repeat=True))
+    cache_dir: Path | None = field(default=None, metadata=_flag("--cache-dir"))
+    api_port: int | None = field(default=None, metadata=_flag("--api-port"))
+    keep_versions: int | None = field(default=None, metadata=_flag("--keep-versions"))
+    output_dir: Path | None = field(default=None, metadata=_flag("--output-dir"))
+    steps: int | None = field(default=None, metadata=_flag("--steps"))
+
+    @property
+    def kind(self) -> str:
+        return self.spec.name
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.instance}" if self.instance else self.kind
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / (f"{self.kind}-{self.instance}.log" if self.instance else f"{self.kind}.log")
+
+    @property
+    def http_ports(self) -> list[int]:
+        """The HTTP ports it serves (the registry names which options are ports)."""
+        return [port for port in (getattr(self, name) for name in self.spec.ports) if port]
+
+    @property
+    def argv(self) -> list[str]:
+        """`python -m rlfleet.cli <component> --config FILE` and its options, in field order."""
+        argv = [sys.executable, "-m", "rlfleet.cli", self.kind, "--config", str(self.config)]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if "flag" not in f.metadata or value is None:
+                continue
+            for item in value if f.metadata["repeat"] else [value]:
+                argv += [f.metadata["flag"], str(item)]
+        return argv
+
+    def component(self) -> Component:
+        """The supervisor's record: the command line is built here, at the last moment."""
+        return Component(self.name, self.argv, self.log, env=dict(self.env), done_on_success=self.kind == TRAINER)
+
+
+def plan(bundle: Bundle, config: Path, run_dir: Path, steps: int | None = None) -> list[Process]:
+    """Every process of the run, in start order; the trainer's rank 0 last. The relay tree is
+    topology.relay_graph's, the operator's too; here a node is 127.0.0.1 ports: a tier's replica i
+    pulls from replica i of its upstream tier (modulo its size), as a Service spreads pods there.
+    `steps` overrides spec.trainer.steps (each trainer rank's --steps)."""
+    spec = bundle.run.spec
+    graph = bundle_graph(bundle, str(config))
+    logs, cache = run_dir / "logs", run_dir / "cache"
+
+    def process(kind: str, instance: str = "", **options) -> Process:
+        return Process(COMPONENTS[kind], config, logs, instance, **options)
+
+    origin = process(ORIGIN, port=free_port())
+    replica_urls = {
+        t.metadata.name: [f"http://127.0.0.1:{free_port()}" for _ in range(t.spec.replicas)] for t in bundle.relays
+    }
+
+    def urls(node: Node) -> list[str]:
+        if node.kind == URL:
+            return [node.name]
+        return [f"http://127.0.0.1:{origin.port}"] if node.kind == ORIGIN else replica_urls[node.name]
+
+    out = [origin]
+    for relay in sorted(bundle.relays, key=lambda r: (r.spec.tier, r.metadata.name)):
+        upstream = urls(graph.upstream(relay.metadata.name))
+        for i, url in enumerate(replica_urls[relay.metadata.name]):
+            name = f"{relay.metadata.name}-{i}"
+            out.append(
+                process(
+                    RELAY,
+                    name,
+                    port=int(url.rsplit(":", 1)[1]),
+                    upstream=upstream[i % len(upstream)],
+                    cache_dir=cache / name,
+                    keep_versions=relay.spec.keep_versions or None,
+                )
+            )
+    for i in range(spec.verifier.replicas):
+        out.append(
+            process(
+                VERIFIER,
+                str(i),
+                consumer=f"{VERIFIER}-{i}",
+                origin_url=urls(ORIGIN_NODE)[0],
+                cache_dir=cache / f"{VERIFIER}-{i}",
+                api_port=free_port(),
+            )
+        )
+    # A file without InferencePool documents still gets the default pool (its workers take no --pool).
+    pools = [
+        (p.metadata.name, p.spec.replicas, p.metadata.name, graph.pool_sources(p.metadata.name)) for p in bundle.pools
+    ]
+    if not pools:
+        name, default_pool = bundle.pool(None)
+        pools = [(name, default_pool.replicas, None, graph.default_sources)]
+    for pool_name, replicas, pool, sources in pools:
+        relay_urls = [url for node in sources for url in urls(node)]
+        for i in range(replicas):
+            worker = f"{pool_name}-{i}"
+            out.append(
+                process(ROLLOUT, worker, worker_id=worker, pool=pool, relay_urls=relay_urls, cache_dir=cache / worker)
+            )
+    # trainer.replicas > 1: one process per rank with the torchrun-style environment the operator
+    # gives trainer pods; rank 0 (no instance, named like the component; last in the list) reads the streams
+    # and publishes.
+    replicas = spec.trainer.replicas
+    master = (
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(replicas)}
+        if replicas > 1
+        else {}
+    )
+    for rank in range(replicas - 1, -1, -1):
+        out.append(
+            process(
+                TRAINER,
+                str(rank) if rank else "",
+                rank=rank,
+                env={**master, "RANK": str(rank)} if replicas > 1 else {},
+                output_dir=run_dir,
+                steps=steps,
+            )
+        )
+    return out
+
+
+def redis_env(p: Process, bundle: Bundle, acl: RunAcl, base_url: str) -> dict[str, str]:
+    """The Redis URLs of a process: its component's role's; a worker's reader and tickets users besides;
+    none for a worker of a pool that submits through an ingest (it never touches Redis)."""
+    if p.kind != ROLLOUT:
+        return {env.REDIS_URL: acl.url(base_url, p.spec.role)}
+    if bundle.pool(p.pool)[1].ingest_url:
+        return {env.REDIS_URL: ""}
+    return {
+        env.REDIS_URL: acl.url(base_url, WORKER_ROLES["write"]),
+        env.REDIS_READ_URL: acl.url(base_url, WORKER_ROLES["read"]),
+        env.REDIS_TICKETS_URL: acl.url(base_url, WORKER_ROLES["tickets"]),
+    }
+
+
+def endpoints(redis_url: str, processes: list[Process]) -> dict:
+    """endpoints.json: where the run's services listen (Redis, and each process's HTTP port)."""
+    http = {p.name: f"http://127.0.0.1:{port}" for p in processes for port in p.http_ports}
+    return {"redis": redis_url, "http": http}
+
+
+def check_local_size(processes: list[Process], source: str) -> None:
+    """Refuse a run this machine should not start: too many processes, or no worker to feed the trainer."""
+    problems = []
+    if len(processes) > MAX_LOCAL_PROCESSES:
+        problems.append(
+            f"replicas: the run would start {len(processes)} processes on this machine (at most "
+            f"{MAX_LOCAL_PROCESSES}); lower the InferencePool/RelayTier/verifier/trainer replicas, or run it on "
+            "a cluster"
+        )
+    if not any(p.kind == ROLLOUT for p in processes):
+        problems.append(
+            "InferencePool spec.replicas: every pool has 0 workers, so no group would ever reach the trainer; "
+            "give a pool at least 1 replica"
+        )
+    if problems:
+        raise ConfigError(source, problems)
