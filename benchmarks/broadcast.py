@@ -37,7 +37,7 @@ Bounds (all measured in this invocation):
                       (1 GiB + fsync in the work directory). On one machine all writers share one
                       disk; rlfleet writes each byte once per receiver, the reference twice per
                       client (shards, then the reassembled file). `--workdir` on a tmpfs removes it.
-This is a script, not a test (STYLE.md 10).
+This is a script, not a test (docs/code.md, "Benchmarks are scripts, not tests").
 """
 
 from __future__ import annotations

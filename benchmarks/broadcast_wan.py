@@ -39,7 +39,7 @@ the system-wide monotonic clock).
 CPU: every process's CPU seconds during the broadcast (user + system, of the process and the
 children it reaped), and the machine's busy share (/proc/stat, everyone's load). A run counts as
 CPU-limited when the machine was >= 90 % busy or one process used >= 90 % of a core.
-This is a script, not a test (STYLE.md 10).
+This is a script, not a test (docs/code.md, "Benchmarks are scripts, not tests").
 """
 
 from __future__ import annotations

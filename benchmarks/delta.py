@@ -28,7 +28,7 @@ histogram + the uniform bits below the top one) over the 2- and 4-byte tensors, 
 per-element lossless code of them needs; where a target is out of reach, this says why.
 The WAN benchmark (benchmarks/broadcast.py --wan --delta, benchmarks/wan_delta.py) reuses `make_series`,
 `publish_series` and `delta_client` (its client role: it follows the versions, holding v-1 each time).
-This is a script, not a test (STYLE.md 10).
+This is a script, not a test (docs/code.md, "Benchmarks are scripts, not tests").
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ during that version, the machine's busy share and load; then per series, side by
 delta ÷ whole: `delta_bytes_ratio` (the mean over v1..vK of a delta client's bytes ÷ the whole
 checkpoint's) and `delta_time_ratio` (the mean over v1..vK of the seconds to the last verified client,
 delta ÷ whole), both per series in --json.
-This is a script, not a test (STYLE.md 10).
+This is a script, not a test (docs/code.md, "Benchmarks are scripts, not tests").
 """
 
 from __future__ import annotations

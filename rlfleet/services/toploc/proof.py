@@ -48,7 +48,8 @@ fixed number of batched numpy operations per call whatever the number of chunks.
 group's proofs in one call and the gate checks a group's in one.
 
 We implement this ourselves rather than depend on `toploc`: its wheels are C++ extensions
-compiled against one torch build, and the numpy version below is short (STYLE.md 12).
+compiled against one torch build, and the numpy version below is short (docs/code.md, "Write it ourselves
+when the dependency costs more").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine seam: what a rollout worker asks of an inference engine (STYLE 3).
+"""The engine seam: what a rollout worker asks of an inference engine (docs/code.md, "Small interfaces at the seams").
 
 Contract of every engine: token logprobs are `log_softmax(logits / temperature)` over the full
 vocabulary (what the trainer and verifier recompute); top-p/top-k only restrict which tokens may

@@ -1,4 +1,4 @@
-"""The vLLM engine: every call into vLLM lives in this module, pinned to vLLM 0.32.0 (STYLE 11).
+"""The vLLM engine: every call into vLLM lives in this module, pinned to vLLM 0.32.0 (docs/code.md).
 
 Generation goes through vLLM's offline `LLM` (continuous batching, paged KV cache, prefix cache).
 What rollouts need beyond vLLM's outputs is captured *inside* vLLM's worker by a small worker
