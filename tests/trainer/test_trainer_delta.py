@@ -7,6 +7,7 @@ import threading
 import redis
 
 from rlfleet.config import parse_bundle
+from rlfleet.config.views import VIEWS, view_bundle
 from rlfleet.models.policy import load_policy
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
@@ -26,7 +27,10 @@ def test_trainer_publishes_deltas_that_rebuild_its_weights(tmp_path, redis_url):
     assert bundle.run.spec.shardcast.deltas.enabled  # on by default
     bundle.run.spec.shardcast.deltas.max_chain_ratio = 10.0  # fp32 deltas of this model are ~0.6 x: allow a chain
     client = redis.Redis.from_url(redis_url)
-    trainer = Trainer(Context(bundle=bundle, redis=client, keys=RunKeys("tr"), stop=threading.Event()), None)
+    trainer = Trainer(
+        Context(bundle=view_bundle(bundle, VIEWS["trainer"]), redis=client, keys=RunKeys("tr"), stop=threading.Event()),
+        None,
+    )
     for i in range(8):
         client.xadd(trainer.ctx.keys.verified, group(f"g{i}", [1.0, 0.0] if i % 2 else [0.0, 1.0]).encode())
     trainer.run(4)

@@ -67,6 +67,7 @@ def test_a_step_saved_but_not_yet_recorded_is_recorded_once_on_resume(tmp_path, 
     import redis as redis_lib
 
     from rlfleet.config import parse_bundle
+    from rlfleet.config.views import VIEWS, view_bundle
     from rlfleet.services.trainer.main import Trainer
     from rlfleet.wire.runtime import Context
 
@@ -76,7 +77,10 @@ def test_a_step_saved_but_not_yet_recorded_is_recorded_once_on_resume(tmp_path, 
 
     def trainer() -> Trainer:
         ctx = Context(
-            bundle=bundle, redis=redis_lib.Redis.from_url(redis_url), keys=RunKeys("tr"), stop=threading.Event()
+            bundle=view_bundle(bundle, VIEWS["trainer"]),
+            redis=redis_lib.Redis.from_url(redis_url),
+            keys=RunKeys("tr"),
+            stop=threading.Event(),
         )
         return Trainer(ctx, output_dir=tmp_path)
 
