@@ -154,8 +154,7 @@ def union(views, kind: str = "RLRun") -> tuple[str, ...]:
 
 
 def _cut_dict(doc: dict, model: type[BaseModel], tree: dict) -> dict:
-    aliases = {(f.alias or n): n for n, f in model.model_fields.items()}
-    out = {}
+    aliases, out = _by_alias(model), {}
     for key, value in doc.items():  # the document's order, so the text is stable
         name = aliases.get(key)
         if name not in tree:
@@ -232,14 +231,13 @@ def _cut(obj: BaseModel | None, cls: type[BaseModel]):
         return None
     values = {}
     for name in cls.model_fields:
-        value = getattr(obj, name)
-        sub = cls.model_fields[name].annotation
-        sub = _section_model(sub)
-        values[name] = _cut(value, sub) if sub is not None and issubclass(sub, _ViewModel) else value
+        value, section = getattr(obj, name), _section_model(cls.model_fields[name].annotation)
+        values[name] = _cut(value, section) if section is not None and issubclass(section, _ViewModel) else value
     return cls.model_construct(**values)
 
 
 def _view_document(doc: BaseModel, spec_cls: type[BaseModel]):
+    # No re-validation: the document was validated whole; the view only hides fields.
     return doc.model_copy(update={"spec": _cut(doc.spec, spec_cls)})
 
 
