@@ -54,13 +54,15 @@ __all__ = [
 DEFAULTS = ClusterDefaults()
 
 
-def build_run_config_map(run: RLRun, namespace: str, owner: Owner | None = None) -> dict:
+def build_run_config_map(
+    run: RLRun, namespace: str, owner: Owner | None = None, defaults: ClusterDefaults = DEFAULTS
+) -> dict:
     r = run.metadata.name
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta(names.run_config(r), namespace, names.labels("RLRun", r, "config", r), owner),
-        "data": {names.CONFIG_FILE: podconfig.run_config_text(run)},
+        "data": {names.CONFIG_FILE: podconfig.run_config_text(run, defaults.views)},
     }
 
 
@@ -70,7 +72,7 @@ def _run_pod(run: RLRun, component: str, container: dict, defaults: ClusterDefau
         names.labels("RLRun", r, component, r),
         container,
         names.run_config(r),
-        podconfig.run_reader_hash(run, component),
+        podconfig.run_reader_hash(run, component, defaults.views),
         defaults,
         volumes=volumes,
         override=override,
@@ -266,9 +268,9 @@ def build_run_children(
     """Every child of an RLRun, in apply order (config first, so pods find it)."""
     check_cluster_run(run)
     if run.spec.remote:  # trained in another cluster: only the config its relays read
-        return [build_run_config_map(run, namespace, owner)]
+        return [build_run_config_map(run, namespace, owner, defaults)]
     children = [
-        build_run_config_map(run, namespace, owner),
+        build_run_config_map(run, namespace, owner, defaults),
         build_origin_service(run, namespace, owner),
         build_origin_deployment(run, namespace, owner, defaults, active),
         build_trainer_service(run, namespace, owner),

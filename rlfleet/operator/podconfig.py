@@ -1,78 +1,41 @@
 """The config documents pods read, and the hash on each pod template that rolls the pods when (and only
 when) what they read changes.
 
-A component reads its RLRun YAML (and a worker its InferencePool document) from a ConfigMap. What goes
-in, and what is hashed, is a projection of the documents:
-  ORCHESTRATION  fields no process reads (replicas, gpus, images, Secret names, resources, podTemplate,
-                 suspend, deadlines...): left out of every document, so `kubectl scale`, an HPA or KEDA,
-                 or a scheduling change never changes a config or a config hash (the pod template
-                 changes by itself where such a field matters to it);
-  other readers  every component but the trainer reads only `trainer.maxAsyncLevel`, `trainer.batchSize`
-                 (a worker sizes the queue it keeps for the trainer by it) and `trainer.seed` (a worker
-                 starts its engine from the builtin build of that seed) of spec.trainer
-                 (tests/operator/test_pod_config.py keeps this true), so their hash leaves out the rest:
-                 `trainer.steps` restarts the trainer alone;
-  servers        relays, the origin and the ingest read only a few sections of spec (SERVER_READS; the
-                 same test file keeps it true), so sampling, the task or the model roll the pods that
-                 generate, verify and train, never the ones that move bytes;
+Both are derived from the components' views (rlfleet/wire/views.py), the same views the processes
+read their config through:
+  each pod       hash = sha256(the run document projected through its component's view; for a worker,
+                 then its pool document projected through the pool part of the view). A field no view
+                 names (replicas, gpus, images, Secret names, resources, podTemplate, suspend,
+                 deadlines...) is in no document and no hash, so `kubectl scale`, an HPA or KEDA, or a
+                 scheduling change never changes a config or a config hash (the pod template changes by
+                 itself where such a field matters to it);
+  run ConfigMap  the widest projection, the union of the views of the components that mount it
+                 (trainer, verifier, origin, ingest, relays): each of them cuts its own view from it;
+  pool ConfigMap the run and the pool as the rollout view reads them;
   UNTRUSTED      workers that post to an ingest, and every pod of a run trained in another cluster, get
-                 neither the Redis URL nor the store nor the ingest's settings.
-Invariant: for each pod, hash = sha256(the exact projection it reads); the run's ConfigMap holds the
-trainer's projection (the widest), which every other reader's projection is a sub-document of.
+                 neither the Redis URL nor the store nor the ingest's settings (cut after the view).
+The views are a parameter of every function here (default: VIEWS), so a test can add a field to one
+view and see which pods roll.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Mapping
 
 import yaml
 from pydantic import BaseModel
 
 from rlfleet.config import InferencePool, RLRun
 from rlfleet.operator import names
+from rlfleet.wire.views import VIEWS, View, project, union
 
-# Paths (camelCase, under the document) that no component process reads.
-ORCHESTRATION = {
-    "RLRun": [
-        ("spec", "suspend"),
-        ("spec", "remote"),
-        ("spec", "image"),
-        ("spec", names.ORIGIN),
-        ("spec", "activeDeadlineSeconds"),
-        ("spec", "ttlSecondsAfterFinished"),
-        ("spec", "redis", "urlSecret"),
-        ("spec", "store", "credentialsSecret"),
-        ("spec", "shardcast", "signingKeySecret"),
-        ("spec", names.INGEST, "tokens"),
-        ("spec", names.INGEST, "resources"),
-        ("spec", names.INGEST, "podTemplate"),
-        *(("spec", names.TRAINER, f) for f in ("replicas", "gpus", "gpuResource", "resources", "podTemplate")),
-        *(("spec", names.VERIFIER, f) for f in ("replicas", "resources", "podTemplate")),
-    ],
-    "InferencePool": [
-        ("spec", f)
-        for f in (
-            "replicas",
-            "gpus",
-            "gpuResource",
-            "image",
-            names.RELAY,
-            "workerTokens",
-            "resources",
-            "podTemplate",
-            "maxUnavailable",
-        )
-    ],
-}
-UNTRUSTED = [("spec", "redis", "url"), ("spec", "store"), ("spec", names.INGEST)]
-TRAINER_FIELDS_OTHERS_READ = ("maxAsyncLevel", "batchSize", "seed")
-# The spec sections each server component reads (with apiVersion, kind and metadata).
-SERVER_READS = {
-    names.RELAY: ("redis", "shardcast"),
-    names.ORIGIN: ("redis", "store"),
-    names.INGEST: ("redis", names.INGEST),
-}
+Views = Mapping[str, View]
+# What an untrusted pod's document leaves out (dotted paths, as views name fields).
+UNTRUSTED = [tuple(path.split(".")) for path in ("spec.redis.url", "spec.store", "spec.ingest")]
+# The components whose pods mount the run's ConfigMap (workers mount their pool's).
+RUN_READERS = (names.TRAINER, names.VERIFIER, names.ORIGIN, names.INGEST, names.RELAY)
 
 
 def _drop(doc: dict, paths) -> dict:
@@ -86,12 +49,13 @@ def _drop(doc: dict, paths) -> dict:
     return doc
 
 
-def document(obj: BaseModel) -> dict:
-    """A config model as the YAML document its readers get: orchestration fields and cluster-only
-    metadata left out (see ORCHESTRATION)."""
-    doc = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
-    doc["metadata"] = {"name": obj.metadata.name}
-    return _drop(doc, ORCHESTRATION.get(obj.kind, []))
+def _dump(obj: BaseModel) -> dict:
+    return obj.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def document(obj: BaseModel, views: Views = VIEWS) -> dict:
+    """A config model as the widest document its readers get: the union of the views of its kind."""
+    return project(_dump(obj), union(views.values(), obj.kind))
 
 
 def untrusted(doc: dict) -> dict:
@@ -99,49 +63,37 @@ def untrusted(doc: dict) -> dict:
     return _drop(doc, UNTRUSTED)
 
 
-def for_others(doc: dict) -> dict:
-    """A run document as every component but the trainer reads it (spec.trainer cut to what they read)."""
-    doc = copy.deepcopy(doc)
-    trainer = doc["spec"].get(names.TRAINER) or {}
-    doc["spec"][names.TRAINER] = {k: v for k, v in trainer.items() if k in TRAINER_FIELDS_OTHERS_READ}
-    return doc
-
-
-def run_document(run: RLRun) -> dict:
-    """The run's ConfigMap document (the trainer's projection, the widest)."""
-    doc = document(run)
+def _run_doc(run: RLRun, paths) -> dict:
+    doc = project(_dump(run), paths)
     return untrusted(doc) if run.spec.remote else doc
+
+
+def run_document(run: RLRun, views: Views = VIEWS) -> dict:
+    """The run's ConfigMap document (the union of its readers' views)."""
+    return _run_doc(run, union([views[c] for c in RUN_READERS]))
 
 
 def text(*docs: dict) -> str:
     return yaml.safe_dump_all(list(docs), sort_keys=False)
 
 
-def run_config_text(run: RLRun) -> str:
-    return text(run_document(run))
+def run_config_text(run: RLRun, views: Views = VIEWS) -> str:
+    return text(run_document(run, views))
 
 
-def pool_config_text(run: RLRun, pool: InferencePool) -> str:
+def pool_config_text(run: RLRun, pool: InferencePool, views: Views = VIEWS) -> str:
     """The pool's ConfigMap: the run as a worker reads it, then the pool."""
-    doc = for_others(run_document(run))
+    view = views[names.ROLLOUT]
+    doc = _run_doc(run, view.run)
     if pool.spec.ingest_url:
         doc = untrusted(doc)
-    return text(doc, document(pool))
+    return text(doc, project(_dump(pool), view.pool))
 
 
 def config_hash(config: str) -> str:
     return hashlib.sha256(config.encode()).hexdigest()[:16]
 
 
-def for_server(doc: dict, component: str) -> dict:
-    """The part of a run document a relay, the origin or the ingest reads (SERVER_READS)."""
-    spec = {k: v for k, v in doc["spec"].items() if k in SERVER_READS[component]}
-    return {**{k: v for k, v in doc.items() if k != "spec"}, "spec": copy.deepcopy(spec)}
-
-
-def run_reader_hash(run: RLRun, component: str) -> str:
-    """Hash of what `component` reads from the run's ConfigMap."""
-    doc = run_document(run)
-    if component in SERVER_READS:
-        return config_hash(text(for_server(doc, component)))
-    return config_hash(text(doc if component == names.TRAINER else for_others(doc)))
+def run_reader_hash(run: RLRun, component: str, views: Views = VIEWS) -> str:
+    """Hash of what `component` reads from the run's ConfigMap: its view of the run."""
+    return config_hash(text(_run_doc(run, views[component].run)))

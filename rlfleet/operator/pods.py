@@ -11,13 +11,15 @@ means "the process answers", never "the model is loaded". A startupProbe gives s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from rlfleet.config import API_VERSION, RLRun
 from rlfleet.config.workload import ResourcesSpec
 from rlfleet.operator import names
 from rlfleet.operator.overrides import merge_pod_template
 from rlfleet.wire import env, redis_acl
+from rlfleet.wire.views import VIEWS, View
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class ClusterDefaults:
     gpu_image: str = names.DEFAULT_GPU_IMAGE  # components that ask for GPUs and name no image
     pull_policy: str | None = None  # imagePullPolicy of every container (None: the cluster's default)
     pull_secrets: tuple[str, ...] = ()  # imagePullSecrets of every pod
+    # What each component reads (rlfleet/wire/views.py): the configs and config hashes are cut by it.
+    views: Mapping[str, View] = field(default_factory=lambda: VIEWS)
 
     def image_for(self, run: RLRun, gpus: int, own_image: str | None = None) -> str:
         """A pool's own image, else the run's, else the GPU image when the pod asks for GPUs, else the CPU one."""

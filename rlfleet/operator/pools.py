@@ -33,13 +33,19 @@ from rlfleet.operator.resources import check_cluster_pool
 from rlfleet.wire import env
 
 
-def build_pool_config_map(run: RLRun, pool: InferencePool, namespace: str, owner: Owner | None = None) -> dict:
+def build_pool_config_map(
+    run: RLRun,
+    pool: InferencePool,
+    namespace: str,
+    owner: Owner | None = None,
+    defaults: ClusterDefaults = ClusterDefaults(),
+) -> dict:
     n, r = pool.metadata.name, run.metadata.name
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta(names.pool_config(n), namespace, names.labels("InferencePool", n, "config", r), owner),
-        "data": {names.CONFIG_FILE: podconfig.pool_config_text(run, pool)},
+        "data": {names.CONFIG_FILE: podconfig.pool_config_text(run, pool, defaults.views)},
     }
 
 
@@ -85,7 +91,7 @@ def build_rollout_workload(
         mounts=mounts,
         redis=not spec.ingest_url,
     )
-    config = podconfig.pool_config_text(run, pool)
+    config = podconfig.pool_config_text(run, pool, defaults.views)
     template = pod_template(
         labels,
         main,
@@ -140,7 +146,7 @@ def build_pool_children(
     check_cluster_pool(run, pool)
     relays = resolve_pool_relays(run, pool, tiers, namespace)
     return [
-        build_pool_config_map(run, pool, namespace, owner),
+        build_pool_config_map(run, pool, namespace, owner, defaults),
         build_rollout_workload(run, pool, relays, namespace, owner, defaults, active),
         build_rollout_service(run, pool, namespace, owner),
         build_rollout_budget(run, pool, namespace, owner),

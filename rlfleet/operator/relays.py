@@ -70,7 +70,7 @@ def build_relay_deployment(
         labels,
         main,
         names.run_config(r),
-        podconfig.run_reader_hash(run, names.RELAY),
+        podconfig.run_reader_hash(run, names.RELAY, defaults.views),
         defaults,
         override=tier.spec.pod_template,
     )

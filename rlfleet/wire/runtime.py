@@ -14,6 +14,7 @@ import redis
 from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.wire import env
 from rlfleet.wire.streams import RunKeys
+from rlfleet.wire.views import VIEWS, view_bundle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,11 +48,13 @@ def setup_logging(component: str) -> logging.Logger:
 
 
 def component_context(options: ComponentOptions, component: str, redis_optional: bool = False) -> Context:
-    """Load the config, connect Redis, start /metrics, and turn SIGTERM/SIGINT into `stop`.
+    """Load the config as `component` reads it (its view, rlfleet/wire/views.py: reading a field outside
+    it raises ViewError, and the operator rolls the component's pods exactly when its view changes),
+    connect Redis, start /metrics, and turn SIGTERM/SIGINT into `stop`.
     `redis_optional`: a component that can work without Redis (a relay following its upstream, a worker
     posting to an ingest) gets `redis=None` when no URL is given instead of an error."""
     setup_logging(component)
-    bundle = load_bundle(options.config)
+    bundle = view_bundle(load_bundle(options.config), VIEWS[component])
     url = options.redis_url or env.get(env.REDIS_URL) or bundle.run.spec.redis.url
     if not url and not redis_optional:
         raise ConfigError(

@@ -9,6 +9,7 @@ from rlfleet.services.rollout.main import VersionFollower
 from rlfleet.versions.checkpoint import version_dir_name
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys
+from rlfleet.wire.views import VIEWS, view_bundle
 from tests.support import trainer_run_config
 
 
@@ -16,7 +17,9 @@ def test_pruning_never_removes_the_version_the_engine_took(tmp_path, redis_clien
     """Newer versions may arrive while the engine still loads the one it took; that one stays on disk
     (it was deleted under the loader once: the worker died with 'Repo id must be in the form ...')."""
     bundle = parse_bundle(trainer_run_config("builtin://tiny-arithmetic", tmp_path / "store", "{}"))
-    ctx = Context(bundle=bundle, redis=redis_client, keys=RunKeys("tr"), stop=threading.Event())
+    ctx = Context(
+        bundle=view_bundle(bundle, VIEWS["rollout"]), redis=redis_client, keys=RunKeys("tr"), stop=threading.Event()
+    )
     cache = tmp_path / "cache"
     follower = VersionFollower(ctx, ["http://127.0.0.1:9"], cache, keep=3)
     for v in range(1, 11):

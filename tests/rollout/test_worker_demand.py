@@ -16,6 +16,7 @@ from rlfleet.versions.store import open_store
 from rlfleet.wire import env
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, encode_json
+from rlfleet.wire.views import VIEWS, view_bundle
 from tests.support import serving, tiny_policy_dir, wait_for
 
 CONFIG = """
@@ -59,7 +60,7 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
     for v in (0, 1):
         publish_version(store, "demand", v, tiny_policy_dir(tmp_path / f"v{v}", seed=v), signer=signer)
     keys = RunKeys("demand")
-    ctx = Context(bundle=bundle, redis=redis_client, keys=keys, stop=threading.Event())
+    ctx = Context(bundle=view_bundle(bundle, VIEWS["rollout"]), redis=redis_client, keys=keys, stop=threading.Event())
     # The trainer holds its batch for the step that trains version 0 last: version 0 is no longer wanted.
     redis_client.hset(keys.demand, mapping={"oldest": 1, "need": 3})
     redis_client.xadd(keys.policy, encode_json({"version": 0}))

@@ -20,6 +20,7 @@ from rlfleet.versions.store import open_store
 from rlfleet.wire import env
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys, encode_json
+from rlfleet.wire.views import VIEWS, view_bundle
 from tests.support import serving, tiny_policy_dir, wait_for
 
 CONFIG = """
@@ -48,7 +49,9 @@ def test_the_engine_starts_before_version_0_and_generates_with_its_weights(
     monkeypatch.setenv(env.PUBLIC_KEY, public)
     store = open_store(bundle.run.spec.store.uri)
     publish_version(store, "start", 0, v0, signer=make_signer(load_private_key(key_file)))
-    ctx = Context(bundle=bundle, redis=redis_client, keys=RunKeys("start"), stop=threading.Event())
+    ctx = Context(
+        bundle=view_bundle(bundle, VIEWS["rollout"]), redis=redis_client, keys=RunKeys("start"), stop=threading.Event()
+    )
     with serving(make_app(store, "start")) as origin_url:
         worker = Worker(
             ctx, RolloutOptions(config=config, worker_id="w", cache_dir=tmp_path / "cache", relay_urls=[origin_url])

@@ -12,13 +12,14 @@ import torch
 
 from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.models.policy import score
+from rlfleet.operator.names import VERIFIER
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc import batch
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.gate import Gate
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams, decode_json
 from tests.support import tiny_policy_dir
-from tests.toploc.test_gate import gate_system, honest_group, verified_ids
+from tests.toploc.test_gate import as_, gate_system, honest_group, verified_ids
 from tests.toploc.test_gate_tamper import STRICT, fp8_rounded, outside_top_k
 
 SAMPLING = "{groupSize: 4, maxTokens: 6, topK: 8}"
@@ -100,7 +101,7 @@ def run_entries(ctx, origin_url, cache, entries: list[dict], batched: bool) -> d
     """Push `entries` to the inbox, handle them in one read batch or one by one; what the streams hold."""
     for fields in entries:
         ctx.redis.xadd(ctx.keys.rollouts, fields)
-    gate = Gate(ctx, "verifier-0", origin_url, cache)
+    gate = Gate(as_(ctx, VERIFIER), "verifier-0", origin_url, cache)
     read = gate.read(count=len(entries), block_ms=100)
     assert len(read) == len(entries)
     if batched:

@@ -6,6 +6,7 @@ The helpers below are shared by those files."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ import redis
 
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.models.sampling import completion_text
+from rlfleet.operator.names import TRAINER, VERIFIER
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.shardcast.origin import make_app
 from rlfleet.services.toploc.gate import Gate
@@ -29,6 +31,7 @@ from rlfleet.versions.store import open_store
 from rlfleet.wire import env
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, decode_json, encode_json, group_digest
+from rlfleet.wire.views import VIEWS, view_bundle
 from tests.support import serving, tiny_policy_dir
 
 CONFIG = """
@@ -123,11 +126,16 @@ def handled(ctx: Context) -> int:
     return sum(int(ctx.redis.hget(ctx.keys.stats, k) or 0) for k in ("accepted", "rejected"))
 
 
+def as_(ctx: Context, component: str) -> Context:
+    """The context as `component`'s process gets it: the file read through that component's view."""
+    return dataclasses.replace(ctx, bundle=view_bundle(ctx.bundle, VIEWS[component]))
+
+
 def run_gate(
     ctx: Context, origin_url: str, cache, expected: int, consumer: str = "verifier-0", timeout: float = 60
 ) -> Gate:
     """Run a real gate loop until `expected` groups have been handled in total."""
-    gate = Gate(ctx, consumer, origin_url, cache)
+    gate = Gate(as_(ctx, VERIFIER), consumer, origin_url, cache)
     thread = threading.Thread(target=gate.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
@@ -165,7 +173,7 @@ def test_verified_groups_train_once_even_when_redelivered(system):
     assert r.xlen(keys.rollouts) == 0, "every handled inbox entry is deleted"
 
     # The trainer sees each verified group once; a redelivered copy of a trained group is skipped.
-    trainer = Trainer(ctx, output_dir=None)
+    trainer = Trainer(as_(ctx, TRAINER), output_dir=None)
     trained = []
     for _ in range(2):
         groups, ack, _ = trainer.collect()
@@ -202,7 +210,7 @@ def test_a_dead_replicas_groups_are_claimed_and_verified_exactly_once(tmp_path, 
         groups = [honest_group(engine, ctx, i) for i in range(3)]
         for g in groups:
             r.xadd(keys.rollouts, g.encode())
-        replica_a = Gate(ctx, "verifier-a", origin_url, tmp / "cache-a")
+        replica_a = Gate(as_(ctx, VERIFIER), "verifier-a", origin_url, tmp / "cache-a")
         taken = replica_a.read(count=10)  # A holds all three pending, then dies without acking
         assert len(taken) == 3
         assert replica_a.read(count=10, block_ms=10) == []

@@ -11,6 +11,7 @@ import redis
 import requests
 
 from rlfleet.local.redis_server import EmbeddedRedis, free_port
+from rlfleet.operator.names import TRAINER, VERIFIER
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
@@ -19,7 +20,7 @@ from rlfleet.services.trainer.sharding import full_model_state
 from rlfleet.wire.redis_acl import ADMIN, RunAcl, user_name
 from rlfleet.wire.streams import group_digest
 from tests.toploc import attacks
-from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
+from tests.toploc.test_gate import as_, gate_system, rejections, run_gate, verified_ids
 
 
 def test_each_component_works_with_its_own_redis_user(tmp_path):
@@ -42,7 +43,7 @@ def test_each_component_works_with_its_own_redis_user(tmp_path):
         run_gate(verifier, origin_url, tmp / "cache", expected=2)  # read, check, commit, reputation, guards
         assert verified_ids(ctx) == [good.rollout_id] and rejections(ctx) == {bad.rollout_id: "prompt_mismatch"}
         port = free_port()
-        api = serve_in_thread(Gate(verifier, "v-api", origin_url, tmp / "cache-api"), "127.0.0.1", port)
+        api = serve_in_thread(Gate(as_(verifier, VERIFIER), "v-api", origin_url, tmp / "cache-api"), "127.0.0.1", port)
         try:
             base = f"http://127.0.0.1:{port}"
             assert requests.get(base + "/healthz", timeout=10).json()["status"] == "ok"
@@ -51,7 +52,7 @@ def test_each_component_works_with_its_own_redis_user(tmp_path):
         finally:
             api.stop()
 
-        trainer = Trainer(dataclasses.replace(ctx, redis=as_role["trainer"]), output_dir=None)
+        trainer = Trainer(dataclasses.replace(as_(ctx, TRAINER), redis=as_role["trainer"]), output_dir=None)
         groups, ack, _ = trainer.collect()
         trainer.step(groups)
         trainer.version += 1

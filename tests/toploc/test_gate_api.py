@@ -7,12 +7,13 @@ import json
 import httpx
 
 from rlfleet.local.redis_server import free_port
+from rlfleet.operator.names import VERIFIER
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
 from rlfleet.wire.streams import SCHEMA_VERSION
 from tests.support import tiny_policy_dir
-from tests.toploc.test_gate import gate_system, honest_group, run_gate, verified_ids
+from tests.toploc.test_gate import as_, gate_system, honest_group, run_gate, verified_ids
 
 
 def body(group) -> dict:
@@ -23,7 +24,7 @@ def test_api_verifies_out_of_band_and_reports_workers_health_metrics(tmp_path, r
     with gate_system(tmp_path, redis_url) as (ctx, policy, origin_url, tmp):
         r, keys = ctx.redis, ctx.keys
         engine = TorchEngine(policy, 0)
-        gate = Gate(ctx, "verifier-api", origin_url, tmp / "cache-api")
+        gate = Gate(as_(ctx, VERIFIER), "verifier-api", origin_url, tmp / "cache-api")
         port = free_port()
         server = serve_in_thread(gate, "127.0.0.1", port)
         try:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from rlfleet.operator.names import VERIFIER
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.gate import Gate
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import PRIVATE_KEY_FILE, load_private_key, make_signer
 from rlfleet.versions.store import open_store
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams, encode_json
-from tests.toploc.test_gate import gate_system
+from tests.toploc.test_gate import as_, gate_system
 
 
 def group(version: int, n: int, ticket: int | None = None) -> RolloutGroup:
@@ -70,7 +71,7 @@ def test_the_checkpoint_cache_keeps_the_window_and_what_is_loaded(tmp_path, redi
         for v in range(1, 7):
             publish_version(store, "gate", v, policy, signer=signer)
         cache = tmp / "cache"
-        gate = Gate(ctx, "verifier-0", origin_url, cache)
+        gate = Gate(as_(ctx, VERIFIER), "verifier-0", origin_url, cache)
         for v in range(7):
             gate.policy(v)
             held = sorted(int(p.name[1:]) for p in cache.iterdir() if p.name.startswith("v"))

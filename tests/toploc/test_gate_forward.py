@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from rlfleet.models.policy import score
+from rlfleet.operator.names import TRAINER
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.wire.streams import RolloutGroup
 from tests.toploc import attacks
-from tests.toploc.test_gate import gate_system, run_gate
+from tests.toploc.test_gate import as_, gate_system, run_gate
 
 SHIFT = 0.03
 
@@ -40,7 +41,7 @@ def test_verified_groups_carry_the_recomputed_logprobs(tmp_path, redis_url, spot
             want = true[p - 1 :] if spot_check else torch.tensor(claimed.logprobs)
             torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
 
-        trainer = Trainer(ctx, output_dir=None)
+        trainer = Trainer(as_(ctx, TRAINER), output_dir=None)
         groups, _, _ = trainer.collect()
         stats = trainer.step(groups)
         # The first step's ratio is new/old policy = exactly the behaviour policy: 1 on the gate's logprobs.

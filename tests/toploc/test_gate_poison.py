@@ -13,11 +13,12 @@ import time
 from prometheus_client import REGISTRY
 
 from rlfleet.local.redis_server import free_port
+from rlfleet.operator.names import VERIFIER
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
 from rlfleet.wire.streams import MESSAGE_FIELD, decode_json
-from tests.toploc.test_gate import gate_system, honest_group, run_gate, verified_ids
+from tests.toploc.test_gate import as_, gate_system, honest_group, run_gate, verified_ids
 
 
 def hostile_bodies(honest: dict) -> dict[str, bytes]:
@@ -96,7 +97,7 @@ def test_a_poison_entry_is_retried_then_dead_lettered_and_the_others_verified(tm
         groups = [honest_group(engine, ctx, i) for i in (1, 2, 3)]
         poison = groups[1]
         entries = [r.xadd(keys.rollouts, g.encode()) for g in groups]
-        gate = Gate(ctx, "verifier-0", origin_url, tmp / "cache")
+        gate = Gate(as_(ctx, VERIFIER), "verifier-0", origin_url, tmp / "cache")
         original = gate.checker.check
 
         def check(group, msg_id, prefill=True, **options):  # a bug that only this entry reaches
@@ -131,7 +132,7 @@ def test_a_verifier_that_dies_on_an_entry_counts_a_try(tmp_path, redis_url, monk
         r, keys = ctx.redis, ctx.keys
         entry = r.xadd(keys.rollouts, {MESSAGE_FIELD: b'{"schema": 2}'})
         for replica in ("verifier-a", "verifier-b"):
-            dying = Gate(ctx, replica, origin_url, tmp / replica)
+            dying = Gate(as_(ctx, VERIFIER), replica, origin_url, tmp / replica)
 
             def die(msg_id, fields):
                 raise SystemExit("killed while handling")
@@ -148,7 +149,9 @@ def test_a_verifier_that_dies_on_an_entry_counts_a_try(tmp_path, redis_url, monk
                 raise AssertionError("the replica should have died")
         assert r.hget(keys.attempts, entry) == b"2"
 
-        run_until(ctx, Gate(ctx, "verifier-c", origin_url, tmp / "c"), lambda: r.xlen(keys.dead_letter) == 1)
+        run_until(
+            ctx, Gate(as_(ctx, VERIFIER), "verifier-c", origin_url, tmp / "c"), lambda: r.xlen(keys.dead_letter) == 1
+        )
         record = decode_json(r.xrange(keys.dead_letter)[0][1])
         assert (record["attempts"], record["last_error"]) == (2, "the verifier stopped while handling it")
         assert r.xlen(keys.rejected) == 0 and r.xpending(keys.rollouts, keys.verifier_group)["pending"] == 0
@@ -169,7 +172,7 @@ def raw_post(port: int, head: bytes, body_parts, timeout: float = 20) -> bytes:
 def test_verify_api_answers_4xx_for_bad_bodies_and_bounds_what_it_reads(tmp_path, redis_url):
     with gate_system(tmp_path, redis_url, verifier="{maxMessageBytes: 65536}") as (ctx, policy, origin_url, tmp):
         honest = honest_group(TorchEngine(policy, 0), ctx, 1)
-        gate = Gate(ctx, "verifier-api", origin_url, tmp / "cache-api")
+        gate = Gate(as_(ctx, VERIFIER), "verifier-api", origin_url, tmp / "cache-api")
         port = free_port()
         server = serve_in_thread(gate, "127.0.0.1", port)
         try:

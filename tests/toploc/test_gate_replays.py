@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from rlfleet.operator.names import TRAINER
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.trainer.main import Trainer
 from tests.toploc import attacks
-from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
+from tests.toploc.test_gate import as_, gate_system, rejections, run_gate, verified_ids
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def test_identical_honest_work_from_other_seeds_is_accepted_and_trained_once(tmp
         run_gate(ctx, origin_url, tmp / "cache", expected=3)
         assert verified_ids(ctx) == [first.rollout_id, second.rollout_id]
         assert rejections(ctx) == {copy.rollout_id: "replay"}
-        trainer = Trainer(ctx, output_dir=None)  # batchSize 1
+        trainer = Trainer(as_(ctx, TRAINER), output_dir=None)  # batchSize 1
         groups, ack, _ = trainer.collect()
         trainer.commit(*_commit_args(trainer, groups), ack, 1)
         fresh = attacks.honest(engine, spec, 3)
@@ -92,7 +93,7 @@ def test_the_trainer_trains_the_same_work_once_under_any_ids(system):
         r.xadd(keys.verified, group.encode())
     fresh = attacks.honest(engine, spec, 2)
     r.xadd(keys.verified, fresh.encode())
-    trainer = Trainer(ctx, output_dir=None)  # batchSize 1
+    trainer = Trainer(as_(ctx, TRAINER), output_dir=None)  # batchSize 1
     trained, duplicates = [], 0
     for _ in range(2):
         groups, ack, drops = trainer.collect()

@@ -16,6 +16,7 @@ from rlfleet.services.trainer.main import Trainer, lr_factor
 from rlfleet.services.trainer.update import grpo_update
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams
+from rlfleet.wire.views import VIEWS, view_bundle
 from tests.support import tiny_policy_dir, trainer_run_config, wait_for
 
 TRAINER = (
@@ -29,7 +30,10 @@ def trainer(tmp_path, redis_url):
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
     bundle = parse_bundle(trainer_run_config(policy, tmp_path / "store", TRAINER))
     client = redis.Redis.from_url(redis_url)
-    yield Trainer(Context(bundle=bundle, redis=client, keys=RunKeys("tr"), stop=threading.Event()), output_dir=None)
+    yield Trainer(
+        Context(bundle=view_bundle(bundle, VIEWS["trainer"]), redis=client, keys=RunKeys("tr"), stop=threading.Event()),
+        output_dir=None,
+    )
     client.close()
 
 
@@ -157,7 +161,10 @@ def test_the_trainer_tells_the_workers_what_it_still_wants(tmp_path, redis_url):
         thread.start()
         return thread
 
-    first = Trainer(Context(bundle=bundle, redis=client, keys=keys, stop=threading.Event()), output_dir=None)
+    first = Trainer(
+        Context(bundle=view_bundle(bundle, VIEWS["trainer"]), redis=client, keys=keys, stop=threading.Event()),
+        output_dir=None,
+    )
     thread = run(first, 1)
     wait_for("the first demand", lambda: demand() == {"oldest": 0, "need": 2, "held": 0}, 60)
     client.xadd(keys.verified, group("a", [1.0, 0.0]).encode())
@@ -168,7 +175,10 @@ def test_the_trainer_tells_the_workers_what_it_still_wants(tmp_path, redis_url):
     assert demand() == {"oldest": 1, "need": 2, "held": 2}, "version 0 is not wanted once step 1 holds its batch"
 
     client.hset(keys.demand, "oldest", 7)  # left by a trainer whose later state was lost
-    second = Trainer(Context(bundle=bundle, redis=client, keys=keys, stop=threading.Event()), output_dir=None)
+    second = Trainer(
+        Context(bundle=view_bundle(bundle, VIEWS["trainer"]), redis=client, keys=keys, stop=threading.Event()),
+        output_dir=None,
+    )
     thread = run(second, 3)
     try:
         wait_for("the resumed trainer's demand", lambda: demand() == {"oldest": 1, "need": 2, "held": 0}, 60)
@@ -186,7 +196,12 @@ def test_epochs_are_that_many_updates_on_the_same_batch(tmp_path, redis_url):
 
     def make(epochs: int) -> Trainer:
         config = trainer_run_config(policy, tmp_path / f"store{epochs}", f"{{batchSize: 2, epochs: {epochs}}}")
-        ctx = Context(bundle=parse_bundle(config), redis=client, keys=RunKeys(f"e{epochs}"), stop=threading.Event())
+        ctx = Context(
+            bundle=view_bundle(parse_bundle(config), VIEWS["trainer"]),
+            redis=client,
+            keys=RunKeys(f"e{epochs}"),
+            stop=threading.Event(),
+        )
         return Trainer(ctx, output_dir=None)
 
     groups = [group("a", [1.0, 0.0]), group("b", [0.0, 1.0, 1.0])]

@@ -69,6 +69,7 @@ def test_a_step_saved_but_not_yet_recorded_is_recorded_once_on_resume(tmp_path, 
     from rlfleet.config import parse_bundle
     from rlfleet.services.trainer.main import Trainer
     from rlfleet.wire.runtime import Context
+    from rlfleet.wire.views import VIEWS, view_bundle
 
     bundle = parse_bundle(trainer_run_config(tiny_policy_dir(tmp_path / "policy", seed=0), tmp_path / "store", TRAINER))
     for rid in ("a", "b"):
@@ -76,7 +77,10 @@ def test_a_step_saved_but_not_yet_recorded_is_recorded_once_on_resume(tmp_path, 
 
     def trainer() -> Trainer:
         ctx = Context(
-            bundle=bundle, redis=redis_lib.Redis.from_url(redis_url), keys=RunKeys("tr"), stop=threading.Event()
+            bundle=view_bundle(bundle, VIEWS["trainer"]),
+            redis=redis_lib.Redis.from_url(redis_url),
+            keys=RunKeys("tr"),
+            stop=threading.Event(),
         )
         return Trainer(ctx, output_dir=tmp_path)
 
