@@ -13,6 +13,7 @@ from rlfleet.local.launcher import plan, redis_env
 from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.wire.redis_acl import ADMIN, ROLES, RunAcl, chart_roles, user_name
 from rlfleet.wire.streams import RunKeys
+from tests.runs import extended, pool
 from tests.support import REPO
 
 
@@ -82,10 +83,8 @@ def test_roles_keep_to_their_part_of_the_run(served):
 
 
 def test_rlfleet_run_gives_each_component_its_role(tmp_path):
-    text = (REPO / "examples" / "arithmetic" / "rlrun.yaml").read_text()
-    text += "---\napiVersion: rlfleet.io/v1alpha1\nkind: InferencePool\nmetadata: {name: remote}\n"
-    text += "spec: {run: arithmetic, replicas: 1, ingestUrl: 'https://ingest.example.org'}\n"
-    bundle = parse_bundle(text)
+    remote = pool("remote", "arithmetic", replicas=1, ingestUrl="https://ingest.example.org")
+    bundle = parse_bundle(extended((REPO / "examples" / "arithmetic" / "rlrun.yaml").read_text(), remote))
     acl = RunAcl.generate("arithmetic")
 
     def users(c) -> dict[str, str]:
