@@ -14,7 +14,7 @@ from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.wire.redis_acl import ADMIN, ROLES, RunAcl, chart_roles, user_name
 from rlfleet.wire.streams import RunKeys
 from tests.runs import extended, pool
-from tests.support import REPO
+from tests.support import REPO, redis_from_url
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def served(tmp_path):
     acl = RunAcl.generate("r")
     server = EmbeddedRedis(tmp_path / "redis", acl=acl.acl_file(), auth=(user_name(ADMIN, "r"), acl.passwords[ADMIN]))
     with server:
-        clients = {role: redis.Redis.from_url(acl.url(server.base_url, role)) for role in [ADMIN, *ROLES]}
+        clients = {role: redis_from_url(acl.url(server.base_url, role)) for role in [ADMIN, *ROLES]}
         yield server, clients
         for c in clients.values():
             c.close()
@@ -68,7 +68,7 @@ def test_a_worker_can_add_to_its_inbox_and_read_the_policy_stream_only(served):
     assert denied(lambda: read.xadd(keys.rollouts, {b"m": b"group"}))  # a pool behind an ingest only reads
     assert denied(lambda: tickets.xadd(keys.tickets, {b"m": b"x"}))
     with pytest.raises(redis.exceptions.AuthenticationError):
-        redis.Redis.from_url(server.base_url).ping()  # the default user is off
+        redis_from_url(server.base_url).ping()  # the default user is off
 
 
 def test_roles_keep_to_their_part_of_the_run(served):
