@@ -34,15 +34,17 @@ def write_config(path: Path, model: Path, store: Path, level: int) -> Path:
     return write_rlrun(path, run, pool("pool", "demand", replicas=1, maxPending=100))
 
 
-def settled(redis_client, keys, quiet: float = 1.0) -> int:
-    """The inbox length once no group has been added for `quiet` seconds (the worker is paused)."""
-    last, since = -1, time.monotonic()
+def settled(redis_client, keys, quiet: float = 1.0, timeout: float = 60.0) -> int:
+    """The inbox length once no group has been added for `quiet` seconds (the worker is paused); a worker
+    that never pauses fails the test after `timeout` seconds instead of running into pytest's timeout."""
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
     while True:
         n = redis_client.xlen(keys.rollouts)
         if n != last:
             last, since = n, time.monotonic()
         elif time.monotonic() - since >= quiet:
             return n
+        assert time.monotonic() < deadline, f"the worker never paused: {n} groups in the inbox after {timeout:g} s"
         time.sleep(0.05)
 
 
