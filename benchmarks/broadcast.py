@@ -57,14 +57,8 @@ import time
 from pathlib import Path
 
 import requests
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-RUN = "bench"
-FILE = "model.safetensors"
-REFERENCE_DUMMY = "data1.bin"  # every shardcast server must serve it: its clients time it at start-up
-
+from _paths import ROOT
+from broadcast_common import FILE, REFERENCE_DUMMY, RUN, expect_line, finish_times, write_bench_rlrun
 
 # ---- the processes ---------------------------------------------------------------------------
 
@@ -187,40 +181,6 @@ class Procs:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-
-
-def expect_line(proc: subprocess.Popen, what: str) -> dict | str:
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit(f"{what} exited (code {proc.wait()}) before saying anything; see its log")
-    line = line.strip()
-    return json.loads(line) if line.startswith("{") else line
-
-
-def finish_times(clients: list[subprocess.Popen], timeout: float) -> list[float]:
-    """Each client's reported finish time; those not done within `timeout` s are left out."""
-    return [r["done"] for r in finish_reports(clients, timeout)]
-
-
-def finish_reports(clients: list[subprocess.Popen], timeout: float) -> list[dict]:
-    """Each client's final report ({"done": monotonic time, ...}); those not done within `timeout`
-    s are left out."""
-    import threading
-
-    done: dict[int, dict] = {}
-
-    def read(i: int, proc: subprocess.Popen) -> None:
-        line = proc.stdout.readline().strip()
-        if line.startswith("{"):
-            done[i] = json.loads(line)
-
-    threads = [threading.Thread(target=read, args=(i, c), daemon=True) for i, c in enumerate(clients)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return list(done.values())
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, path: str = "/healthz") -> None:
@@ -483,11 +443,7 @@ def main() -> int:
         )
         key = manifest_key(RUN, 1)
         manifest = (key, store.get_bytes(key))
-        (work / "rlrun.yaml").write_text(
-            f"apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {{name: {RUN}}}\nspec:\n"
-            f"  model: {{path: 'builtin://tiny-arithmetic'}}\n  task: {{type: arithmetic}}\n"
-            f"  store: {{uri: 'file://{work / 'store'}'}}\n"
-        )
+        write_bench_rlrun(work)
         with EmbeddedRedis(work / "redis") as redis_url:
             import redis
 

@@ -46,88 +46,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from wan_runs import Bed, Outcome, prepare, run_reference, run_rlfleet
+from wan_runs import Bed, prepare, run_reference, run_rlfleet
+from wan_topology import (
+    CPU_LIMIT,
+    MBIT,
+    TOPOLOGIES,
+    Outcome,
+    System,
+    Topology,
+    bound_seconds,
+    direct_plan,
+    load,
+    machine,
+    tree_plan,
+)
 
 from testbed import Testbed
-
-MBIT = 10**6
-CPU_LIMIT = 0.9
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Hosts and their access links (bit/s; None: unshaped)."""
-
-    name: str
-    size_mib: int
-    clients: int
-    relays: int
-    origin_up: int  # bit/s
-    relay_up: int
-    client_down: int
-    relay_down: int | None = None  # None: unshaped
-    client_up: int | None = None
-
-    @property
-    def size(self) -> int:
-        return self.size_mib << 20
-
-
-TOPOLOGIES = {
-    t.name: t
-    for t in (
-        Topology("default", 512, 8, 2, 400 * MBIT, 800 * MBIT, 200 * MBIT),
-        Topology("large", 512, 32, 4, 400 * MBIT, 800 * MBIT, 50 * MBIT),
-        Topology("small", 64, 4, 1, 400 * MBIT, 800 * MBIT, 200 * MBIT),
-    )
-}
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Bytes each bottleneck must carry for one broadcast."""
-
-    origin_sends: int
-    relay_sends: int  # the busiest relay; 0 when no relay is used
-    client_receives: int
-
-
-def bound_seconds(plan: Plan, topo: Topology) -> float:
-    """Seconds the slowest link needs for its bytes (the module doc's bound)."""
-    terms = [plan.origin_sends * 8 / topo.origin_up, plan.client_receives * 8 / topo.client_down]
-    if plan.relay_sends:
-        terms.append(plan.relay_sends * 8 / topo.relay_up)
-    return max(terms)
-
-
-def tree_plan(topo: Topology) -> Plan:
-    return Plan(topo.relays * topo.size, math.ceil(topo.clients / topo.relays) * topo.size, topo.size)
-
-
-def direct_plan(topo: Topology) -> Plan:
-    return Plan(topo.clients * topo.size, 0, topo.size)
-
-
-@dataclass(frozen=True)
-class System:
-    """One column: what its nodes must send (`plan`, for the bound) and how it runs (`run`)."""
-
-    name: str
-    label: str
-    plan: Callable[[Topology], Plan]
-    run: Callable[[Bed, System], Outcome]
-    via_relays: bool = True
-    cut_through: bool = True
-
 
 SYSTEMS = {
     s.name: s
@@ -197,14 +138,6 @@ def record(system: System, topo: Topology, o: Outcome) -> dict:
 def describe(r: dict) -> str:
     t = "not done" if r["seconds"] is None else f"{r['seconds']:.1f} s"
     return f"{t}, {r['clients_ok']}/{r['clients']} clients, bound {r['bound_seconds']:.1f} s (load {load()})"
-
-
-def load() -> str:
-    return " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def machine() -> dict:
-    return {"cores": os.cpu_count(), "loadavg": os.getloadavg()}
 
 
 def report(run: dict) -> None:

@@ -36,15 +36,13 @@ from collections import Counter
 from pathlib import Path
 
 import redis
+from _paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from rlfleet import streams  # noqa: E402
-from rlfleet.config import load_bundle  # noqa: E402
-from rlfleet.local.redis_server import EmbeddedRedis  # noqa: E402
-from rlfleet.local.report import read_metrics, summarize  # noqa: E402
-from rlfleet.wire.streams import RolloutGroup, RunKeys  # noqa: E402
+from rlfleet.config import load_bundle
+from rlfleet.local.redis_server import EmbeddedRedis
+from rlfleet.local.report import read_metrics, summarize
+from rlfleet.wire import streams
+from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 KINDS = ("rollout", "verifier", "relay", "origin", "trainer", "redis")
 

@@ -44,9 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _paths import ROOT
 
 RUN = "delta-bench"
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"

@@ -26,24 +26,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _paths  # noqa: F401  (the root first: the attack builders the gate tests use, tests.toploc.attacks)
 import numpy as np
 import redis
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the attack builders the gate tests use (tests.toploc.attacks)
-
-from rlfleet.config import parse_bundle  # noqa: E402
-from rlfleet.local.redis_server import EmbeddedRedis  # noqa: E402
-from rlfleet.models.builtin import resolve_model_path  # noqa: E402
-from rlfleet.models.policy import load_policy, score  # noqa: E402
-from rlfleet.models.sampling import keep_mask, sample_seed, sample_uniforms  # noqa: E402
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine  # noqa: E402
-from rlfleet.services.toploc.calibration import DEFAULTS  # noqa: E402
-from rlfleet.services.toploc.checks import Checker, Rejection  # noqa: E402
-from rlfleet.services.toploc.proof import verify_proofs  # noqa: E402
-from rlfleet.wire.streams import RunKeys, encode_json  # noqa: E402
-from tests.toploc import attacks  # noqa: E402
+from rlfleet.config import parse_bundle
+from rlfleet.local.redis_server import EmbeddedRedis
+from rlfleet.models.builtin import resolve_model_path
+from rlfleet.models.policy import load_policy, score
+from rlfleet.models.sampling import keep_mask, sample_seed, sample_uniforms
+from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.services.toploc.calibration import DEFAULTS
+from rlfleet.services.toploc.checks import Checker, Rejection
+from rlfleet.services.toploc.proof import verify_proofs
+from rlfleet.wire.streams import RunKeys, encode_json
+from tests.toploc import attacks
 
 RUN = """
 apiVersion: rlfleet.io/v1alpha1

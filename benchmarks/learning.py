@@ -20,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlfleet.local.report import read_metrics
+from _paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+from rlfleet.local.report import read_metrics
 
 
 def smooth(values: list[float], window: int) -> list[float]:

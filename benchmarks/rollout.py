@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _paths  # noqa: F401  (the checkout's rlfleet and tests, without PYTHONPATH)
 import torch
 
 from rlfleet.models.builtin import build_tokenizer

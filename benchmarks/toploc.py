@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _paths  # noqa: F401  (the checkout's rlfleet and tests, without PYTHONPATH)
 import redis
 import torch
 

@@ -19,7 +19,7 @@ wan_runs.start_rlfleet):
          held and checked against the signed manifest before it is installed
 A version's clock starts when its manifest is written to the store (then it is announced) and stops when
 the last client installed it verified (clients report the system-wide monotonic clock).
-Bound: broadcast_wan.bound_seconds (the full-checkpoint rows' function) of the bytes that version sends:
+Bound: wan_topology.bound_seconds (the full-checkpoint rows' function) of the bytes that version sends:
 each relay pulls every file its manifest lists, the busiest relay serves ceil(clients / relays) clients,
 and a client downloads the files of its route (the patch files, or the whole files); manifests (a few
 KiB) are left out.
@@ -42,10 +42,10 @@ import sys
 import time
 from pathlib import Path
 
-from broadcast import expect_line, finish_reports
-from broadcast_wan import CPU_LIMIT, Plan, Topology, bound_seconds, load
+from broadcast_common import expect_line, finish_reports
 from delta import RUN, make_series, publish_series
 from wan_runs import PORT, Bed, relay_bytes_out, start_rlfleet
+from wan_topology import CPU_LIMIT, Plan, Topology, bound_seconds, load
 
 from testbed import cpu_seconds, machine_busy
 

@@ -1,7 +1,8 @@
 """The processes of `broadcast.py --wan` (broadcast_wan.py): one topology's hosts and checkpoint
 (`Bed`, `prepare`) and the runners of the systems (`run_rlfleet`, `run_reference`), each of which
 starts its servers and clients on the testbed hosts, publishes, waits for every client and
-measures (`Outcome`). broadcast_wan.py holds the topologies, the bound and the report."""
+measures (`Outcome`). wan_topology.py holds the topologies, the bound and
+the outcome record; broadcast_wan.py the systems' table and the report."""
 
 from __future__ import annotations
 
@@ -12,16 +13,13 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from broadcast import FILE, REFERENCE_DUMMY, ROOT, RUN, expect_line, finish_reports
+from _paths import ROOT
+from broadcast_common import BROADCAST, FILE, REFERENCE_DUMMY, RUN, expect_line, finish_reports, write_bench_rlrun
+from wan_topology import Outcome, System, Topology
 
 from testbed import Testbed, cpu_seconds, machine_busy, stop_measured
-
-if TYPE_CHECKING:
-    from broadcast_wan import System, Topology
 
 PORT, REDIS_PORT, REFERENCE_PORT = 8100, 6379, 8200
 # The reference's settings: pause 1 s between retries of a shard that is not there yet (its
@@ -30,18 +28,6 @@ PORT, REDIS_PORT, REFERENCE_PORT = 8100, 6379, 8200
 # request at a time from a listen backlog of 5, so more connections only time out and retry) and
 # its shard size (its default 50 MB).
 REFERENCE_ENV = {"SHARDCAST_FAST_RETRY_INTERVAL": "1", "SHARDCAST_SLOW_RETRY_INTERVAL": "1"}
-
-
-@dataclass
-class Outcome:
-    seconds: float | None  # publish -> last verified client; None when a client did not finish
-    clients_ok: int
-    cpu: dict[str, float]  # process -> CPU seconds during the broadcast
-    wall: float  # seconds the clock ran (to the last client, or to the timeout)
-    busy: float  # the machine's busy share over `wall`
-    relay_pull_seconds: list[float] = field(default_factory=list)  # relay log: version pulled in
-    relay_bytes_out: list[int] = field(default_factory=list)  # per relay, from its /metrics
-    client_progress: list[list[tuple[float, int]]] = field(default_factory=list)  # per client: (s, bytes)
 
 
 # ---- the hosts and processes of one topology --------------------------------------------------
@@ -70,7 +56,7 @@ class Bed:
         return proc
 
     def role(self, host, role: str, *args, name: str, env: dict | None = None) -> subprocess.Popen:
-        return self.start(host, [sys.executable, str(ROOT / "benchmarks" / "broadcast.py"), role, *args], name, env)
+        return self.start(host, [sys.executable, str(BROADCAST), role, *args], name, env)
 
     def wait_http(self, host, url: str, name: str) -> None:
         """Until `url` answers 2xx from inside `host` (a stdlib loop run there: the driver lives in
@@ -267,8 +253,4 @@ def prepare(bed: Bed) -> None:
     bed.manifest = (key, bed.store.get_bytes(key))
     bed.store.delete_prefix(key)
     bed.source = src / FILE
-    (work / "rlrun.yaml").write_text(
-        f"apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {{name: {RUN}}}\nspec:\n"
-        f"  model: {{path: 'builtin://tiny-arithmetic'}}\n  task: {{type: arithmetic}}\n"
-        f"  store: {{uri: 'file://{work / 'store'}'}}\n"
-    )
+    write_bench_rlrun(work)

@@ -7,10 +7,10 @@ import sys
 import time
 
 import pytest
-import redis
 import requests
 
 from rlfleet.local.redis_server import EmbeddedRedis, free_port
+from tests.support import redis_from_url
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def redis_url(tmp_path):
 
 @pytest.fixture
 def redis_client(redis_url):
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)  # the test's own server: a dead one fails the test at once
     yield client
     client.close()
 

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import redis
 import requests
+import yaml
 from aiohttp import web
 
 from rlfleet.local.redis_server import free_port
 from rlfleet.services.shardcast.protocol import serve_until
+from tests.runs import bundle_yaml, rlrun
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root
 
@@ -71,23 +73,19 @@ def tiny_policy_dir(
     return dest
 
 
-TRAINER_RUN = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: tr}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 2, maxTokens: 4}}
-  trainer: {trainer}
-  store: {{uri: "file://{store}"}}
-  shardcast: {{requireSignatures: false}}
-"""
-
-
 def trainer_run_config(model: Path, store: Path, trainer: str) -> str:
     """The RLRun YAML the trainer tests use: tiny groups of the arithmetic task, `trainer` as given (a flow mapping)."""
-    return TRAINER_RUN.format(model=model, store=store, trainer=trainer)
+    return bundle_yaml(
+        rlrun(
+            "tr",
+            model=model,
+            task={"maxOperand": 20},
+            sampling={"groupSize": 2, "maxTokens": 4},
+            trainer=yaml.safe_load(trainer),
+            store=store,
+            shardcast={"requireSignatures": False},
+        )
+    )
 
 
 def start_trainer(
@@ -187,13 +185,27 @@ def serving(app: web.Application, host: str = "127.0.0.1", start_timeout: float 
             raise RuntimeError(f"server on {url} did not stop within 15 s")
 
 
+# redis-py retries a failed call (10 times with back-off in 8.x, each waiting out its socket timeout):
+# against a test's own server, which is either up or dead, that only turns a dead server into a hang.
+NO_RETRY = {"socket_connect_timeout": 2, "socket_timeout": 10}
+
+
 def redis_client(port: int, **kwargs) -> redis.Redis:
-    """A client for a test's own redis-server that never retries (redis-py's default retries with
-    back-off make a dead server look like a hang): a refused connection fails the call at once."""
+    """A client for a test's own redis-server on 127.0.0.1:`port` that never retries: a refused
+    connection fails the call at once."""
+    return redis.Redis(port=port, **_no_retry(kwargs))
+
+
+def redis_from_url(url: str, **kwargs) -> redis.Redis:
+    """`redis.Redis.from_url` for a test's own server (EmbeddedRedis's URL, an ACL user's), never retrying."""
+    return redis.Redis.from_url(url, **_no_retry(kwargs))
+
+
+def _no_retry(kwargs: dict) -> dict:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return redis.Redis(port=port, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2, socket_timeout=10, **kwargs)
+    return {"retry": Retry(NoBackoff(), 0), **NO_RETRY, **kwargs}
 
 
 def start_rendered_redis(args: list[str], data_dir: Path, **auth) -> tuple[subprocess.Popen, int]:

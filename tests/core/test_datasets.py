@@ -12,6 +12,7 @@ from rlfleet.config import ConfigError, MathTaskSpec, parse_bundle
 from rlfleet.tasks import make_task
 from rlfleet.tasks.datasets import DatasetError, filter_by_solve_rate, read_rows
 from rlfleet.tasks.math import MathTask
+from tests.runs import bundle_yaml, rlrun
 
 JSONL, PARQUET = "data/samples/math.jsonl", "data/samples/math.parquet"
 
@@ -102,36 +103,37 @@ def test_bad_path_and_format_errors_name_the_field(tmp_path):
         read_rows(JSONL, "parquet")
 
 
-RUN = """apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {name: m}
-spec:
-  model: {path: builtin://tiny-arithmetic}
-  task:
-"""
+def task_run(**task) -> str:
+    """A run of the builtin model on the task `task` (its fields by their YAML names)."""
+    return bundle_yaml(rlrun("m", task=task))
 
 
 def test_config_shapes_and_errors():
     bundle = parse_bundle(
-        RUN + "    type: math\n    dataset: {path: data/samples/math.jsonl, format: auto}\n"
-        "    promptTemplate: 'Q: {problem}'\n    solveRateMin: 0.1\n    solveRateMax: 0.8\n"
+        task_run(
+            type="math",
+            dataset={"path": "data/samples/math.jsonl", "format": "auto"},
+            promptTemplate="Q: {problem}",
+            solveRateMin=0.1,
+            solveRateMax=0.8,
+        )
     )
     task = make_task(bundle.run.spec.task)
     assert 0 < task.stats.kept < 30 and task.stats.kept + task.stats.dropped_out_of_band == 30
     code = parse_bundle(
-        RUN + "    type: code\n    dataset: {path: data/samples/code.jsonl}\n    timeoutSeconds: 5\n    memoryMb: 512\n"
+        task_run(type="code", dataset={"path": "data/samples/code.jsonl"}, timeoutSeconds=5, memoryMb=512)
     )
     assert code.run.spec.task.timeout_seconds == 5 and code.run.spec.task.network_isolation == "auto"
-    for body, field in [
-        ("    type: math\n    dataset: {path: data/x.csv}\n", "spec.task.dataset"),
-        ("    type: math\n    dataset: {path: a.jsonl, format: csv}\n", "spec.task.dataset.format"),
-        ("    type: math\n    dataset: {path: a.jsonl}\n    solveRateMin: 1.5\n", "spec.task.solveRateMin"),
-        ("    type: math\n    dataset: {path: a.jsonl}\n    solveRateMin: 0.9\n    solveRateMax: 0.1\n", "spec.task"),
-        ("    type: code\n    dataset: {path: a.jsonl}\n    timeoutSeconds: 0\n", "spec.task.timeoutSeconds"),
-        ("    type: math\n", "spec.task.dataset"),
+    for task, field in [
+        ({"type": "math", "dataset": {"path": "data/x.csv"}}, "spec.task.dataset"),
+        ({"type": "math", "dataset": {"path": "a.jsonl", "format": "csv"}}, "spec.task.dataset.format"),
+        ({"type": "math", "dataset": {"path": "a.jsonl"}, "solveRateMin": 1.5}, "spec.task.solveRateMin"),
+        ({"type": "math", "dataset": {"path": "a.jsonl"}, "solveRateMin": 0.9, "solveRateMax": 0.1}, "spec.task"),
+        ({"type": "code", "dataset": {"path": "a.jsonl"}, "timeoutSeconds": 0}, "spec.task.timeoutSeconds"),
+        ({"type": "math"}, "spec.task.dataset"),
     ]:
         with pytest.raises(ConfigError) as err:
-            parse_bundle(RUN + body)
+            parse_bundle(task_run(**task))
         assert any(p.startswith(f"document 0 (RLRun m): {field}") for p in err.value.problems), err.value.problems
 
 

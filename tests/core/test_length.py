@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import yaml
 
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.tasks import make_run_task
-
-RUN = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: lp}}
-spec:
-  model: {{path: builtin://tiny-arithmetic}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  lengthPenalty: {length}
-"""
+from tests.runs import bundle_yaml, rlrun
 
 
 def run_spec(length: str):
-    return parse_bundle(RUN.format(length=length)).run.spec
+    """The spec of a run with `length` (a YAML flow mapping) as its lengthPenalty."""
+    run = rlrun("lp", task={"maxOperand": 20}, lengthPenalty=yaml.safe_load(length))
+    return parse_bundle(bundle_yaml(run)).run.spec
 
 
 def test_targets_are_drawn_per_prompt_written_into_it_and_rebuilt_by_id():

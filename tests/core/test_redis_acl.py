@@ -13,7 +13,8 @@ from rlfleet.local.plan import plan, redis_env
 from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.wire.redis_acl import ADMIN, ROLES, RunAcl, chart_roles, user_name
 from rlfleet.wire.streams import RunKeys
-from tests.support import REPO
+from tests.runs import extended, pool
+from tests.support import REPO, redis_from_url
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def served(tmp_path):
     acl = RunAcl.generate("r")
     server = EmbeddedRedis(tmp_path / "redis", acl=acl.acl_file(), auth=(user_name(ADMIN, "r"), acl.passwords[ADMIN]))
     with server:
-        clients = {role: redis.Redis.from_url(acl.url(server.base_url, role)) for role in [ADMIN, *ROLES]}
+        clients = {role: redis_from_url(acl.url(server.base_url, role)) for role in [ADMIN, *ROLES]}
         yield server, clients
         for c in clients.values():
             c.close()
@@ -67,7 +68,7 @@ def test_a_worker_can_add_to_its_inbox_and_read_the_policy_stream_only(served):
     assert denied(lambda: read.xadd(keys.rollouts, {b"m": b"group"}))  # a pool behind an ingest only reads
     assert denied(lambda: tickets.xadd(keys.tickets, {b"m": b"x"}))
     with pytest.raises(redis.exceptions.AuthenticationError):
-        redis.Redis.from_url(server.base_url).ping()  # the default user is off
+        redis_from_url(server.base_url).ping()  # the default user is off
 
 
 def test_roles_keep_to_their_part_of_the_run(served):
@@ -82,10 +83,8 @@ def test_roles_keep_to_their_part_of_the_run(served):
 
 
 def test_rlfleet_run_gives_each_component_its_role(tmp_path):
-    text = (REPO / "examples" / "arithmetic" / "rlrun.yaml").read_text()
-    text += "---\napiVersion: rlfleet.io/v1alpha1\nkind: InferencePool\nmetadata: {name: remote}\n"
-    text += "spec: {run: arithmetic, replicas: 1, ingestUrl: 'https://ingest.example.org'}\n"
-    bundle = parse_bundle(text)
+    remote = pool("remote", "arithmetic", replicas=1, ingestUrl="https://ingest.example.org")
+    bundle = parse_bundle(extended((REPO / "examples" / "arithmetic" / "rlrun.yaml").read_text(), remote))
     acl = RunAcl.generate("arithmetic")
 
     def users(c) -> dict[str, str]:

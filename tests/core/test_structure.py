@@ -1,5 +1,5 @@
-"""The package's shape: no import circles, files that read as one idea, and the import contracts of
-pyproject.toml ([tool.importlinter]) kept by import-linter."""
+"""The package's shape: no import circles (in rlfleet, and across the whole repository), files that read
+as one idea, and the import contracts of pyproject.toml ([tool.importlinter]) kept by import-linter."""
 
 from __future__ import annotations
 
@@ -14,13 +14,22 @@ PACKAGE = REPO / "rlfleet"
 MAX_LINES = 400
 
 
-def module_imports() -> dict[str, set[str]]:
-    """rlfleet module -> the rlfleet modules it imports, function-level imports included (a lazy
-    import still ties the two modules together)."""
+# Folders whose .py files are scripts run as `python <folder>/X.py`: their folder is on sys.path, so a
+# sibling is imported by its bare name (`from wan_runs import Bed` in benchmarks/ is benchmarks.wan_runs).
+SCRIPT_FOLDERS = ("benchmarks", "scripts")
+TOP_LEVEL = ("rlfleet", "testbed", "tests", *SCRIPT_FOLDERS)
+
+
+def module_imports(roots: tuple[str, ...] = ("rlfleet",)) -> dict[str, set[str]]:
+    """Module -> the modules it imports, for the modules under `roots` (folders of the repository),
+    function-level and TYPE_CHECKING imports included (a lazy import still ties the two modules
+    together; a type-only one still makes the reader go round). Relative imports are resolved; in a
+    script folder a bare name of a sibling file is that file."""
     modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(REPO).with_suffix("").parts)
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for root in roots:
+        for path in (REPO / root).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
 
     def resolve(name: str) -> str | None:
         while name and name not in modules:
@@ -29,12 +38,20 @@ def module_imports() -> dict[str, set[str]]:
 
     edges: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        sibling = package if package in SCRIPT_FOLDERS else None
         for node in ast.walk(ast.parse(path.read_text())):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+                targets = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
                 targets = [f"{node.module}.{a.name}" for a in node.names]
+            if sibling:
+                targets = [f"{sibling}.{t}" if f"{sibling}.{t.partition('.')[0]}" in modules else t for t in targets]
             for target in filter(None, map(resolve, targets)):
                 if target != module:
                     edges[module].add(target)
@@ -72,6 +89,18 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_no_import_circle_in_rlfleet():
     edges = module_imports()
     assert "rlfleet.services.rollout.engines.torch_engine" in edges["rlfleet.services.rollout.engines"]
+    cycle = find_cycle(edges)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_no_import_circle_anywhere_in_the_repository():
+    """The product, the testbed, the tests and the scripts and benchmarks around them, together: a
+    circle between a benchmark and a test module is as much a circle as one inside rlfleet."""
+    edges = module_imports(TOP_LEVEL)
+    # the finder sees what it must: a bare sibling import of a benchmark, a relative import in tests
+    assert "benchmarks.wan_runs" in edges["benchmarks.broadcast_wan"]
+    assert "benchmarks.delta" in edges["benchmarks.broadcast"]  # a lazy import counts
+    assert "tests.support" in edges["benchmarks.rollout"]
     cycle = find_cycle(edges)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 

@@ -9,58 +9,46 @@ from rlfleet.config import parse_bundle
 from rlfleet.local.plan import plan
 from rlfleet.operator import builders, names
 from rlfleet.wire.topology import ORIGIN, Node, TopologyError, relay_graph
+from tests.runs import bundle_yaml, relay_tier, rlrun
+from tests.runs import pool as inference_pool
 
 NS = "team"
-RUN = """\
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {name: demo}
-spec:
-  model: {path: builtin://tiny-arithmetic}
-  task: {type: arithmetic}
-  redis: {url: "redis://r:6379"}
-  store: {uri: "s3://b/p"}
-  shardcast: {requireSignatures: false}
-"""
+RUN = rlrun(
+    "demo", redis={"url": "redis://r:6379"}, store="s3://b/p", shardcast={"requireSignatures": False}
+)  # the run every bundle below is of
 
 
-def tier(name: str, tier_: int = 0, replicas: int = 1, **spec) -> str:
-    fields = "".join(f"  {k}: {v}\n" for k, v in spec.items())
-    return (
-        f"---\napiVersion: rlfleet.io/v1alpha1\nkind: RelayTier\nmetadata: {{name: {name}}}\n"
-        f"spec:\n  run: demo\n  tier: {tier_}\n  replicas: {replicas}\n{fields}"
-    )
+def tier(name: str, tier_: int = 0, replicas: int = 1, **spec) -> dict:
+    return relay_tier(name, "demo", tier_, replicas=replicas, **spec)
 
 
-def pool(name: str, replicas: int = 2, **spec) -> str:
-    fields = "".join(f"  {k}: {v}\n" for k, v in spec.items())
-    return (
-        f"---\napiVersion: rlfleet.io/v1alpha1\nkind: InferencePool\nmetadata: {{name: {name}}}\n"
-        f"spec:\n  run: demo\n  replicas: {replicas}\n{fields}"
-    )
+def pool(name: str, replicas: int = 2, **spec) -> dict:
+    return inference_pool(name, "demo", replicas=replicas, **spec)
+
+
+def bundle(*docs: dict) -> str:
+    """The run, then `docs`, as the YAML a file would hold."""
+    return bundle_yaml(RUN, *docs)
 
 
 BUNDLES = {
-    "no relays": RUN + pool("p"),
-    "one tier": RUN + tier("t0", replicas=2) + pool("p"),
-    "two tiers, pool on the top one": RUN + tier("t0") + tier("t1", 1, replicas=3) + pool("p", 3),
-    "two tiers at the top, both serve the pool": RUN
-    + tier("t0")
-    + tier("t1a", 1)
-    + tier("t1b", 1, replicas=2)
-    + pool("p"),
-    "spec.relay and spec.upstream": (
-        RUN
-        + tier("core")
-        + tier("west", 1)
-        + tier("east", 1, upstream="core")
-        + tier("edge", 2, upstream="core")
-        + pool("a", relay="west")
-        + pool("b")
+    "no relays": bundle(pool("p")),
+    "one tier": bundle(tier("t0", replicas=2), pool("p")),
+    "two tiers, pool on the top one": bundle(tier("t0"), tier("t1", 1, replicas=3), pool("p", 3)),
+    "two tiers at the top, both serve the pool": bundle(
+        tier("t0"), tier("t1a", 1), tier("t1b", 1, replicas=2), pool("p")
     ),
-    "a tier outside the cluster": RUN
-    + tier("far", upstreamUrl="http://relay.other.example:8080")
-    + pool("p", relay="far"),
+    "spec.relay and spec.upstream": bundle(
+        tier("core"),
+        tier("west", 1),
+        tier("east", 1, upstream="core"),
+        tier("edge", 2, upstream="core"),
+        pool("a", relay="west"),
+        pool("b"),
+    ),
+    "a tier outside the cluster": bundle(
+        tier("far", upstreamUrl="http://relay.other.example:8080"), pool("p", relay="far")
+    ),
 }
 
 
@@ -79,16 +67,16 @@ def test_rules_in_order_upstream_url_then_upstream_then_tier_below():
 @pytest.mark.parametrize(
     "docs, problem",
     [
-        (RUN + tier("t1", 1) + pool("p"), "RelayTier t1: spec.tier: no RelayTier of run 'demo' has tier 0"),
+        (bundle(tier("t1", 1), pool("p")), "RelayTier t1: spec.tier: no RelayTier of run 'demo' has tier 0"),
         (
-            RUN + tier("t0", upstream="nope"),
+            bundle(tier("t0", upstream="nope")),
             "RelayTier t0: spec.upstream: RelayTier 'nope' of run 'demo' does not exist",
         ),
         (
-            RUN + tier("t0") + pool("p", relay="tier9"),
+            bundle(tier("t0"), pool("p", relay="tier9")),
             "InferencePool p: spec.relay: RelayTier 'tier9' of run 'demo' does not exist",
         ),
-        (RUN + tier("a", upstream="b") + tier("b", upstream="a"), "the tiers a -> b -> a pull from each other"),
+        (bundle(tier("a", upstream="b"), tier("b", upstream="a")), "the tiers a -> b -> a pull from each other"),
     ],
 )
 def test_references_that_do_not_resolve_are_refused_naming_the_document_and_field(docs, problem, tmp_path):
@@ -105,7 +93,7 @@ def test_references_that_do_not_resolve_are_refused_naming_the_document_and_fiel
 
 
 def test_one_bad_tier_does_not_block_the_others():
-    b = parse_bundle(RUN + tier("t0") + tier("bad", upstream="nope") + pool("p", relay="t0"))
+    b = parse_bundle(bundle(tier("t0"), tier("bad", upstream="nope"), pool("p", relay="t0")))
     graph = relay_graph("demo", b.pools, b.relays)
     assert graph.upstream("t0") == ORIGIN and graph.pool_sources("p") == [Node("tier", "t0")]
     with pytest.raises(TopologyError):

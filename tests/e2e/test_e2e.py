@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.services.shardcast.sources import READ_TIMEOUT
+from tests.runs import extended, pool, relay_tier, rlrun, write_rlrun
 from tests.support import REPO
 
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
@@ -127,18 +128,14 @@ def test_killed_components_and_redis_are_restarted_and_the_run_finishes(tmp_path
     assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
 
 
-CRASHING_POOL = """---
-apiVersion: rlfleet.io/v1alpha1
-kind: InferencePool
-metadata: {name: outside}
-spec: {run: arithmetic, replicas: 1, ingestUrl: "http://127.0.0.1:9/"}
-"""
+CRASHING_POOL = pool("outside", "arithmetic", replicas=1, ingestUrl="http://127.0.0.1:9/")
 
 
 @pytest.mark.slow
 def test_a_crash_looping_component_stops_the_run_and_is_named(tmp_path):
     config = tmp_path / "rlrun.yaml"
-    config.write_text(EXAMPLE.read_text() + CRASHING_POOL)  # its worker has no RLFLEET_WORKER_TOKEN: exits at once
+    # its worker has no RLFLEET_WORKER_TOKEN: exits at once
+    config.write_text(extended(EXAMPLE.read_text(), CRASHING_POOL))
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],
@@ -251,27 +248,18 @@ def test_a_second_ctrl_c_kills_what_is_still_stopping_and_the_summary_is_written
     assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
 
 
-VLLM_RUN = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: e2e-vllm}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 4, maxTokens: 8, temperature: 1.0}}
-  trainer: {{steps: 4, batchSize: 2, learningRate: 1.0e-2, maxAsyncLevel: 1}}
-  verifier: {{replicas: 1, engines: [vllm]}}
----
-apiVersion: rlfleet.io/v1alpha1
-kind: InferencePool
-metadata: {{name: e2e-vllm-cpu}}
-spec: {{run: e2e-vllm, replicas: 1, engine: vllm, maxPending: 8}}
----
-apiVersion: rlfleet.io/v1alpha1
-kind: RelayTier
-metadata: {{name: e2e-vllm-tier0}}
-spec: {{run: e2e-vllm, tier: 0, replicas: 1}}
-"""
+def vllm_run(model: Path) -> list[dict]:
+    """A short run whose one pool and verifier use vLLM, behind one relay tier."""
+    run = rlrun(
+        "e2e-vllm",
+        model=model,
+        task={"maxOperand": 20},
+        sampling={"groupSize": 4, "maxTokens": 8, "temperature": 1.0},
+        trainer={"steps": 4, "batchSize": 2, "learningRate": 1.0e-2, "maxAsyncLevel": 1},
+        verifier={"replicas": 1, "engines": ["vllm"]},
+    )
+    pool_ = pool("e2e-vllm-cpu", "e2e-vllm", replicas=1, engine="vllm", maxPending=8)
+    return [run, pool_, relay_tier("e2e-vllm-tier0", "e2e-vllm", 0, replicas=1)]
 
 
 @pytest.mark.slow
@@ -285,8 +273,7 @@ def test_a_vllm_worker_serves_the_run_through_weight_swaps_and_stops_cleanly(tmp
     from tests.support import tiny_policy_dir
 
     model = tiny_policy_dir(tmp_path / "policy", seed=0, num_attention_heads=2, num_key_value_heads=1)  # head size 32
-    config = tmp_path / "rlrun.yaml"
-    config.write_text(VLLM_RUN.format(model=model))
+    config = write_rlrun(tmp_path / "rlrun.yaml", *vllm_run(model))
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"],

@@ -24,7 +24,8 @@ from rlfleet.services.ingest.app import load_tokens, make_app
 from rlfleet.services.ingest.client import post_group, rollouts_url
 from rlfleet.wire.asgi import BackgroundServer
 from rlfleet.wire.streams import MESSAGE_FIELD, SCHEMA_VERSION, RolloutGroup, RunKeys, Sample, SamplingParams
-from tests.support import wait_for
+from tests.runs import bundle_yaml, pool, rlrun, write_rlrun
+from tests.support import redis_from_url, wait_for
 
 RUN = "demo"
 TOKENS = {"w1": "token-of-w1", "w2": "token-of-w2"}
@@ -53,7 +54,7 @@ def group_bytes(worker_id: str = "w1", work: int | None = None) -> bytes:
 
 @contextmanager
 def ingest(redis_url: str, **spec):
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     settings = {"maxBodyBytes": 4096, "ratePerMinute": 1000, "maxBacklog": 5, **spec}
     server = BackgroundServer(
         make_app(RUN, IngestSpec.model_validate(settings), client, TOKENS), "127.0.0.1", free_port(), "ingest"
@@ -214,12 +215,9 @@ def test_tokens_file_and_config(tmp_path):
     empty.write_text("w1: ''\n")
     with pytest.raises(ConfigError, match="non-empty string"):
         load_tokens(empty)
+    ingest_spec = {"tokensFile": "t.yaml", "maxBodyBytes": 2048, "ratePerMinute": 5, "maxBacklog": 7}
     bundle = parse_bundle(
-        "apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {name: demo}\n"
-        "spec: {model: {path: builtin://tiny-arithmetic}, task: {type: arithmetic},"
-        " ingest: {tokensFile: t.yaml, maxBodyBytes: 2048, ratePerMinute: 5, maxBacklog: 7}}\n---\n"
-        "apiVersion: rlfleet.io/v1alpha1\nkind: InferencePool\nmetadata: {name: outside}\n"
-        "spec: {run: demo, ingestUrl: 'https://ingest.example.org'}\n"
+        bundle_yaml(rlrun(RUN, ingest=ingest_spec), pool("outside", RUN, ingestUrl="https://ingest.example.org"))
     )
     spec = bundle.run.spec.ingest
     assert (spec.tokens_file, spec.max_body_bytes, spec.rate_per_minute, spec.max_backlog) == ("t.yaml", 2048, 5, 7)
@@ -228,10 +226,7 @@ def test_tokens_file_and_config(tmp_path):
 
 def test_cli_serves_the_ingest(redis_url, tmp_path):
     config, tokens, port = tmp_path / "run.yaml", tmp_path / "tokens.yaml", free_port()
-    config.write_text(
-        "apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {name: demo}\n"
-        "spec: {model: {path: builtin://tiny-arithmetic}, task: {type: arithmetic}}\n"
-    )
+    write_rlrun(config, rlrun(RUN))
     tokens.write_text(json.dumps(TOKENS))
     proc = subprocess.Popen(
         [
@@ -263,7 +258,7 @@ def test_cli_serves_the_ingest(redis_url, tmp_path):
                 )
                 time.sleep(0.1)
         assert post(base, group_bytes()).status_code == 202
-        assert redis.Redis.from_url(redis_url).xlen(KEYS.rollouts) == 1
+        assert redis_from_url(redis_url).xlen(KEYS.rollouts) == 1
     finally:
         proc.terminate()
         proc.wait(10)
@@ -296,7 +291,7 @@ def test_the_ingest_works_with_its_own_redis_user(tmp_path):
         assert post(base, body).status_code == 202 and post(base, body).json()["duplicate"] is True
         assert request_ticket(requests.Session(), tickets_url(base, RUN), TOKENS["w1"], threading.Event()) == 0
         wait_for("one group in the inbox", lambda: requests.get(base + "/healthz", timeout=5).json()["inbox"] == 1, 5)
-        admin = redis.Redis.from_url(server.url)
+        admin = redis_from_url(server.url)
         admin.hset(KEYS.banned, "w2", "{}")
         assert post(base, group_bytes("w2"), token="token-of-w2").status_code == 403
         with pytest.raises(redis.exceptions.NoPermissionError):

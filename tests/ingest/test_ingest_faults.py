@@ -17,31 +17,22 @@ import time
 from contextlib import contextmanager
 
 import pytest
-import redis
 import requests
+import yaml
 
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.local.redis_server import EmbeddedRedis, free_port
 from rlfleet.services.ingest.client import rollouts_url
 from tests.ingest.test_ingest import KEYS, RUN, TOKENS, group_bytes, post
-from tests.support import wait_for
-
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: demo}}
-spec:
-  model: {{path: builtin://tiny-arithmetic}}
-  task: {{type: arithmetic}}
-  ingest: {ingest}
-"""
+from tests.runs import bundle_yaml, pool, rlrun, write_rlrun
+from tests.support import redis_from_url, wait_for
 
 
 @contextmanager
 def ingest_process(tmp_path, redis_url: str, ingest: str = "{}"):
     """`rlfleet ingest` as its own process, as a pod or `rlfleet` would start it; yields its base URL."""
     config, tokens, port = tmp_path / "run.yaml", tmp_path / "tokens.json", free_port()
-    config.write_text(CONFIG.format(ingest=ingest))
+    write_rlrun(config, rlrun(RUN, ingest=yaml.safe_load(ingest)))  # `ingest`: a YAML flow mapping
     tokens.write_text(json.dumps(TOKENS))
     log = open(tmp_path / "ingest.log", "ab")
     proc = subprocess.Popen(
@@ -119,7 +110,7 @@ def test_redis_down_or_stalled_gives_503_with_retry_after_and_an_honest_cheap_he
 
 def test_a_resend_of_a_stored_group_is_answered_with_the_first_entry_and_adds_nothing(tmp_path, redis_url):
     body = group_bytes()
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     with ingest_process(tmp_path, redis_url) as base:
         first, again = post(base, body), post(base, body)
         assert first.status_code == again.status_code == 202
@@ -140,15 +131,11 @@ def test_validation_refuses_a_backlog_or_pending_bound_at_or_over_the_streams_ma
             parse_bundle(text)
         return info.value.report()
 
-    run = CONFIG.format(ingest="{maxBacklog: 500}") + "  redis: {streamMaxLen: 500}\n"
+    run = bundle_yaml(rlrun(RUN, ingest={"maxBacklog": 500}, redis={"streamMaxLen": 500}))
     assert "ingest.maxBacklog" in problems(run) and "streamMaxLen" in problems(run)
-    pool = (
-        CONFIG.format(ingest="{}")
-        + "  redis: {streamMaxLen: 2000}\n---\napiVersion: rlfleet.io/v1alpha1\nkind: InferencePool\n"
-        + "metadata: {name: p}\nspec: {run: demo, maxPending: 2000}\n"
-    )
-    assert "spec.maxPending" in problems(pool)
-    parse_bundle(CONFIG.format(ingest="{maxBacklog: 499}") + "  redis: {streamMaxLen: 500}\n")  # below: fine
+    pooled = bundle_yaml(rlrun(RUN, ingest={}, redis={"streamMaxLen": 2000}), pool("p", RUN, maxPending=2000))
+    assert "spec.maxPending" in problems(pooled)
+    parse_bundle(bundle_yaml(rlrun(RUN, ingest={"maxBacklog": 499}, redis={"streamMaxLen": 500})))  # below: fine
 
 
 # ---- item 17: slow clients, buffered bytes, connections ---------------------------------------
@@ -229,7 +216,7 @@ def test_bodies_in_flight_and_connections_are_bounded(tmp_path, redis_url):
 
 
 def test_503s_do_not_spend_the_rate_budget(tmp_path, redis_url):
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     with ingest_process(tmp_path, redis_url, "{ratePerMinute: 2, maxBacklog: 1}") as base:
         client.xadd(KEYS.rollouts, {b"m": b"queued"})  # the inbox is full
         assert [post(base, group_bytes()).status_code for _ in range(5)] == [503] * 5
@@ -242,7 +229,7 @@ def test_503s_do_not_spend_the_rate_budget(tmp_path, redis_url):
 
 
 def test_the_backlog_bound_holds_under_concurrent_submissions(tmp_path, redis_url):
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     bound = 20
     with ingest_process(tmp_path, redis_url, f"{{ratePerMinute: 100000, maxBacklog: {bound}}}") as base:
         codes: list[int] = []

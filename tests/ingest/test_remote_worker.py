@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,24 +17,22 @@ from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.store import FileStore
 from rlfleet.wire.streams import RolloutGroup, RunKeys
 from tests.ingest.test_ingest import ingest
+from tests.runs import pool, rlrun, write_rlrun
 from tests.support import serving, tiny_policy_dir
 
 RUN = "demo"  # test_ingest's ingest serves this run, with worker w1's token
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: demo}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 2, maxTokens: 4}}
-  shardcast: {{requireSignatures: false}}
----
-apiVersion: rlfleet.io/v1alpha1
-kind: InferencePool
-metadata: {{name: remote}}
-spec: {{run: demo, replicas: 1, ingestUrl: "{ingest}"}}
-"""
+
+
+def config_docs(model: Path, ingest: str) -> list[dict]:
+    """The run and its one remote pool, whose worker posts through the ingest at `ingest`."""
+    run = rlrun(
+        RUN,
+        model=model,
+        task={"maxOperand": 20},
+        sampling={"groupSize": 2, "maxTokens": 4},
+        shardcast={"requireSignatures": False},
+    )
+    return [run, pool("remote", RUN, replicas=1, ingestUrl=ingest)]
 
 
 @pytest.mark.slow  # about 45 s: torch, a policy, a worker process
@@ -46,8 +45,7 @@ def test_a_worker_without_redis_follows_the_relay_and_posts_through_the_ingest(t
     token_file = tmp_path / "w1"
     token_file.write_text("token-of-w1\n")
     with ingest(redis_url, maxBacklog=100) as (ingest_url, client), serving(origin.make_app(store, RUN)) as relay:
-        config = tmp_path / "pool.yaml"
-        config.write_text(CONFIG.format(model=policy, ingest=ingest_url))
+        config = write_rlrun(tmp_path / "pool.yaml", *config_docs(policy, ingest_url))
         env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET_")}
         env.update(RLFLEET_WORKER_TOKEN_FILE=str(token_file), RLFLEET_TORCH_THREADS="1")
         log = open(tmp_path / "worker.log", "wb")
@@ -78,7 +76,7 @@ def test_a_worker_without_redis_follows_the_relay_and_posts_through_the_ingest(t
 
 def test_a_worker_without_its_token_file_names_the_missing_key(tmp_path):
     config = tmp_path / "pool.yaml"
-    config.write_text(CONFIG.format(model=tmp_path, ingest="http://127.0.0.1:9"))
+    write_rlrun(config, *config_docs(tmp_path, "http://127.0.0.1:9"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET_")}
     env["RLFLEET_WORKER_TOKEN_FILE"] = str(tmp_path / "tokens" / "remote-rollout-3")
     result = subprocess.run(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import redis
 import requests
 
 from rlfleet.operator import names
@@ -27,7 +26,7 @@ from tests.operator.kubectl import (
     secret,
     url_of,
 )
-from tests.support import wait_for
+from tests.support import redis_from_url, wait_for
 
 
 def test_example_crs_become_children_with_owners_and_status(api, redis_url):
@@ -62,7 +61,7 @@ def test_example_crs_become_children_with_owners_and_status(api, redis_url):
     assert condition(pool)["reason"] == "Pending" and pool["status"]["phase"] == "Pending"
 
     # progress comes from the run's Redis; readiness from the trainer StatefulSet (playing its controller)
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     keys = RunKeys("arithmetic")
     for v in (1, 2, 3):
         client.xadd(keys.policy, encode_json({"version": v, "time": time.time(), "reward": 0.25 * v}))
@@ -191,7 +190,7 @@ def test_delete_removes_children_and_redis_keys(api, redis_url):
         "finalizer", lambda: (o := get(api, "RLRun", ns, "arithmetic")) and o["metadata"].get("finalizers") and o
     )
     assert run["metadata"]["finalizers"] == [f"{names.GROUP}/cleanup"]
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     keys = RunKeys("arithmetic")
     client.xadd(keys.policy, encode_json({"version": 1}))
     client.hset(keys.stats, "accepted", 1)
@@ -224,7 +223,7 @@ def test_a_deleted_runs_redis_keys_go_after_its_pods(api, redis_url):
     wait_for("finalizer", lambda: get(api, "RLRun", ns, "arithmetic")["metadata"].get("finalizers"))
     labels = names.labels("InferencePool", "arithmetic-cpu", names.ROLLOUT, "arithmetic")
     create(api, ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker-0", "labels": labels}})
-    client = redis.Redis.from_url(redis_db(redis_url, 5))
+    client = redis_from_url(redis_db(redis_url, 5))
     keys = RunKeys("arithmetic")
     client.hset(keys.stats, "accepted", 1)
     assert requests.delete(url_of(api, "RLRun", ns, "arithmetic"), timeout=5).status_code == 200

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 import requests
 
 from rlfleet.operator import names
@@ -24,7 +23,7 @@ from tests.operator.kubectl import (
     unknown_status_fields,
     url_of,
 )
-from tests.support import wait_for
+from tests.support import redis_from_url, wait_for
 
 WORKLOADS = [
     ("StatefulSet", "arithmetic-trainer"),
@@ -36,7 +35,7 @@ WORKLOADS = [
 
 
 def publish(url: str, run: str, versions) -> None:
-    client = redis.Redis.from_url(url)
+    client = redis_from_url(url)
     for v in versions:
         client.xadd(RunKeys(run).policy, encode_json({"version": v, "time": time.time()}))
     client.close()

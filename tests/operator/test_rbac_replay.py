@@ -10,12 +10,11 @@ Secret, an ingest, scaling, suspend, a TTL, deletion) so it never passes on an e
 from __future__ import annotations
 
 import pytest
-import redis
 
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.operator.kubectl import apply_example, get, patch, redis_db, secret
 from tests.operator.rbac import denied
-from tests.support import CHART, render_chart, wait_for
+from tests.support import CHART, redis_from_url, render_chart, wait_for
 
 
 def _drive_a_run(api, redis_url) -> None:
@@ -30,7 +29,7 @@ def _drive_a_run(api, redis_url) -> None:
     wait_for("scaled", lambda: get(api, "Deployment", ns, "arithmetic-cpu-rollout")["spec"]["replicas"] == 3)
     patch(api, "RLRun", ns, "arithmetic", {"spec": {"suspend": True}})
     wait_for("suspended", lambda: get(api, "RLRun", ns, "arithmetic")["status"]["phase"] == "Suspended")
-    client = redis.Redis.from_url(url)
+    client = redis_from_url(url)
     client.xadd(RunKeys("arithmetic").policy, encode_json({"version": 1}))
     client.close()
     wait_for(

@@ -10,6 +10,7 @@ from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.operator.pools import build_rollout_workload
 from rlfleet.wire import env
 from tests.operator.test_builders import K8S_VERSION, NS, _all_children, _bundle, _env
+from tests.runs import bundle_yaml, rlrun
 
 
 def key_of(pod: dict, name: str) -> str | None:
@@ -42,9 +43,6 @@ def test_each_pod_gets_its_roles_url():
 
 
 def test_role_urls_need_the_secret():
-    doc = (
-        "apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {name: r}\n"
-        "spec: {model: {path: m}, task: {type: arithmetic}, redis: {roleUrls: true}}\n"
-    )
+    doc = rlrun("r", model="m", redis={"roleUrls": True})
     with pytest.raises(ConfigError, match="roleUrls: needs urlSecret"):
-        parse_bundle(doc)
+        parse_bundle(bundle_yaml(doc))

@@ -8,9 +8,9 @@ tiny-arithmetic has 16, see test_an_unsupported_head_size_is_refused_with_the_fi
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
-import redis
 import torch
 
 from rlfleet.config import parse_bundle
@@ -21,7 +21,8 @@ from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.tasks import make_task
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
-from tests.support import REPO, tiny_policy_dir
+from tests.runs import bundle_yaml, rlrun
+from tests.support import REPO, redis_from_url, tiny_policy_dir
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,18 +31,19 @@ pytestmark = [
     ),
 ]
 
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: vllm}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 4, maxTokens: 12, temperature: 1.0, topP: 0.9, topK: 8}}
-  verifier: {{engines: [vllm], toploc: {{decodeBatchingSize: 4}}}}
-  store: {{uri: "file://{store}"}}
-"""
 HEAD_32 = {"num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def vllm_run(model: Path, store: Path) -> dict:
+    """The run both engines serve: groups of 4 with top-p and top-k, the verifier on vLLM replaying 4 tokens."""
+    return rlrun(
+        "vllm",
+        model=model,
+        task={"maxOperand": 20},
+        sampling={"groupSize": 4, "maxTokens": 12, "temperature": 1.0, "topP": 0.9, "topK": 8},
+        verifier={"engines": ["vllm"], "toploc": {"decodeBatchingSize": 4}},
+        store=store,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +98,9 @@ def max_logprob_error(model, group: RolloutGroup) -> float:
 
 
 def test_vllm_rollouts_pass_the_verifier_across_a_weight_swap(engine, models, tmp_path, redis_url):
-    spec = parse_bundle(CONFIG.format(model=models[0], store=tmp_path / "store")).run.spec
+    spec = parse_bundle(bundle_yaml(vllm_run(models[0], tmp_path / "store"))).run.spec
     policies = {v: load_policy(models[v]) for v in (0, 1)}
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     keys = RunKeys("vllm")
     client.xadd(keys.policy, encode_json({"version": 1}))  # both versions are within maxAsyncLevel of the newest
     checker = Checker(spec, client, keys, lambda v: policies[v])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 from rlfleet.config import load_bundle
 from rlfleet.services.rollout.main import RolloutOptions, Worker
@@ -17,41 +18,39 @@ from rlfleet.wire import env
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, encode_json
 from rlfleet.wire.views import VIEWS, view_bundle
+from tests.runs import pool, rlrun, write_rlrun
 from tests.support import serving, tiny_policy_dir, wait_for
 
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: demand}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 2, maxTokens: 4}}
-  trainer: {{batchSize: 3, maxAsyncLevel: {level}}}
-  store: {{uri: "file://{store}"}}
----
-apiVersion: rlfleet.io/v1alpha1
-kind: InferencePool
-metadata: {{name: pool}}
-spec: {{run: demand, replicas: 1, maxPending: 100}}
-"""
+
+def write_config(path: Path, model: Path, store: Path, level: int) -> Path:
+    """The run (batches of 3 groups of 2, `level` versions of asynchrony) and its one pool."""
+    run = rlrun(
+        "demand",
+        model=model,
+        task={"maxOperand": 20},
+        sampling={"groupSize": 2, "maxTokens": 4},
+        trainer={"batchSize": 3, "maxAsyncLevel": level},
+        store=store,
+    )
+    return write_rlrun(path, run, pool("pool", "demand", replicas=1, maxPending=100))
 
 
-def settled(redis_client, keys, quiet: float = 1.0) -> int:
-    """The inbox length once no group has been added for `quiet` seconds (the worker is paused)."""
-    last, since = -1, time.monotonic()
+def settled(redis_client, keys, quiet: float = 1.0, timeout: float = 60.0) -> int:
+    """The inbox length once no group has been added for `quiet` seconds (the worker is paused); a worker
+    that never pauses fails the test after `timeout` seconds instead of running into pytest's timeout."""
+    last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
     while True:
         n = redis_client.xlen(keys.rollouts)
         if n != last:
             last, since = n, time.monotonic()
         elif time.monotonic() - since >= quiet:
             return n
+        assert time.monotonic() < deadline, f"the worker never paused: {n} groups in the inbox after {timeout:g} s"
         time.sleep(0.05)
 
 
 def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis_client, monkeypatch):
-    config = tmp_path / "rlrun.yaml"
-    config.write_text(CONFIG.format(model=tmp_path / "not-here", store=tmp_path / "store", level=1))
+    config = write_config(tmp_path / "rlrun.yaml", tmp_path / "not-here", tmp_path / "store", level=1)
     bundle = load_bundle(config)
     key_file, public = generate_keypair(tmp_path / "keys")
     monkeypatch.setenv(env.PUBLIC_KEY, public)

@@ -21,18 +21,8 @@ from rlfleet.wire import env
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys, encode_json
 from rlfleet.wire.views import VIEWS, view_bundle
+from tests.runs import rlrun, write_rlrun
 from tests.support import serving, tiny_policy_dir, wait_for
-
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: start}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {{groupSize: 2, maxTokens: 4}}
-  store: {{uri: "file://{store}"}}
-"""
 
 
 @pytest.mark.parametrize("base_is_local", [True, False])
@@ -42,8 +32,16 @@ def test_the_engine_starts_before_version_0_and_generates_with_its_weights(
     base = tiny_policy_dir(tmp_path / "base", seed=0)
     v0 = tiny_policy_dir(tmp_path / "v0", seed=1)  # other weights than the base, so the test sees which generate
     model_path = base if base_is_local else tmp_path / "not-on-this-machine"
-    config = tmp_path / "rlrun.yaml"
-    config.write_text(CONFIG.format(model=model_path, store=tmp_path / "store"))
+    config = write_rlrun(
+        tmp_path / "rlrun.yaml",
+        rlrun(
+            "start",
+            model=model_path,
+            task={"maxOperand": 20},
+            sampling={"groupSize": 2, "maxTokens": 4},
+            store=tmp_path / "store",
+        ),
+    )
     bundle = load_bundle(config)
     key_file, public = generate_keypair(tmp_path / "keys")
     monkeypatch.setenv(env.PUBLIC_KEY, public)

@@ -11,9 +11,10 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
-import redis
+import yaml
 
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.models.sampling import completion_text
@@ -32,34 +33,37 @@ from rlfleet.wire import env
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, decode_json, encode_json, group_digest
 from rlfleet.wire.views import VIEWS, view_bundle
-from tests.support import serving, tiny_policy_dir
+from tests.runs import bundle_yaml, rlrun
+from tests.support import redis_from_url, serving, tiny_policy_dir
 
-CONFIG = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: gate}}
-spec:
-  model: {{path: "{model}"}}
-  task: {{type: arithmetic, maxOperand: 20}}
-  sampling: {sampling}
-  trainer: {{batchSize: 1, maxAsyncLevel: 1, learningRate: 1.0e-3}}
-  verifier: {verifier}
-  store: {{uri: "file://{store}"}}
-"""
+
+def gate_config(model: Path, store: Path, sampling: str, verifier: str) -> str:
+    """The gate tests' RLRun; `sampling` and `verifier` are YAML flow mappings, as the tests write them."""
+    return bundle_yaml(
+        rlrun(
+            "gate",
+            model=model,
+            task={"maxOperand": 20},
+            sampling=yaml.safe_load(sampling),
+            trainer={"batchSize": 1, "maxAsyncLevel": 1, "learningRate": 1.0e-3},
+            verifier=yaml.safe_load(verifier),
+            store=store,
+        )
+    )
 
 
 @contextmanager
 def gate_system(tmp_path, redis_url, sampling="{groupSize: 4, maxTokens: 4}", verifier="{}"):
     """A published version 0 of a tiny policy, an origin serving it, and a run context."""
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
-    bundle = parse_bundle(CONFIG.format(model=policy, store=tmp_path / "store", sampling=sampling, verifier=verifier))
+    bundle = parse_bundle(gate_config(policy, tmp_path / "store", sampling, verifier))
     store = open_store(bundle.run.spec.store.uri)
     # The run signs its manifests, as `rlfleet run` does: the gate checks them, the trainer signs.
     key_file, public = generate_keypair(tmp_path / "keys")
     saved = {k: os.environ.get(k) for k in (env.SIGNING_KEY_FILE, env.PUBLIC_KEY)}
     os.environ.update({env.SIGNING_KEY_FILE: str(key_file), env.PUBLIC_KEY: public})
     publish_version(store, "gate", 0, policy, signer=make_signer(load_private_key(key_file)))
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     keys = RunKeys("gate")
     client.xadd(keys.policy, encode_json({"version": 0}))
     ctx = Context(bundle=bundle, redis=client, keys=keys, stop=threading.Event())
@@ -304,7 +308,7 @@ def test_stale_rejections_are_forgiven_by_max_rejections(tmp_path, redis_url, fo
 def test_bad_verifier_config_names_the_field(tmp_path):
     def problems(verifier: str) -> str:
         with pytest.raises(ConfigError) as info:
-            parse_bundle(CONFIG.format(model=tmp_path, store=tmp_path, sampling="{}", verifier=verifier))
+            parse_bundle(gate_config(tmp_path, tmp_path, "{}", verifier))
         return info.value.report()
 
     assert "spec.verifier.spotCheckFraction" in problems("{spotCheckFraction: 1.5}")

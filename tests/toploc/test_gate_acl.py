@@ -19,6 +19,7 @@ from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.sharding import full_model_state
 from rlfleet.wire.redis_acl import ADMIN, RunAcl, user_name
 from rlfleet.wire.streams import group_digest
+from tests.support import redis_from_url
 from tests.toploc import attacks
 from tests.toploc.test_gate import as_, gate_system, rejections, run_gate, verified_ids
 
@@ -30,7 +31,7 @@ def test_each_component_works_with_its_own_redis_user(tmp_path):
     )
     with server, gate_system(tmp_path, server.url) as (ctx, policy, origin_url, tmp):
         spec = ctx.bundle.run.spec
-        as_role = {role: redis.Redis.from_url(acl.url(server.base_url, role)) for role in acl.passwords}
+        as_role = {role: redis_from_url(acl.url(server.base_url, role)) for role in acl.passwords}
         worker, verifier = as_role["worker"], dataclasses.replace(ctx, redis=as_role["verifier"])
         engine = TorchEngine(policy, 0)
         good, bad = attacks.honest(engine, spec, 1), attacks.honest(engine, spec, 2, worker="w-bad")

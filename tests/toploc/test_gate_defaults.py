@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+import yaml
 
 from rlfleet.config import parse_bundle
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
@@ -21,6 +22,7 @@ from rlfleet.versions.signing import load_private_key, make_signer
 from rlfleet.versions.store import open_store
 from rlfleet.wire import env
 from rlfleet.wire.streams import encode_json
+from tests.runs import bundle_yaml, rlrun
 from tests.toploc import attacks
 from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
 
@@ -72,11 +74,8 @@ def test_calibration_follows_engine_and_dtype_and_explicit_settings_win():
     from rlfleet.services.toploc.calibration import AUTHORS, DEFAULTS, calibration
 
     def verifier(text: str, dtype: str = "float32"):
-        doc = (
-            "apiVersion: rlfleet.io/v1alpha1\nkind: RLRun\nmetadata: {name: c}\n"
-            f"spec: {{model: {{path: m, dtype: {dtype}}}, task: {{type: arithmetic}}, verifier: {text}}}\n"
-        )
-        return parse_bundle(doc).run.spec.verifier
+        doc = rlrun("c", model={"path": "m", "dtype": dtype}, verifier=yaml.safe_load(text))
+        return parse_bundle(bundle_yaml(doc)).run.spec.verifier
 
     assert calibration(verifier("{}"), "torch", "float32") == DEFAULTS[("torch", "float32")]
     assert calibration(verifier("{}", "bfloat16"), "torch", "bfloat16") == DEFAULTS[("torch", "bfloat16")]

@@ -7,7 +7,6 @@ import threading
 import zlib
 
 import pytest
-import redis
 import torch
 
 from rlfleet.config import parse_bundle
@@ -17,7 +16,7 @@ from rlfleet.services.trainer.update import grpo_update
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams
 from rlfleet.wire.views import VIEWS, view_bundle
-from tests.support import tiny_policy_dir, trainer_run_config, wait_for
+from tests.support import redis_from_url, tiny_policy_dir, trainer_run_config, wait_for
 
 TRAINER = (
     "{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-2, skipZeroAdvantageGroups: true, entropyCoef: 0.01, "
@@ -29,7 +28,7 @@ TRAINER = (
 def trainer(tmp_path, redis_url):
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
     bundle = parse_bundle(trainer_run_config(policy, tmp_path / "store", TRAINER))
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     yield Trainer(
         Context(bundle=view_bundle(bundle, VIEWS["trainer"]), redis=client, keys=RunKeys("tr"), stop=threading.Event()),
         output_dir=None,
@@ -150,7 +149,7 @@ def test_the_trainer_tells_the_workers_what_it_still_wants(tmp_path, redis_url):
     had raised."""
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
     bundle = parse_bundle(trainer_run_config(policy, tmp_path / "store", "{batchSize: 2, maxAsyncLevel: 0}"))
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     keys = RunKeys("tr")
 
     def demand() -> dict[str, int]:
@@ -192,7 +191,7 @@ def test_epochs_are_that_many_updates_on_the_same_batch(tmp_path, redis_url):
     """trainer.epochs: 2 updates in one step equal two steps of 1 update on the same groups (same
     sampling logprobs, the optimizer's state carried), and differ from one."""
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
 
     def make(epochs: int) -> Trainer:
         config = trainer_run_config(policy, tmp_path / f"store{epochs}", f"{{batchSize: 2, epochs: {epochs}}}")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import redis
-
 from rlfleet.config import parse_bundle
 from rlfleet.models.policy import load_policy
 from rlfleet.services.shardcast import origin
@@ -16,7 +14,7 @@ from rlfleet.versions.checkpoint import list_versions, read_manifest
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys
 from rlfleet.wire.views import VIEWS, view_bundle
-from tests.support import serving, tiny_policy_dir, trainer_run_config
+from tests.support import redis_from_url, serving, tiny_policy_dir, trainer_run_config
 from tests.trainer.test_trainer import group
 
 
@@ -26,7 +24,7 @@ def test_trainer_publishes_deltas_that_rebuild_its_weights(tmp_path, redis_url):
     bundle = parse_bundle(trainer_run_config(policy, tmp_path / "store", trainer_spec))
     assert bundle.run.spec.shardcast.deltas.enabled  # on by default
     bundle.run.spec.shardcast.deltas.max_chain_ratio = 10.0  # fp32 deltas of this model are ~0.6 x: allow a chain
-    client = redis.Redis.from_url(redis_url)
+    client = redis_from_url(redis_url)
     trainer = Trainer(
         Context(bundle=view_bundle(bundle, VIEWS["trainer"]), redis=client, keys=RunKeys("tr"), stop=threading.Event()),
         None,

@@ -38,15 +38,12 @@ from pathlib import Path
 from testbed import Host
 
 from . import netns, oci
+from .container_config import ConfigError, expand
 from .images import process_image
 
 PODEXEC = Path(__file__).with_name("podexec.py")
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 BACKOFF_START_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 10.0, 300.0, 600.0
-
-
-class ConfigError(Exception):
-    """What keeps a container from starting until the cluster changes (CreateContainerConfigError)."""
 
 
 @dataclass
@@ -195,14 +192,6 @@ def mounts(pod: Pod) -> list[dict]:
     if pod.spec.get("automountServiceAccountToken", True):
         out.append({"source": str(pod.volume_dir("kube-api-access")), "target": SA_DIR, "readOnly": True})
     return out
-
-
-_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion; an unknown name stays as it is."""
-    return _REF.sub(lambda m: env.get(m.group(1), m.group(0)), text)
 
 
 def _field(pod: Pod, path: str) -> str:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from tests.containers import Volume, podman, podman_env, run_args
 
+from .container_config import ConfigError, expand
+
 LABEL = "io.rlfleet.inabox"
 
 
@@ -51,8 +53,6 @@ def container_name(runner: str, pod, restarts: int) -> str:
 
 def run_argv(pod, runner: str, env: dict[str, str], mounts: list[dict], hosts_file: Path) -> list[str]:
     """The `podman run` arguments of the pod's container now (see the module docstring)."""
-    from .kubelet import ConfigError, expand
-
     container = pod.container
     security = {**(pod.spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
     user = None
