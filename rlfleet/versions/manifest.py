@@ -188,11 +188,8 @@ def check_manifest(doc: object, run: str | None = None, version: int | None = No
         raise ManifestError(f"{where}: 'files' must be a non-empty list")
     entries, names = [], set()
     for i, entry in enumerate(files):
-        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and _int(entry.get("size"))):
-            ok = False
-        else:
-            ok = _sha(entry.get("sha256"))
-        if not ok:
+        ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and _int(entry.get("size"))
+        if not ok or not _sha(entry.get("sha256")):
             raise ManifestError(f"{where}: files[{i}] needs name (str), size (int >= 0) and sha256 (64 hex)")
         try:
             check_key(entry["name"])

@@ -5,7 +5,7 @@ downloads every file a manifest lists, which for a delta version are its patches
 client.FetchSettings):
   1. dest_root/v{N}/.complete exists -> return it.
   2. Plan, walking back from N through signed manifests (signature first, then shape:
-     client.Fetcher.manifest). Each version K offers one or two routes (delta.chain): its whole files
+     client.Fetcher.manifest). Each version K offers one or two routes (versions.chain): its whole files
      (a whole version) and its delta against K-1. Candidates, each with its download size:
        whole(K) + deltas K+1..N        for every whole K on the walk
        deltas B+1..N                   when the walk reaches a base B held here complete, with the very

@@ -25,7 +25,7 @@ Algorithm (`fetch_version`):
      resumes after re-hashing only the journaled shards (unverified bytes on disk never count).
   4. When every shard is in, write `.complete` (last) and rename the partial dir to dest_root/v{N}:
      v{N} exists only complete. The whole-file sha256 is not recomputed: the signed manifest binds
-     every shard's hash, and the shards tile the file (checkpoint.check_manifest).
+     every shard's hash, and the shards tile the file (manifest.check_manifest).
   5. At `timeout` seconds, delete the partial dir and raise FetchError with the last error seen.
 404, 5xx and connection errors mean "not there yet": retry, backing off (0.1 s doubling to 5 s)
 after every source failed once. The retry loop is our own (not urllib3's Retry): a sha256

@@ -24,7 +24,7 @@
   shutdown      a hung upstream cannot hold a stopping relay: probes and `latest` use an aiohttp session
                 closed at shutdown, and the pulls' Fetchers are aborted (blocked reads return at once)
   retention     the newest `keep_versions` complete versions and every version their delta chains pass through
-                (delta.chain.retained); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older
+                (versions.chain.retained); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older
                 versions are dropped (renamed away first) before a pull starts, a version larger than it is refused
 Metrics: rlfleet_relay_bytes_in_total, rlfleet_relay_bytes_out_total, rlfleet_relay_versions_held,
 rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds, rlfleet_relay_fetch_seconds.
