@@ -64,7 +64,7 @@ from broadcast_common import FILE, REFERENCE_DUMMY, RUN, expect_line, finish_tim
 
 
 def rlfleet_client(urls: list[str], dest: str, public_key: str, mode: str = "cut-through") -> None:
-    from rlfleet.services.shardcast.client import fetch_version, wait_for_version
+    from rlfleet.services.shardcast.client import FetchSettings, fetch_version, wait_for_version
     from rlfleet.versions.signing import parse_public_key
 
     key = parse_public_key(public_key)
@@ -82,7 +82,7 @@ def rlfleet_client(urls: list[str], dest: str, public_key: str, mode: str = "cut
             progress.append((time.monotonic(), got[0]))
             got[1] = got[0]
 
-    fetch_version(urls, RUN, version, Path(dest), timeout=3600, public_key=key, on_bytes=on_bytes)
+    fetch_version(FetchSettings.over(urls, RUN, timeout=3600, public_key=key, on_bytes=on_bytes), version, Path(dest))
     done = time.monotonic()
     print(json.dumps({"done": done, "progress": [*progress, (done, got[0])]}), flush=True)
 

@@ -153,19 +153,25 @@ def follow(store_dir: Path, count: int, dest: Path, public_key) -> list[dict]:
     in order with fetch_policy; per version the bytes it received and the seconds it took."""
     from rlfleet.services.shardcast import origin, relay
     from rlfleet.services.shardcast.assemble import fetch_policy
+    from rlfleet.services.shardcast.client import FetchSettings
     from rlfleet.versions.store import open_store
     from tests.support import serving
 
     store, rows = open_store(f"file://{store_dir}"), []
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, dest / "relay", RUN, 3, public_key=public_key)) as relay_url,
+        serving(
+            relay.make_app(relay.RelaySettings(origin_url, dest / "relay", RUN, 3, public_key=public_key))
+        ) as relay_url,
     ):
         for v in range(count):
             got, report = [], {}
             started = time.monotonic()
             fetch_policy(
-                [relay_url], RUN, v, dest / "client", public_key=public_key, on_bytes=got.append, report=report
+                FetchSettings.over([relay_url], RUN, public_key=public_key, on_bytes=got.append),
+                v,
+                dest / "client",
+                report=report,
             )
             manifest = len(store.get_bytes(f"{RUN}/policy/v{v}/manifest.json"))
             rows.append({"wire_bytes": sum(got) + manifest, "seconds": time.monotonic() - started, **report})
@@ -182,7 +188,7 @@ def delta_client(urls: list[str], dest: str, public_key: str, versions: list[int
     and last byte (monotonic), bytes received and the plan (fetch_policy's report). It then drops the version
     before the one it holds. "waiting" is printed once the process is ready."""
     from rlfleet.services.shardcast.assemble import fetch_policy
-    from rlfleet.services.shardcast.client import Sources, wait_for_version
+    from rlfleet.services.shardcast.client import FetchSettings, Sources, wait_for_version
     from rlfleet.versions.signing import parse_public_key
 
     key, sources, dest = parse_public_key(public_key), Sources(urls), Path(dest)
@@ -198,7 +204,10 @@ def delta_client(urls: list[str], dest: str, public_key: str, versions: list[int
 
         report: dict = {}
         fetch_policy(
-            urls, RUN, version, dest, timeout=timeout, public_key=key, sources=sources, on_bytes=on_bytes, report=report
+            FetchSettings(sources, RUN, timeout=timeout, public_key=key, on_bytes=on_bytes),
+            version,
+            dest,
+            report=report,
         )
         done = time.monotonic()
         print(json.dumps({"version": version, "done": done, **got, "report": report}), flush=True)

@@ -34,7 +34,7 @@ import torch
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.services.rollout.engines import make_engine
 from rlfleet.services.shardcast import origin, relay
-from rlfleet.services.shardcast.client import fetch_version
+from rlfleet.services.shardcast.client import FetchSettings, fetch_version
 from rlfleet.tasks.arithmetic import ArithmeticTask
 from rlfleet.versions.checkpoint import publish_version, save_model_dir
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
@@ -75,7 +75,7 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
 
 def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dict:
     t0 = time.monotonic()
-    v0 = fetch_version([relay_url], RUN, 0, work / kind, public_key=public_key)
+    v0 = fetch_version(FetchSettings.over([relay_url], RUN, public_key=public_key), 0, work / kind)
     engine = make_engine(kind, v0, 0)
     start_s = time.monotonic() - t0
     params = [
@@ -97,7 +97,9 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
     for i in range(args.swaps):  # versions 1, 0, 1, ... each downloaded afresh, as every swap pays it
         version = 1 - i % 2
         announced = time.monotonic()
-        path = fetch_version([relay_url], RUN, version, work / kind / f"swap{i}", public_key=public_key)
+        path = fetch_version(
+            FetchSettings.over([relay_url], RUN, public_key=public_key), version, work / kind / f"swap{i}"
+        )
         downloaded = time.monotonic()
         engine.load_weights(path, 10 + i)
         loaded = time.monotonic()
@@ -153,10 +155,10 @@ def main() -> int:
         public_key = parse_public_key(public)
         with (
             serving(origin.make_app(store, RUN)) as origin_url,
-            serving(relay.make_app(origin_url, work / "relay", RUN, keep_versions=3)) as relay_url,
+            serving(relay.make_app(relay.RelaySettings(origin_url, work / "relay", RUN, 3))) as relay_url,
         ):
             for v in (0, 1):  # the relay holds both versions before any engine is measured
-                fetch_version([relay_url], RUN, v, work / "prefetch", public_key=public_key)
+                fetch_version(FetchSettings.over([relay_url], RUN, public_key=public_key), v, work / "prefetch")
             results = [bench_engine(kind, args, relay_url, work, public_key) for kind in engines]
     load.append(os.getloadavg()[0])
     print(

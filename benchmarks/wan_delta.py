@@ -105,6 +105,7 @@ def run_phase(bed: Bed, name: str, phase: str, paths: list[Path], keys: tuple) -
     from rlfleet.config import DeltaSpec
     from rlfleet.versions.chain import delta_files, result_files, size_of, transfer_bytes, whole_files
     from rlfleet.versions.checkpoint import manifest_key
+    from rlfleet.versions.manifest import parse_manifest
     from rlfleet.versions.store import open_store
     from rlfleet.wire.streams import RunKeys, encode_json
 
@@ -139,7 +140,7 @@ def run_phase(bed: Bed, name: str, phase: str, paths: list[Path], keys: tuple) -
         expect_line(c, h.name)
     rows, relay_out = {}, relay_bytes_out(bed, PORT)
     for v in wanted:
-        manifest = json.loads(held_back[v][1])
+        manifest = parse_manifest(held_back[v][1], RUN, v)
         route = delta_files(manifest) if phase == "delta" and v > 0 else whole_files(manifest)
         client_bytes, pull_bytes = size_of(route), transfer_bytes(manifest)
         plan = Plan(topo.relays * pull_bytes, math.ceil(topo.clients / topo.relays) * client_bytes, client_bytes)

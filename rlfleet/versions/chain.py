@@ -1,37 +1,29 @@
-"""Delta versions in manifests: the signed `delta` section, which version needs which, retention.
+"""Delta versions: which version builds on which, what a client downloads for each route, retention.
 
 A policy version is published whole (its manifest's `files` are the checkpoint), as a delta against
-the version before it, its base, or both (rlfleet.versions.publish). A manifest with a delta has the usual
-`files` (what travels: patch files, files shipped whole, each with size, sha256 and shards, so relays
-store and forward them like any file) and, covered by the same signature,
-
-    "delta": {"format": 1, "base": B, "files": [
-        {"name", "size", "sha256", "from": "patch", "patch": P, "base_sha256"},  # base's file + patch P
-        {"name", "size", "sha256", "from": "base", "base_sha256"},               # the base's file, unchanged
-        {"name", "size", "sha256", "from": "file"}]}                             # shipped whole in `files`
-
-The section's `files` are the *resulting* version, every file a loader sees; a client checks each
-rebuilt file's size and sha256 against them before the version becomes visible (shardcast/assemble.py),
-and `base_sha256` binds the delta to the exact base bytes it was made from. A version is *whole* when
-every resulting file is also in `files` (identical size and sha256): then a client without the base
-downloads those (`whole_files`), one holding the base only what the delta needs (`delta_files`).
-Invariants: base < version, so following `required_base` (the base of a version that is not whole)
-ends at a whole version; `retained(versions, keep)` is the newest `keep` versions plus every version
-those cannot be rebuilt without, so pruning everything else (store, relay) never leaves a retained
-version unreachable.
+the version before it, its base, or both (rlfleet.versions.publish). A delta version's manifest has the
+usual `files` (what travels: patch files, files shipped whole, each with size, sha256 and shards, so relays
+store and forward them like any file) and, covered by the same signature, a `delta` section
+(manifest.DeltaSection): the base and the *resulting* files, every file a loader sees, each built from
+the base's file and a patch ("patch"), the base's file unchanged ("base") or shipped whole ("file").
+A client checks each rebuilt file's size and sha256 against them before the version becomes visible
+(shardcast/assemble.py), and `base_sha256` binds the delta to the exact base bytes it was made from.
+A version is *whole* when every resulting file is also in `files` (identical size and sha256): then a
+client without the base downloads those (`whole_files`), one holding the base only what the delta needs
+(`delta_files`).
+Invariants: base < version (manifest.check_manifest), so following `required_base` (the base of a version
+that is not whole) ends at a whole version; `retained(versions, keep)` is the newest `keep` versions plus
+every version those cannot be rebuilt without, so pruning everything else (store, relay) never leaves a
+retained version unreachable.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-DELTA = "delta"  # the manifest field
-FORMAT = 1
-SOURCES = ("patch", "base", "file")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+from rlfleet.versions.manifest import MANIFEST_NAME, FileEntry, FileRef, Manifest, ManifestError
 
 
 class DeltaError(ValueError):
@@ -43,59 +35,54 @@ class DeltaError(ValueError):
         self.base = base
 
 
-def base_of(manifest: dict) -> int | None:
-    """The base version a manifest builds on; None for a full version (or no readable base)."""
-    section = manifest.get(DELTA) if isinstance(manifest, dict) else None
-    base = section.get("base") if isinstance(section, dict) else None
-    return base if isinstance(base, int) and not isinstance(base, bool) else None
+def base_of(manifest: Manifest) -> int | None:
+    """The base version a manifest builds on; None for a full version."""
+    return manifest.delta.base if manifest.delta is not None else None
 
 
-def result_files(manifest: dict) -> list[dict]:
+def result_files(manifest: Manifest) -> Sequence[FileRef]:
     """Every file of the version as a loader sees it: name, size and sha256 (a delta's rebuilt files)."""
-    section = manifest.get(DELTA)
-    return section["files"] if isinstance(section, dict) else manifest["files"]
+    return manifest.delta.files if manifest.delta is not None else manifest.files
 
 
-def whole(manifest: dict) -> bool:
+def _ref(f: FileRef) -> tuple[str, int, str]:
+    return f.name, f.size, f.sha256
+
+
+def whole(manifest: Manifest) -> bool:
     """The version can be downloaded without any base: every resulting file is among its `files`."""
-    sent = {(f["name"], f["size"], f["sha256"]) for f in manifest["files"]}
-    return all((f["name"], f["size"], f["sha256"]) in sent for f in result_files(manifest))
+    sent = {_ref(f) for f in manifest.files}
+    return all(_ref(f) in sent for f in result_files(manifest))
 
 
-def required_base(manifest: dict) -> int | None:
+def required_base(manifest: Manifest) -> int | None:
     """The base the version cannot be loaded without: its delta's base unless it is also whole."""
-    section = manifest.get(DELTA) if isinstance(manifest, dict) else None
-    if not isinstance(section, dict) or not isinstance(section.get("files"), list):
-        return None
-    try:
-        return None if whole(manifest) else base_of(manifest)
-    except (KeyError, TypeError):
-        return base_of(manifest)
+    return None if whole(manifest) else base_of(manifest)
 
 
-def whole_files(manifest: dict) -> list[dict]:
+def whole_files(manifest: Manifest) -> list[FileEntry]:
     """The `files` entries a client without the base downloads (only for a whole version)."""
-    names = {f["name"] for f in result_files(manifest)}
-    return [f for f in manifest["files"] if f["name"] in names]
+    names = {f.name for f in result_files(manifest)}
+    return [f for f in manifest.files if f.name in names]
 
 
-def delta_files(manifest: dict) -> list[dict]:
+def delta_files(manifest: Manifest) -> list[FileEntry]:
     """The `files` entries a client holding the base downloads: patches and files shipped whole."""
-    section = manifest[DELTA]["files"]
-    wanted = {e["patch"] for e in section if e["from"] == "patch"} | {e["name"] for e in section if e["from"] == "file"}
-    return [f for f in manifest["files"] if f["name"] in wanted]
+    section = manifest.delta.files
+    wanted = {e.patch for e in section if e.source == "patch"} | {e.name for e in section if e.source == "file"}
+    return [f for f in manifest.files if f.name in wanted]
 
 
-def size_of(files: list[dict]) -> int:
-    return sum(f["size"] for f in files)
+def size_of(files: Iterable[FileRef]) -> int:
+    return sum(f.size for f in files)
 
 
-def transfer_bytes(manifest: dict) -> int:
+def transfer_bytes(manifest: Manifest) -> int:
     """Bytes of everything the version's `files` list (what a relay pulls; the manifest not counted)."""
-    return size_of(manifest["files"])
+    return size_of(manifest.files)
 
 
-def read_manifest_chain(manifest: dict, read: Callable[[int], dict | None]) -> list[dict] | None:
+def read_manifest_chain(manifest: Manifest, read: Callable[[int], Manifest | None]) -> list[Manifest] | None:
     """`manifest` and the manifests before it that need their base, newest first, back to (not
     including) a whole version; `read(v)` gives v's manifest. None when one of them is missing."""
     chain = []
@@ -103,57 +90,6 @@ def read_manifest_chain(manifest: dict, read: Callable[[int], dict | None]) -> l
         chain.append(manifest)
         manifest = read(base)
     return None if manifest is None else chain
-
-
-def check_section(manifest: dict) -> None:
-    """Raise ValueError naming the problem unless the `delta` section (if any) is well formed:
-    format 1, an int base below the version, resulting files with unique safe names, each from one
-    source that the transferred `files` back (a patch file, or the same file shipped whole), and every
-    resulting file that is also among `files` identical to it there."""
-    from rlfleet.versions.store import check_key
-
-    section = manifest.get(DELTA)
-    if section is None:
-        return
-    if not isinstance(section, dict) or section.get("format") != FORMAT:
-        raise ValueError(f"'{DELTA}' must be an object with format {FORMAT}")
-    base = section.get("base")
-    if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base < manifest["version"]:
-        raise ValueError(f"'{DELTA}.base' must be an int version below {manifest['version']}, got {base!r}")
-    files = section.get("files")
-    if not isinstance(files, list) or not files:
-        raise ValueError(f"'{DELTA}.files' must be a non-empty list of the resulting files")
-    sent = {f["name"]: f for f in manifest["files"]}
-    names = set()
-    for i, entry in enumerate(files):
-        where = f"'{DELTA}.files[{i}]'"
-        ok = (
-            isinstance(entry, dict)
-            and isinstance(entry.get("name"), str)
-            and isinstance(entry.get("size"), int)
-            and not isinstance(entry.get("size"), bool)
-            and entry["size"] >= 0
-            and isinstance(entry.get("sha256"), str)
-            and _SHA256.match(entry["sha256"])
-            and entry.get("from") in SOURCES
-        )
-        if not ok:
-            raise ValueError(f"{where} needs name, size (int >= 0), sha256 (64 hex) and from ({'/'.join(SOURCES)})")
-        check_key(entry["name"])
-        if entry["name"] in names or entry["name"] in ("manifest.json", ".complete"):
-            raise ValueError(f"{where}: name {entry['name']!r} is reserved or repeated")
-        names.add(entry["name"])
-        if entry["from"] != "file" and not (
-            isinstance(entry.get("base_sha256"), str) and _SHA256.match(entry["base_sha256"])
-        ):
-            raise ValueError(f"{where}: from {entry['from']!r} needs base_sha256 (64 hex)")
-        if entry["from"] == "patch" and entry.get("patch") not in sent:
-            raise ValueError(f"{where}: patch {entry.get('patch')!r} is not one of the manifest's files")
-        same = sent.get(entry["name"])  # a resulting file also sent whole must be that file exactly
-        if entry["from"] == "file" and same is None:
-            raise ValueError(f"{where}: shipped whole, but the manifest's files have no {entry['name']!r}")
-        if same is not None and (same["size"], same["sha256"]) != (entry["size"], entry["sha256"]):
-            raise ValueError(f"{where}: the manifest's files have another {entry['name']!r} (size or sha256 differ)")
 
 
 def retained(versions: Iterable[int], keep: int, base: Callable[[int], int | None]) -> set[int]:
@@ -175,8 +111,8 @@ def retained(versions: Iterable[int], keep: int, base: Callable[[int], int | Non
 def dir_required_base(version_dir: Path) -> int | None:
     """`required_base` of the manifest.json in a version directory (None: whole, or unreadable)."""
     try:
-        return required_base(json.loads((Path(version_dir) / "manifest.json").read_bytes()))
-    except (OSError, ValueError):
+        return required_base(Manifest.from_json(json.loads((Path(version_dir) / MANIFEST_NAME).read_bytes())))
+    except (OSError, ValueError, ManifestError):
         return None
 
 

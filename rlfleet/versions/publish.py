@@ -29,18 +29,10 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rlfleet.versions.chain import (
-    DELTA,
-    FORMAT,
-    delta_files,
-    read_manifest_chain,
-    result_files,
-    size_of,
-    transfer_bytes,
-)
+from rlfleet.versions.chain import delta_files, read_manifest_chain, result_files, size_of, transfer_bytes
 from rlfleet.versions.checkpoint import (
     COMPLETE_MARKER,
     DEFAULT_SHARD_SIZE,
@@ -51,6 +43,7 @@ from rlfleet.versions.checkpoint import (
     sha256_file,
 )
 from rlfleet.versions.codec import encode_file
+from rlfleet.versions.manifest import DeltaSection, FileRef, Manifest, ResultFile
 from rlfleet.versions.store import CheckpointStore
 
 log = logging.getLogger("rlfleet.versions")
@@ -59,13 +52,13 @@ PATCH_DIR, PATCH_SUFFIX = "delta", ".delta"  # delta/model.safetensors.delta: na
 # a relay pulling a version that is whole and a delta (files in name order) has the patches first
 
 
-def local_entries(local_dir: Path) -> list[dict]:
+def local_entries(local_dir: Path) -> list[FileRef]:
     """name, size and sha256 of every checkpoint file under `local_dir`, by name."""
     entries = []
     for path in sorted(p for p in Path(local_dir).rglob("*") if p.is_file()):
         name = path.relative_to(local_dir).as_posix()
         if name not in (MANIFEST_NAME, COMPLETE_MARKER):
-            entries.append({"name": name, "size": path.stat().st_size, "sha256": sha256_file(path)})
+            entries.append(FileRef(name, path.stat().st_size, sha256_file(path)))
     return entries
 
 
@@ -78,8 +71,8 @@ def _link(src: Path, dest: Path) -> None:
         shutil.copyfile(src, dest)
 
 
-def _key(entries: list[dict]) -> list[tuple]:
-    return sorted((e["name"], e["size"], e["sha256"]) for e in entries)
+def _key(entries: Sequence[FileRef]) -> list[tuple]:
+    return sorted((e.name, e.size, e.sha256) for e in entries)
 
 
 class PolicyPublisher:
@@ -99,14 +92,14 @@ class PolicyPublisher:
     ):
         self.store, self.run, self.spec, self.signer, self.shard_size = store, run, spec, signer, shard_size
         self._dir = tempfile.TemporaryDirectory(prefix="rlfleet-publish-base-")
-        self.base: tuple[int, Path, list[dict]] | None = None  # (version, its files, their entries)
+        self.base: tuple[int, Path, list[FileRef]] | None = None  # (version, its files, their entries)
         self.chain_bytes = 0.0  # bytes of the deltas since the last whole version
         self.last: dict = {}
 
     def close(self) -> None:
         self._dir.cleanup()
 
-    def publish(self, version: int, local_dir: Path) -> dict:
+    def publish(self, version: int, local_dir: Path) -> Manifest:
         """Publish `local_dir`'s files as `version`; return its manifest. Afterwards the files are
         moved out of `local_dir` into the publisher's base directory."""
         local_dir = Path(local_dir)
@@ -125,7 +118,9 @@ class PolicyPublisher:
     def _has_base(self, version: int) -> bool:
         return self.spec.enabled and self.base is not None and self.base[0] == version - 1
 
-    def _publish(self, version: int, local_dir: Path, out: Path, section: list | None, full_bytes: int) -> dict:
+    def _publish(
+        self, version: int, local_dir: Path, out: Path, section: list[ResultFile] | None, full_bytes: int
+    ) -> Manifest:
         """Publish the delta in `out` (described by `section`), or it and the whole files, or these alone."""
         sent = self.last.get("delta_bytes", 0)
         pays = section is not None and 0 < sent <= self.spec.max_ratio * full_bytes
@@ -135,13 +130,13 @@ class PolicyPublisher:
         elif pays and self.spec.delta_with_whole:  # whole and the delta: the whole files beside the patches
             kind, src = "full+delta", out
             for entry in section:
-                if not (out / entry["name"]).exists():
-                    _link(local_dir / entry["name"], out / entry["name"])
+                if not (out / entry.name).exists():
+                    _link(local_dir / entry.name, out / entry.name)
         else:
             kind, src, pays = "full", local_dir, False
-        extra = {DELTA: {"format": FORMAT, "base": self.base[0], "files": section}} if pays else None
+        delta = DeltaSection(self.base[0], tuple(section)) if pays else None
         manifest = publish_version(
-            self.store, self.run, version, src, signer=self.signer, shard_size=self.shard_size, extra=extra
+            self.store, self.run, version, src, signer=self.signer, shard_size=self.shard_size, delta=delta
         )
         self.chain_bytes = self.chain_bytes + sent if kind == "delta" else 0.0
         worker = size_of(delta_files(manifest)) if pays else full_bytes  # what a worker holding version - 1 gets
@@ -158,7 +153,7 @@ class PolicyPublisher:
         )
         return manifest
 
-    def _existing(self, existing: dict, local_dir: Path, version: int) -> dict:
+    def _existing(self, existing: Manifest, local_dir: Path, version: int) -> Manifest:
         if _key(result_files(existing)) != _key(local_entries(local_dir)):
             raise VersionExistsError(
                 f"run {self.run!r} version {version} is already published with different files; "
@@ -169,42 +164,43 @@ class PolicyPublisher:
         self.last.update(kind="existing", sent_bytes=0)
         return existing
 
-    def _delta(self, local_dir: Path, out: Path) -> list[dict]:
+    def _delta(self, local_dir: Path, out: Path) -> list[ResultFile]:
         """Write the delta of `local_dir` against the base into `out`; return the section's files."""
         _, base_dir, base_entries = self.base
         started, ops = time.monotonic(), Counter()
         entries = local_entries(local_dir)
-        by_name = {e["name"]: e for e in base_entries}
-        names = {e["name"] for e in entries}
+        by_name = {e.name: e for e in base_entries}
+        names = {e.name for e in entries}
         section, sent = [], 0
         for entry in entries:
-            name, base = entry["name"], by_name.get(entry["name"])
-            if base is not None and (base["size"], base["sha256"]) == (entry["size"], entry["sha256"]):
-                section.append({**entry, "from": "base", "base_sha256": base["sha256"]})
+            name, base = entry.name, by_name.get(entry.name)
+            ref = (entry.name, entry.size, entry.sha256)
+            if base is not None and (base.size, base.sha256) == (entry.size, entry.sha256):
+                section.append(ResultFile(*ref, source="base", base_sha256=base.sha256))
                 continue
             patch = f"{PATCH_DIR}/{name}{PATCH_SUFFIX}"
             if base is not None and name.endswith(".safetensors") and patch not in names:
                 (out / patch).parent.mkdir(parents=True, exist_ok=True)
                 ops.update(encode_file(base_dir / name, local_dir / name, out / patch))
                 size = (out / patch).stat().st_size
-                if size < entry["size"]:
-                    section.append({**entry, "from": "patch", "patch": patch, "base_sha256": base["sha256"]})
+                if size < entry.size:
+                    section.append(ResultFile(*ref, source="patch", patch=patch, base_sha256=base.sha256))
                     sent += size
                     continue
                 (out / patch).unlink()
             _link(local_dir / name, out / name)
-            section.append({**entry, "from": "file"})
-            sent += entry["size"]
+            section.append(ResultFile(*ref, source="file"))
+            sent += entry.size
         self.last.update(encode_seconds=time.monotonic() - started, ops=dict(ops), delta_bytes=sent)
         return section
 
-    def _keep(self, version: int, local_dir: Path, entries: list[dict]) -> None:
+    def _keep(self, version: int, local_dir: Path, entries: Sequence[FileRef]) -> None:
         """Make `local_dir`'s files the base of the next version (moved, not copied)."""
         keep = Path(self._dir.name) / "base"
         if keep.exists():
             shutil.rmtree(keep)
         keep.mkdir()
         for entry in entries:
-            (keep / entry["name"]).parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(local_dir / entry["name"], keep / entry["name"])
-        self.base = (version, keep, [{k: e[k] for k in ("name", "size", "sha256")} for e in entries])
+            (keep / entry.name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(local_dir / entry.name, keep / entry.name)
+        self.base = (version, keep, [FileRef(e.name, e.size, e.sha256) for e in entries])

@@ -5,7 +5,7 @@ check the signature with the run's public key before they trust any other byte o
 (and through its per-shard sha256, every byte of the checkpoint). Formats:
   private key   PEM (PKCS#8), as written by `generate_keypair` or `openssl genpkey -algorithm ed25519`
   public key    "ed25519:<base64 of the 32 raw bytes>"   (safe to put in the RLRun spec)
-  signature     "ed25519:<base64 of the 64-byte signature>"  over checkpoint.manifest_signing_bytes
+  signature     "ed25519:<base64 of the 64-byte signature>"  over manifest.signing_bytes
 Where a process finds its keys (`run_signer`, `run_public_key`): env RLFLEET_SIGNING_KEY_FILE (the
 trainer only), env RLFLEET_PUBLIC_KEY, else spec.shardcast.publicKey, else the public half of the
 signing key file. With spec.shardcast.requireSignatures (the default) a missing key is an error

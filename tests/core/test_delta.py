@@ -17,16 +17,14 @@ from safetensors.torch import save_file
 from rlfleet.config import DeltaSpec
 from rlfleet.versions.chain import DeltaError, base_of, delta_files, required_base, result_files, retained, whole
 from rlfleet.versions.checkpoint import (
-    ManifestError,
     VersionExistsError,
-    check_manifest,
     list_versions,
-    parse_manifest,
     prune_versions,
     publish_version,
     read_manifest,
 )
 from rlfleet.versions.codec import apply_file, encode_file, read_index
+from rlfleet.versions.manifest import DeltaSection, Manifest, ManifestError, check_manifest, parse_manifest
 from rlfleet.versions.publish import PolicyPublisher, local_entries
 from rlfleet.versions.signing import SignatureError, generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.versions.store import open_store
@@ -142,19 +140,25 @@ def keys(tmp_path):
     return make_signer(load_private_key(private)), parse_public_key(public)
 
 
-def publish_all(publisher: PolicyPublisher, versions: list[Path], tmp_path: Path, start: int = 0) -> list[dict]:
+def publish_all(
+    publisher: PolicyPublisher, versions: list[Path], tmp_path: Path, start: int = 0
+) -> list[tuple[Manifest, str]]:
     """Publish copies of `versions` (the publisher moves files out of what it publishes); each
-    manifest gets the publisher's kind of it under "_kind" (not stored)."""
+    manifest with the publisher's kind of it."""
     out = []
     for v, src in enumerate(versions, start):
         copy = Path(tempfile.mkdtemp(dir=tmp_path)) / f"v{v}"
         shutil.copytree(src, copy)
-        out.append({**publisher.publish(v, copy), "_kind": publisher.last["kind"]})
+        out.append((publisher.publish(v, copy), publisher.last["kind"]))
     return out
 
 
-def kinds(manifests: list[dict]) -> list[str]:
-    return [m["_kind"] for m in manifests]
+def kinds(published: list[tuple[Manifest, str]]) -> list[str]:
+    return [kind for _, kind in published]
+
+
+def manifests_of(published: list[tuple[Manifest, str]]) -> list[Manifest]:
+    return [m for m, _ in published]
 
 
 def test_publisher_sends_deltas_and_whole_versions_by_the_rules(tmp_path, keys):
@@ -162,22 +166,22 @@ def test_publisher_sends_deltas_and_whole_versions_by_the_rules(tmp_path, keys):
     store = open_store(f"file://{tmp_path}/store")
     versions = trained_versions(tmp_path / "src", 7, "bfloat16")
     spec = DeltaSpec(full_every=4, max_chain_ratio=100.0)
-    manifests = publish_all(PolicyPublisher(store, "r", spec, signer, 4096), versions, tmp_path)
+    published = publish_all(PolicyPublisher(store, "r", spec, signer, 4096), versions, tmp_path)
     # v0: no base; v4: fullEvery, published whole *and* as a delta against v3
-    assert kinds(manifests) == ["full", "delta", "delta", "delta", "full+delta", "delta", "delta"]
-    for v, (m, src) in enumerate(zip(manifests, versions)):
-        m = {k: x for k, x in m.items() if k != "_kind"}
+    assert kinds(published) == ["full", "delta", "delta", "delta", "full+delta", "delta", "delta"]
+    for v, (m, src) in enumerate(zip(manifests_of(published), versions)):
         raw = store.get_bytes(f"r/policy/v{v}/manifest.json")
         assert parse_manifest(raw, "r", v, public) == m  # signed, delta section included
-        expected = sorted((e["name"], e["size"], e["sha256"]) for e in local_entries(src))
-        assert sorted((e["name"], e["size"], e["sha256"]) for e in result_files(m)) == expected
+        assert m.encode() == raw  # encoded once, as stored
+        expected = sorted((e.name, e.size, e.sha256) for e in local_entries(src))
+        assert sorted((e.name, e.size, e.sha256) for e in result_files(m)) == expected
         assert whole(m) == (v in (0, 4)) and required_base(m) == (None if v in (0, 4) else v - 1)
         if v:
             assert base_of(m) == v - 1
-            sources = {e["name"]: e["from"] for e in m["delta"]["files"]}
+            sources = {e.name: e.source for e in m.delta.files}
             assert sources["model.safetensors"] == "patch" and sources["tokenizer.json"] == "base"
-            assert [f["name"] for f in delta_files(m)] == ["delta/model.safetensors.delta"]
-            assert sum(f["size"] for f in delta_files(m)) < 0.4 * sum(e["size"] for e in result_files(m))
+            assert [f.name for f in delta_files(m)] == ["delta/model.safetensors.delta"]
+            assert sum(f.size for f in delta_files(m)) < 0.4 * sum(e.size for e in result_files(m))
     # a tampered delta section breaks the signature like any other field
     forged = json.loads(store.get_bytes("r/policy/v2/manifest.json"))
     forged["delta"]["base"] = 0
@@ -190,26 +194,26 @@ def test_publisher_sends_deltas_and_whole_versions_by_the_rules(tmp_path, keys):
     short = PolicyPublisher(store2, "r", DeltaSpec(full_every=100, max_chain_ratio=0.5), signer, 4096)
     chain, seen = 0, []
     for v, src in enumerate(versions):
-        manifest = publish_all(short, [src], tmp_path, start=v)[0]
+        manifest = publish_all(short, [src], tmp_path, start=v)[0][0]
         seen.append(short.last["kind"])
         if v and short.last["kind"] == "full+delta":
             assert chain + short.last["delta_bytes"] > 0.5 * short.last["full_bytes"]
             chain = 0
         elif v:
-            chain += sum(f["size"] for f in manifest["files"])
+            chain += sum(f.size for f in manifest.files)
             assert chain <= 0.5 * short.last["full_bytes"]
     assert seen[0] == "full" and "full+delta" in seen and seen.count("delta") >= 2, seen
     # whole versions without their delta
     store4 = open_store(f"file://{tmp_path}/store4")
     spec = DeltaSpec(full_every=4, max_chain_ratio=100.0, delta_with_whole=False)
-    manifests = publish_all(PolicyPublisher(store4, "r", spec, signer, 4096), versions, tmp_path)
-    assert kinds(manifests) == ["full", "delta", "delta", "delta", "full", "delta", "delta"]
-    assert base_of(manifests[4]) is None and base_of(manifests[5]) == 4
+    published = publish_all(PolicyPublisher(store4, "r", spec, signer, 4096), versions, tmp_path)
+    assert kinds(published) == ["full", "delta", "delta", "delta", "full", "delta", "delta"]
+    assert base_of(published[4][0]) is None and base_of(published[5][0]) == 4
     # deltas that do not pay (maxRatio) and deltas turned off
     for spec in (DeltaSpec(max_ratio=0.01), DeltaSpec(enabled=False)):
         store3 = open_store(f"file://{tmp_path}/store3-{spec.enabled}")
-        manifests = publish_all(PolicyPublisher(store3, "r", spec, signer, 4096), versions[:3], tmp_path)
-        assert kinds(manifests) == ["full"] * 3 and all(base_of(m) is None for m in manifests)
+        published = publish_all(PolicyPublisher(store3, "r", spec, signer, 4096), versions[:3], tmp_path)
+        assert kinds(published) == ["full"] * 3 and all(base_of(m) is None for m in manifests_of(published))
 
 
 def test_publisher_resumes_idempotently(tmp_path, keys):
@@ -217,15 +221,13 @@ def test_publisher_resumes_idempotently(tmp_path, keys):
     store = open_store(f"file://{tmp_path}/store")
     versions = trained_versions(tmp_path / "src", 4, "bfloat16")
     first = publish_all(PolicyPublisher(store, "r", DeltaSpec(), signer, 4096), versions[:3], tmp_path)
-    assert base_of(first[2]) == 1
+    assert base_of(first[2][0]) == 1
     # a restarted trainer re-publishes its last version: the stored delta version is kept as it is ...
     again = PolicyPublisher(store, "r", DeltaSpec(), signer, 4096)
-    assert [m | {"_kind": 0} for m in publish_all(again, versions[2:3], tmp_path, start=2)] == [
-        m | {"_kind": 0} for m in first[2:]
-    ]
+    assert manifests_of(publish_all(again, versions[2:3], tmp_path, start=2)) == manifests_of(first[2:])
     assert again.last["kind"] == "existing"
     # ... and is the base of the next one
-    nxt = publish_all(again, versions[3:], tmp_path, start=3)[0]
+    nxt = publish_all(again, versions[3:], tmp_path, start=3)[0][0]
     assert base_of(nxt) == 2
     with pytest.raises(VersionExistsError, match="version 2"):
         publish_all(PolicyPublisher(store, "r", DeltaSpec(), signer, 4096), versions[1:2], tmp_path, start=2)
@@ -234,9 +236,9 @@ def test_publisher_resumes_idempotently(tmp_path, keys):
 def test_manifest_delta_sections_are_checked(tmp_path, keys):
     store = open_store(f"file://{tmp_path}/store")
     versions = trained_versions(tmp_path / "src", 2, "bfloat16")
-    manifest = publish_all(PolicyPublisher(store, "r", DeltaSpec(), keys[0], 4096), versions, tmp_path)[1]
-    manifest.pop("_kind")
-    check_manifest(manifest, "r", 1)
+    manifest = publish_all(PolicyPublisher(store, "r", DeltaSpec(), keys[0], 4096), versions, tmp_path)[1][0]
+    manifest = manifest.to_json()
+    assert check_manifest(manifest, "r", 1).to_json() == manifest
     cases = {
         "format 1": lambda d: d.update(format=2),
         "base' must be an int version below 1": lambda d: d.update(base=1),
@@ -257,7 +259,7 @@ def test_manifest_delta_sections_are_checked(tmp_path, keys):
         with pytest.raises(ManifestError, match=message):
             check_manifest(bad, "r", 1)
     with pytest.raises(ManifestError, match="format 1"):
-        publish_version(store, "r", 5, versions[0], extra={"delta": {"format": 9}})
+        publish_version(store, "r", 5, versions[0], delta=DeltaSection(0, (), format=9))
     assert read_manifest(store, "r", 5) is None
 
 

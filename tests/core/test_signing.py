@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.config import ShardcastSpec
-from rlfleet.versions.checkpoint import ManifestError, parse_manifest, publish_version
+from rlfleet.versions.checkpoint import publish_version
+from rlfleet.versions.manifest import ManifestError, parse_manifest, signing_bytes
 from rlfleet.versions.signing import (
     KeyConfigError,
     SignatureError,
@@ -44,7 +45,7 @@ def test_signed_manifest_verifies_and_any_change_is_caught(tmp_path, keys):
     store = open_store(f"file://{tmp_path}/store")
     manifest = publish_version(store, "r", 1, version_dir(tmp_path / "v1"), signer=make_signer(key), shard_size=4096)
     raw = store.get_bytes("r/policy/v1/manifest.json")
-    assert manifest["signature"].startswith("ed25519:")
+    assert manifest.signature.startswith("ed25519:")
     assert parse_manifest(raw, "r", 1, public) == manifest
 
     forged = json.loads(raw)
@@ -52,9 +53,7 @@ def test_signed_manifest_verifies_and_any_change_is_caught(tmp_path, keys):
     with pytest.raises(SignatureError, match="does not verify"):
         parse_manifest(json.dumps(forged).encode(), "r", 1, public)
     attacker = make_signer(load_private_key(generate_keypair(tmp_path / "attacker")[0]))
-    from rlfleet.versions.checkpoint import manifest_signing_bytes
-
-    forged["signature"] = attacker(manifest_signing_bytes(forged))  # re-signed with another key
+    forged["signature"] = attacker(signing_bytes(forged))  # re-signed with another key
     with pytest.raises(SignatureError, match="does not verify"):
         parse_manifest(json.dumps(forged).encode(), "r", 1, public)
     unsigned = {k: v for k, v in json.loads(raw).items() if k != "signature"}
@@ -65,7 +64,7 @@ def test_signed_manifest_verifies_and_any_change_is_caught(tmp_path, keys):
     # the signature is checked first, so a stale (other version) but validly signed manifest fails on shape
     with pytest.raises(ManifestError, match="describes run 'r' v1"):
         parse_manifest(raw, "r", 2, public)
-    assert parse_manifest(json.dumps(unsigned).encode(), "r", 1, None)["version"] == 1  # no key: not required
+    assert parse_manifest(json.dumps(unsigned).encode(), "r", 1, None).version == 1  # no key: not required
 
 
 def test_public_key_text_round_trip_and_bad_text(keys):

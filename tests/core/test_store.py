@@ -13,9 +13,7 @@ import pytest
 
 from rlfleet.versions.checkpoint import (
     ChecksumError,
-    ManifestError,
     VersionExistsError,
-    check_manifest,
     latest_version,
     list_versions,
     manifest_key,
@@ -26,6 +24,7 @@ from rlfleet.versions.checkpoint import (
     version_key,
     version_prefix,
 )
+from rlfleet.versions.manifest import ManifestError, check_manifest
 from rlfleet.versions.store import CheckpointStore, FileStore, S3Store, open_store
 
 
@@ -185,10 +184,9 @@ def test_publish_writes_manifest_last(store, tmp_path):
     assert sorted(rec.writes[:-1]) == [
         version_key("run1", 1, n) for n in ("config.json", "model.safetensors", "tokenizer.json")
     ]
-    assert manifest["run"] == "run1" and manifest["version"] == 1 and manifest["created"]
-    by_name = {f["name"]: f for f in manifest["files"]}
+    assert manifest.run == "run1" and manifest.version == 1 and manifest.created
     blob = (src / "model.safetensors").read_bytes()
-    assert by_name["model.safetensors"] == {
+    assert manifest.file("model.safetensors").to_json() == {
         "name": "model.safetensors",
         "size": len(blob),
         "sha256": hashlib.sha256(blob).hexdigest(),
@@ -200,18 +198,18 @@ def test_publish_writes_manifest_last(store, tmp_path):
 def test_files_are_split_into_hashed_shards(store, tmp_path):
     src = make_version_dir(tmp_path / "v1", seed=1, big=10_000)  # model.safetensors: 11_001 bytes
     manifest = publish_version(store, "run1", 1, src, shard_size=4096)
-    assert manifest["shard_size"] == 4096
-    entry = next(f for f in manifest["files"] if f["name"] == "model.safetensors")
+    assert manifest.shard_size == 4096
+    entry = manifest.file("model.safetensors")
     blob = (src / "model.safetensors").read_bytes()
-    assert [(s["offset"], s["size"]) for s in entry["shards"]] == [(0, 4096), (4096, 4096), (8192, 2809)]
-    for s in entry["shards"]:
-        assert s["sha256"] == hashlib.sha256(blob[s["offset"] : s["offset"] + s["size"]]).hexdigest()
-    check_manifest(manifest, "run1", 1)
-    broken = json.loads(json.dumps(manifest))
+    assert [(s.offset, s.size) for s in entry.shards] == [(0, 4096), (4096, 4096), (8192, 2809)]
+    for s in entry.shards:
+        assert s.sha256 == hashlib.sha256(blob[s.offset : s.offset + s.size]).hexdigest()
+    assert check_manifest(manifest.to_json(), "run1", 1) == manifest
+    broken = manifest.to_json()
     broken["files"][1]["shards"][1]["offset"] = 4000  # a gap/overlap in the tiling
     with pytest.raises(ManifestError, match="shards\\[1\\] needs offset 4096"):
         check_manifest(broken, "run1", 1)
-    broken = json.loads(json.dumps(manifest))
+    broken = manifest.to_json()
     broken["files"][1]["shards"].pop()
     with pytest.raises(ManifestError, match="cover 8192 bytes"):
         check_manifest(broken, "run1", 1)
@@ -244,8 +242,8 @@ def test_verify_dir_names_the_bad_file(store, tmp_path):
     manifest = publish_version(store, "r", 3, make_version_dir(tmp_path / "src", 3))
     dest = tmp_path / "dest"
     dest.mkdir()
-    for entry in manifest["files"]:
-        store.download(version_key("r", 3, entry["name"]), dest / entry["name"])
+    for entry in manifest.files:
+        store.download(version_key("r", 3, entry.name), dest / entry.name)
     verify_dir(dest, manifest)
     blob = bytearray((dest / "model.safetensors").read_bytes())
     blob[100] ^= 0xFF

@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from rlfleet.services.shardcast import origin, relay
-from rlfleet.services.shardcast.client import FetchError, fetch_version, wait_for_version
+from rlfleet.services.shardcast.client import FetchError, FetchSettings, fetch_version, wait_for_version
 from rlfleet.services.shardcast.protocol import file_path, latest_path
 from rlfleet.services.shardcast.protocol import healthz as origin_healthz
 from rlfleet.versions.checkpoint import (
@@ -112,10 +112,10 @@ def test_origin_relay_client_delivers_a_model(store, model_dir, tmp_path):
     out_before = metric("rlfleet_relay_bytes_out_total")
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, keep_versions=3)) as relay_url,
+        serving(relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 3))) as relay_url,
     ):
         assert latest_version(origin_url, RUN) == 1
-        path = fetch_version([relay_url], RUN, 1, tmp_path / "worker", timeout=30)
+        path = fetch_version(FetchSettings.over([relay_url], RUN, timeout=30), 1, tmp_path / "worker")
         assert latest_version(relay_url, RUN) == 1
         for url in (origin_url, relay_url):  # HTTP Range, on the origin (store) and the relay (disk)
             file_url = url + file_path(RUN, 1, "model.safetensors")
@@ -143,7 +143,7 @@ def test_partial_versions_are_never_served(tmp_path):
     store.put_file(version_key(RUN, 2, "model.safetensors"), v2 / "model.safetensors")  # no manifest yet
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, keep_versions=3)) as relay_url,
+        serving(relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 3))) as relay_url,
     ):
         for url in (origin_url, relay_url):
             assert requests.get(url + file_path(RUN, 2, "model.safetensors"), timeout=10).status_code == 404
@@ -154,7 +154,9 @@ def test_partial_versions_are_never_served(tmp_path):
         # a client asking for v2 early keeps retrying until it is published
         result = {}
         waiter = threading.Thread(
-            target=lambda: result.update(path=fetch_version([relay_url], RUN, 2, tmp_path / "worker", timeout=20))
+            target=lambda: result.update(
+                path=fetch_version(FetchSettings.over([relay_url], RUN, timeout=20), 2, tmp_path / "worker")
+            )
         )
         waiter.start()
         time.sleep(0.5)
@@ -180,12 +182,14 @@ def test_corrupted_upstream_is_never_served(tmp_path):
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
         serving(proxy_app(origin_url, corrupt)) as bad_url,
-        serving(relay.make_app(bad_url, tmp_path / "relay", RUN, keep_versions=3, fetch_timeout=0.5)) as relay_url,
+        serving(
+            relay.make_app(relay.RelaySettings(bad_url, tmp_path / "relay", RUN, 3, fetch_timeout=0.5))
+        ) as relay_url,
     ):
         # the relay passes bytes on as they arrive, but cuts off every response holding the shard
         # that failed its check (or answers 502 once its pull gave up): none ever completes
         with pytest.raises(FetchError, match="HTTP 502|truncated body"):
-            fetch_version([relay_url], RUN, 1, tmp_path / "via-relay", timeout=2.5)
+            fetch_version(FetchSettings.over([relay_url], RUN, timeout=2.5), 1, tmp_path / "via-relay")
         assert seen, "the relay never asked the corrupting upstream"
         assert not (tmp_path / "relay" / RUN / "v1").exists()
         for _ in range(3):
@@ -197,10 +201,10 @@ def test_corrupted_upstream_is_never_served(tmp_path):
         assert not (tmp_path / "via-relay" / "v1").exists()
 
         with pytest.raises(FetchError, match="sha256"):
-            fetch_version([bad_url], RUN, 1, tmp_path / "direct", timeout=0.5)
+            fetch_version(FetchSettings.over([bad_url], RUN, timeout=0.5), 1, tmp_path / "direct")
         assert list((tmp_path / "direct").iterdir()) == []  # no version dir, no temp dir left behind
 
-        path = fetch_version([bad_url, origin_url], RUN, 1, tmp_path / "two-urls", timeout=10)
+        path = fetch_version(FetchSettings.over([bad_url, origin_url], RUN, timeout=10), 1, tmp_path / "two-urls")
     assert sha256(path / "model.safetensors") == sha256(src / "model.safetensors")
 
 
@@ -224,7 +228,7 @@ def test_client_resumes_a_broken_download(tmp_path):
         return web.Response(status=r.status_code, body=r.content, headers=headers)
 
     with serving(origin.make_app(store, RUN)) as origin_url, serving(proxy_app(origin_url, cut_first)) as flaky:
-        path = fetch_version([flaky], RUN, 1, tmp_path / "worker", timeout=10)
+        path = fetch_version(FetchSettings.over([flaky], RUN, timeout=10), 1, tmp_path / "worker")
     half = (src / "model.safetensors").stat().st_size // 2
     assert ranges[0] is None and len(ranges) == 2 and ranges[1].startswith("bytes=")
     resumed_at = int(ranges[1][len("bytes=") : -1])
@@ -241,7 +245,7 @@ def test_relay_prefetches_announced_versions(tmp_path, redis_client):
     held = tmp_path / "relay" / RUN
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 3, redis_client=redis_client)),
+        serving(relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 3), redis_client=redis_client)),
     ):
         wait_for(
             "prefetch of the newest announced v1", lambda: (held / "v1" / COMPLETE_MARKER).exists(), 10, every=0.05
@@ -259,10 +263,10 @@ def test_relay_keeps_only_k_versions(tmp_path):
         publish_version(store, RUN, v, small_version(tmp_path / f"v{v}", v))
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, keep_versions=2)) as relay_url,
+        serving(relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 2))) as relay_url,
     ):
         for v in (1, 2, 3):
-            fetch_version([relay_url], RUN, v, tmp_path / "worker", timeout=20)
+            fetch_version(FetchSettings.over([relay_url], RUN, timeout=20), v, tmp_path / "worker")
         assert sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir()) == ["v2", "v3"]
         assert REGISTRY.get_sample_value("rlfleet_relay_versions_held") == 2
         r = requests.get(relay_url + file_path(RUN, 1, MANIFEST_NAME), timeout=10)
@@ -277,14 +281,16 @@ def test_client_is_idempotent_and_replaces_leftovers(tmp_path):
     (dest / "v2").mkdir(parents=True)
     (dest / "v2" / "model.safetensors").write_bytes(b"leftover of a crashed copy")  # no .complete
     with serving(origin.make_app(store, RUN)) as origin_url:
-        first = fetch_version([origin_url], RUN, 1, dest, timeout=10)
-        fetch_version([origin_url], RUN, 2, dest, timeout=10)
+        first = fetch_version(FetchSettings.over([origin_url], RUN, timeout=10), 1, dest)
+        fetch_version(FetchSettings.over([origin_url], RUN, timeout=10), 2, dest)
     assert sha256(dest / "v2" / "model.safetensors") == sha256(tmp_path / "v2" / "model.safetensors")
     started = time.monotonic()
-    assert fetch_version(["http://127.0.0.1:9"], RUN, 1, dest, timeout=5) == first  # nothing is contacted
+    assert (
+        fetch_version(FetchSettings.over(["http://127.0.0.1:9"], RUN, timeout=5), 1, dest) == first
+    )  # nothing is contacted
     assert time.monotonic() - started < 0.5
     with pytest.raises(FetchError, match="within 0.5 s"):
-        fetch_version(["http://127.0.0.1:9"], RUN, 3, dest, timeout=0.5)
+        fetch_version(FetchSettings.over(["http://127.0.0.1:9"], RUN, timeout=0.5), 3, dest)
     assert sorted(p.name for p in dest.iterdir()) == ["v1", "v2"]
 
 
@@ -295,7 +301,7 @@ def test_versions_are_announced_by_long_poll_through_origin_and_relay(tmp_path, 
     held = tmp_path / "relay" / RUN
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 3)) as relay_url,
+        serving(relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 3))) as relay_url,
     ):
         for url in (origin_url, relay_url):
             r = requests.get(url + latest_path(RUN), params={"after": 0, "wait": 0.2}, timeout=10)

@@ -18,9 +18,10 @@ from aiohttp import web
 from rlfleet.config import DeltaSpec
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.assemble import fetch_policy
-from rlfleet.services.shardcast.client import FetchError
+from rlfleet.services.shardcast.client import FetchError, FetchSettings
 from rlfleet.services.shardcast.protocol import healthz
-from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, manifest_signing_bytes
+from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME
+from rlfleet.versions.manifest import FileEntry, Manifest, Shard, signing_bytes
 from rlfleet.versions.publish import PolicyPublisher, local_entries
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.versions.store import open_store
@@ -53,41 +54,46 @@ def published(tmp_path_factory):
 
 def same_as(path: Path, src: Path) -> bool:
     """`path` holds exactly the files of `src` (and nothing but them, the manifest and .complete)."""
-    want = {e["name"]: e["sha256"] for e in local_entries(src)}
-    return {e["name"]: e["sha256"] for e in local_entries(path)} == want and not list(path.rglob("*.delta"))
+    want = {e.name: e.sha256 for e in local_entries(src)}
+    return {e.name: e.sha256 for e in local_entries(path)} == want and not list(path.rglob("*.delta"))
 
 
 def test_workers_rebuild_delta_versions_fetched_through_a_relay(published, tmp_path):
     store_dir, sources, public = published
     store = open_store(f"file://{store_dir}")
-    full = sum(e["size"] for e in local_entries(sources[0]))
+    full = sum(e.size for e in local_entries(sources[0]))
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 3, public_key=public)) as relay_url,
+        serving(
+            relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 3, public_key=public))
+        ) as relay_url,
     ):
         got, report = [], {}
-        path = fetch_policy([relay_url], RUN, 0, tmp_path / "a", public_key=public, report=report)
+        path = fetch_policy(FetchSettings.over([relay_url], RUN, public_key=public), 0, tmp_path / "a", report=report)
         assert report["kinds"] == ["full"] and same_as(path, sources[0])
         for v in (1, 2, 3):  # a worker holding v-1 downloads only the delta
             got.clear()
             path = fetch_policy(
-                [relay_url], RUN, v, tmp_path / "a", public_key=public, report=report, on_bytes=got.append
+                FetchSettings.over([relay_url], RUN, public_key=public, on_bytes=got.append),
+                v,
+                tmp_path / "a",
+                report=report,
             )
             assert report["chain"] == [v] and report["kinds"] == ["delta"] and not report["rejected"]
             assert sum(got) == report["bytes"] < 0.4 * full
             assert same_as(path, sources[v]) and (path / COMPLETE_MARKER).exists()
         # a new worker: the last full version and the deltas after it
-        path = fetch_policy([relay_url], RUN, 3, tmp_path / "b", public_key=public, report=report)
+        path = fetch_policy(FetchSettings.over([relay_url], RUN, public_key=public), 3, tmp_path / "b", report=report)
         assert report["chain"] == [0, 1, 2, 3] and same_as(path, sources[3])
         # one that is behind: from the version it holds
         shutil.copytree(tmp_path / "a" / "v1", tmp_path / "c" / "v1")
-        path = fetch_policy([relay_url], RUN, 3, tmp_path / "c", public_key=public, report=report)
+        path = fetch_policy(FetchSettings.over([relay_url], RUN, public_key=public), 3, tmp_path / "c", report=report)
         assert report["chain"] == [2, 3] and same_as(path, sources[3])
         # v4 is whole and a delta: the worker holding v3 downloads the delta, a new one the whole files
-        path = fetch_policy([relay_url], RUN, 4, tmp_path / "a", public_key=public, report=report)
+        path = fetch_policy(FetchSettings.over([relay_url], RUN, public_key=public), 4, tmp_path / "a", report=report)
         assert report["chain"] == [4] and report["kinds"] == ["delta"] and report["bytes"] < 0.4 * full
         assert same_as(path, sources[4])
-        path = fetch_policy([relay_url], RUN, 4, tmp_path / "d", public_key=public, report=report)
+        path = fetch_policy(FetchSettings.over([relay_url], RUN, public_key=public), 4, tmp_path / "d", report=report)
         assert report["chain"] == [4] and report["kinds"] == ["full"] and report["bytes"] == full
         assert same_as(path, sources[4])
     from transformers import AutoModelForCausalLM
@@ -105,15 +111,19 @@ def test_relay_keeps_the_chains_of_the_versions_it_keeps(published, tmp_path):
             store.put_bytes(key, (store_dir / key).read_bytes())
     with ExitStack() as stack:
         origin_url = stack.enter_context(serving(origin.make_app(store, RUN)))
-        relay_cm = serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 1, public_key=public))
+        relay_cm = serving(
+            relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 1, public_key=public))
+        )
         relay_url = relay_cm.__enter__()
         try:
-            fetch_policy([relay_url], RUN, 3, tmp_path / "w1", public_key=public)
+            fetch_policy(FetchSettings.over([relay_url], RUN, public_key=public), 3, tmp_path / "w1")
             held = sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir())
             assert held == ["v0", "v1", "v2", "v3"]  # keepVersions 1, plus the chain of v3
             stack.close()  # the origin is gone: the relay alone serves a new worker the whole chain
             report = {}
-            path = fetch_policy([relay_url], RUN, 3, tmp_path / "w2", public_key=public, timeout=20, report=report)
+            path = fetch_policy(
+                FetchSettings.over([relay_url], RUN, public_key=public, timeout=20), 3, tmp_path / "w2", report=report
+            )
             assert report["chain"] == [0, 1, 2, 3] and same_as(path, sources[3])
         finally:
             relay_cm.__exit__(None, None, None)
@@ -121,10 +131,12 @@ def test_relay_keeps_the_chains_of_the_versions_it_keeps(published, tmp_path):
         store.put_bytes(key, (store_dir / key).read_bytes())
     with (  # restarted relay over the same cache: it keeps the chain, then drops it once v4 needs none
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 1, public_key=public)) as relay_url,
+        serving(
+            relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 1, public_key=public))
+        ) as relay_url,
     ):
         assert sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir()) == ["v0", "v1", "v2", "v3"]
-        fetch_policy([relay_url], RUN, 4, tmp_path / "w1", public_key=public)
+        fetch_policy(FetchSettings.over([relay_url], RUN, public_key=public), 4, tmp_path / "w1")
         deadline = time.monotonic() + 10  # the relay prunes once its pull is complete, maybe after the client
         while sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir()) != ["v4"]:
             assert time.monotonic() < deadline, sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir())
@@ -141,10 +153,14 @@ def test_a_new_worker_takes_a_whole_version_when_the_versions_before_it_are_prun
         store.put_bytes(key, (store_dir / key).read_bytes())
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 2, public_key=public)) as relay_url,
+        serving(
+            relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 2, public_key=public))
+        ) as relay_url,
     ):
         report = {}
-        path = fetch_policy([relay_url], RUN, 4, tmp_path / "w", public_key=public, timeout=60, report=report)
+        path = fetch_policy(
+            FetchSettings.over([relay_url], RUN, public_key=public, timeout=60), 4, tmp_path / "w", report=report
+        )
         assert (report["chain"], report["kinds"]) == ([4], ["full"]) and same_as(path, sources[4])
 
 
@@ -165,9 +181,9 @@ def test_a_worker_far_behind_takes_a_whole_version_when_that_is_smaller(tmp_path
     with serving(origin.make_app(store, RUN)) as origin_url:
         for held, chain, kinds in ((1, [3], ["full"]), (2, [3], ["delta"]), (0, [3], ["full"])):
             dest = tmp_path / f"worker-{held}"
-            fetch_policy([origin_url], RUN, held, dest, public_key=key)
+            fetch_policy(FetchSettings.over([origin_url], RUN, public_key=key), held, dest)
             report = {}
-            path = fetch_policy([origin_url], RUN, 3, dest, public_key=key, report=report)
+            path = fetch_policy(FetchSettings.over([origin_url], RUN, public_key=key), 3, dest, report=report)
             assert (report["chain"], report["kinds"]) == (chain, kinds), held
             assert same_as(path, sources[3])
 
@@ -219,7 +235,7 @@ def test_every_bad_delta_is_refused_and_the_client_recovers(published, tmp_path)
             manifest = json.loads(body)
             entry = next(e for e in manifest["delta"]["files"] if e["name"] == "model.safetensors")
             entry["sha256"] = hashlib.sha256(b"poison").hexdigest()
-            manifest["signature"] = attacker(manifest_signing_bytes(manifest))
+            manifest["signature"] = attacker(signing_bytes(manifest))
             body = json.dumps(manifest).encode()
         return body
 
@@ -245,17 +261,21 @@ def test_every_bad_delta_is_refused_and_the_client_recovers(published, tmp_path)
     mangles |= {"unsigned": unsigned, "mismatched": mismatched}
     with ExitStack() as stack:
         origin_url = stack.enter_context(serving(origin.make_app(store, RUN)))
-        honest = stack.enter_context(serving(relay.make_app(origin_url, tmp_path / "relay", RUN, 3, public_key=public)))
-        held = fetch_policy([honest], RUN, 1, tmp_path / "held", public_key=public)
+        honest = stack.enter_context(
+            serving(relay.make_app(relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 3, public_key=public)))
+        )
+        held = fetch_policy(FetchSettings.over([honest], RUN, public_key=public), 1, tmp_path / "held")
         for fault, match in faults.items():
             liar = stack.enter_context(serving(evil_relay(origin_url, mangles[fault])))
             dest = tmp_path / fault
             shutil.copytree(held, dest / "v1")
             with pytest.raises(FetchError, match=match):  # alone: refused every time it lies
-                fetch_policy([liar], RUN, 2, dest, public_key=public, timeout=1.5)
+                fetch_policy(FetchSettings.over([liar], RUN, public_key=public, timeout=1.5), 2, dest)
             assert sorted(p.name for p in dest.iterdir()) == ["v1"], fault  # nothing else installed or left
             report = {}
-            path = fetch_policy([liar, honest], RUN, 2, dest, public_key=public, timeout=30, report=report)
+            path = fetch_policy(
+                FetchSettings.over([liar, honest], RUN, public_key=public, timeout=30), 2, dest, report=report
+            )
             assert same_as(path, sources[2]) and report["chain"] == [2], fault  # still only the delta
         assert all(n > 0 for n in served.values()), served
 
@@ -264,12 +284,13 @@ def test_every_bad_delta_is_refused_and_the_client_recovers(published, tmp_path)
         foreign = trained_versions(tmp_path / "foreign", 2, "bfloat16", seed=7)[1]
         dest = tmp_path / "foreign-base"
         shutil.copytree(foreign, dest / "v1")
-        (dest / "v1" / MANIFEST_NAME).write_text(
-            json.dumps({"run": RUN, "version": 1, "files": local_entries(foreign)})
-        )
+        entries = local_entries(foreign)  # one shard per file
+        files = [FileEntry(e.name, e.size, e.sha256, (Shard(0, e.size, e.sha256),) if e.size else ()) for e in entries]
+        foreign_manifest = Manifest(RUN, 1, max(1, *(e.size for e in entries)), tuple(files))
+        (dest / "v1" / MANIFEST_NAME).write_bytes(foreign_manifest.encode())
         (dest / "v1" / COMPLETE_MARKER).write_text("")
         report = {}
-        path = fetch_policy([honest], RUN, 2, dest, public_key=public, report=report)
+        path = fetch_policy(FetchSettings.over([honest], RUN, public_key=public), 2, dest, report=report)
         assert report["chain"] == [0, 1, 2] and "wrong base" in report["rejected"][0]
         assert same_as(path, sources[2]) and same_as(dest / "v1", sources[1])
 
@@ -281,6 +302,6 @@ def test_every_bad_delta_is_refused_and_the_client_recovers(published, tmp_path)
         blob[len(blob) // 2] ^= 0x40
         (dest / "v1" / "model.safetensors").write_bytes(bytes(blob))
         report = {}
-        path = fetch_policy([honest], RUN, 2, dest, public_key=public, report=report)
+        path = fetch_policy(FetchSettings.over([honest], RUN, public_key=public), 2, dest, report=report)
         assert report["chain"] == [0, 1, 2] and "damaged base" in report["rejected"][0]
         assert same_as(path, sources[2]) and same_as(dest / "v1", sources[1])

@@ -24,10 +24,11 @@ from aiohttp import web
 
 from rlfleet.local.redis_server import free_port
 from rlfleet.services.shardcast import origin, relay
-from rlfleet.services.shardcast.client import FetchError, Sources, fetch_version
+from rlfleet.services.shardcast.client import FetchError, FetchSettings, Sources, fetch_version
 from rlfleet.services.shardcast.protocol import file_path, healthz, latest_path
 from rlfleet.services.shardcast.sources import READ_TIMEOUT
-from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, manifest_signing_bytes, publish_version
+from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, publish_version
+from rlfleet.versions.manifest import signing_bytes
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.versions.store import open_store
 from rlfleet.wire.streams import RunKeys, encode_json
@@ -103,7 +104,7 @@ def test_malicious_relays_are_detected_and_honest_ones_finish(tmp_path, keys):
             manifest = json.loads(body)
             entry = next(f for f in manifest["files"] if f["name"] == "model.safetensors")
             entry["shards"][0]["sha256"] = hashlib.sha256(poison).hexdigest()
-            manifest["signature"] = attacker(manifest_signing_bytes(manifest))
+            manifest["signature"] = attacker(signing_bytes(manifest))
             body = json.dumps(manifest).encode()
         elif name == "model.safetensors" and headers.get("Content-Range", "").startswith("bytes 0-"):
             body = poison
@@ -118,7 +119,9 @@ def test_malicious_relays_are_detected_and_honest_ones_finish(tmp_path, keys):
 
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
-        serving(relay.make_app(origin_url, tmp_path / "honest", RUN, 3, public_key=public)) as honest_url,
+        serving(
+            relay.make_app(relay.RelaySettings(origin_url, tmp_path / "honest", RUN, 3, public_key=public))
+        ) as honest_url,
         serving(evil_relay(origin_url, corrupt)) as corrupt_url,
         serving(evil_relay(origin_url, truncated)) as truncated_url,
         serving(evil_relay(origin_url, forged)) as forged_url,
@@ -132,18 +135,24 @@ def test_malicious_relays_are_detected_and_honest_ones_finish(tmp_path, keys):
             (stale_url, 2, "describes run 'demo' v1"),
         ]:
             with pytest.raises(FetchError, match=match):
-                fetch_version([url], RUN, version, tmp_path / "alone", timeout=1.5, public_key=public)
+                fetch_version(
+                    FetchSettings.over([url], RUN, timeout=1.5, public_key=public), version, tmp_path / "alone"
+                )
         assert not any(p.name == "v1" or p.name == "v2" for p in (tmp_path / "alone").iterdir())
         # a relay with the public key refuses the forged manifest: it never serves it
         with serving(
-            relay.make_app(forged_url, tmp_path / "fooled", RUN, 3, fetch_timeout=0.5, public_key=public)
+            relay.make_app(
+                relay.RelaySettings(forged_url, tmp_path / "fooled", RUN, 3, fetch_timeout=0.5, public_key=public)
+            )
         ) as fooled:
             r = requests.get(fooled + file_path(RUN, 1, MANIFEST_NAME), timeout=10)
             assert r.status_code == 502 and "signature" in r.text
         # mixed with an honest relay, the client finishes with exactly the published bytes
         sources = Sources([corrupt_url, truncated_url, forged_url, honest_url], rng=__import__("random").Random(0))
-        path = fetch_version(sources.urls, RUN, 1, tmp_path / "mixed", timeout=30, public_key=public, sources=sources)
-        path2 = fetch_version([stale_url, honest_url], RUN, 2, tmp_path / "mixed", timeout=30, public_key=public)
+        path = fetch_version(FetchSettings(sources, RUN, timeout=30, public_key=public), 1, tmp_path / "mixed")
+        path2 = fetch_version(
+            FetchSettings.over([stale_url, honest_url], RUN, timeout=30, public_key=public), 2, tmp_path / "mixed"
+        )
     assert same_files(path, src1) and same_files(path2, src2)
     assert (path / MANIFEST_NAME).read_bytes() == store.get_bytes(
         f"{RUN}/policy/v1/manifest.json"
@@ -171,14 +180,16 @@ def test_relay_serves_shards_before_it_holds_the_version(tmp_path, keys):
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
         serving(evil_relay(origin_url, hold_back)) as slow,
-        serving(relay.make_app(slow, tmp_path / "relay", RUN, 3, public_key=public)) as relay_url,
+        serving(relay.make_app(relay.RelaySettings(slow, tmp_path / "relay", RUN, 3, public_key=public))) as relay_url,
     ):
         url = relay_url + file_path(RUN, 1, "model.safetensors")
         r = requests.get(url, headers={"Range": f"bytes=0-{SHARD - 1}"}, timeout=10)
         assert r.status_code == 206 and r.content == blob[:SHARD]
         assert not (tmp_path / "relay" / RUN / "v1").exists()  # not complete, yet served
         release.set()
-        path = fetch_version([relay_url], RUN, 1, tmp_path / "worker", timeout=20, public_key=public)
+        path = fetch_version(
+            FetchSettings.over([relay_url], RUN, timeout=20, public_key=public), 1, tmp_path / "worker"
+        )
     assert same_files(path, src)
 
 
@@ -217,7 +228,9 @@ def test_relay_streams_a_shard_as_it_arrives_and_cuts_off_one_that_fails(tmp_pat
                 for tier in range(tiers):
                     cache = tmp_path / f"relay-{poison}-{tier}"
                     # a short fetch timeout bounds a poisoned pull's reads, so the relays stop soon after
-                    app = relay.make_app(relay_url, cache, RUN, 3, fetch_timeout=5, public_key=public)
+                    app = relay.make_app(
+                        relay.RelaySettings(relay_url, cache, RUN, 3, fetch_timeout=5, public_key=public)
+                    )
                     relay_url = stack.enter_context(serving(app))
                 port = int(relay_url.rsplit(":", 1)[1])
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
@@ -235,7 +248,9 @@ def test_relay_streams_a_shard_as_it_arrives_and_cuts_off_one_that_fails(tmp_pat
                     assert r.read() == blob[half:shard]
                 conn.close()
                 if not poison:  # and the whole version verifies through the last tier
-                    path = fetch_version([relay_url], RUN, 1, tmp_path / f"worker-{tiers}", public_key=public)
+                    path = fetch_version(
+                        FetchSettings.over([relay_url], RUN, public_key=public), 1, tmp_path / f"worker-{tiers}"
+                    )
                     assert same_files(path, src)
             assert not any((tmp_path / f"relay-True-{t}" / RUN / "v1").exists() for t in range(tiers))
 
@@ -255,11 +270,15 @@ def test_client_resumes_after_interruption(tmp_path, keys):
     with serving(origin.make_app(store, RUN)) as origin_url:
         with pytest.raises(FetchError, match="stopped"):
             fetch_version(
-                [origin_url], RUN, 1, tmp_path / "w", public_key=public, stop=stop, on_bytes=count, parallel=1
+                FetchSettings.over([origin_url], RUN, public_key=public, stop=stop, on_bytes=count, parallel=1),
+                1,
+                tmp_path / "w",
             )
         assert (tmp_path / "w" / ".v1.partial" / ".shards").read_text().count("\n") >= 7
         first, got[:] = sum(got), []
-        path = fetch_version([origin_url], RUN, 1, tmp_path / "w", public_key=public, on_bytes=got.append)
+        path = fetch_version(
+            FetchSettings.over([origin_url], RUN, public_key=public, on_bytes=got.append), 1, tmp_path / "w"
+        )
     assert same_files(path, src) and (path / COMPLETE_MARKER).exists()
     assert sum(got) <= 1_000_100 - 7 * SHARD and first + sum(got) < 1_000_100 + 2 * SHARD  # only what was missing
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v1"]
@@ -348,7 +367,7 @@ def test_relay_killed_mid_transfer_then_restarts_and_catches_up(tmp_path, keys, 
 
             sources = Sources(urls)
             path = fetch_version(
-                urls, RUN, 1, tmp_path / "worker", timeout=60, public_key=public, sources=sources, on_bytes=kill_first
+                FetchSettings(sources, RUN, timeout=60, public_key=public, on_bytes=kill_first), 1, tmp_path / "worker"
             )
             assert killed and same_files(path, src1)
             assert sources.ok[urls[0]] > 0 and sources.fail[urls[0]] > 0  # it served, then died mid-transfer
@@ -365,7 +384,9 @@ def test_relay_killed_mid_transfer_then_restarts_and_catches_up(tmp_path, keys, 
             while not (held / "v2" / COMPLETE_MARKER).exists():
                 assert time.monotonic() < deadline, "restarted relay did not catch up"
                 time.sleep(0.05)
-            path2 = fetch_version([urls[0]], RUN, 2, tmp_path / "worker", timeout=20, public_key=public)
+            path2 = fetch_version(
+                FetchSettings.over([urls[0]], RUN, timeout=20, public_key=public), 2, tmp_path / "worker"
+            )
             assert same_files(path2, src2)
             # a v1 pull cut by the kill was dropped once v2 was pulled (v1 stays only if it had completed)
             assert {p.name for p in held.iterdir()} - {"v1"} == {"v2"}
@@ -389,14 +410,16 @@ def test_retention_and_disk_bound_hold_over_many_versions(tmp_path, keys):
         serving(origin.make_app(store, RUN)) as origin_url,
         serving(
             relay.make_app(
-                origin_url, tmp_path / "relay", RUN, keep_versions=3, public_key=public, max_disk_bytes=bound
+                relay.RelaySettings(origin_url, tmp_path / "relay", RUN, 3, public_key=public, max_disk_bytes=bound)
             )
         ) as relay_url,
     ):
         for v in range(1, 11):
             src = make_version(tmp_path / "src", v, size=size)
             publish_version(store, RUN, v, src, signer=signer, shard_size=SHARD)
-            path = fetch_version([relay_url], RUN, v, tmp_path / "worker", timeout=20, public_key=public)
+            path = fetch_version(
+                FetchSettings.over([relay_url], RUN, timeout=20, public_key=public), v, tmp_path / "worker"
+            )
             assert same_files(path, src)
             deadline = time.monotonic() + 5
             while not (root / f"v{v}" / COMPLETE_MARKER).exists():
@@ -421,8 +444,8 @@ def test_relay_killed_mid_pull_resumes_with_only_the_missing_shards(tmp_path, ke
     store = open_store(f"file://{tmp_path}/store")
     src = make_version(tmp_path / "v1", 1, size=3_000_000)
     manifest = publish_version(store, RUN, 1, src, signer=signer, shard_size=SHARD)
-    model = next(f for f in manifest["files"] if f["name"] == "model.safetensors")
-    index = manifest["files"].index(model)
+    model = manifest.file("model.safetensors")
+    index = manifest.files.index(model)
     asked: list[tuple[str, int]] = []  # (Range header, body bytes) of every model request upstream saw
 
     async def count_and_slow(request, name, body, status, headers):
@@ -450,8 +473,8 @@ def test_relay_killed_mid_pull_resumes_with_only_the_missing_shards(tmp_path, ke
             proc.wait()
             time.sleep(0.5)  # requests upstream was still answering for the dead relay end here
             journaled = {tuple(map(int, line.split())) for line in (partial / ".shards").read_text().splitlines()}
-            kept = sum(model["shards"][j]["size"] for i, j in journaled if i == index)
-            assert 0 < kept < model["size"]
+            kept = sum(model.shards[j].size for i, j in journaled if i == index)
+            assert 0 < kept < model.size
             before = len(asked)
             proc = relay_process(config, redis_url, port, upstream, cache, tmp_path / "relay.log")
             wait = time.monotonic() + 30
@@ -459,15 +482,17 @@ def test_relay_killed_mid_pull_resumes_with_only_the_missing_shards(tmp_path, ke
                 assert time.monotonic() < wait, "the restarted relay did not finish v1"
                 time.sleep(0.05)
             after = asked[before:]
-            assert sum(n for _, n in after) == model["size"] - kept  # exactly the missing shards
+            assert sum(n for _, n in after) == model.size - kept  # exactly the missing shards
             resumed = {
-                f"bytes={s['offset']}-{s['offset'] + s['size'] - 1}"
-                for j, s in enumerate(model["shards"])
+                f"bytes={s.offset}-{s.offset + s.size - 1}"
+                for j, s in enumerate(model.shards)
                 if (index, j) in journaled
             }
             assert not resumed & {rng for rng, _ in after}  # no journaled shard was asked for again
             path = fetch_version(
-                [f"http://127.0.0.1:{port}"], RUN, 1, tmp_path / "worker", timeout=20, public_key=public
+                FetchSettings.over([f"http://127.0.0.1:{port}"], RUN, timeout=20, public_key=public),
+                1,
+                tmp_path / "worker",
             )
             assert same_files(path, src)
         finally:
@@ -511,7 +536,9 @@ def test_a_relay_stops_at_once_while_every_request_upstream_hangs(tmp_path, keys
             answers[name] = requests.get(relay_url + path, timeout=30).status_code
 
     with hung_server() as (upstream, accepted):
-        app = relay.make_app(upstream, tmp_path / "relay", RUN, 3, redis_client=redis_client, public_key=public)
+        app = relay.make_app(
+            relay.RelaySettings(upstream, tmp_path / "relay", RUN, 3, public_key=public), redis_client=redis_client
+        )
         with serving(app) as relay_url:
             redis_client.xadd(RunKeys(RUN).policy, encode_json({"version": 1}))  # the pull of v1
             clients = [

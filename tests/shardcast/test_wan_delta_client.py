@@ -30,7 +30,7 @@ def test_delta_client_role_installs_each_version_from_a_delta_against_the_one_it
         shutil.copytree(src, tmp_path / f"copy{v}")
         publisher.publish(v, tmp_path / f"copy{v}")
     publisher.close()
-    whole = sum(e["size"] for e in local_entries(sources[0]))
+    whole = sum(e.size for e in local_entries(sources[0]))
     dest = tmp_path / "client"
     with serving(origin.make_app(store, RUN)) as url:
         proc = subprocess.run(
@@ -51,6 +51,6 @@ def test_delta_client_role_installs_each_version_from_a_delta_against_the_one_it
         assert r["report"]["kinds"] == ["delta"] and not r["report"]["rejected"]
         assert 0 < r["bytes"] < 0.5 * whole
         assert r["first"] <= r["last"] <= r["done"]
-    want = {e["name"]: e["sha256"] for e in local_entries(sources[2])}
-    assert {e["name"]: e["sha256"] for e in local_entries(dest / "v2")} == want
+    want = {e.name: e.sha256 for e in local_entries(sources[2])}
+    assert {e.name: e.sha256 for e in local_entries(dest / "v2")} == want
     assert not (dest / "v0").exists()  # it keeps the version it holds, not the one before

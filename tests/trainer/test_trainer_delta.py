@@ -8,6 +8,7 @@ from rlfleet.config import parse_bundle
 from rlfleet.models.policy import load_policy
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
+from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.versions.chain import base_of
 from rlfleet.versions.checkpoint import list_versions, read_manifest
@@ -36,11 +37,11 @@ def test_trainer_publishes_deltas_that_rebuild_its_weights(tmp_path, redis_url):
     assert list_versions(store, "tr") == [0, 1, 2, 3, 4]
     manifests = [read_manifest(store, "tr", v) for v in range(5)]
     assert [base_of(m) for m in manifests] == [None, 0, 1, 2, 3]  # v0 whole (no base), then deltas
-    full = sum(f["size"] for f in manifests[0]["files"])
-    assert all(sum(f["size"] for f in m["files"]) < 0.8 * full for m in manifests[1:])
+    full = sum(f.size for f in manifests[0].files)
+    assert all(sum(f.size for f in m.files) < 0.8 * full for m in manifests[1:])
     with serving(origin.make_app(store, "tr")) as origin_url:
         report = {}
-        path = fetch_policy([origin_url], "tr", 4, tmp_path / "worker", report=report)
+        path = fetch_policy(FetchSettings.over([origin_url], "tr"), 4, tmp_path / "worker", report=report)
     assert report["chain"] == [0, 1, 2, 3, 4]
     rebuilt = load_policy(path)[0].state_dict()
     trained = trainer.model.state_dict()

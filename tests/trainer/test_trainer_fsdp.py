@@ -20,6 +20,7 @@ from rlfleet.local.redis_server import free_port
 from rlfleet.models.policy import load_policy, load_weights_in_place
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
+from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.trainer.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -173,7 +174,7 @@ def test_two_fsdp_trainer_processes_train_resume_and_publish_whole_checkpoints(t
     base, _ = load_policy(tmp_path / "policy")
     store = open_store(f"file://{tmp_path}/store")
     with serving(origin.make_app(store, "tr")) as origin_url:  # v4 is a delta: rebuilt as a worker rebuilds it
-        v4 = fetch_policy([origin_url], "tr", 4, tmp_path / "worker")
+        v4 = fetch_policy(FetchSettings.over([origin_url], "tr"), 4, tmp_path / "worker")
     latest, _ = load_policy(v4)  # whole safetensors, plain model
     assert any(not torch.equal(latest.state_dict()[k], v) for k, v in base.state_dict().items()), (
         "training moved the weights"

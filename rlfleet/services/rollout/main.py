@@ -40,7 +40,7 @@ from rlfleet.models.sampling import completion_text
 from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.shardcast.assemble import fetch_policy
-from rlfleet.services.shardcast.client import Sources, wait_for_version
+from rlfleet.services.shardcast.client import FetchSettings, wait_for_version
 from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
 from rlfleet.versions.checkpoint import prune_cache
@@ -77,8 +77,10 @@ class VersionFollower(threading.Thread):
         self.ctx, self.relay_urls, self.cache_dir, self.keep = ctx, relay_urls, cache_dir, keep
         self.reader = reader  # reads the policy stream (a worker's read-only Redis user); None: the relays' long-poll
         self.use_redis = reader is not None
-        self.public_key = run_public_key(ctx.bundle.run.spec.shardcast)  # manifests must verify with it
-        self.sources = Sources(relay_urls) if relay_urls else None  # relay measurements kept across versions
+        # manifests must verify with the run's key; the relays' measurements are kept across versions
+        self.fetch = FetchSettings.over(
+            relay_urls, ctx.run_name, public_key=run_public_key(ctx.bundle.run.spec.shardcast), stop=ctx.stop
+        )
         self.announced = -1
         self.ready: tuple[int, Path, float] | None = None  # (version, directory, monotonic time it was announced)
         self.taken = -1  # the newest version handed to the engine: in use or being loaded, never pruned
@@ -112,15 +114,8 @@ class VersionFollower(threading.Thread):
             if newest is None or newest <= self.announced:
                 continue
             self.announced, announced_at = newest, time.monotonic()
-            path = fetch_policy(  # whole, or rebuilt from the version held here and a delta
-                self.relay_urls,
-                self.ctx.run_name,
-                newest,
-                self.cache_dir,
-                stop=self.ctx.stop,
-                public_key=self.public_key,
-                sources=self.sources,
-            )
+            # whole, or rebuilt from the version held here and a delta
+            path = fetch_policy(self.fetch, newest, self.cache_dir)
             DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
                 self.ready = (newest, path, announced_at)

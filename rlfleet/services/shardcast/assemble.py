@@ -1,10 +1,11 @@
 """Fetch a policy version as a loader sees it: downloaded whole, or rebuilt from a held version and deltas.
 
-`fetch_policy(urls, run, N, dest_root)` is what rollout workers and the verifier call (client.fetch_version
-downloads every file a manifest lists, which for a delta version are its patches):
+`fetch_policy(settings, N, dest_root)` is what rollout workers and the verifier call (client.fetch_version
+downloads every file a manifest lists, which for a delta version are its patches; both take one
+client.FetchSettings):
   1. dest_root/v{N}/.complete exists -> return it.
   2. Plan, walking back from N through signed manifests (signature first, then shape:
-     client.Fetcher.manifest). Each version K offers one or two routes (delta.chain): its whole files
+     client.Fetcher.manifest). Each version K offers one or two routes (versions.chain): its whole files
      (a whole version) and its delta against K-1. Candidates, each with its download size:
        whole(K) + deltas K+1..N        for every whole K on the walk
        deltas B+1..N                   when the walk reaches a base B held here complete, with the very
@@ -32,18 +33,17 @@ import hashlib
 import json
 import logging
 import shutil
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import Counter
 
-from rlfleet.services.shardcast.client import PARALLEL, Fetcher, FetchError, Sources
+from rlfleet.services.shardcast.client import Fetcher, FetchError, FetchSettings
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, install
 from rlfleet.versions.chain import DeltaError, base_of, delta_files, result_files, size_of, whole, whole_files
-from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, version_dir_name
+from rlfleet.versions.checkpoint import version_dir_name
 from rlfleet.versions.codec import apply_file
+from rlfleet.versions.manifest import COMPLETE_MARKER, MANIFEST_NAME, FileEntry, Manifest
 
 log = logging.getLogger("rlfleet.shardcast.client")
 
@@ -53,25 +53,11 @@ DELTAS = Counter("rlfleet_client_delta_versions", "Delta versions this process h
 REBUILT = ".rebuilt"  # inside a partial dir: resulting files while they are being written and checked
 
 
-def fetch_policy(
-    base_urls: list[str],
-    run: str,
-    version: int,
-    dest_root: Path,
-    timeout: float = 300,
-    *,
-    on_bytes: Callable[[int], None] | None = None,
-    stop: threading.Event | None = None,
-    public_key=None,
-    sources: Sources | None = None,
-    parallel: int = PARALLEL,
-    report: dict | None = None,
-) -> Path:
-    """Make dest_root/v{N} hold `run` v`version` as loaded (whole files), verified; return it. Arguments
-    as client.fetch_version; `report`, if given, is filled with the plan: `chain` (versions built,
+def fetch_policy(settings: FetchSettings, version: int, dest_root: Path, report: dict | None = None) -> Path:
+    """Make dest_root/v{N} hold `settings.run` v`version` as loaded (whole files), verified, within
+    settings.timeout; return it. `report`, if given, is filled with the plan: `chain` (versions built,
     oldest first), `kinds` ("full"/"delta" each), `bytes` (transfer bytes of the chain) and
     `rejected` (why a delta or a held base was refused, one line each)."""
-    sources = sources or Sources(base_urls)
     dest_root = Path(dest_root)
     final = dest_root / version_dir_name(version)
     report = {} if report is None else report
@@ -79,7 +65,7 @@ def fetch_policy(
     if (final / COMPLETE_MARKER).exists():
         return final
     dest_root.mkdir(parents=True, exist_ok=True)
-    job = _Job(sources, run, dest_root, time.monotonic() + timeout, on_bytes, stop, public_key, parallel, report)
+    job = _Job(settings, dest_root, report)
     for attempt in (1, 2):
         plan = job.plan(version)
         report.update(chain=[v for v, *_ in plan], kinds=[route for *_, route in plan])
@@ -92,34 +78,26 @@ def fetch_policy(
             DELTAS.labels("rejected").inc()
             report["rejected"].append(str(exc))
             if attempt == 2:
-                raise FetchError(f"run {run!r} v{version}: rebuilding from a whole version failed too: {exc}") from exc
+                raise FetchError(
+                    f"run {settings.run!r} v{version}: rebuilding from a whole version failed too: {exc}"
+                ) from exc
             log.warning("%s; discarding the base and starting again from a whole version", exc)
             job.discard(exc.base)
     raise AssertionError("unreachable")
 
 
 class _Job:
-    """One fetch_policy call: its sources, deadline and destination."""
+    """One fetch_policy call: its settings, deadline (settings.timeout from now), destination and report."""
 
-    def __init__(self, sources, run, dest_root, deadline, on_bytes, stop, public_key, parallel, report):
-        self.sources, self.run, self.dest_root, self.deadline = sources, run, dest_root, deadline
-        self.on_bytes, self.stop, self.public_key, self.parallel = on_bytes, stop, public_key, parallel
-        self.report = report
+    def __init__(self, settings: FetchSettings, dest_root: Path, report: dict):
+        self.settings, self.run, self.dest_root, self.report = settings, settings.run, dest_root, report
+        self.deadline = time.monotonic() + settings.timeout
 
     def fetcher(self, version: int) -> Fetcher:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise FetchError(f"run {self.run!r} v{version}: out of time while fetching a delta chain")
-        return Fetcher(
-            self.sources,
-            self.run,
-            version,
-            left,
-            on_bytes=self.on_bytes,
-            stop=self.stop,
-            public_key=self.public_key,
-            parallel=self.parallel,
-        )
+        return Fetcher(self.settings, version, left)
 
     def held(self, version: int) -> Path | None:
         path = self.dest_root / version_dir_name(version)
@@ -132,14 +110,14 @@ class _Job:
             path.rename(trash)  # not held from here on, then deleted
             shutil.rmtree(trash, ignore_errors=True)
 
-    def manifest(self, version: int, missing_ok: bool = False) -> tuple[bytes, dict] | None:
+    def manifest(self, version: int, missing_ok: bool = False) -> tuple[bytes, Manifest] | None:
         fetcher = self.fetcher(version)
         try:
             return fetcher.manifest(missing_ok)
         finally:
             fetcher.close()
 
-    def plan(self, version: int) -> list[tuple[int, bytes, dict, str]]:
+    def plan(self, version: int) -> list[tuple[int, bytes, Manifest, str]]:
         """(version, raw manifest, manifest, "full" or "delta") to build, oldest first (step 2 of the module
         docstring)."""
         walked, best, deltas, v = [], None, 0, version  # best: (bytes, index into walked, route there)
@@ -174,18 +152,18 @@ class _Job:
         _, start, route = best
         return [(*walked[start], route)] + [(*walked[i], "delta") for i in range(start - 1, -1, -1)]
 
-    def build(self, version: int, raw: bytes, manifest: dict, route: str) -> None:
+    def build(self, version: int, raw: bytes, manifest: Manifest, route: str) -> None:
         """Download `version`'s files for `route` and, for a delta, rebuild its resulting files; install it verified."""
         final = self.dest_root / version_dir_name(version)
         if (final / COMPLETE_MARKER).exists():
             return
         partial = self.dest_root / f".{final.name}.partial"
-        part = {**manifest, "files": _route_files(manifest, route)}  # what this route downloads
+        files = _route_files(manifest, route)  # what this route downloads
         fetcher = self.fetcher(version)
         try:
             with ShardJournal(partial) as journal:
-                done = journal.resume(raw, part)
-                fetcher.shards(part, partial, done, journal.record)
+                done = journal.resume(raw, files)
+                fetcher.shards(files, partial, done, journal.record)
             (partial / JOURNAL).unlink()
             if route == "delta":
                 base = base_of(manifest)
@@ -194,7 +172,7 @@ class _Job:
                     raise DeltaError(f"run {self.run!r} v{version}: its base v{base} is not held here")
                 rebuild(partial, held, manifest, version, base)
                 DELTAS.labels("rebuilt").inc()
-            _tidy(partial, {e["name"] for e in result_files(manifest)})
+            _tidy(partial, {e.name for e in result_files(manifest)})
             (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, every file verified\n")
             install(partial, final)
         except FetchError:
@@ -208,7 +186,7 @@ class _Job:
             fetcher.close()
 
 
-def _route_files(manifest: dict, route: str) -> list[dict]:
+def _route_files(manifest: Manifest, route: str) -> list[FileEntry]:
     return whole_files(manifest) if route == "full" else delta_files(manifest)
 
 
@@ -223,17 +201,19 @@ def _tidy(partial: Path, keep: set[str]) -> None:
             path.rmdir()
 
 
-def _base_mismatch(held: Path, manifest: dict) -> str | None:
-    """Why the held base cannot be the base of `manifest` (its recorded files differ), or None."""
+def _base_mismatch(held: Path, manifest: Manifest) -> str | None:
+    """Why the held base cannot be the base of `manifest` (its recorded files differ), or None. The held
+    manifest was verified when it was fetched; reading it back from this disk checks its shape again."""
     try:
-        recorded = {e["name"]: e["sha256"] for e in result_files(json.loads((held / MANIFEST_NAME).read_bytes()))}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        recorded_manifest = Manifest.from_json(json.loads((held / MANIFEST_NAME).read_bytes()))
+    except (OSError, ValueError) as exc:
         return f"held {held.name} has no readable manifest ({exc})"
-    for entry in manifest["delta"]["files"]:
-        if entry["from"] != "file" and recorded.get(entry["name"]) != entry["base_sha256"]:
+    recorded = {e.name: e.sha256 for e in result_files(recorded_manifest)}
+    for entry in manifest.delta.files:
+        if entry.source != "file" and recorded.get(entry.name) != entry.base_sha256:
             return (
-                f"v{manifest['version']} was made against {entry['name']} with sha256 {entry['base_sha256'][:12]}..., "
-                f"the held {held.name} has {str(recorded.get(entry['name']))[:12]}... (wrong base)"
+                f"v{manifest.version} was made against {entry.name} with sha256 {entry.base_sha256[:12]}..., "
+                f"the held {held.name} has {str(recorded.get(entry.name))[:12]}... (wrong base)"
             )
     return None
 
@@ -248,7 +228,7 @@ def _copy_hashed(src: Path, dest: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def rebuild(partial: Path, base_dir: Path, manifest: dict, version: int, base: int) -> None:
+def rebuild(partial: Path, base_dir: Path, manifest: Manifest, version: int, base: int) -> None:
     """Turn `partial` (the verified transfer files of a delta version) into the resulting files, each
     checked against the signed manifest; raise DeltaError (naming `base`) when the base does not fit."""
     problem = _base_mismatch(base_dir, manifest)
@@ -257,29 +237,29 @@ def rebuild(partial: Path, base_dir: Path, manifest: dict, version: int, base: i
     work = partial / REBUILT
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
-    section = manifest["delta"]["files"]
+    section = manifest.delta.files
     for entry in section:
-        name, out = entry["name"], work / entry["name"]
+        name, out = entry.name, work / entry.name
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            if entry["from"] == "patch":
-                got = apply_file(base_dir / name, partial / entry["patch"], out)
-            elif entry["from"] == "base":
+            if entry.source == "patch":
+                got = apply_file(base_dir / name, partial / entry.patch, out)
+            elif entry.source == "base":
                 got = _copy_hashed(base_dir / name, out)
-            else:  # shipped whole: its shards matched the manifest, and check_section bound it to this entry
+            else:  # shipped whole: its shards matched the manifest, and check_manifest bound it to this entry
                 continue
         except DeltaError as exc:
             raise DeltaError(f"v{version}: {exc}", base=base) from None
         except OSError as exc:
             raise DeltaError(f"v{version}: {name} could not be rebuilt from held v{base} ({exc})", base=base) from None
-        if got != (entry["size"], entry["sha256"]):
+        if got != (entry.size, entry.sha256):
             raise DeltaError(
                 f"v{version}: {name} rebuilt from held v{base} has size {got[0]} and sha256 {got[1][:12]}..., "
-                f"the signed manifest says {entry['size']} and {entry['sha256'][:12]}... (wrong or damaged base)",
+                f"the signed manifest says {entry.size} and {entry.sha256[:12]}... (wrong or damaged base)",
                 base=base,
             )
     for entry in section:
-        if entry["from"] != "file":
-            (partial / entry["name"]).parent.mkdir(parents=True, exist_ok=True)
-            (work / entry["name"]).replace(partial / entry["name"])
+        if entry.source != "file":
+            (partial / entry.name).parent.mkdir(parents=True, exist_ok=True)
+            (work / entry.name).replace(partial / entry.name)
     shutil.rmtree(work)

@@ -2,6 +2,9 @@
 (`fetch_version` downloads the files a manifest lists; workers and the verifier load versions through
 assemble.fetch_policy, which uses this module to fetch whole or delta versions and rebuilds deltas.)
 
+Every layer takes one `FetchSettings` (sources, run, timeout, public key, parallelism, the progress
+callback and the stop event) plus what is its own (the version, the destination).
+
 Algorithm (`fetch_version`):
   1. `dest_root/v{N}/.complete` exists -> return at once (idempotent; nothing is contacted).
   2. Get manifest.json from a source; with the run's public key, its ed25519 signature is checked
@@ -22,7 +25,7 @@ Algorithm (`fetch_version`):
      resumes after re-hashing only the journaled shards (unverified bytes on disk never count).
   4. When every shard is in, write `.complete` (last) and rename the partial dir to dest_root/v{N}:
      v{N} exists only complete. The whole-file sha256 is not recomputed: the signed manifest binds
-     every shard's hash, and the shards tile the file (checkpoint.check_manifest).
+     every shard's hash, and the shards tile the file (manifest.check_manifest).
   5. At `timeout` seconds, delete the partial dir and raise FetchError with the last error seen.
 404, 5xx and connection errors mean "not there yet": retry, backing off (0.1 s doubling to 5 s)
 after every source failed once. The retry loop is our own (not urllib3's Retry): a sha256
@@ -46,8 +49,9 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -64,36 +68,47 @@ from rlfleet.services.shardcast.sources import (
     wait_for_version,
 )
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, allocate, install
-from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, ChecksumError, parse_manifest, version_dir_name
+from rlfleet.versions.checkpoint import ChecksumError, version_dir_name
+from rlfleet.versions.manifest import COMPLETE_MARKER, MANIFEST_NAME, FileEntry, Manifest, Shard, parse_manifest
 
 log = logging.getLogger("rlfleet.shardcast.client")
 
 # The client's public surface: other services import these from here (pyproject's import contracts).
-__all__ = ["PARALLEL", "FetchError", "Fetcher", "Sources", "fetch_version", "wait_for_version"]
+__all__ = ["PARALLEL", "FetchError", "FetchSettings", "Fetcher", "Sources", "fetch_version", "wait_for_version"]
 
 RECV_CHUNK = 1 << 20  # bytes per readinto/hash step; a broken connection keeps all it received
 PARALLEL = 4
 
 
+@dataclass(frozen=True)
+class FetchSettings:
+    """What one client's fetches share, from fetch_policy down to each Fetcher."""
+
+    sources: Sources  # the base URLs and their measurements (kept across fetches)
+    run: str
+    _: KW_ONLY
+    timeout: float = 300  # seconds one fetch_version / fetch_policy call may take
+    public_key: object = None  # ed25519 public key: manifests must carry a valid signature; None: not required
+    parallel: int = PARALLEL  # shards downloaded at once
+    on_bytes: Callable[[int], None] | None = None  # per received chunk (metrics)
+    stop: threading.Event | None = None  # set: abort with FetchError, keeping the partial download to resume
+
+    @classmethod
+    def over(cls, urls: Sequence[str], run: str, **options) -> FetchSettings:
+        """Settings with fresh `Sources` over `urls`."""
+        return cls(Sources(list(urls)), run, **options)
+
+
 class Fetcher:
     """The retrying HTTP side of one version's download: its manifest, then its shards."""
 
-    def __init__(
-        self,
-        sources: Sources,
-        run: str,
-        version: int,
-        timeout: float,
-        *,
-        on_bytes: Callable[[int], None] | None = None,
-        stop: threading.Event | None = None,
-        public_key=None,
-        parallel: int = PARALLEL,
-    ):
-        self.sources, self.run, self.version, self.timeout = sources, run, version, timeout
-        self.deadline = time.monotonic() + timeout
-        self.on_bytes, self.stop, self.public_key = on_bytes, stop, public_key
-        self.parallel = max(1, parallel)
+    def __init__(self, settings: FetchSettings, version: int, timeout: float | None = None):
+        """`timeout`: seconds from now (default settings.timeout; a chain of versions passes what is left)."""
+        self.settings, self.version = settings, version
+        self.sources, self.run, self.stop = settings.sources, settings.run, settings.stop
+        self.timeout = settings.timeout if timeout is None else timeout
+        self.deadline = time.monotonic() + self.timeout
+        self.parallel = max(1, settings.parallel)
         self.last_error = "none"
         self._abort = threading.Event()  # one shard worker failed for good, or `abort`: every thread stops
         self._local = threading.local()  # per thread: its connections, a buffer
@@ -185,12 +200,12 @@ class Fetcher:
                 (self.stop or self._abort).wait(pause)
                 delay = min(delay * 2, BACKOFF_MAX)
 
-    def manifest(self, missing_ok: bool = False) -> tuple[bytes, dict] | None:
+    def manifest(self, missing_ok: bool = False) -> tuple[bytes, Manifest] | None:
         """(raw bytes, parsed manifest) from the first source whose manifest verifies. With `missing_ok`,
         None once every source has answered 404 (a version older than the ones kept), instead of waiting."""
         missing: set[str] = set()
 
-        def attempt(base: str) -> tuple[bytes, dict] | None:
+        def attempt(base: str) -> tuple[bytes, Manifest] | None:
             started = time.monotonic()
             try:
                 r = self._request(base, file_path(self.run, self.version, MANIFEST_NAME), {})
@@ -204,7 +219,7 @@ class Fetcher:
                     return None
             if r.status != 200:
                 raise HTTPStatusError(f"HTTP {r.status}: {body[:200].decode(errors='replace').strip()}")
-            manifest = parse_manifest(body, self.run, self.version, self.public_key)
+            manifest = parse_manifest(body, self.run, self.version, self.settings.public_key)
             self.sources.success(base, len(body), time.monotonic() - started)
             return body, manifest
 
@@ -212,29 +227,25 @@ class Fetcher:
 
     def shards(
         self,
-        manifest: dict,
+        files: Sequence[FileEntry],
         dest: Path,
         skip: set[tuple[int, int]],
         on_shard: Callable[[int, int], None] | None = None,
         on_progress: Callable[[int, int, int, int], None] | None = None,
     ) -> None:
-        """Download every shard not in `skip` into the files under `dest` (created at full size).
+        """Download every shard not in `skip` of `files` (a verified manifest's, or the part of them a route
+        needs) into the files under `dest` (created at full size).
         `on_progress(i, j, n, attempt)`: bytes [0, n) of shard j of files[i] are on disk, unverified
         (a new `attempt` voids the bytes of the previous ones); `on_shard(i, j)`: it verified."""
         fds = []
         try:
-            for entry in manifest["files"]:
-                path = dest / entry["name"]
+            for entry in files:
+                path = dest / entry.name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 fds.append(fd)
-                allocate(fd, entry["size"])
-            todo = [
-                (i, j)
-                for i, entry in enumerate(manifest["files"])
-                for j in range(len(entry["shards"]))
-                if (i, j) not in skip
-            ]
+                allocate(fd, entry.size)
+            todo = [(i, j) for i, entry in enumerate(files) for j in range(len(entry.shards)) if (i, j) not in skip]
             todo.reverse()  # pop() from the end: shards go in file order
 
             def worker() -> None:
@@ -243,9 +254,9 @@ class Fetcher:
                         if not todo:
                             return
                         i, j = todo.pop()
-                    entry = manifest["files"][i]
+                    entry = files[i]
                     progress = None if on_progress is None else lambda n, a, i=i, j=j: on_progress(i, j, n, a)
-                    self._shard(entry, entry["shards"][j], fds[i], progress)
+                    self._shard(entry, entry.shards[j], fds[i], progress)
                     if on_shard is not None:
                         on_shard(i, j)
 
@@ -264,9 +275,9 @@ class Fetcher:
             for fd in fds:
                 os.close(fd)
 
-    def _shard(self, entry: dict, shard: dict, fd: int, progress: Callable[[int, int], None] | None) -> None:
+    def _shard(self, entry: FileEntry, shard: Shard, fd: int, progress: Callable[[int, int], None] | None) -> None:
         """Receive one shard, hashing and writing each piece as it arrives, until its digest matches."""
-        size, where = shard["size"], f"{entry['name']}[{shard['offset']}:+{shard['size']}]"
+        size, where = shard.size, f"{entry.name}[{shard.offset}:+{shard.size}]"
         state = {"have": 0, "hash": hashlib.sha256(), "attempt": 0}  # kept across a broken connection
 
         def attempt(base: str) -> None:
@@ -277,11 +288,11 @@ class Fetcher:
                 self.drop_connection(base)  # its response may be half read
                 raise
             digest = state["hash"].hexdigest()
-            if digest != shard["sha256"]:  # never resume from bytes that failed the check
+            if digest != shard.sha256:  # never resume from bytes that failed the check
                 state.update(have=0, hash=hashlib.sha256(), attempt=state["attempt"] + 1)
                 if progress is not None:
                     progress(0, state["attempt"])
-                raise ChecksumError(where, f"sha256 {digest} != manifest sha256 {shard['sha256']}")
+                raise ChecksumError(where, f"sha256 {digest} != manifest sha256 {shard.sha256}")
             self.sources.success(base, size - had, time.monotonic() - started)
 
         self._retry(where, attempt)
@@ -305,16 +316,22 @@ class Fetcher:
         raise AssertionError("unreachable")
 
     def _get_range(
-        self, base: str, entry: dict, shard: dict, fd: int, state: dict, progress: Callable[[int, int], None] | None
+        self,
+        base: str,
+        entry: FileEntry,
+        shard: Shard,
+        fd: int,
+        state: dict,
+        progress: Callable[[int, int], None] | None,
     ) -> None:
         """Receive the missing bytes of `shard` (from state["have"] on), hashing and writing them."""
-        have, size = state["have"], shard["size"]
-        start, end = shard["offset"] + have, shard["offset"] + size
-        if start == 0 and end == entry["size"]:
+        have, size = state["have"], shard.size
+        start, end = shard.offset + have, shard.offset + size
+        if start == 0 and end == entry.size:
             headers = {}
         else:  # open-ended when the shard runs to the end of the file
-            headers = {"Range": f"bytes={start}-" if end == entry["size"] else f"bytes={start}-{end - 1}"}
-        r = self._request(base, file_path(self.run, self.version, entry["name"]), headers)
+            headers = {"Range": f"bytes={start}-" if end == entry.size else f"bytes={start}-{end - 1}"}
+        r = self._request(base, file_path(self.run, self.version, entry.name), headers)
         if r.status == 200 and not headers:
             pass
         elif not (r.status == 206 and (r.getheader("Content-Range") or "").startswith(f"bytes {start}-{end - 1}/")):
@@ -324,7 +341,7 @@ class Fetcher:
         if r.length is None or r.length > size - have:
             self.drop_connection(base)
             raise ChecksumError(
-                entry["name"],
+                entry.name,
                 f"server sent more than the shard size {size} (Content-Length {r.getheader('Content-Length')})",
             )
         buf = self.buffer()
@@ -335,10 +352,10 @@ class Fetcher:
             state["hash"].update(buf[:n])
             written = 0
             while written < n:
-                written += os.pwrite(fd, buf[written:n], shard["offset"] + have + written)
+                written += os.pwrite(fd, buf[written:n], shard.offset + have + written)
             have = state["have"] = have + n
-            if self.on_bytes is not None:
-                self.on_bytes(n)
+            if self.settings.on_bytes is not None:
+                self.settings.on_bytes(n)
             if progress is not None:
                 progress(have, state["attempt"])
             self._check()
@@ -346,38 +363,21 @@ class Fetcher:
             raise HTTPStatusError(f"truncated body: {have} of {size} shard bytes")
 
 
-def fetch_version(
-    base_urls: list[str],
-    run: str,
-    version: int,
-    dest_root: Path,
-    timeout: float = 300,
-    *,
-    on_bytes: Callable[[int], None] | None = None,
-    stop: threading.Event | None = None,
-    public_key=None,
-    sources: Sources | None = None,
-    parallel: int = PARALLEL,
-) -> Path:
-    """Download and verify `run` v`version` into dest_root/v{N}; return that directory.
-    `public_key` (ed25519) makes the manifest signature mandatory; `sources` carries relay
-    measurements across calls (default: fresh ones over `base_urls`). `on_bytes(n)` is called per
-    received chunk (metrics); setting `stop` aborts with FetchError and keeps the partial download."""
-    sources = sources or Sources(base_urls)
+def fetch_version(settings: FetchSettings, version: int, dest_root: Path) -> Path:
+    """Download and verify `settings.run` v`version` into dest_root/v{N} within settings.timeout; return
+    that directory (FetchSettings says what the public key, the sources, `on_bytes` and `stop` do)."""
     dest_root = Path(dest_root)
     final = dest_root / version_dir_name(version)
     if (final / COMPLETE_MARKER).exists():
         return final
     dest_root.mkdir(parents=True, exist_ok=True)
-    fetcher = Fetcher(
-        sources, run, version, timeout, on_bytes=on_bytes, stop=stop, public_key=public_key, parallel=parallel
-    )
+    fetcher = Fetcher(settings, version)
     partial = dest_root / f".{final.name}.partial"
     try:
         raw, manifest = fetcher.manifest()
         with ShardJournal(partial) as journal:
-            done = journal.resume(raw, manifest)
-            fetcher.shards(manifest, partial, done, journal.record)
+            done = journal.resume(raw, manifest.files)
+            fetcher.shards(manifest.files, partial, done, journal.record)
         (partial / JOURNAL).unlink()
         (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, all shards verified\n")
         return install(partial, final)

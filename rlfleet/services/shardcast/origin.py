@@ -19,7 +19,6 @@ so any number of replicas can serve the same store.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -45,7 +44,8 @@ from rlfleet.services.shardcast.protocol import (
     send_range,
     serve_until,
 )
-from rlfleet.versions.checkpoint import MANIFEST_NAME, latest_version, manifest_key, version_key
+from rlfleet.versions.checkpoint import latest_version, manifest_key, version_key
+from rlfleet.versions.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from rlfleet.versions.store import CheckpointStore
 from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions
@@ -110,16 +110,19 @@ def make_app(store: CheckpointStore, run: str, redis_client: redis.Redis | None 
             raise web.HTTPNotFound(text=f"run {run!r} v{version} is not published (no manifest yet)\n") from None
         if name == MANIFEST_NAME:
             return await send_range(request, len(raw), lambda s, e: iter([raw[s:e]]), "application/json", BYTES_OUT.inc)
-        entry = next((f for f in json.loads(raw)["files"] if f["name"] == name), None)
+        try:
+            entry = parse_manifest(raw, run, version).file(name)  # the trainer's own store: no signature check
+        except ManifestError as exc:
+            raise web.HTTPInternalServerError(text=f"the store's manifest is malformed: {exc}\n") from None
         if entry is None:
             raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
         key = version_key(run, version, name)
         try:
             local = store.local_path(key)
             if local is not None:
-                return await send_file(request, entry["size"], lambda: open(local, "rb"), BYTES_OUT.inc)
+                return await send_file(request, entry.size, lambda: open(local, "rb"), BYTES_OUT.inc)
             return await send_range(
-                request, entry["size"], lambda s, e: store.open_read(key, s, e), on_bytes=BYTES_OUT.inc
+                request, entry.size, lambda s, e: store.open_read(key, s, e), on_bytes=BYTES_OUT.inc
             )
         except (KeyError, FileNotFoundError):  # listed but gone: the version was pruned while we looked
             raise web.HTTPNotFound(text=f"run {run!r} v{version}: {name!r} is no longer in the store\n") from None

@@ -29,6 +29,7 @@ from typing import BinaryIO
 from aiohttp import web
 
 from rlfleet.services.shardcast.protocol import parse_range, start_response
+from rlfleet.versions.manifest import Manifest, Shard
 
 log = logging.getLogger("rlfleet.shardcast.relay")
 
@@ -39,7 +40,7 @@ class Pull:
     def __init__(self, version: int, loop: asyncio.AbstractEventLoop):
         self.version, self.loop = version, loop
         self.raw: bytes | None = None
-        self.manifest: dict | None = None
+        self.manifest: Manifest | None = None
         self.ready: set[tuple[int, int]] = set()  # (file index, shard index) verified
         self.received: dict[tuple[int, int], int] = {}  # bytes on disk of the current attempt
         self.attempts: dict[tuple[int, int], int] = {}
@@ -70,8 +71,8 @@ class Pull:
                 raise self.error
             await changed.wait()
 
-    def _shards(self, index: int) -> list[dict]:
-        return self.manifest["files"][index]["shards"]
+    def _shards(self, index: int) -> tuple[Shard, ...]:
+        return self.manifest.files[index].shards
 
     def covers(self, index: int, start: int, end: int) -> bool:
         """All shards of file `index` overlapping bytes [start, end) are verified."""
@@ -80,24 +81,24 @@ class Pull:
         return all(
             (index, j) in self.ready
             for j, s in enumerate(self._shards(index))
-            if s["offset"] < end and s["offset"] + s["size"] > start
+            if s.offset < end and s.offset + s.size > start
         )
 
     def available(self, index: int, pos: int) -> int:
         """End of the bytes of file `index` on disk from `pos` on without a gap (verified or not)."""
         if self.complete:
-            return self.manifest["files"][index]["size"]
+            return self.manifest.files[index].size
         for j, s in enumerate(self._shards(index)):
-            if s["offset"] + s["size"] <= pos:
+            if s.offset + s.size <= pos:
                 continue
             if (index, j) in self.ready:
-                pos = s["offset"] + s["size"]
+                pos = s.offset + s.size
                 continue
-            return max(pos, s["offset"] + self.received.get((index, j), 0))
+            return max(pos, s.offset + self.received.get((index, j), 0))
         return pos
 
     def shards_in(self, index: int, start: int, end: int) -> list[int]:
-        return [j for j, s in enumerate(self._shards(index)) if s["offset"] < end and s["offset"] + s["size"] > start]
+        return [j for j, s in enumerate(self._shards(index)) if s.offset < end and s.offset + s.size > start]
 
 
 async def stream(

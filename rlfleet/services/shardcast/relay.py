@@ -23,7 +23,7 @@ from pathlib import Path
 import redis
 from aiohttp import web
 
-from rlfleet.services.shardcast.client import PARALLEL, FetchError
+from rlfleet.services.shardcast.client import FetchError
 from rlfleet.services.shardcast.protocol import (
     ROUTE_FILE,
     ROUTE_HEALTH,
@@ -41,30 +41,27 @@ from rlfleet.services.shardcast.protocol import (
     serve_until,
 )
 from rlfleet.services.shardcast.pull import Pull, stream
-from rlfleet.services.shardcast.relay_cache import BYTES_OUT, CLIENTS, DiskBoundError, NotUpstream, Relay, VersionGone
-from rlfleet.versions.checkpoint import MANIFEST_NAME
+from rlfleet.services.shardcast.relay_cache import (
+    BYTES_OUT,
+    CLIENTS,
+    DiskBoundError,
+    NotUpstream,
+    Relay,
+    RelaySettings,
+    VersionGone,
+)
+from rlfleet.versions.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions
 
 RELAY = web.AppKey(components.RELAY, Relay)
 
 
-def make_app(
-    upstream: str,
-    cache_dir: Path,
-    run: str,
-    keep_versions: int,
-    redis_client: redis.Redis | None = None,
-    fetch_timeout: float = 120.0,
-    *,
-    public_key=None,
-    max_disk_bytes: int | None = None,
-    parallel: int = PARALLEL,
-) -> web.Application:
+def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -> web.Application:
     """The relay's aiohttp application; `app[RELAY]` is its Relay. With `redis_client`, it
-    prefetches every version announced on the run's policy stream. With `public_key`, manifests
-    must carry a valid signature."""
-    relay = Relay(upstream, cache_dir, run, keep_versions, fetch_timeout, public_key, max_disk_bytes, parallel)
+    prefetches every version announced on the run's policy stream. With `settings.public_key`,
+    manifests must carry a valid signature."""
+    relay, run = Relay(settings), settings.run
 
     async def latest(request: web.Request) -> web.Response:
         check_run(request, run)
@@ -96,22 +93,24 @@ def make_app(
             if isinstance(where, Pull):
                 await where.wait(lambda: where.raw is not None)
                 raw, manifest = where.raw, where.manifest
-            else:
+            else:  # verified when it was pulled; read back from this disk, its shape is checked again
                 raw = (where / MANIFEST_NAME).read_bytes()
-                manifest = json.loads(raw)
+                manifest = parse_manifest(raw, run, version)
         except (VersionGone, NotUpstream) as exc:
             raise web.HTTPNotFound(text=f"{exc}\n") from None
         except (FetchError, DiskBoundError) as exc:
             raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
         except FileNotFoundError:  # pruned between the check and the read
             raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
+        except ManifestError as exc:  # this relay's own disk holds a damaged manifest
+            raise web.HTTPInternalServerError(text=f"held v{version}: {exc}\n") from None
         if name == MANIFEST_NAME:
             return await send_range(request, len(raw), lambda s, e: iter([raw[s:e]]), "application/json", BYTES_OUT.inc)
-        index = next((i for i, f in enumerate(manifest["files"]) if f["name"] == name), None)
+        index = next((i for i, f in enumerate(manifest.files) if f.name == name), None)
         if index is None:
             raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
 
-        size, open_file = manifest["files"][index]["size"], lambda: relay.open_file(version, name)
+        size, open_file = manifest.files[index].size, lambda: relay.open_file(version, name)
         CLIENTS.inc()
         try:
             if isinstance(where, Pull) and not where.complete:
@@ -186,14 +185,14 @@ def main(options: RelayOptions) -> int:
     # Without Redis (a relay tier of a run trained in another cluster) it follows its upstream's long-poll.
     ctx = component_context(options, components.RELAY, redis_optional=True)
     shardcast = ctx.bundle.run.spec.shardcast
-    app = make_app(
+    settings = RelaySettings(
         options.upstream,
         options.cache_dir,
         ctx.run_name,
         options.keep_versions or shardcast.keep_versions,
-        redis_client=ctx.redis,
         public_key=run_public_key(shardcast),
         max_disk_bytes=options.max_disk_bytes or shardcast.relay_max_disk_bytes,
     )
+    app = make_app(settings, redis_client=ctx.redis)
     asyncio.run(serve_until(app, options.host, options.port, ctx.stop))
     return 0

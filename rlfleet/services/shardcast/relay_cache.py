@@ -24,7 +24,7 @@
   shutdown      a hung upstream cannot hold a stopping relay: probes and `latest` use an aiohttp session
                 closed at shutdown, and the pulls' Fetchers are aborted (blocked reads return at once)
   retention     the newest `keep_versions` complete versions and every version their delta chains pass through
-                (delta.chain.retained); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older
+                (versions.chain.retained); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older
                 versions are dropped (renamed away first) before a pull starts, a version larger than it is refused
 Metrics: rlfleet_relay_bytes_in_total, rlfleet_relay_bytes_out_total, rlfleet_relay_versions_held,
 rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds, rlfleet_relay_fetch_seconds.
@@ -38,16 +38,17 @@ import shutil
 import threading
 import time
 import uuid
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import aiohttp
 import redis
 from prometheus_client import Counter, Gauge, Histogram
 
-from rlfleet.services.shardcast.client import BACKOFF_MAX, BACKOFF_START, PARALLEL, Fetcher, FetchError, Sources
+from rlfleet.services.shardcast.client import PARALLEL, Fetcher, FetchError, FetchSettings, Sources
 from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_path
 from rlfleet.services.shardcast.pull import Pull
-from rlfleet.services.shardcast.sources import CONNECT_TIMEOUT, READ_TIMEOUT
+from rlfleet.services.shardcast.sources import BACKOFF_MAX, BACKOFF_START, CONNECT_TIMEOUT, READ_TIMEOUT
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
 from rlfleet.versions.chain import dir_retained
 from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
@@ -87,29 +88,42 @@ class DiskBoundError(RuntimeError):
     """A version that does not fit under the relay's disk bound."""
 
 
+@dataclass(frozen=True)
+class RelaySettings:
+    """What one relay is: its upstream, cache and run, what it keeps, and how it pulls."""
+
+    upstream: str  # base URL of the origin or a lower-tier relay
+    cache_dir: Path  # versions live in cache_dir/run
+    run: str
+    keep_versions: int  # complete versions kept (and the versions their delta chains need)
+    _: KW_ONLY
+    fetch_timeout: float = 120.0  # seconds one pull may take
+    public_key: object = None  # ed25519 public key: manifests must carry a valid signature; None: not required
+    max_disk_bytes: int | None = None  # bound on held versions plus pulls in flight
+    parallel: int = PARALLEL  # shards one pull downloads at once
+
+
 class Relay:
     """The cache, the pulls in flight and the retention rules of one relay process."""
 
-    def __init__(
-        self,
-        upstream: str,
-        cache_dir: Path,
-        run: str,
-        keep_versions: int,
-        fetch_timeout: float = 120.0,
-        public_key=None,
-        max_disk_bytes: int | None = None,
-        parallel: int = PARALLEL,
-    ):
-        if keep_versions < 1:
-            raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
-        self.upstream = upstream.rstrip("/")
-        self.run = run
-        self.root = Path(cache_dir) / run
-        self.keep = keep_versions
-        self.fetch_timeout = fetch_timeout
-        self.public_key, self.max_disk, self.parallel = public_key, max_disk_bytes, parallel
+    def __init__(self, settings: RelaySettings):
+        if settings.keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {settings.keep_versions}")
+        self.upstream = settings.upstream.rstrip("/")
+        self.run = settings.run
+        self.root = Path(settings.cache_dir) / settings.run
+        self.keep = settings.keep_versions
+        self.max_disk = settings.max_disk_bytes
         self.closing = threading.Event()  # aborts pulls in flight at shutdown
+        self.fetch = FetchSettings(  # every pull's: one upstream, its bytes counted, aborted at shutdown
+            Sources([self.upstream]),
+            self.run,
+            timeout=settings.fetch_timeout,
+            public_key=settings.public_key,
+            parallel=settings.parallel,
+            on_bytes=BYTES_IN.inc,
+            stop=self.closing,
+        )
         self.http: aiohttp.ClientSession | None = None  # upstream probes and `latest`; open while serving
         self._fetchers: set[Fetcher] = set()  # the pulls' downloads in flight, aborted at shutdown
         self.board = VersionBoard()  # what long-polls of `latest` are told
@@ -238,32 +252,23 @@ class Relay:
         there holds), then rename (pull thread)."""
         started = time.monotonic()
         version, partial = pull.version, self.partial_dir(pull.version)
-        fetcher = Fetcher(
-            Sources([self.upstream]),
-            self.run,
-            version,
-            self.fetch_timeout,
-            on_bytes=BYTES_IN.inc,
-            stop=self.closing,
-            public_key=self.public_key,
-            parallel=self.parallel,
-        )
+        fetcher = Fetcher(self.fetch, version)
         self._fetchers.add(fetcher)
         journal = ShardJournal(partial)
         try:
             raw, manifest = fetcher.manifest()
-            size = sum(f["size"] for f in manifest["files"])
+            size = sum(f.size for f in manifest.files)
             if self.max_disk is not None and size > self.max_disk:
                 raise DiskBoundError(f"v{version} has {size} bytes, more than the relay's disk bound {self.max_disk}")
             for other, path in self.partials().items():  # leftovers of pulls that will not resume
                 if other < version and other not in self._pulls:
                     shutil.rmtree(path, ignore_errors=True)
             self.prune(room_for=size)
-            done = journal.resume(raw, manifest)
+            done = journal.resume(raw, manifest.files)
             pull.size = size
             pull.ready |= done
             pull.raw, pull.manifest = raw, manifest
-            total = sum(len(f["shards"]) for f in manifest["files"])
+            total = sum(len(f.shards) for f in manifest.files)
             if len(done) == total:  # everything was already here (or only empty files)
                 self._finish(pull)
             pull.notify()
@@ -279,7 +284,7 @@ class Relay:
                     self._finish(pull)
                 pull.notify()
 
-            fetcher.shards(manifest, partial, done, on_shard, pull.progress)
+            fetcher.shards(manifest.files, partial, done, on_shard, pull.progress)
         except BaseException:
             journal.close()
             if not fetcher.stopped:  # a failed pull leaves nothing; a stopped one is resumed later

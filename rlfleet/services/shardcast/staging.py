@@ -17,9 +17,10 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME
+from rlfleet.versions.manifest import COMPLETE_MARKER, MANIFEST_NAME, FileEntry
 
 log = logging.getLogger("rlfleet.shardcast.staging")
 
@@ -44,14 +45,15 @@ def allocate(fd: int, size: int) -> None:
 class ShardJournal:
     """`{partial}/.shards`: one "i j" line per shard of files[i] written after its sha256 matched.
     `resume` makes `partial` hold the manifest `raw` (a partial dir of another manifest is wiped)
-    and returns the journaled shards that still verify; `record` appends one (thread-safe)."""
+    and returns the journaled shards of `files` (what is being downloaded of it) that still verify;
+    `record` appends one (thread-safe)."""
 
     def __init__(self, partial: Path):
         self.partial = partial
         self._file = None
         self._lock = threading.Lock()
 
-    def resume(self, raw: bytes, manifest: dict) -> set[tuple[int, int]]:
+    def resume(self, raw: bytes, files: Sequence[FileEntry]) -> set[tuple[int, int]]:
         partial = self.partial
         if partial.exists() and read_optional(partial / MANIFEST_NAME) != raw:
             shutil.rmtree(partial)
@@ -61,11 +63,11 @@ class ShardJournal:
         for line in (read_optional(partial / JOURNAL) or b"").decode(errors="replace").splitlines():
             try:
                 i, j = (int(x) for x in line.split())
-                entry = manifest["files"][i]
-                shard = entry["shards"][j]
-                with open(partial / entry["name"], "rb") as f:
-                    f.seek(shard["offset"])
-                    if hashlib.sha256(f.read(shard["size"])).hexdigest() == shard["sha256"]:
+                entry = files[i]
+                shard = entry.shards[j]
+                with open(partial / entry.name, "rb") as f:
+                    f.seek(shard.offset)
+                    if hashlib.sha256(f.read(shard.size)).hexdigest() == shard.sha256:
                         done.add((i, j))
             except (ValueError, IndexError, OSError):
                 continue  # a torn journal line or a missing file: fetch that shard again

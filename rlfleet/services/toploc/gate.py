@@ -41,6 +41,7 @@ from prometheus_client import Counter
 
 from rlfleet.models.policy import configure_torch_threads, load_policy
 from rlfleet.services.shardcast.assemble import fetch_policy
+from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.reputation import ban_plan, field
@@ -140,7 +141,10 @@ class Gate:
         self._dead_letter = ctx.redis.register_script(_DEAD_LETTER)
         self._errors: dict[bytes, str] = {}  # entry id -> the last error handling it raised here
         self._draw = random.SystemRandom()  # workers must not predict which groups get the prefill
-        self.public_key = run_public_key(self.spec.shardcast)  # manifests are checked even from the origin
+        # manifests are checked even from the origin
+        self.fetch = FetchSettings.over(
+            [self.origin_url], ctx.run_name, timeout=120, stop=ctx.stop, public_key=run_public_key(self.spec.shardcast)
+        )
         ensure_group(ctx.redis, ctx.keys.rollouts, ctx.keys.verifier_group)
 
     def policy(self, version: int):
@@ -148,15 +152,8 @@ class Gate:
         in memory, and on disk those and the versions of the async window."""
         with self._models_lock:
             if version not in self.models:
-                path = fetch_policy(  # whole, or rebuilt from a version held here and deltas
-                    [self.origin_url],
-                    self.ctx.run_name,
-                    version,
-                    self.cache_dir,
-                    timeout=120,
-                    stop=self.ctx.stop,
-                    public_key=self.public_key,
-                )
+                # whole, or rebuilt from a version held here and deltas
+                path = fetch_policy(self.fetch, version, self.cache_dir)
                 self.models[version] = load_policy(path, self.spec.model.dtype)
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
