@@ -328,7 +328,8 @@ def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component,
         print(f"rlfleet: redis-server did not start; see {redis_comp.log}", file=sys.stderr)
         return 1
     if failed:
-        print(f"rlfleet: component {failed.name} keeps failing (exit code {failed.proc.returncode}, "
+        code = failed.proc.returncode if failed.proc else None
+        print(f"rlfleet: component {failed.name} keeps failing (exit code {code}, "
               f"{failed.failures} times in a row); see {failed.log}", file=sys.stderr)  # fmt: skip
         return 1
     print(
@@ -348,6 +349,7 @@ def run_components(supervisor: Supervisor, redis_comp: Component, trainer: Compo
 
     supervisor.start(redis_comp)
     url = supervisor.environ[env.REDIS_URL]
+    assert redis_comp.proc is not None  # start() made it
     try:
         wait_until_ready(url, redis_comp.proc, redis_comp.log, cancelled=lambda: interrupts.requested)
     except RuntimeError:
@@ -362,6 +364,7 @@ def run_components(supervisor: Supervisor, redis_comp: Component, trainer: Compo
     try:
         while not interrupts.requested:
             records = read_metrics(run_path / "metrics.jsonl")
+            depth: int | str
             try:
                 depth = client.xlen(keys.rollouts)
                 if not records:

@@ -99,10 +99,11 @@ def read_manifest_chain(manifest: dict, read: Callable[[int], dict | None]) -> l
     """`manifest` and the manifests before it that need their base, newest first, back to (not
     including) a whole version; `read(v)` gives v's manifest. None when one of them is missing."""
     chain = []
-    while manifest is not None and (base := required_base(manifest)) is not None:
-        chain.append(manifest)
-        manifest = read(base)
-    return None if manifest is None else chain
+    current: dict | None = manifest
+    while current is not None and (base := required_base(current)) is not None:
+        chain.append(current)
+        current = read(base)
+    return None if current is None else chain
 
 
 def check_section(manifest: dict) -> None:
