@@ -27,9 +27,8 @@ import copy
 import hashlib
 
 import yaml
-from pydantic import BaseModel
 
-from rlfleet.config import InferencePool, RLRun
+from rlfleet.config import InferencePool, RelayTier, RLRun
 from rlfleet.operator import names
 
 # Paths (camelCase, under the document) that no component process reads.
@@ -78,7 +77,7 @@ SERVER_READS = {
 def _drop(doc: dict, paths) -> dict:
     doc = copy.deepcopy(doc)
     for path in paths:
-        node = doc
+        node: dict | None = doc
         for key in path[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
@@ -86,7 +85,7 @@ def _drop(doc: dict, paths) -> dict:
     return doc
 
 
-def document(obj: BaseModel) -> dict:
+def document(obj: RLRun | InferencePool | RelayTier) -> dict:
     """A config model as the YAML document its readers get: orchestration fields and cluster-only
     metadata left out (see ORCHESTRATION)."""
     doc = obj.model_dump(mode="json", by_alias=True, exclude_none=True)
