@@ -328,8 +328,7 @@ def supervise(supervisor: Supervisor, redis_comp: Component, trainer: Component,
         print(f"rlfleet: redis-server did not start; see {redis_comp.log}", file=sys.stderr)
         return 1
     if failed:
-        code = failed.proc.returncode if failed.proc else None
-        print(f"rlfleet: component {failed.name} keeps failing (exit code {code}, "
+        print(f"rlfleet: component {failed.name} keeps failing (exit code {failed.proc and failed.proc.returncode}, "
               f"{failed.failures} times in a row); see {failed.log}", file=sys.stderr)  # fmt: skip
         return 1
     print(
@@ -364,9 +363,8 @@ def run_components(supervisor: Supervisor, redis_comp: Component, trainer: Compo
     try:
         while not interrupts.requested:
             records = read_metrics(run_path / "metrics.jsonl")
-            depth: int | str
             try:
-                depth = client.xlen(keys.rollouts)
+                depth: int | str = client.xlen(keys.rollouts)
                 if not records:
                     bar.waiting(startup_status(client, keys, bundle.run.spec.trainer.batch_size))
             except redis.RedisError:
