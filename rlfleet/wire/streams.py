@@ -284,6 +284,12 @@ def group_digest(group: RolloutGroup) -> str:
     return h.hexdigest()
 
 
+# XRANGE/XREVRANGE and XREAD/XREADGROUP replies on rlfleet's clients (RESP2, bytes, never decoded): redis-py
+# types the replies of every protocol and decoding at once, so readers cast to the one they get.
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+StreamReply = list[tuple[bytes, StreamEntries]]
+
+
 def encode_json(payload: dict) -> dict[bytes, bytes]:
     """A small JSON stream message (policy announcements, rejections)."""
     return {MESSAGE_FIELD: json.dumps(payload, separators=(",", ":")).encode()}
