@@ -26,6 +26,7 @@ import math
 import struct
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -288,6 +289,11 @@ def group_digest(group: RolloutGroup) -> str:
 # types the replies of every protocol and decoding at once, so readers cast to the one they get.
 StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 StreamReply = list[tuple[bytes, StreamEntries]]
+
+
+def stream_reply(resp: object) -> StreamReply:
+    """An XREAD/XREADGROUP reply as rlfleet's clients get it ([] for the None of a block that timed out)."""
+    return cast(StreamReply, resp or [])
 
 
 def encode_json(payload: dict) -> dict[bytes, bytes]:
