@@ -128,18 +128,19 @@ class PolicyPublisher:
     def _publish(self, version: int, local_dir: Path, out: Path, section: list | None, full_bytes: int) -> dict:
         """Publish the delta in `out` (described by `section`), or it and the whole files, or these alone."""
         sent = self.last.get("delta_bytes", 0)
-        pays = section is not None and 0 < sent <= self.spec.max_ratio * full_bytes
+        base = self.base[0] if self.base is not None else None  # a section is made only against a base
+        pays = section is not None and base is not None and 0 < sent <= self.spec.max_ratio * full_bytes
         due = version % self.spec.full_every == 0 or self.chain_bytes + sent > self.spec.max_chain_ratio * full_bytes
         if pays and not due:
             kind, src = "delta", out
         elif pays and self.spec.delta_with_whole:  # whole and the delta: the whole files beside the patches
             kind, src = "full+delta", out
-            for entry in section:
+            for entry in section or []:
                 if not (out / entry["name"]).exists():
                     _link(local_dir / entry["name"], out / entry["name"])
         else:
             kind, src, pays = "full", local_dir, False
-        extra = {DELTA: {"format": FORMAT, "base": self.base[0], "files": section}} if pays else None
+        extra = {DELTA: {"format": FORMAT, "base": base, "files": section}} if pays else None
         manifest = publish_version(
             self.store, self.run, version, src, signer=self.signer, shard_size=self.shard_size, extra=extra
         )
@@ -171,8 +172,9 @@ class PolicyPublisher:
 
     def _delta(self, local_dir: Path, out: Path) -> list[dict]:
         """Write the delta of `local_dir` against the base into `out`; return the section's files."""
+        assert self.base is not None  # _has_base() said so
         _, base_dir, base_entries = self.base
-        started, ops = time.monotonic(), Counter()
+        started, ops = time.monotonic(), Counter[str]()
         entries = local_entries(local_dir)
         by_name = {e["name"]: e for e in base_entries}
         names = {e["name"] for e in entries}
