@@ -8,14 +8,13 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import redis
 from redis import Redis
 
 from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.wire import env
-from rlfleet.wire.streams import RunKeys, StreamEntries
+from rlfleet.wire.streams import RunKeys, stream_entries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,5 +128,5 @@ def latest_announced_version(client: redis.Redis, keys: RunKeys) -> int | None:
     """The newest version on the policy stream, or None before the first publish."""
     from rlfleet.wire.streams import decode_json
 
-    entries = cast(StreamEntries, client.xrevrange(keys.policy, count=1))
+    entries = stream_entries(client.xrevrange(keys.policy, count=1))
     return int(decode_json(entries[0][1])["version"]) if entries else None

@@ -291,6 +291,11 @@ StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
 StreamReply = list[tuple[bytes, StreamEntries]]
 
 
+def stream_entries(resp: object) -> StreamEntries:
+    """An XRANGE/XREVRANGE reply as rlfleet's clients get it."""
+    return cast(StreamEntries, resp)
+
+
 def stream_reply(resp: object) -> StreamReply:
     """An XREAD/XREADGROUP reply as rlfleet's clients get it ([] for the None of a block that timed out)."""
     return cast(StreamReply, resp or [])

@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Literal, overload
 from urllib.parse import urlsplit
 
 from rlfleet.services.shardcast.protocol import file_path
@@ -112,6 +113,8 @@ class Fetcher:
             conns.pop(base).close()
         conn = conns.get(base)
         if conn is None:
+            if not parts.hostname:
+                raise ValueError(f"shardcast source {base!r}: no host in the URL (http://HOST:PORT)")
             kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
             conn = conns[base] = kind(parts.hostname, parts.port, timeout=READ_TIMEOUT)
             with self._lock:
@@ -184,6 +187,11 @@ class Fetcher:
                 pause = max(0.0, min(delay, self.deadline - time.monotonic()))
                 (self.stop or self._abort).wait(pause)
                 delay = min(delay * 2, BACKOFF_MAX)
+
+    @overload
+    def manifest(self, missing_ok: Literal[False] = False) -> tuple[bytes, dict]: ...
+    @overload
+    def manifest(self, missing_ok: bool) -> tuple[bytes, dict] | None: ...
 
     def manifest(self, missing_ok: bool = False) -> tuple[bytes, dict] | None:
         """(raw bytes, parsed manifest) from the first source whose manifest verifies. With `missing_ok`,
@@ -267,7 +275,7 @@ class Fetcher:
     def _shard(self, entry: dict, shard: dict, fd: int, progress: Callable[[int, int], None] | None) -> None:
         """Receive one shard, hashing and writing each piece as it arrives, until its digest matches."""
         size, where = shard["size"], f"{entry['name']}[{shard['offset']}:+{shard['size']}]"
-        state = {"have": 0, "hash": hashlib.sha256(), "attempt": 0}  # kept across a broken connection
+        state: dict[str, Any] = {"have": 0, "hash": hashlib.sha256(), "attempt": 0}  # kept across a broken connection
 
         def attempt(base: str) -> None:
             started, had = time.monotonic(), state["have"]

@@ -70,8 +70,13 @@ class Pull:
                 raise self.error
             await changed.wait()
 
+    def _files(self) -> list[dict]:
+        """The manifest's files (served once the manifest is in: serving waits for it)."""
+        assert self.manifest is not None, "no manifest yet"
+        return self.manifest["files"]
+
     def _shards(self, index: int) -> list[dict]:
-        return self.manifest["files"][index]["shards"]
+        return self._files()[index]["shards"]
 
     def covers(self, index: int, start: int, end: int) -> bool:
         """All shards of file `index` overlapping bytes [start, end) are verified."""
@@ -86,7 +91,7 @@ class Pull:
     def available(self, index: int, pos: int) -> int:
         """End of the bytes of file `index` on disk from `pos` on without a gap (verified or not)."""
         if self.complete:
-            return self.manifest["files"][index]["size"]
+            return self._files()[index]["size"]
         for j, s in enumerate(self._shards(index)):
             if s["offset"] + s["size"] <= pos:
                 continue
@@ -111,7 +116,7 @@ async def stream(
     loop = asyncio.get_running_loop()
     with open_file() as f:
         resp = await start_response(request, status, start, end, size, "application/octet-stream")
-        pos, sent_from = start, {}  # shard -> attempt whose bytes went out before it verified
+        pos, sent_from = start, dict[int, int]()  # shard -> attempt whose bytes went out before it verified
 
         def broken() -> bool:
             return any(pull.attempts.get((index, j), 0) != a for j, a in sent_from.items())

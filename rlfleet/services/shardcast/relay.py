@@ -95,6 +95,7 @@ def make_app(
             if isinstance(where, Pull):
                 await where.wait(lambda: where.raw is not None)
                 raw, manifest = where.raw, where.manifest
+                assert raw is not None and manifest is not None  # set together, and wait() saw raw
             else:
                 raw = (where / MANIFEST_NAME).read_bytes()
                 manifest = json.loads(raw)

@@ -18,6 +18,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME
 
@@ -48,7 +49,7 @@ class ShardJournal:
 
     def __init__(self, partial: Path):
         self.partial = partial
-        self._file = None
+        self._file: TextIO | None = None  # the journal, opened by resume()
         self._lock = threading.Lock()
 
     def resume(self, raw: bytes, manifest: dict) -> set[tuple[int, int]]:
@@ -76,6 +77,7 @@ class ShardJournal:
 
     def record(self, i: int, j: int) -> None:
         with self._lock:
+            assert self._file is not None, "record() before resume()"
             self._file.write(f"{i} {j}\n")
             self._file.flush()
 
