@@ -29,10 +29,12 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -ra -m "not slow"
 
+# Style, format, import contracts and types ([tool.mypy] in pyproject.toml: rlfleet/); CI runs it before the tests.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The container images with podman, no registry (scripts/images.sh; docs/kubernetes.md): the local
 # Debian base, the operator and the CPU image; every Dockerfile linted; sizes printed.

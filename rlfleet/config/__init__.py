@@ -181,7 +181,8 @@ def parse_bundle(text: str, source: str = "<config>") -> Bundle:
         problems.append(f"expected exactly one RLRun document, found {len(runs)}")
     if not problems:
         run_name = runs[0].metadata.name
-        for other in [*pools, *relays]:
+        others: list[InferencePool | RelayTier] = [*pools, *relays]
+        for other in others:
             if other.spec.run != run_name:
                 problems.append(
                     f"{other.kind} {other.metadata.name}: spec.run: {other.spec.run!r} names no RLRun in this file "

@@ -168,5 +168,9 @@ class RelayTier(Spec):
     spec: RelayTierSpec
 
 
-KINDS: dict[str, type[Spec]] = {"RLRun": RLRun, "InferencePool": InferencePool, "RelayTier": RelayTier}
+KINDS: dict[str, type[RLRun | InferencePool | RelayTier]] = {
+    "RLRun": RLRun,
+    "InferencePool": InferencePool,
+    "RelayTier": RelayTier,
+}
 LOCAL_POOL = "local"  # the pool of a file without InferencePool documents (InferencePoolSpec defaults)

@@ -33,7 +33,7 @@ class ArithmeticTaskSpec(Spec):
     )
     max_operand: int = Field(default=99, ge=1, le=9999, description="Operands are drawn from [0, maxOperand].")
     operations: list[Literal["+", "-"]] = Field(
-        default_factory=lambda: ["+"], min_length=1, description="Operators to draw from."
+        default_factory=lambda: list[Literal["+", "-"]](["+"]), min_length=1, description="Operators to draw from."
     )
 
 

@@ -59,7 +59,9 @@ RejectionReason = Literal[
 
 class BanPolicySpec(Spec):
     ban_on: list[RejectionReason] = Field(
-        default_factory=lambda: ["toploc", "logprob_mismatch", "impossible_token", "completion_end", "seed_replay"],
+        default_factory=lambda: list[RejectionReason](
+            ["toploc", "logprob_mismatch", "impossible_token", "completion_end", "seed_replay"]
+        ),
         description="Reasons that ban a worker at their first occurrence (default: the checks an honest worker "
         "with the claimed weights cannot fail: proof, logprob, sampling, where a completion stops, seed replay).",
     )
@@ -69,7 +71,7 @@ class BanPolicySpec(Spec):
         description="Ban a worker once it has this many rejections, not counting the forgiven reasons (0 = never).",
     )
     forgiven: list[RejectionReason] = Field(
-        default_factory=lambda: ["stale_version", "replay"],
+        default_factory=lambda: list[RejectionReason](["stale_version", "replay"]),
         description="Reasons that never count toward maxRejections (default: stale_version, which an honest worker "
         "behind a slow link hits when its group outlives maxAsyncLevel, and replay, which two honest groups of one "
         "prompt with the same completions also get). banOn still applies to them.",
@@ -82,7 +84,7 @@ class VerifierSpec(Spec):
         default_factory=ToplocSpec, description="TOPLOC proof parameters and acceptance thresholds."
     )
     engines: list[Literal["torch", "vllm"]] = Field(
-        default_factory=lambda: ["torch"],
+        default_factory=lambda: list[Literal["torch", "vllm"]](["torch"]),
         min_length=1,
         description="Engines whose groups the gate admits (a group records the engine that drew it). torch groups "
         "are replayed from their seeds on spot-check; vllm groups cannot be (vLLM's own sampler, not bit-reproducible "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 from rlfleet.wire.streams import RunKeys
 
@@ -17,7 +18,9 @@ class BuildProgress:
     terminal, else a line every HEARTBEAT_S seconds and at the end; silent unless a build actually runs."""
 
     def __init__(self, what: str, tty: bool):
-        self.what, self.tty, self.bar, self.said = what, tty, None, None
+        self.what, self.tty = what, tty
+        self.bar: Any = None  # a tqdm bar (untyped library), made on the first call on a terminal
+        self.said: float | None = None  # when the last line was printed
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
@@ -72,7 +75,7 @@ class Progress:
             self.said = now
         self.status = status
 
-    def update(self, records: list[dict], queue_depth: int) -> None:
+    def update(self, records: list[dict], queue_depth: int | str) -> None:
         new = records[self.seen :]
         if not new:
             return

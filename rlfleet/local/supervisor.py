@@ -109,17 +109,17 @@ class Supervisor:
         left in its process group afterwards is killed."""
         deadline = time.monotonic() + STOP_GRACE_S
         for wave in ([c for c in self.comps if not c.stop_last], [c for c in self.comps if c.stop_last]):
-            running = [c for c in wave if c.proc is not None and c.proc.poll() is None]
-            for comp in running:
-                comp.proc.send_signal(signal.SIGTERM)
+            running = [(c, c.proc) for c in wave if c.proc is not None and c.proc.poll() is None]
+            for _, proc in running:
+                proc.send_signal(signal.SIGTERM)
             while running and time.monotonic() < deadline and not force():
                 time.sleep(0.05)
-                running = [c for c in running if c.proc.poll() is None]
-            for comp in running:
+                running = [(c, proc) for c, proc in running if proc.poll() is None]
+            for comp, proc in running:
                 if not force():
                     self.say(f"{comp.name} did not stop within {STOP_GRACE_S}s of SIGTERM; killed (see {comp.log})")
-                comp.proc.kill()
-                comp.proc.wait()
+                proc.kill()
+                proc.wait()
             deadline = max(deadline, time.monotonic() + 5)  # the last wave gets a few seconds of its own
         for comp in self.comps:
             if comp.proc is not None:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
 
 from rlfleet.wire import env
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -22,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GENERIC_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of an HF directory; every component loads it through here.
 
     A directory whose tokenizer_config.json names the generic `tokenizers` backend (the builtin
@@ -122,7 +126,7 @@ def score(
     return Scored(
         hidden=[hidden[i, :n] for i, n in enumerate(lengths)] if want_hidden else [],
         logprobs=[logp[i, : n - 1] for i, n in enumerate(lengths)],
-        entropy=[ent[i, : n - 1] for i, n in enumerate(lengths)] if want_entropy else [],
+        entropy=[ent[i, : n - 1] for i, n in enumerate(lengths)] if ent is not None else [],
     )
 
 

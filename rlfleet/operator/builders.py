@@ -34,7 +34,7 @@ from rlfleet.operator.pods import (
 )
 from rlfleet.operator.pools import build_pool_children, build_pool_config_map, build_rollout_workload
 from rlfleet.operator.relays import build_relay_children, resolve_pool_relays, resolve_upstream
-from rlfleet.operator.resources import MissingDependency, SpecError, check_cluster_run, parse_resource
+from rlfleet.operator.resources import MissingDependency, SpecError, check_cluster_run, parse_as, parse_resource
 
 __all__ = [
     "ClusterDefaults",
@@ -46,6 +46,7 @@ __all__ = [
     "build_relay_children",
     "build_rollout_workload",
     "check_cluster_run",
+    "parse_as",
     "parse_resource",
     "resolve_pool_relays",
     "resolve_upstream",
@@ -100,7 +101,7 @@ def build_trainer_statefulset(
     `--hold-when-done`: after the last step the trainer waits to be scaled down instead of exiting (a
     StatefulSet would restart it)."""
     r, t = run.metadata.name, run.spec.trainer
-    dist = []
+    dist: list[dict] = []
     if t.replicas > 1:
         dist = [
             {"name": "MASTER_ADDR", "value": names.trainer_master_addr(r, namespace)},
@@ -213,6 +214,9 @@ def build_ingest_deployment(
     run: RLRun, namespace: str, owner: Owner | None = None, defaults: ClusterDefaults = DEFAULTS, active: bool = True
 ) -> dict:
     """Only when spec.ingest.tokens names the Secret of worker tokens (mounted into this pod only)."""
+    tokens = run.spec.ingest.tokens
+    if not tokens:
+        raise SpecError(["spec.ingest.tokens: name the Secret of worker tokens the ingest deployment mounts"])
     return _server_deployment(
         run,
         names.INGEST,
@@ -224,7 +228,7 @@ def build_ingest_deployment(
         active,
         run.spec.ingest,
         mounts=[{"name": "ingest-tokens", "mountPath": names.INGEST_DIR, "readOnly": True}],
-        volumes=[secret_volume("ingest-tokens", run.spec.ingest.tokens, [names.INGEST_TOKENS_KEY])],
+        volumes=[secret_volume("ingest-tokens", tokens, [names.INGEST_TOKENS_KEY])],
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from rlfleet.config import InferencePoolSpec, RelayTierSpec, RLRunSpec
 from rlfleet.operator import names
@@ -196,7 +197,12 @@ def _columns(kind: names.KindInfo) -> list[dict]:
 
 def build_crd(kind: names.KindInfo) -> dict:
     """One CustomResourceDefinition (apiextensions.k8s.io/v1) as a dict."""
-    spec_model = {"RLRun": RLRunSpec, "InferencePool": InferencePoolSpec, "RelayTier": RelayTierSpec}[kind.kind]
+    spec_models: dict[str, type[BaseModel]] = {
+        "RLRun": RLRunSpec,
+        "InferencePool": InferencePoolSpec,
+        "RelayTier": RelayTierSpec,
+    }
+    spec_model = spec_models[kind.kind]
     description = {
         "RLRun": "Desired state of an asynchronous GRPO run: model, task, sampling, trainer, verifier, Redis and "
         "store.",

@@ -24,6 +24,7 @@ import logging
 
 import kopf
 
+from rlfleet.config import RLRun
 from rlfleet.operator import builders, names, reconcile, secrets
 from rlfleet.operator.kube import Kube, connect
 from rlfleet.operator.options import OperatorOptions
@@ -94,7 +95,7 @@ async def run_deleted(body, namespace, memo, logger, retry, runtime, **_) -> Non
     once its pods are gone (a pod still running would make them again). Bounded: after STOP_TIMEOUT_S
     the keys go whatever still runs; DELETE_RETRIES failed tries at them, and the finalizer goes."""
     try:
-        run = builders.parse_resource(dict(body))
+        run = builders.parse_as(dict(body), RLRun)
     except builders.SpecError:
         return
     name, uid = run.metadata.name, body["metadata"].get("uid")
@@ -106,7 +107,7 @@ async def run_deleted(body, namespace, memo, logger, retry, runtime, **_) -> Non
     if left:
         logger.warning(f"{left} pods of run {name} still there after {STOP_TIMEOUT_S:.0f}s; deleting its keys anyway")
     tries = retry - waits.get(uid, 0)
-    _, found = await secrets.check_secrets(memo.kube, namespace, secrets.run_secrets(run))
+    _blocked, found = await secrets.check_secrets(memo.kube, namespace, secrets.run_secrets(run))
     url = secrets.redis_url(run, found)
     if not url:
         waits.pop(uid, None)

@@ -72,7 +72,8 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
     if (complete or failed) and not finished_at:
         finished_at = now
     ttl = spec.ttl_seconds_after_finished
-    expired = bool(finished_at and ttl is not None and (seen.now - parse_time(finished_at)).total_seconds() >= ttl)
+    finished = parse_time(finished_at)
+    expired = bool(finished and ttl is not None and (seen.now - finished).total_seconds() >= ttl)
     done = f"{seen.step if seen.step is not None else '?'} of {steps} steps committed"
 
     if spec.remote:

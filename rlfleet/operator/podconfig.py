@@ -25,9 +25,8 @@ import hashlib
 from collections.abc import Mapping
 
 import yaml
-from pydantic import BaseModel
 
-from rlfleet.config import InferencePool, RLRun
+from rlfleet.config import InferencePool, RelayTier, RLRun
 from rlfleet.operator import names
 from rlfleet.wire.views import VIEWS, View, project, union
 
@@ -41,7 +40,7 @@ RUN_READERS = (names.TRAINER, names.VERIFIER, names.ORIGIN, names.INGEST, names.
 def _drop(doc: dict, paths) -> dict:
     doc = copy.deepcopy(doc)
     for path in paths:
-        node = doc
+        node: dict | None = doc
         for key in path[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict):
@@ -49,11 +48,11 @@ def _drop(doc: dict, paths) -> dict:
     return doc
 
 
-def _dump(obj: BaseModel) -> dict:
+def _dump(obj: RLRun | InferencePool | RelayTier) -> dict:
     return obj.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-def document(obj: BaseModel, views: Views = VIEWS) -> dict:
+def document(obj: RLRun | InferencePool | RelayTier, views: Views = VIEWS) -> dict:
     """A config model as the widest document its readers get: the union of the views of its kind."""
     return project(_dump(obj), union(views.values(), obj.kind))
 

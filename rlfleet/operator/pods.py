@@ -72,7 +72,7 @@ def meta(name: str, namespace: str, labels: dict, owner: Owner | None) -> dict:
 def pod_env(run: RLRun, redis: bool = True, component: str | None = None) -> list[dict]:
     """What every pod gets; `redis=False` for pods that must never reach the run's Redis. With
     spec.redis.roleUrls, `component`'s Redis ACL role's URLs (redis_role_env)."""
-    out = [
+    out: list[dict] = [
         {"name": names.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": env.CACHE, "value": f"{names.CACHE_DIR}/models"},
@@ -82,6 +82,7 @@ def pod_env(run: RLRun, redis: bool = True, component: str | None = None) -> lis
         return out
     if spec.url_secret and spec.role_urls and component:
         return out[:1] + redis_role_env(spec.url_secret, component) + out[1:]
+    value: dict
     if spec.url_secret:
         value = {"valueFrom": {"secretKeyRef": {"name": spec.url_secret, "key": names.REDIS_URL_KEY}}}
     else:
@@ -147,7 +148,9 @@ def _probes(component: str, http_port: str | None) -> dict:
 
 
 def resource_requirements(resources: ResourcesSpec, gpus: int = 0, gpu_resource: str = "nvidia.com/gpu") -> dict:
-    out = {k: dict(v) for k, v in (("requests", resources.requests), ("limits", resources.limits)) if v}
+    out: dict[str, dict] = {
+        k: dict(v) for k, v in (("requests", resources.requests), ("limits", resources.limits)) if v
+    }
     if gpus > 0:  # an extended resource: its request, when given, must equal its limit
         out.setdefault("limits", {})[gpu_resource] = gpus
     return out
@@ -285,7 +288,7 @@ def service(
     headless: bool = False,
 ) -> dict:
     """A Service over the pods `match` selects; `ports` are (name, port) pairs, each to the same container port."""
-    spec = {"selector": match, "ports": [{"name": n, "port": p, "targetPort": p} for n, p in ports]}
+    spec: dict = {"selector": match, "ports": [{"name": n, "port": p, "targetPort": p} for n, p in ports]}
     if headless:
         spec.update(clusterIP="None", publishNotReadyAddresses=True)
     return {"apiVersion": "v1", "kind": "Service", "metadata": meta(name, namespace, labels, owner), "spec": spec}

@@ -74,8 +74,8 @@ async def announce_changes(ctx: Ctx, body: dict, old: dict, new: dict) -> None:
     if after and after != before:
         kind = "Warning" if after == "Failed" else "Normal"
         await post(ctx, body, kind, "PhaseChanged", f"phase {before or '(none)'} -> {after}")
-    old_ready = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
-    new_ready = next((c for c in new.get("conditions") or [] if c.get("type") == "Ready"), {})
+    old_ready: dict = next((c for c in old.get("conditions") or [] if c.get("type") == "Ready"), {})
+    new_ready: dict = next((c for c in new.get("conditions") or [] if c.get("type") == "Ready"), {})
     reason = new_ready.get("reason")
     if reason in PROBLEMS and (reason, new_ready.get("message")) != (old_ready.get("reason"), old_ready.get("message")):
         await post(ctx, body, "Warning", reason, new_ready.get("message", ""))
@@ -138,7 +138,7 @@ async def _progress(url: str | None, run: str) -> dict | None:
 async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Outcome:
     old = body.get("status") or {}
     try:
-        run = builders.parse_resource(body)
+        run = builders.parse_as(body, RLRun)
         builders.check_cluster_run(run)
     except builders.SpecError as exc:
         status = _invalid_status(ctx, body, exc.problems)
@@ -202,7 +202,7 @@ async def parent_run(ctx: Ctx, namespace: str, name: str) -> tuple[dict, RLRun]:
     if body is None:
         raise MissingRun("RunNotFound", f"RLRun {name!r} does not exist in namespace {namespace!r} (yet)")
     try:
-        run = builders.parse_resource(body)
+        run = builders.parse_as(body, RLRun)
         builders.check_cluster_run(run)
     except builders.SpecError:
         raise MissingRun("RunNotValid", f"RLRun {name!r} has an invalid spec; waiting for it to be fixed") from None
@@ -213,7 +213,7 @@ async def run_tiers(ctx: Ctx, namespace: str) -> list[RelayTier]:
     tiers = []
     for body in await ctx.kube.list("RelayTier", namespace):
         try:
-            tiers.append(builders.parse_resource(body))
+            tiers.append(builders.parse_as(body, RelayTier))
         except builders.SpecError:
             continue  # that tier reports its own InvalidSpec
     return tiers
@@ -252,6 +252,8 @@ async def reconcile_scalable(
     old = body.get("status") or {}
     try:
         obj = builders.parse_resource(body)
+        if isinstance(obj, RLRun):
+            raise builders.SpecError(["kind: RLRun where InferencePool or RelayTier is expected"])
     except builders.SpecError as exc:
         status = _invalid_status(ctx, body, exc.problems)
         await announce_changes(ctx, body, old, status)
@@ -311,7 +313,7 @@ async def reconcile_run_members(ctx: Ctx, run_body: dict) -> None:
     timer calls this; pools and tiers have no timer of their own)."""
     namespace, run_name = run_body["metadata"]["namespace"], run_body["metadata"]["name"]
     try:
-        run = builders.parse_resource(run_body)
+        run = builders.parse_as(run_body, RLRun)
         builders.check_cluster_run(run)
     except builders.SpecError:
         return  # the members wait for their run to be fixed

@@ -32,7 +32,7 @@ def render_bundle(
     bundle: Bundle, namespace: str, defaults: ClusterDefaults = ClusterDefaults(), source: str = "<config>"
 ) -> list[dict]:
     """The children of the run, its relay tiers and its pools; ConfigError naming each document's problems."""
-    run, objects, problems = bundle.run, [], []
+    run, objects, problems = bundle.run, [], list[str]()
 
     def build(who: str, fn, *args) -> None:
         try:

@@ -3,9 +3,11 @@ what a cluster needs spelled out that `rlfleet run` fills in by itself. Errors s
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ValidationError
+from typing import TypeVar
 
-from rlfleet.config import KINDS, InferencePool, RLRun, validation_problems
+from pydantic import ValidationError
+
+from rlfleet.config import KINDS, InferencePool, RelayTier, RLRun, validation_problems
 from rlfleet.operator import names
 
 
@@ -21,7 +23,10 @@ class MissingDependency(SpecError):
     """The resource names another one that does not exist (yet): worth retrying, not a bad spec."""
 
 
-def parse_resource(body: dict) -> BaseModel:
+Resource = TypeVar("Resource", RLRun, InferencePool, RelayTier)
+
+
+def parse_resource(body: dict) -> RLRun | InferencePool | RelayTier:
     """A custom resource body (as the API server returns it) -> its config model, or SpecError."""
     kind = body.get("kind")
     meta = body.get("metadata") or {}
@@ -37,6 +42,14 @@ def parse_resource(body: dict) -> BaseModel:
         return KINDS[kind].model_validate(doc)
     except ValidationError as exc:
         raise SpecError(validation_problems(exc)) from None
+
+
+def parse_as(body: dict, kind: type[Resource]) -> Resource:
+    """parse_resource for a body read as `kind` (found or listed by that kind): any other kind is a SpecError."""
+    obj = parse_resource(body)
+    if not isinstance(obj, kind):
+        raise SpecError([f"kind: {obj.kind!r} where {kind.__name__} is expected"])
+    return obj
 
 
 def _local_path_problem(field: str, path: str, fix: str) -> str | None:

@@ -126,7 +126,9 @@ def _factory_defaults(model: type[BaseModel], schema: dict) -> None:
         if len(subs) == 1:  # not into a union: one variant's default would apply to all (see _merge_variants)
             _factory_defaults(subs[0], prop)
         if info.default_factory is not None and "default" not in prop and prop.get("type") != "object":
-            prop["default"] = TypeAdapter(info.annotation).dump_python(info.default_factory(), mode="json")
+            default = info.get_default(call_default_factory=True)
+            adapter = TypeAdapter(info.annotation or Any)  # `annotation` is None only on a field pydantic rejects
+            prop["default"] = adapter.dump_python(default, mode="json")
 
 
 _ORDER = (

@@ -29,11 +29,11 @@ def make_task(spec) -> TaskSource:
 
         return ArithmeticTask(seed=spec.seed, max_operand=spec.max_operand, operations=tuple(spec.operations))
     if spec.type == "math":
-        from rlfleet.tasks.math import from_spec
+        from rlfleet.tasks.math import from_spec as math_task
 
-        return from_spec(spec)
+        return math_task(spec)
     if spec.type == "code":
-        from rlfleet.tasks.code import from_spec
+        from rlfleet.tasks.code import from_spec as code_task
 
-        return from_spec(spec)
+        return code_task(spec)
     raise ValueError(f"task.type: unknown task type {spec.type!r}")

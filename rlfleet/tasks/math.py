@@ -221,7 +221,8 @@ def _closes_at_end(s: str) -> bool:
 def _split_top_level(s: str) -> list[str]:
     """`(1, 2)` or `1, 2` -> ["1", "2"]; commas inside brackets stay."""
     inner = s[1:-1] if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and _closes_at_end(s) else s
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    depth, cur = 0, list[str]()
     for ch in inner:
         depth += ch in "([{"
         depth -= ch in ")]}"

@@ -86,10 +86,11 @@ def read_manifest_chain(manifest: Manifest, read: Callable[[int], Manifest | Non
     """`manifest` and the manifests before it that need their base, newest first, back to (not
     including) a whole version; `read(v)` gives v's manifest. None when one of them is missing."""
     chain = []
-    while manifest is not None and (base := required_base(manifest)) is not None:
-        chain.append(manifest)
-        manifest = read(base)
-    return None if manifest is None else chain
+    current: dict | None = manifest
+    while current is not None and (base := required_base(current)) is not None:
+        chain.append(current)
+        current = read(base)
+    return None if current is None else chain
 
 
 def retained(versions: Iterable[int], keep: int, base: Callable[[int], int | None]) -> set[int]:

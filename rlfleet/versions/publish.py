@@ -123,7 +123,8 @@ class PolicyPublisher:
     ) -> Manifest:
         """Publish the delta in `out` (described by `section`), or it and the whole files, or these alone."""
         sent = self.last.get("delta_bytes", 0)
-        pays = section is not None and 0 < sent <= self.spec.max_ratio * full_bytes
+        base = self.base[0] if self.base is not None else None  # a section is made only against a base
+        pays = section is not None and base is not None and 0 < sent <= self.spec.max_ratio * full_bytes
         due = version % self.spec.full_every == 0 or self.chain_bytes + sent > self.spec.max_chain_ratio * full_bytes
         if pays and not due:
             kind, src = "delta", out
@@ -166,8 +167,9 @@ class PolicyPublisher:
 
     def _delta(self, local_dir: Path, out: Path) -> list[ResultFile]:
         """Write the delta of `local_dir` against the base into `out`; return the section's files."""
+        assert self.base is not None  # _has_base() said so
         _, base_dir, base_entries = self.base
-        started, ops = time.monotonic(), Counter()
+        started, ops = time.monotonic(), Counter[str]()
         entries = local_entries(local_dir)
         by_name = {e.name: e for e in base_entries}
         names = {e.name for e in entries}

@@ -181,7 +181,7 @@ class FileStore(CheckpointStore):
         return sorted(keys)
 
     def delete_prefix(self, prefix: str) -> None:
-        dirs = set()
+        dirs: set[Path] = set()
         for key in self.list(prefix):
             path = self._path(key)
             path.unlink(missing_ok=True)

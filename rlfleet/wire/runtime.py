@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+from redis import Redis
 
 from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.wire import env
-from rlfleet.wire.streams import RunKeys
+from rlfleet.wire.streams import RunKeys, stream_entries
 from rlfleet.wire.views import VIEWS, view_bundle
 
 
@@ -37,6 +38,15 @@ class Context:
     @property
     def run_name(self) -> str:
         return self.bundle.run.metadata.name
+
+    @property
+    def client(self) -> Redis:
+        """`redis` for a component that cannot run without it (component_context refused to start it without)."""
+        if self.redis is None:
+            raise ConfigError(
+                "redis", [f"spec.redis.url: this component needs Redis (or pass --redis-url / {env.REDIS_URL})"]
+            )
+        return self.redis
 
 
 def setup_logging(component: str) -> logging.Logger:
@@ -73,7 +83,7 @@ def component_context(options: ComponentOptions, component: str, redis_optional:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop, redis_url=url)
+    return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop, redis_url=url or "")
 
 
 # A component rides out a Redis restart (a pod rescheduled, the local launcher's restart with its
@@ -108,5 +118,5 @@ def latest_announced_version(client: redis.Redis, keys: RunKeys) -> int | None:
     """The newest version on the policy stream, or None before the first publish."""
     from rlfleet.wire.streams import decode_json
 
-    entries = client.xrevrange(keys.policy, count=1)
+    entries = stream_entries(client.xrevrange(keys.policy, count=1))
     return int(decode_json(entries[0][1])["version"]) if entries else None

@@ -26,6 +26,7 @@ import math
 import struct
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -284,6 +285,22 @@ def group_digest(group: RolloutGroup) -> str:
     for completion in sorted(np.asarray(c.completion_ids, dtype="<i4").tobytes() for c in group.samples):
         part(completion)
     return h.hexdigest()
+
+
+# XRANGE/XREVRANGE and XREAD/XREADGROUP replies on rlfleet's clients (RESP2, bytes, never decoded): redis-py
+# types the replies of every protocol and decoding at once, so readers cast to the one they get.
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+StreamReply = list[tuple[bytes, StreamEntries]]
+
+
+def stream_entries(resp: object) -> StreamEntries:
+    """An XRANGE/XREVRANGE reply as rlfleet's clients get it."""
+    return cast(StreamEntries, resp)
+
+
+def stream_reply(resp: object) -> StreamReply:
+    """An XREAD/XREADGROUP reply as rlfleet's clients get it ([] for the None of a block that timed out)."""
+    return cast(StreamReply, resp or [])
 
 
 def encode_json(payload: dict) -> dict[bytes, bytes]:

@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from rlfleet.config import parse_bundle
+from rlfleet.config import RelayTier, RLRun, parse_bundle
 from rlfleet.operator import builders as b
 from rlfleet.operator import conditions, names, podconfig
 from rlfleet.wire import env
@@ -233,6 +233,15 @@ def test_parse_resource_names_the_field():
         "spec.replicas: Input should be greater than or equal to 0",
         "spec.engin: unknown field (check the spelling; fields are camelCase)",
     ]
+
+
+def test_parse_as_refuses_another_kind():
+    body = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RelayTier", "metadata": {"name": "t", "namespace": NS},
+            "spec": {"run": "arithmetic", "tier": 0}}  # fmt: skip
+    assert isinstance(b.parse_as(body, RelayTier), RelayTier)
+    with pytest.raises(b.SpecError) as err:
+        b.parse_as(body, RLRun)
+    assert err.value.problems == ["kind: 'RelayTier' where RLRun is expected"]
 
 
 def test_conditions_keep_transition_time_while_status_holds():

@@ -66,6 +66,14 @@ ADVS = [1.5, -0.7, 0.0]
 MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
 
 
+@pytest.mark.parametrize("coef,missing", [("entropy_coef", "entropy"), ("kl_coef", "ref_logprobs")])
+def test_a_positive_coefficient_without_its_input_names_it(coef, missing):
+    ratios_t = torch.tensor(RATIOS, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"{coef} > 0 needs {'the entropy' if missing == 'entropy' else missing}"):
+        grpo_loss(ratios_t.log(), ratios_t * 0, torch.tensor(ADVS), torch.tensor(MASK), EPS_LOW, EPS_HIGH, DELTA,
+                  **{coef: 0.1})  # fmt: skip
+
+
 def test_loss_and_gradient_match_per_token_formula():
     loss, grad, _ = run_loss(RATIOS, ADVS, MASK)
     want_loss, want_grad = reference(RATIOS, ADVS, MASK)

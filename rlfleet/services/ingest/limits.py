@@ -72,7 +72,8 @@ def guarded_protocol(timeout: float) -> type[asyncio.Protocol]:
     is not whole `timeout` seconds after the connection opened or its previous response completed."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    class Guarded(AutoHTTPProtocol):
+    # uvicorn annotates AutoHTTPProtocol as a variable (`type[asyncio.Protocol]`, the class it picked at import).
+    class Guarded(AutoHTTPProtocol):  # type: ignore[valid-type, misc]
         _deadline: asyncio.TimerHandle | None = None
 
         def _arm(self, delay: float) -> None:

@@ -48,7 +48,7 @@ from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components, env
 from rlfleet.wire.assignment import assigned_work, issue_ticket
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
-from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json
+from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json, stream_reply
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -95,13 +95,13 @@ class VersionFollower(threading.Thread):
 
     def _announcements(self):
         """The newest announced version each time there is news (None: nothing new yet)."""
-        if not self.use_redis:
+        if self.reader is None:  # use_redis
             while not self.ctx.stop.is_set():
                 yield wait_for_version(self.relay_urls, self.ctx.run_name, self.announced, 60, stop=self.ctx.stop)
             return
-        last_id = "0-0"
+        last_id: bytes | str = "0-0"
         while not self.ctx.stop.is_set():
-            resp = self.reader.xread({self.ctx.keys.policy: last_id}, block=500)
+            resp = stream_reply(self.reader.xread({self.ctx.keys.policy: last_id}, block=500))
             newest = None
             for _, entries in resp or []:
                 for msg_id, fields in entries:
@@ -178,7 +178,7 @@ class Worker:
                 f"rlfleet rollout: pool {pool_name} writes to the run's Redis: set spec.redis.url, --redis-url or "
                 f"{env.REDIS_URL} (or give the pool spec.ingestUrl)"
             )
-        self.session = requests.Session() if self.ingest_url else None
+        self.session = requests.Session()  # the ingest's connections (no socket opens until one is used)
         self.task = make_run_task(self.spec)
         seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
         self.rng = np.random.default_rng(seed)
@@ -192,7 +192,7 @@ class Worker:
         self.follower = VersionFollower(
             ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, reader=self.reader
         )
-        self.engine: Engine | None = None
+        self.engine: Engine | None = None  # made by start() (see `loaded`)
 
     def wait_first_version(self) -> bool:
         """Start the engine and load the first announced version. The engine starts from the run's base
@@ -226,12 +226,17 @@ class Worker:
         if self.follower.error is not None:
             raise RuntimeError(f"downloading policy versions failed: {self.follower.error}") from self.follower.error
 
+    @property
+    def loaded(self) -> Engine:  # the engine, for what runs once start() has made it (generation, swaps, pausing)
+        assert self.engine is not None, "the rollout engine is not made yet (start() makes it)"
+        return self.engine
+
     def maybe_swap(self) -> None:
-        ready = self.follower.take(self.engine.version)
+        ready = self.follower.take(self.loaded.version)
         if ready:
             version, path, announced_at = ready
             t0 = time.monotonic()
-            self.engine.load_weights(path, version)
+            self.loaded.load_weights(path, version)
             LOAD_SECONDS.set(time.monotonic() - t0)
             SWAP_SECONDS.set(time.monotonic() - announced_at)
             VERSION.set(version)
@@ -250,26 +255,28 @@ class Worker:
           keeps the trainer fed while it trains; anything deeper would only wait and go stale;
         - `backlog`: the inbox holds more than the pool's maxPending."""
         if self.ingest_url:
-            newest = self.follower.announced
+            newest: int | None = self.follower.announced
         else:
+            assert self.reader is not None  # a worker without an ingest reads Redis
             newest = latest_announced_version(self.reader, self.ctx.keys)
-        lag = (newest or 0) - self.engine.version
+        lag = (newest or 0) - self.loaded.version
         LAG.set(lag)
         if lag > self.spec.trainer.max_async_level:
             return "version_lag"
         if self.ingest_url:
             return None
         keys = self.ctx.keys
+        assert self.reader is not None  # a worker without an ingest reads Redis
         with self.reader.pipeline(transaction=False) as pipe:  # one round trip, every 20 ms while paused
             pipe.hmget(keys.demand, ["oldest", "need", "held"])
             pipe.xlen(keys.rollouts)
             pipe.xlen(keys.verified)
             (oldest, need, held), queued, verified = pipe.execute()
-        if oldest is not None and self.engine.version < int(oldest):
+        if oldest is not None and self.loaded.version < int(oldest):
             return "batch_full"
         if need is not None:
             ahead = queued + verified - int(held or 0)
-            later = self.engine.version > int(oldest)  # still trainable once the trainer's step advances
+            later = self.loaded.version > int(oldest)  # still trainable once the trainer's step advances
             if ahead >= int(need) + later * self.spec.trainer.batch_size:
                 return "enough_queued"
         if queued > self.max_pending:
@@ -282,10 +289,12 @@ class Worker:
         if self.spec.sampling.assignment == "worker":
             return self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31)), None
         if self.ingest_url:
+            assert self.tickets_url is not None  # made with ingest_url
             ticket = request_ticket(self.session, self.tickets_url, self.token, self.ctx.stop)
             if ticket is None:
                 return None
         else:
+            assert self.tickets is not None  # a worker without an ingest takes tickets from Redis
             ticket = issue_ticket(self.tickets, self.ctx.keys, self.worker_id)
         task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
         return task_id, seed, ticket
@@ -298,13 +307,13 @@ class Worker:
             task_id, seed = self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31))
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
         problem = self.task.problem(task_id)
-        prompt_ids = self.engine.tokenizer(problem.prompt)["input_ids"]
+        prompt_ids = self.loaded.tokenizer(problem.prompt)["input_ids"]
         params = SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, seed=seed
         )
         IN_FLIGHT.set(s.group_size)
         try:
-            gens = self.engine.generate(prompt_ids, params, s.group_size)
+            gens = self.loaded.generate(prompt_ids, params, s.group_size)
         finally:
             IN_FLIGHT.set(0)
         samples = []
@@ -315,7 +324,7 @@ class Worker:
             topk=toploc.topk,
         )
         for gen, proofs in zip(gens, group_proofs):
-            text = completion_text(self.engine.tokenizer, gen.completion_ids, self.engine.stop_ids)
+            text = completion_text(self.loaded.tokenizer, gen.completion_ids, self.loaded.stop_ids)
             samples.append(
                 Sample(
                     completion_ids=gen.completion_ids,
@@ -334,7 +343,7 @@ class Worker:
             prompt_ids=prompt_ids,
             sampling=params,
             samples=samples,
-            engine=self.engine.name,
+            engine=self.loaded.name,
             ticket=ticket,
         )
 
@@ -368,7 +377,7 @@ class Worker:
                     return  # stopped while the ingest held it back
             else:
                 # Never trimmed (no MAXLEN): the inbox holds only unverified groups; maxPending bounds it.
-                self.ctx.redis.xadd(self.ctx.keys.rollouts, group.encode())
+                self.ctx.client.xadd(self.ctx.keys.rollouts, group.encode())  # type: ignore[arg-type]  # invariant Dict
             GROUPS.inc()
 
 

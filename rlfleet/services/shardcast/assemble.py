@@ -149,6 +149,8 @@ class _Job:
             if best is not None and deltas >= best[0]:
                 break
             v = base
+        if best is None:  # neither whole nor naming a base: nothing to build from
+            raise DeltaError(f"run {self.run!r} v{version}: no whole version or held base to build it from")
         _, start, route = best
         return [(*walked[start], route)] + [(*walked[i], "delta") for i in range(start - 1, -1, -1)]
 
@@ -167,6 +169,7 @@ class _Job:
             (partial / JOURNAL).unlink()
             if route == "delta":
                 base = base_of(manifest)
+                assert base is not None  # plan() routes "delta" only to a manifest naming its base
                 held = self.held(base)
                 if held is None:
                     raise DeltaError(f"run {self.run!r} v{version}: its base v{base} is not held here")

@@ -127,6 +127,8 @@ class Fetcher:
             conns.pop(base).close()
         conn = conns.get(base)
         if conn is None:
+            if not parts.hostname:
+                raise ValueError(f"shardcast source {base!r}: no host in the URL (http://HOST:PORT)")
             kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
             conn = conns[base] = kind(parts.hostname, parts.port, timeout=READ_TIMEOUT)
             with self._lock:

@@ -49,7 +49,7 @@ from rlfleet.versions.manifest import MANIFEST_NAME, ManifestError, parse_manife
 from rlfleet.versions.store import CheckpointStore
 from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions
-from rlfleet.wire.streams import RunKeys
+from rlfleet.wire.streams import RunKeys, stream_entries, stream_reply
 
 log = logging.getLogger("rlfleet.shardcast.origin")
 
@@ -61,15 +61,16 @@ def watch_store(
     store: CheckpointStore, run: str, board: VersionBoard, redis_client: redis.Redis | None, stop: threading.Event
 ) -> None:
     """Offer the store's newest version to `board` on each announcement and every STORE_CHECK s."""
-    key, last, next_check = RunKeys(run).policy, None, 0.0
+    key, next_check = RunKeys(run).policy, 0.0
+    last: bytes | str | None = None
     while not stop.is_set():
         announced = False
         if redis_client is not None:
             try:
                 if last is None:
-                    newest = redis_client.xrevrange(key, count=1)
+                    newest = stream_entries(redis_client.xrevrange(key, count=1))
                     last = newest[0][0] if newest else "0-0"
-                for _, entries in redis_client.xread({key: last}, block=1000) or []:
+                for _, entries in stream_reply(redis_client.xread({key: last}, block=1000)):
                     last, announced = entries[-1][0], True
             except redis.ConnectionError as exc:
                 log.warning("policy stream %s: %s; reading the store every %g s meanwhile", key, exc, STORE_CHECK_ALONE)

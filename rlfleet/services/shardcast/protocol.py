@@ -76,7 +76,7 @@ class VersionBoard:
     def __init__(self) -> None:
         self.newest: int | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._changed: asyncio.Event | None = None
+        self._changed = asyncio.Event()  # bind() makes the one of the app's loop (an Event binds on first use)
 
         self.closed = False
 

@@ -112,7 +112,7 @@ async def stream(
     loop = asyncio.get_running_loop()
     with open_file() as f:
         resp = await start_response(request, status, start, end, size, "application/octet-stream")
-        pos, sent_from = start, {}  # shard -> attempt whose bytes went out before it verified
+        pos, sent_from = start, dict[int, int]()  # shard -> attempt whose bytes went out before it verified
 
         def broken() -> bool:
             return any(pull.attempts.get((index, j), 0) != a for j, a in sent_from.items())

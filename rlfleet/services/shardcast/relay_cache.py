@@ -52,7 +52,7 @@ from rlfleet.services.shardcast.sources import BACKOFF_MAX, BACKOFF_START, CONNE
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
 from rlfleet.versions.chain import dir_retained
 from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
-from rlfleet.wire.streams import MessageError, RunKeys, decode_json
+from rlfleet.wire.streams import MessageError, RunKeys, decode_json, stream_entries, stream_reply
 
 log = logging.getLogger("rlfleet.shardcast.relay")
 
@@ -348,15 +348,15 @@ class Relay:
     def listen(self, client: redis.Redis, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
         """Blocking XREAD on the policy stream; each announced version is prefetched."""
         key = RunKeys(self.run).policy
-        last = None
+        last: bytes | str | None = None
         while not stop.is_set():
             try:
                 if last is None:  # start from the newest announcement
-                    newest = client.xrevrange(key, count=1)
+                    newest = stream_entries(client.xrevrange(key, count=1))
                     last = newest[0][0] if newest else "0-0"
                     entries = newest
                 else:
-                    entries = [e for _, batch in (client.xread({key: last}, block=500) or []) for e in batch]
+                    entries = [e for _, batch in stream_reply(client.xread({key: last}, block=500)) for e in batch]
                 for entry_id, fields in entries:
                     last = entry_id
                     self._announce(entry_id, fields, loop)

@@ -77,7 +77,7 @@ class Sources:
         success = (self.ok[url] + 1) / (self.ok[url] + self.fail[url] + 2)
         return self.bandwidth.get(url, best) * success * success
 
-    def pick(self, avoid: set[str] = frozenset()) -> str:
+    def pick(self, avoid: set[str] | frozenset[str] = frozenset()) -> str:
         with self._lock:
             candidates = [u for u in self.urls if u not in avoid] or self.urls
             if len(candidates) == 1:
@@ -130,7 +130,7 @@ def wait_for_version(
             try:
                 r = session.get(
                     base + latest_path(run),
-                    params={"after": after, "wait": f"{hold:.3f}"},
+                    params={"after": str(after), "wait": f"{hold:.3f}"},
                     timeout=(CONNECT_TIMEOUT, hold + READ_TIMEOUT),
                 )
                 if r.status_code == 200 and int(r.json()["version"]) > after:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from rlfleet.versions.manifest import COMPLETE_MARKER, MANIFEST_NAME, FileEntry
 
@@ -50,7 +51,7 @@ class ShardJournal:
 
     def __init__(self, partial: Path):
         self.partial = partial
-        self._file = None
+        self._file: TextIO | None = None  # the journal, opened by resume()
         self._lock = threading.Lock()
 
     def resume(self, raw: bytes, files: Sequence[FileEntry]) -> set[tuple[int, int]]:
@@ -78,6 +79,7 @@ class ShardJournal:
 
     def record(self, i: int, j: int) -> None:
         with self._lock:
+            assert self._file is not None, "record() before resume()"
             self._file.write(f"{i} {j}\n")
             self._file.flush()
 

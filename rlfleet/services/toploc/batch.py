@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import cast
 
 import torch
 
@@ -65,7 +66,9 @@ def score_groups(model, groups: list[RolloutGroup], temperature: float, pad_id: 
             batches[-1].append(row)
         else:
             batches.append([row])
-    out = [Scored(hidden=[None] * len(g.samples), logprobs=[None] * len(g.samples), entropy=[]) for g in groups]
+    # Placeholders, every one filled below: each (group, sample) row is in exactly one batch.
+    slots = [cast(list[torch.Tensor], [None] * len(g.samples)) for g in groups]
+    out = [Scored(hidden=slot, logprobs=list(slot), entropy=[]) for slot in slots]
     for batch in batches:
         ids = [groups[gi].prompt_ids + groups[gi].samples[si].completion_ids for _, gi, si in batch]
         with torch.inference_mode():
@@ -114,18 +117,21 @@ def handle_batch(gate, entries: list[tuple[bytes, dict]]) -> list[int]:
             verdicts.append((group, exc))
     for version, members in drawn.items():  # pass 2
         model, tokenizer = gate.policy(version)
-        groups = [verdicts[n][0] for n in members]
+        groups = [cast(RolloutGroup, verdicts[n][0]) for n in members]  # drawn only once decoded
         for n, got in zip(members, prefill_verdicts(gate.checker, model, tokenizer, groups)):
-            if not isinstance(got, Rejection):
-                got = dataclasses.replace(verdicts[n][1], prefill_checked=True, logprobs=got)
-            verdicts[n] = (verdicts[n][0], got)
+            group, first = verdicts[n]
+            if isinstance(got, Rejection):
+                verdicts[n] = (group, got)
+            else:
+                assert isinstance(first, Outcome)  # drawn only when check() passed
+                verdicts[n] = (group, dataclasses.replace(first, prefill_checked=True, logprobs=got))
     banned: set[str] = set()
     answers = []
     for (msg_id, fields), (group, result) in zip(entries, verdicts):  # pass 3
         if group is not None and group.worker_id in banned:
             group, result = gate.judge(msg_id, fields)
         answer = gate.commit(msg_id, fields, group, result)
-        if answer == 2 and isinstance(result, Rejection):
+        if answer == 2 and isinstance(result, Rejection) and result.worker_id is not None:
             banned.add(result.worker_id)
         answers.append(answer)
     return answers

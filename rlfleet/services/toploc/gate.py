@@ -49,7 +49,7 @@ from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
-from rlfleet.wire.streams import RolloutGroup, encode_json
+from rlfleet.wire.streams import RolloutGroup, encode_json, stream_reply
 
 __all__ = ["REASONS", "Gate", "Rejection", "main"]
 
@@ -136,9 +136,9 @@ class Gate:
         self.spec = ctx.bundle.run.spec
         self.models: OrderedDict[int, tuple] = OrderedDict()
         self._models_lock = threading.Lock()  # the HTTP API verifies from another thread
-        self.checker = Checker(self.spec, ctx.redis, ctx.keys, self.policy)
-        self._commit = ctx.redis.register_script(_COMMIT)
-        self._dead_letter = ctx.redis.register_script(_DEAD_LETTER)
+        self.checker = Checker(self.spec, ctx.client, ctx.keys, self.policy)
+        self._commit = ctx.client.register_script(_COMMIT)
+        self._dead_letter = ctx.client.register_script(_DEAD_LETTER)
         self._errors: dict[bytes, str] = {}  # entry id -> the last error handling it raised here
         self._draw = random.SystemRandom()  # workers must not predict which groups get the prefill
         # manifests are checked even from the origin
@@ -216,6 +216,7 @@ class Gate:
             stream, verdict, reason = keys.rejected, "rejected", exc.reason
         else:
             outcome = result
+            assert group is not None  # judge() gives an Outcome only with the group it checked
             forward_trusted(group, outcome)
             w = group.worker_id
             plan = {"stats": {"accepted": 1}, "workers": {field(w, "accepted"): 1}}
@@ -252,13 +253,13 @@ class Gate:
         poison entry fails alone; the others in one `handle_batch`, each counted as tried first. A batch
         that raises is tried again entry by entry at once."""
         keys = self.ctx.keys
-        held = self.ctx.redis.hmget(keys.attempts, [m for m, _ in entries]) if entries else []
+        held = self.ctx.client.hmget(keys.attempts, [m for m, _ in entries]) if entries else []
         fresh = [e for e, tries in zip(entries, held) if tries is None]
         for msg_id, fields in (e for e, tries in zip(entries, held) if tries is not None):
             self.attempt(msg_id, fields)
         if not fresh:
             return
-        with self.ctx.redis.pipeline(transaction=False) as pipe:
+        with self.ctx.client.pipeline(transaction=False) as pipe:
             for msg_id, _ in fresh:
                 pipe.hincrby(keys.attempts, msg_id, 1)
             pipe.execute()
@@ -276,7 +277,7 @@ class Gate:
         """Handle one entry (`handle`'s answer), or dead-letter it once it has failed maxAttempts times (-1 when
         this try failed: the entry stays pending and is claimed again after claimIdleMs)."""
         keys, v = self.ctx.keys, self.spec.verifier
-        tries = self.ctx.redis.hincrby(keys.attempts, msg_id, 1)  # counted first, so a crash on it counts too
+        tries = self.ctx.client.hincrby(keys.attempts, msg_id, 1)  # counted first, so a crash on it counts too
         if tries > v.max_attempts:
             return self.dead_letter(msg_id, fields, tries - 1)
         try:
@@ -315,8 +316,10 @@ class Gate:
 
     def read(self, count: int = 4, block_ms: int = 500) -> list[tuple[bytes, dict]]:
         """New entries for this consumer (they stay pending here until committed)."""
-        resp = self.ctx.redis.xreadgroup(
-            self.ctx.keys.verifier_group, self.consumer, {self.ctx.keys.rollouts: ">"}, count=count, block=block_ms
+        resp = stream_reply(
+            self.ctx.client.xreadgroup(
+                self.ctx.keys.verifier_group, self.consumer, {self.ctx.keys.rollouts: ">"}, count=count, block=block_ms
+            )
         )
         return [e for _, batch in resp or [] for e in batch]
 
@@ -324,7 +327,7 @@ class Gate:
         """Entries pending at any consumer for longer than claimIdleMs, now pending here."""
         keys = self.ctx.keys
         # Redis 6.2 answers [cursor, entries], 7.x adds the deleted ids.
-        return self.ctx.redis.xautoclaim(
+        return self.ctx.client.xautoclaim(
             keys.rollouts, keys.verifier_group, self.consumer, self.spec.verifier.claim_idle_ms, count=count
         )[1]
 

@@ -55,6 +55,7 @@ when the dependency costs more").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -170,9 +171,9 @@ def _chunk_topk(chunks: list[torch.Tensor], topk: int) -> list[_Tops]:
         by_k.setdefault(idx.shape[1], []).append((members, idx, bits))
     out = []
     for parts in by_k.values():
-        idx = torch.cat([i for _, i, _ in parts]).cpu().numpy().astype(np.int64)
-        bits = torch.cat([b for _, _, b in parts]).cpu().numpy().astype(np.int64) & 0xFFFF
-        out.append(_Tops([n for m, _, _ in parts for n in m], idx, bits))
+        all_idx = torch.cat([i for _, i, _ in parts]).cpu().numpy().astype(np.int64)
+        all_bits = torch.cat([b for _, _, b in parts]).cpu().numpy().astype(np.int64) & 0xFFFF
+        out.append(_Tops([n for m, _, _ in parts for n in m], all_idx, all_bits))
     return out
 
 
@@ -184,7 +185,8 @@ def _split_chunks(activations: list, prompt_len, decode_batching_size: int, skip
     lens = list(prompt_len) if isinstance(prompt_len, (list, tuple)) else [prompt_len] * len(activations)
     if len(lens) != len(activations):
         raise ValueError(f"{len(lens)} prompt lengths for {len(activations)} samples")
-    chunks, spans = [], []
+    chunks: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []
     for acts, plen in zip(activations, lens):
         acts = _as_bf16(acts)
         ranges = chunk_rows(acts.shape[0], plen, decode_batching_size, skip_prefill)
@@ -295,7 +297,8 @@ def verify_proofs_many(
                 results[n] = ChunkResult(int(exp_ok.shape[1]), NO_MATCH, NO_MATCH)
             else:
                 results[n] = ChunkResult(int(exp_ok.shape[1] - counts[row]), float(means[row]), float(medians[row]))
-    return [results[a:b] for a, b in spans]
+    # Every chunk is in exactly one batch, so no entry is None any more.
+    return [cast(list[ChunkResult], results[a:b]) for a, b in spans]
 
 
 def verify_proofs(

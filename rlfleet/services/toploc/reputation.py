@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import cast
 
 import redis
 
@@ -54,10 +55,10 @@ def ban_plan(policy: BanPolicySpec, worker_id: str, reason: str, detail: str, ro
 def worker_stats(client: redis.Redis, keys: RunKeys) -> dict[str, dict]:
     """Every worker seen: `{worker: {"counters": {counter: n}, "banned": record or None}}`."""
     stats: dict[str, dict] = {}
-    for raw, value in client.hgetall(keys.workers).items():
+    for raw, value in cast(dict[bytes, bytes], client.hgetall(keys.workers)).items():
         worker, _, counter = raw.decode().rpartition("|")
         stats.setdefault(worker, {"counters": {}, "banned": None})["counters"][counter] = int(value)
-    for raw, record in client.hgetall(keys.banned).items():
+    for raw, record in cast(dict[bytes, bytes], client.hgetall(keys.banned)).items():
         stats.setdefault(raw.decode(), {"counters": {}, "banned": None})["banned"] = json.loads(record)
     return stats
 

@@ -55,8 +55,12 @@ def grpo_loss(
     per_token = -objective
     stats: dict[str, float] = {}
     if entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("grpo_loss: entropy_coef > 0 needs the entropy (score(..., want_entropy=True))")
         per_token = per_token - entropy_coef * entropy
     if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("grpo_loss: kl_coef > 0 needs ref_logprobs (the frozen reference's scores)")
         log_ratio = ref_logprobs - logprobs
         k3 = torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, 0.0, 10.0)
         per_token = per_token + kl_coef * k3

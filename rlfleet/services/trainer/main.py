@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
-from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest
+from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest, stream_reply
 
 log = logging.getLogger("rlfleet.trainer")
 TRAINED_DIGESTS_KEPT = 200_000
@@ -100,10 +101,10 @@ class Trainer:
         self.started = time.monotonic()
         self.dropped_ids: dict[str, list[str]] = {}
         self.read_rewards: list[float] = []  # every sample's reward in the groups a step read, dropped ones too
-        self._pending_cursor: str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
+        self._pending_cursor: bytes | str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
-        ensure_group(ctx.redis, ctx.keys.verified, ctx.keys.trainer_group)
+        ensure_group(ctx.client, ctx.keys.verified, ctx.keys.trainer_group)
 
     def publish(self, model_state: dict) -> None:
         """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
@@ -123,15 +124,18 @@ class Trainer:
         announcement = {"version": self.version, "time": time.time()}
         if self.last_reward is not None:  # shown by the operator's status and printer columns
             announcement["reward"] = self.last_reward
-        self.ctx.redis.xadd(self.ctx.keys.policy, encode_json(announcement), maxlen=1000, approximate=True)
+        # redis-py asks for Dict[FieldT, EncodableT], invariant: no narrower dict passes (Mapping would).
+        self.ctx.client.xadd(self.ctx.keys.policy, encode_json(announcement), maxlen=1000, approximate=True)  # type: ignore[arg-type]
         VERSION.set(self.version)
 
     def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
         """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
-        keys, r = self.ctx.keys, self.ctx.redis
+        keys, r = self.ctx.keys, self.ctx.client
         want, oldest = self.spec.trainer.batch_size, self.oldest_trained(self.version)
         skip_flat = self.spec.trainer.skip_zero_advantage_groups
-        batch, ack, drops = [], [], {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
+        batch: list[RolloutGroup] = []
+        ack: list[bytes] = []
+        drops = {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
         self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
         self.read_rewards = []
         while len(batch) < want and not self.ctx.stop.is_set():
@@ -139,8 +143,10 @@ class Trainer:
             # After a restart, first the messages this consumer read but never acknowledged, walked
             # once by id (reading pending entries from "0" again would return the same ones forever).
             start = self._pending_cursor or ">"
-            resp = r.xreadgroup(
-                keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
+            resp = stream_reply(
+                r.xreadgroup(
+                    keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
+                )
             )
             if self._pending_cursor is not None:
                 pending = [msg_id for _, entries in resp or [] for msg_id, _ in entries]
@@ -181,7 +187,7 @@ class Trainer:
         sampling groups that would arrive stale (rollout/main.py `Worker.paused`). Written at every
         start, so a trainer resumed from an older state never leaves workers waiting for a version it
         will not publish."""
-        self.ctx.redis.hset(self.ctx.keys.demand, mapping={"oldest": oldest, "need": need, "held": held})
+        self.ctx.client.hset(self.ctx.keys.demand, mapping={"oldest": oldest, "need": need, "held": held})
 
     def step(self, groups: list[RolloutGroup]) -> dict:
         """One GRPO update on `groups` (on every rank); returns its statistics."""
@@ -202,7 +208,7 @@ class Trainer:
 
     def commit(self, digests: list[str], ack: list, version: int) -> None:
         """Record the step's groups (content digests) as trained and acknowledge its messages (idempotent)."""
-        keys, r = self.ctx.keys, self.ctx.redis
+        keys, r = self.ctx.keys, self.ctx.client
         with r.pipeline(transaction=True) as pipe:
             if digests:
                 pipe.zadd(keys.trained, {d: version for d in digests})
@@ -271,7 +277,8 @@ class Trainer:
                 continue
             rollout_ids = [g.rollout_id for g in groups]
             digests = [group_digest(g) for g in groups]
-            counts = {k.decode(): int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.stats).items()}
+            run_stats = cast(dict[bytes, bytes], self.ctx.client.hgetall(self.ctx.keys.stats))
+            counts = {k.decode(): int(v) for k, v in run_stats.items()}
             record = {
                 "step": step,
                 "policy_version": self.version,

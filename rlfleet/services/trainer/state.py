@@ -20,6 +20,7 @@ digest is already recorded as trained is acknowledged and skipped.
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 
 import torch
 
@@ -44,7 +45,7 @@ def save_state(
     rollout_ids: list[str],
     message_ids: list[bytes],
     record: dict | None = None,
-    digests: list[str] = (),
+    digests: Sequence[str] = (),
 ) -> None:
     buf = io.BytesIO()
     torch.save(

@@ -77,20 +77,20 @@ def grpo_update(
     `model` is a causal LM or the trainer's (possibly sharded) `Prefill` of one."""
     sharded = is_sharded(model)
     device = next(model.parameters()).device
-    rows, old, advantages, starts, rewards = [], [], [], [], []
+    rows, old, group_adv, starts, rewards = [], [], [], [], []
     for g in groups:
         group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
         rewards.extend(group_rewards.tolist())
         for s, a in zip(g.samples, group_advantages(group_rewards)):
             rows.append(g.prompt_ids + s.completion_ids)
             old.append(s.logprobs)
-            advantages.append(a)
+            group_adv.append(a)
             starts.append(len(g.prompt_ids) - 1)  # index in the (L-1,) logprob row of the first completion token
     total_tokens = sum(len(o) for o in old)
     denominator = float(total_tokens) if t.normalization == "token" else float(len(rows))
     mine = list(range(rank, len(rows), world))
     rows, old, starts = [rows[i] for i in mine], [old[i] for i in mine], [starts[i] for i in mine]
-    advantages = (torch.stack([advantages[i] for i in mine]) if mine else torch.zeros(0)).to(device)
+    advantages = (torch.stack([group_adv[i] for i in mine]) if mine else torch.zeros(0)).to(device)
 
     model.train()
     if rows:  # what every update of this batch shares: the mask, the sampling logprobs, the reference's

@@ -17,6 +17,7 @@ from rlfleet.wire.streams import SamplingParams
 
 if TYPE_CHECKING:  # the engines package imports without torch: the launcher checks pools before anything starts
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Engine(ABC):
 
     name: str  # what a group records as its `engine` (the gate replays `torch` groups, not `vllm` ones)
     version: int
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     stop_ids: frozenset[int]  # rlfleet.models.sampling.stop_token_ids of the model: a completion ends at the first
 
     @abstractmethod

@@ -59,6 +59,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -150,6 +151,10 @@ def _after_sampler(cap: _Capture, module, args, kwargs, output) -> None:
 class CaptureExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); methods run in the worker process."""
 
+    # What the vLLM worker this class is mixed into provides (annotations only: nothing set here).
+    model_runner: Any
+    reload_weights: Any
+
     def rlfleet_install_capture(self) -> None:
         runner = self.model_runner
         cap = runner._rlfleet_capture = _Capture()
@@ -219,15 +224,17 @@ class VLLMEngine(Engine):
         self.stop_ids = _stop_ids(model_dir, self.tokenizer)  # the gate's stop tokens, exactly
         self._names = _tensor_names(model_dir)
         kv_bytes = env.get_int(env.VLLM_KV_CACHE_BYTES, env.DEFAULT_VLLM_KV_CACHE_BYTES)
-        memory = {"kv_cache_memory_bytes": kv_bytes} if current_platform.is_cpu() else {}
+        memory: dict[str, Any] = {"kv_cache_memory_bytes": kv_bytes} if current_platform.is_cpu() else {}
+        backend: dict[str, Any] = {"distributed_executor_backend": "uni"} if IN_PROCESS else {}
         self.llm = vllm.LLM(
             model=str(model_dir),
-            dtype=DTYPES[dtype],
+            # LLM's annotation names only dtype strings; its ModelConfig takes a torch.dtype as well.
+            dtype=DTYPES[dtype],  # type: ignore[arg-type]
             enforce_eager=True,
             enable_prefix_caching=True,
             worker_extension_cls=f"{__name__}.CaptureExtension",
             **memory,
-            **({"distributed_executor_backend": "uni"} if IN_PROCESS else {}),
+            **backend,
         )
         self.llm.collective_rpc("rlfleet_install_capture")
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
