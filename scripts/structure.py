@@ -27,55 +27,48 @@ SOURCE_FOLDERS = ("rlfleet", "testbed", "tests", "benchmarks", "scripts")
 MAX_LINES = 400
 
 
-def modules_of(repo: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every Python file under the source folders (a folder without an
-    __init__.py still names its files by path, as a script's sibling imports resolve)."""
-    found = {}
-    for folder in SOURCE_FOLDERS:
-        for path in sorted((repo / folder).rglob("*.py")):
-            if "data" in path.relative_to(repo).parts:
-                continue
+# Folders whose .py files are scripts run as `python <folder>/X.py`: their folder is on sys.path, so a
+# sibling is imported by its bare name (`from wan_runs import Bed` in benchmarks/ is benchmarks.wan_runs).
+SCRIPT_FOLDERS = ("benchmarks", "scripts")
+
+
+def module_imports(repo: Path, roots: tuple[str, ...] = SOURCE_FOLDERS) -> dict[str, set[str]]:
+    """Module -> the modules it imports, for the modules under `roots` (folders of the repository),
+    function-level and TYPE_CHECKING imports included (a lazy import still ties the two modules
+    together; a type-only one still makes the reader go round). Relative imports are resolved; in a
+    script folder a bare name of a sibling file is that file."""
+    modules = {}
+    for root in roots:
+        for path in sorted((repo / root).rglob("*.py")):
             parts = list(path.relative_to(repo).with_suffix("").parts)
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
+            if "data" in parts:  # test data, not code
+                continue
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
 
-
-def import_graph(repo: Path) -> dict[str, set[str]]:
-    """Module -> the repository modules it imports. A bare `import x` inside benchmarks/ or scripts/
-    resolves against its own folder first (how a script imports a sibling)."""
-    modules = modules_of(repo)
-
-    def resolve(name: str, folder: str) -> str | None:
-        for candidate in (f"{folder}.{name}", name):
-            while candidate and candidate not in modules:
-                candidate = candidate.rpartition(".")[0]
-            if candidate and candidate != folder:
-                return candidate
-        return None
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
 
     edges: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
-        folder = module.split(".")[0]
-        try:
-            tree = ast.parse(path.read_text())
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        sibling = package if package in SCRIPT_FOLDERS else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level:
-                base = module.split(".")[: -node.level] if path.name != "__init__.py" else module.split(".")
-                base = base[: len(base) - node.level + 1] if path.name == "__init__.py" else base
-                prefix = ".".join(base + ([node.module] if node.module else []))
-                targets = [f"{prefix}.{a.name}" for a in node.names]
-            else:
-                continue
-            for target in targets:
-                hit = resolve(target, folder)
-                if hit and hit != module:
-                    edges[module].add(hit)
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+                targets = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            if sibling:
+                targets = [f"{sibling}.{t}" if f"{sibling}.{t.partition('.')[0]}" in modules else t for t in targets]
+            for target in filter(None, map(resolve, targets)):
+                if target != module:
+                    edges[module].add(target)
     return edges
 
 
@@ -113,6 +106,12 @@ def all_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def _rlfleet_modules(repo: Path):
+    for path in sorted((repo / "rlfleet").rglob("*.py")):
+        parts = list(path.relative_to(repo).with_suffix("").parts)
+        yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
+
+
 def room(module: str) -> str | None:
     """The room of an rlfleet module: its package under rlfleet/ (`rlfleet.services` and its
     sub-packages count as one room each: `rlfleet.services.trainer`), or the loose module itself."""
@@ -138,10 +137,10 @@ def many_parameters(repo: Path, at_least: int = 8) -> list[str]:
 
 
 def measure(repo: Path) -> dict:
-    edges = import_graph(repo)
+    edges = module_imports(repo)
     package = repo / "rlfleet"
     rooms: dict[str, dict] = {}
-    for module, path in modules_of(repo).items():
+    for module, path in _rlfleet_modules(repo):
         if (r := room(module)) is None:
             continue
         entry = rooms.setdefault(r, {"files": 0, "lines": 0})

@@ -113,9 +113,6 @@ class LocalRun:
     progress: bool = True
     interrupts: Interrupts = field(default_factory=lambda: Interrupts())
     processes: list[Process] = field(default_factory=list)
-    supervisor: Supervisor | None = None
-    redis: Component | None = None
-    trainer: Component | None = None
 
     @property
     def total_steps(self) -> int:
@@ -138,7 +135,7 @@ class LocalRun:
         acl = RunAcl.generate(self.bundle.run.metadata.name)
         redis_url = acl.url(base_url, ADMIN)
         acl_file = write_acl_file(self.path / "redis" / "users.acl", acl.acl_file())
-        self.redis = Component(
+        redis_comp = Component(
             "redis",
             redis_server_argv(self.path / "redis", redis_port, persistent=True, acl_file=acl_file),
             self.path / "logs" / "redis.log",
@@ -154,12 +151,11 @@ class LocalRun:
         text = json.dumps(endpoints(redis_url, self.processes), indent=2) + "\n"
         (self.path / "endpoints.json").write_text(text)
         comps = [p.component() for p in self.processes]
-        self.trainer = comps[-1]
-        self.supervisor = Supervisor([self.redis, *comps], environ)
+        started = Started(Supervisor([redis_comp, *comps], environ), redis=redis_comp, trainer=comps[-1])
         if self.interrupts.requested:
             print("rlfleet: interrupted before the run started", file=sys.stderr)
             return 130
-        return self.supervise()
+        return self.supervise(started)
 
     def environment(self, redis_url: str) -> dict[str, str]:
         """The environment every process gets (a process's own `env` is added to it)."""
@@ -179,25 +175,26 @@ class LocalRun:
             environ[env.STORE_URI] = f"file://{self.path / 'store'}"
         return environ
 
-    def supervise(self) -> int:
+    def supervise(self, run: Started) -> int:
         """Run until the trainer finishes, a component crash-loops or the user interrupts; then stop
         everything and write the reports."""
         started = time.monotonic()
         try:
-            failed = self.run_components()
+            failed = self.run_components(run)
         finally:
-            self.supervisor.stop_all(force=lambda: self.interrupts.count >= 2)
+            run.supervisor.stop_all(force=lambda: self.interrupts.count >= 2)
         name = self.bundle.run.metadata.name
         summary = write_reports(self.path, time.monotonic() - started, f"rlfleet run {name}")
         if self.interrupts.requested:
             print(f"rlfleet: interrupted; every component stopped. Logs in {self.path / 'logs'}", file=sys.stderr)
             return 130
-        if failed is self.redis and not failed.failures:
-            print(f"rlfleet: redis-server did not start; see {self.redis.log}", file=sys.stderr)
+        if failed is run.redis and not failed.failures:
+            print(f"rlfleet: redis-server did not start; see {run.redis.log}", file=sys.stderr)
             return 1
         if failed:
+            code = failed.proc.returncode if failed.proc else None
             print(
-                f"rlfleet: component {failed.name} keeps failing (exit code {failed.proc.returncode}, "
+                f"rlfleet: component {failed.name} keeps failing (exit code {code}, "
                 f"{failed.failures} times in a row); see {failed.log}",
                 file=sys.stderr,
             )
@@ -210,18 +207,18 @@ class LocalRun:
         )
         return 0
 
-    def run_components(self) -> Component | None:
+    def run_components(self, run: Started) -> Component | None:
         """Start Redis, then every component; supervise until the trainer is done or a signal came.
         Returns the component that failed the run, if one did."""
         import redis
 
-        supervisor, interrupts = self.supervisor, self.interrupts
-        supervisor.start(self.redis)
+        supervisor, interrupts = run.supervisor, self.interrupts
+        proc = supervisor.start(run.redis)
         url = supervisor.environ[env.REDIS_URL]
         try:
-            wait_until_ready(url, self.redis.proc, self.redis.log, cancelled=lambda: interrupts.requested)
+            wait_until_ready(url, proc, run.redis.log, cancelled=lambda: interrupts.requested)
         except RuntimeError:
-            return self.redis
+            return run.redis
         for comp in supervisor.comps[1:]:
             if interrupts.requested:
                 return None
@@ -232,6 +229,7 @@ class LocalRun:
         try:
             while not interrupts.requested:
                 records = read_metrics(self.path / "metrics.jsonl")
+                depth: int | str
                 try:
                     depth = client.xlen(keys.rollouts)
                     if not records:
@@ -239,7 +237,7 @@ class LocalRun:
                 except redis.RedisError:
                     depth = "?"  # Redis is restarting; its append-only file brings the queue back
                 bar.update(records, depth)
-                if self.trainer.finished:
+                if run.trainer.finished:
                     return None
                 failed = supervisor.poll()
                 if failed:
@@ -249,6 +247,15 @@ class LocalRun:
         finally:
             bar.close()
             client.close()
+
+
+@dataclass(frozen=True)
+class Started:
+    """A run's processes once planned: their supervisor, and the two the run watches by name."""
+
+    supervisor: Supervisor
+    redis: Component  # started first, stopped last
+    trainer: Component  # rank 0; its exit ends the run
 
 
 class Interrupts:

@@ -141,7 +141,7 @@ def plan(bundle: Bundle, config: Path, run_dir: Path, steps: int | None = None) 
             )
         )
     # A file without InferencePool documents still gets the default pool (its workers take no --pool).
-    pools = [
+    pools: list[tuple[str, int, str | None, list[Node]]] = [
         (p.metadata.name, p.spec.replicas, p.metadata.name, graph.pool_sources(p.metadata.name)) for p in bundle.pools
     ]
     if not pools:

@@ -65,11 +65,11 @@ class Supervisor:
         self.comps, self.environ, self.policy = comps, environ, policy
         self.say = say or (lambda text: print(f"rlfleet: {text}", file=sys.stderr, flush=True))
 
-    def start(self, comp: Component) -> None:
-        """Start `comp`, its output appended to its log."""
+    def start(self, comp: Component) -> subprocess.Popen:
+        """Start `comp`, its output appended to its log; its process."""
         comp.log.parent.mkdir(parents=True, exist_ok=True)
         with open(comp.log, "ab") as log:
-            comp.proc = subprocess.Popen(
+            proc = comp.proc = subprocess.Popen(
                 comp.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -77,6 +77,7 @@ class Supervisor:
                 env={**self.environ, **comp.env},
             )
         comp.started_at, comp.restart_at = time.monotonic(), None
+        return proc
 
     def poll(self) -> Component | None:
         """Restart what is due; the first crash-looping component, if any (the run must stop)."""

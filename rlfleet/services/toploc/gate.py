@@ -145,7 +145,7 @@ class Gate:
         self.fetch = FetchSettings.over(
             [self.origin_url], ctx.run_name, timeout=120, stop=ctx.stop, public_key=run_public_key(self.spec.shardcast)
         )
-        ensure_group(ctx.redis, ctx.keys.rollouts, ctx.keys.verifier_group)
+        ensure_group(ctx.client, ctx.keys.rollouts, ctx.keys.verifier_group)
 
     def policy(self, version: int):
         """(model, tokenizer) of `version`, fetched from the trusted origin; the last maxAsyncLevel + 2 are kept
