@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from rlfleet.versions.manifest import MANIFEST_NAME, FileEntry, FileRef, Manifest, ManifestError
+from rlfleet.versions.manifest import MANIFEST_NAME, DeltaSection, FileEntry, FileRef, Manifest, ManifestError
 
 
 class DeltaError(ValueError):
@@ -38,6 +38,13 @@ class DeltaError(ValueError):
 def base_of(manifest: Manifest) -> int | None:
     """The base version a manifest builds on; None for a full version."""
     return manifest.delta.base if manifest.delta is not None else None
+
+
+def section_of(manifest: Manifest) -> DeltaSection:
+    """The delta section of a delta version; DeltaError for a version that has none (a full version)."""
+    if manifest.delta is None:
+        raise DeltaError(f"run {manifest.run!r} v{manifest.version} is not a delta version")
+    return manifest.delta
 
 
 def result_files(manifest: Manifest) -> Sequence[FileRef]:
@@ -68,7 +75,7 @@ def whole_files(manifest: Manifest) -> list[FileEntry]:
 
 def delta_files(manifest: Manifest) -> list[FileEntry]:
     """The `files` entries a client holding the base downloads: patches and files shipped whole."""
-    section = manifest.delta.files
+    section = section_of(manifest).files
     wanted = {e.patch for e in section if e.source == "patch"} | {e.name for e in section if e.source == "file"}
     return [f for f in manifest.files if f.name in wanted]
 
@@ -86,7 +93,7 @@ def read_manifest_chain(manifest: Manifest, read: Callable[[int], Manifest | Non
     """`manifest` and the manifests before it that need their base, newest first, back to (not
     including) a whole version; `read(v)` gives v's manifest. None when one of them is missing."""
     chain = []
-    current: dict | None = manifest
+    current: Manifest | None = manifest
     while current is not None and (base := required_base(current)) is not None:
         chain.append(current)
         current = read(base)

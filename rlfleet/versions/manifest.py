@@ -26,6 +26,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from rlfleet.versions.store import check_key
 
@@ -162,11 +163,11 @@ def parse_manifest(raw: bytes, run: str, version: int, public_key=None) -> Manif
     return check_manifest(doc, run, version)
 
 
-def _int(value: object, low: int = 0) -> bool:
+def _int(value: object, low: int = 0) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def _sha(value: object) -> bool:
+def _sha(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _SHA256.match(value) is not None
 
 

@@ -124,18 +124,19 @@ class PolicyPublisher:
         """Publish the delta in `out` (described by `section`), or it and the whole files, or these alone."""
         sent = self.last.get("delta_bytes", 0)
         base = self.base[0] if self.base is not None else None  # a section is made only against a base
-        pays = section is not None and base is not None and 0 < sent <= self.spec.max_ratio * full_bytes
+        offer = DeltaSection(base, tuple(section)) if section is not None and base is not None else None
+        pays = offer is not None and 0 < sent <= self.spec.max_ratio * full_bytes
         due = version % self.spec.full_every == 0 or self.chain_bytes + sent > self.spec.max_chain_ratio * full_bytes
         if pays and not due:
             kind, src = "delta", out
-        elif pays and self.spec.delta_with_whole:  # whole and the delta: the whole files beside the patches
-            kind, src = "full+delta", out
-            for entry in section:
+        elif offer is not None and pays and self.spec.delta_with_whole:
+            kind, src = "full+delta", out  # whole and the delta: the whole files beside the patches
+            for entry in offer.files:
                 if not (out / entry.name).exists():
                     _link(local_dir / entry.name, out / entry.name)
         else:
             kind, src, pays = "full", local_dir, False
-        delta = DeltaSection(self.base[0], tuple(section)) if pays else None
+        delta = offer if pays else None
         manifest = publish_version(
             self.store, self.run, version, src, signer=self.signer, shard_size=self.shard_size, delta=delta
         )

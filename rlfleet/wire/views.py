@@ -24,7 +24,7 @@ import types
 import typing
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, create_model
 
@@ -153,17 +153,19 @@ def _cut_dict(doc: dict, model: type[BaseModel], tree: dict) -> dict:
     aliases, out = _by_alias(model), {}
     for key, value in doc.items():  # the document's order, so the text is stable
         name = aliases.get(key)
-        if name not in tree:
+        if name is None or name not in tree:
             continue
         sub = tree[name]
         if sub is None or not isinstance(value, dict):
             out[key] = copy.deepcopy(value)
         else:
-            out[key] = _cut_dict(value, _section_model(model.model_fields[name].annotation), sub)
+            section = _section_model(model.model_fields[name].annotation)
+            assert section is not None  # _tree descends only into fields whose type is a config model
+            out[key] = _cut_dict(value, section, sub)
     return out
 
 
-_SPECS = {"RLRun": RLRunSpec, "InferencePool": InferencePoolSpec}
+_SPECS: dict[str, type[BaseModel]] = {"RLRun": RLRunSpec, "InferencePool": InferencePoolSpec}
 
 
 def project(doc: dict, paths) -> dict:
@@ -193,7 +195,9 @@ class _ViewModel(BaseModel):
                 f"{type(self).where}.{alias} is not in this component's view: add it to the view in "
                 "rlfleet/wire/views.py, so the operator rolls this component's pods when it changes"
             )
-        return super().__getattr__(name)
+        # pydantic defines BaseModel.__getattr__ (private attributes, else AttributeError) only outside
+        # TYPE_CHECKING, so that checkers flag unknown attributes: its stubs do not show the method.
+        return super().__getattr__(name)  # type: ignore[misc]
 
 
 @cache
@@ -207,16 +211,18 @@ def _freeze(tree: dict):
 
 @cache
 def _class_of(model: type[BaseModel], tree: tuple, where: str) -> type[BaseModel]:
-    fields = {}
+    # name -> (annotation, FieldInfo or default). Any, not tuple[Any, Any]: a **dict spread into create_model
+    # must also fit its named parameters (__base__, __module__...) as far as a type checker can tell.
+    fields: dict[str, Any] = {}
     for name, sub in tree:
         info = model.model_fields[name]
         if sub is None:
             fields[name] = (info.annotation, copy.copy(info))
         else:
             section = _section_model(info.annotation)
-            cls = _class_of(section, sub, f"{where}.{info.alias or name}")
+            section_cls = _class_of(section, sub, f"{where}.{info.alias or name}")
             optional = section is not info.annotation
-            fields[name] = (cls | None if optional else cls, None if optional else ...)
+            fields[name] = (section_cls | None if optional else section_cls, None if optional else ...)
     cls = create_model(f"{model.__name__}View", __base__=_ViewModel, **fields)
     cls.full, cls.where = model, where
     return cls
@@ -232,7 +238,10 @@ def _cut(obj: BaseModel | None, cls: type[BaseModel]):
     return cls.model_construct(**values)
 
 
-def _view_document(doc: BaseModel, spec_cls: type[BaseModel]):
+_Doc = TypeVar("_Doc", RLRun, InferencePool)
+
+
+def _view_document(doc: _Doc, spec_cls: type[BaseModel]) -> _Doc:
     # No re-validation: the document was validated whole; the view only hides fields.
     return doc.model_copy(update={"spec": _cut(doc.spec, spec_cls)})
 

@@ -40,7 +40,16 @@ from prometheus_client import Counter
 
 from rlfleet.services.shardcast.client import Fetcher, FetchError, FetchSettings
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, install
-from rlfleet.versions.chain import DeltaError, base_of, delta_files, result_files, size_of, whole, whole_files
+from rlfleet.versions.chain import (
+    DeltaError,
+    base_of,
+    delta_files,
+    result_files,
+    section_of,
+    size_of,
+    whole,
+    whole_files,
+)
 from rlfleet.versions.checkpoint import version_dir_name
 from rlfleet.versions.codec import apply_file
 from rlfleet.versions.manifest import COMPLETE_MARKER, MANIFEST_NAME, FileEntry, Manifest
@@ -212,8 +221,9 @@ def _base_mismatch(held: Path, manifest: Manifest) -> str | None:
     except (OSError, ValueError) as exc:
         return f"held {held.name} has no readable manifest ({exc})"
     recorded = {e.name: e.sha256 for e in result_files(recorded_manifest)}
-    for entry in manifest.delta.files:
+    for entry in section_of(manifest).files:
         if entry.source != "file" and recorded.get(entry.name) != entry.base_sha256:
+            assert entry.base_sha256 is not None  # check_manifest: a "patch" or "base" entry names its base's sha256
             return (
                 f"v{manifest.version} was made against {entry.name} with sha256 {entry.base_sha256[:12]}..., "
                 f"the held {held.name} has {str(recorded.get(entry.name))[:12]}... (wrong base)"
@@ -240,12 +250,13 @@ def rebuild(partial: Path, base_dir: Path, manifest: Manifest, version: int, bas
     work = partial / REBUILT
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
-    section = manifest.delta.files
+    section = section_of(manifest).files
     for entry in section:
         name, out = entry.name, work / entry.name
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             if entry.source == "patch":
+                assert entry.patch is not None  # check_manifest: a "patch" entry names its patch file
                 got = apply_file(base_dir / name, partial / entry.patch, out)
             elif entry.source == "base":
                 got = _copy_hashed(base_dir / name, out)

@@ -29,7 +29,7 @@ from typing import BinaryIO
 from aiohttp import web
 
 from rlfleet.services.shardcast.protocol import parse_range, start_response
-from rlfleet.versions.manifest import Manifest, Shard
+from rlfleet.versions.manifest import FileEntry, Manifest, Shard
 
 log = logging.getLogger("rlfleet.shardcast.relay")
 
@@ -71,8 +71,12 @@ class Pull:
                 raise self.error
             await changed.wait()
 
+    def _file(self, index: int) -> FileEntry:
+        assert self.manifest is not None, "a pull's files are asked for only once its manifest is in"
+        return self.manifest.files[index]
+
     def _shards(self, index: int) -> tuple[Shard, ...]:
-        return self.manifest.files[index].shards
+        return self._file(index).shards
 
     def covers(self, index: int, start: int, end: int) -> bool:
         """All shards of file `index` overlapping bytes [start, end) are verified."""
@@ -87,7 +91,7 @@ class Pull:
     def available(self, index: int, pos: int) -> int:
         """End of the bytes of file `index` on disk from `pos` on without a gap (verified or not)."""
         if self.complete:
-            return self.manifest.files[index].size
+            return self._file(index).size
         for j, s in enumerate(self._shards(index)):
             if s.offset + s.size <= pos:
                 continue

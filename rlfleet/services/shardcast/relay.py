@@ -93,6 +93,7 @@ def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -
             if isinstance(where, Pull):
                 await where.wait(lambda: where.raw is not None)
                 raw, manifest = where.raw, where.manifest
+                assert raw is not None and manifest is not None  # a pull sets both at once, and raw was awaited
             else:  # verified when it was pulled; read back from this disk, its shape is checked again
                 raw = (where / MANIFEST_NAME).read_bytes()
                 manifest = parse_manifest(raw, run, version)
