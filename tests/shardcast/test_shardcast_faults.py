@@ -32,6 +32,7 @@ from rlfleet.versions.manifest import signing_bytes
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.versions.store import open_store
 from rlfleet.wire.streams import RunKeys, encode_json
+from tests.runs import bundle_yaml, rlrun
 from tests.support import serving, wait_for
 
 RUN = "demo"
@@ -296,14 +297,7 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 def relay_run_config(public_text: str) -> str:
     """The RLRun a relay process reads: the run's name and the public key its manifests are signed with."""
-    return f"""apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: {RUN}}}
-spec:
-  model: {{path: "builtin://tiny-arithmetic"}}
-  task: {{type: arithmetic}}
-  shardcast: {{publicKey: "{public_text}"}}
-"""
+    return bundle_yaml(rlrun(RUN, shardcast={"publicKey": public_text}))
 
 
 def relay_process(config: Path, redis_url: str, port: int, upstream: str, cache: Path, log: Path) -> subprocess.Popen:
