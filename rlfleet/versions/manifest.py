@@ -187,18 +187,16 @@ def check_manifest(doc: object, run: str | None = None, version: int | None = No
     files = doc.get("files")
     if not isinstance(files, list) or not files:
         raise ManifestError(f"{where}: 'files' must be a non-empty list")
-    entries, names = [], set()
+    entries: list[FileEntry] = []
+    names: set[str] = set()
     for i, entry in enumerate(files):
         ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and _int(entry.get("size"))
         if not ok or not _sha(entry.get("sha256")):
             raise ManifestError(f"{where}: files[{i}] needs name (str), size (int >= 0) and sha256 (64 hex)")
         try:
-            check_key(entry["name"])
+            _claim_name(entry["name"], names)
         except ValueError as exc:
             raise ManifestError(f"{where}: files[{i}]: {exc}") from None
-        if entry["name"] in (MANIFEST_NAME, COMPLETE_MARKER) or entry["name"] in names:
-            raise ManifestError(f"{where}: files[{i}]: name {entry['name']!r} is reserved or repeated")
-        names.add(entry["name"])
         shards = _shards(f"{where}: files[{i}] ({entry['name']})", entry, shard_size)
         entries.append(FileEntry(entry["name"], entry["size"], entry["sha256"], shards))
     try:
@@ -211,6 +209,15 @@ def check_manifest(doc: object, run: str | None = None, version: int | None = No
     created = doc.get("created")
     extra = {k: v for k, v in doc.items() if k not in _KNOWN}
     return Manifest(run, version, shard_size, tuple(entries), created, delta, signature, extra)
+
+
+def _claim_name(name: str, names: set[str]) -> None:
+    """Add a file name to a version's `names`: a safe relative key (store.check_key), neither the manifest's
+    own files nor one already named; ValueError otherwise."""
+    check_key(name)
+    if name in (MANIFEST_NAME, COMPLETE_MARKER) or name in names:
+        raise ValueError(f"name {name!r} is reserved or repeated")
+    names.add(name)
 
 
 def _shards(where: str, entry: dict, shard_size: int) -> tuple[Shard, ...]:
@@ -250,7 +257,8 @@ def _section(section: object, version: int, sent: dict[str, FileEntry]) -> Delta
     files = section.get("files")
     if not isinstance(files, list) or not files:
         raise ValueError(f"'{DELTA}.files' must be a non-empty list of the resulting files")
-    out, names = [], set()
+    out: list[ResultFile] = []
+    names: set[str] = set()
     for i, entry in enumerate(files):
         where = f"'{DELTA}.files[{i}]'"
         ok = (
@@ -262,10 +270,10 @@ def _section(section: object, version: int, sent: dict[str, FileEntry]) -> Delta
         )
         if not ok:
             raise ValueError(f"{where} needs name, size (int >= 0), sha256 (64 hex) and from ({'/'.join(SOURCES)})")
-        check_key(entry["name"])
-        if entry["name"] in names or entry["name"] in (MANIFEST_NAME, COMPLETE_MARKER):
-            raise ValueError(f"{where}: name {entry['name']!r} is reserved or repeated")
-        names.add(entry["name"])
+        try:
+            _claim_name(entry["name"], names)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         if entry["from"] != "file" and not _sha(entry.get("base_sha256")):
             raise ValueError(f"{where}: from {entry['from']!r} needs base_sha256 (64 hex)")
         if entry["from"] == "patch" and entry.get("patch") not in sent:
