@@ -187,7 +187,7 @@ def serving(app: web.Application, host: str = "127.0.0.1", start_timeout: float 
 
 # redis-py retries a failed call (10 times with back-off in 8.x, each waiting out its socket timeout):
 # against a test's own server, which is either up or dead, that only turns a dead server into a hang.
-NO_RETRY = {"socket_connect_timeout": 2, "socket_timeout": 10}
+CLIENT_TIMEOUTS = {"socket_connect_timeout": 2, "socket_timeout": 10}
 
 
 def redis_client(port: int, **kwargs) -> redis.Redis:
@@ -205,7 +205,7 @@ def _no_retry(kwargs: dict) -> dict:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return {"retry": Retry(NoBackoff(), 0), **NO_RETRY, **kwargs}
+    return {"retry": Retry(NoBackoff(), 0), **CLIENT_TIMEOUTS, **kwargs}
 
 
 def start_rendered_redis(args: list[str], data_dir: Path, **auth) -> tuple[subprocess.Popen, int]:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, create_model
 
+from rlfleet.config import Bundle
 from rlfleet.config.resources import InferencePool, InferencePoolSpec, RLRun, RLRunSpec
 from rlfleet.wire import components
 
@@ -246,11 +247,9 @@ def _view_document(doc: _Doc, spec_cls: type[BaseModel]) -> _Doc:
     return doc.model_copy(update={"spec": _cut(doc.spec, spec_cls)})
 
 
-def view_bundle(bundle, view: View):
+def view_bundle(bundle: Bundle, view: View) -> Bundle:
     """The bundle as `view.component` reads it: each run and pool spec cut to the view (reading a field
     outside it raises ViewError); the relay tiers, which only the operator and the launcher read, dropped."""
-    from rlfleet.config import Bundle
-
     run_cls = _view_class(RLRunSpec, view.run, f"{view.component}: RLRun spec")
     pool_cls = _view_class(InferencePoolSpec, view.pool, f"{view.component}: InferencePool spec")
     run: RLRun = _view_document(bundle.run, run_cls)
