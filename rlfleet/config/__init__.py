@@ -28,6 +28,7 @@ from rlfleet.config.resources import (
     RelayTierSpec,
     RLRun,
     RLRunSpec,
+    VLLMSpec,
 )
 from rlfleet.config.tasks import (
     TASK_TYPES,
@@ -77,6 +78,7 @@ __all__ = [
     "TaskSpec",
     "ToplocSpec",
     "TrainerSpec",
+    "VLLMSpec",
     "VerifierSpec",
     "load_bundle",
     "parse_bundle",

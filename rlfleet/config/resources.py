@@ -77,6 +77,38 @@ class RLRunSpec(Spec):
         return self
 
 
+class VLLMSpec(Spec):
+    """How a pool's vLLM engine uses its GPUs (engine: vllm, or auto where it picks vLLM)."""
+
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="GPUs one vLLM engine shards the model over (tensor parallelism). Empty: the pool's gpus (1 when "
+        "gpus is 0). At most gpus when gpus > 0; 1 on CPU.",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of each GPU's memory vLLM may take for weights, activations and its KV cache (GPU only; "
+        "on CPU the KV cache is env RLFLEET_VLLM_KV_CACHE_BYTES).",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=16,
+        le=1 << 20,
+        description="Context length vLLM serves (prompt + completion); smaller leaves more KV cache for concurrent "
+        "sequences. Empty: the model's own.",
+    )
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="true: no CUDA graphs (every step in eager PyTorch); false: CUDA graphs. Empty: eager on CPU, "
+        "CUDA graphs on GPU. With graphs on, the engine checks at start that the TOPLOC capture sees every position "
+        "and falls back to eager (with a warning) when it does not.",
+    )
+
+
 class InferencePoolSpec(Spec):
     run: str = Field(pattern=NAME_PATTERN, description="Name of the RLRun this pool generates for.")
     replicas: int = Field(
@@ -118,9 +150,25 @@ class InferencePoolSpec(Spec):
         "Secret is mounted whole: a pool's pods share one trust domain; tokens tell its workers apart for "
         "reputation and bans).",
     )
+    vllm: VLLMSpec = Field(
+        default_factory=VLLMSpec,
+        description="vLLM engine settings: tensor parallelism, GPU memory, context length, CUDA graphs.",
+    )
     resources: ResourcesSpec = resources("1", "2Gi")
     pod_template: dict[str, Any] | None = pod_template()
     max_unavailable: IntOrPercent = max_unavailable("25%")
+
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> InferencePoolSpec:
+        tp = self.vllm.tensor_parallel_size
+        if tp is None:  # resolved here, so the worker's config document says it (it does not read gpus)
+            self.vllm = self.vllm.model_copy(update={"tensor_parallel_size": max(self.gpus, 1)})
+        elif self.gpus > 0 and tp > self.gpus:
+            raise ValueError(
+                f"vllm.tensorParallelSize ({tp}) is more than gpus ({self.gpus}): one engine shards the model over "
+                f"the worker's own GPUs; lower vllm.tensorParallelSize or raise gpus"
+            )
+        return self
 
 
 class RelayTierSpec(Spec):

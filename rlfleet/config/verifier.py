@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from rlfleet.config.base import Spec
-from rlfleet.config.workload import ResourcesSpec, pod_template, resources
+from rlfleet.config.workload import ResourcesSpec, gpu_resource, pod_template, resources
 
 
 class ToplocSpec(Spec):
@@ -140,5 +140,13 @@ class VerifierSpec(Spec):
         default_factory=BanPolicySpec,
         description="When a worker is banned; bans are enforced by the gate (reason `banned`) and the ingest.",
     )
+    gpus: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="GPUs per verifier replica (cluster only): its prefill then runs on its first GPU, in "
+        "spec.model.dtype, and its pods get the GPU image.",
+    )
+    gpu_resource: str = gpu_resource()
     resources: ResourcesSpec = resources("1", "2Gi")
     pod_template: dict[str, Any] | None = pod_template()

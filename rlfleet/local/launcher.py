@@ -124,7 +124,7 @@ class LocalRun:
 
         for pool in self.bundle.pools:  # refused here, not after every other process has started
             try:
-                check_supported(pool.spec.engine, model_dir)
+                check_supported(pool.spec.engine, model_dir, pool.spec.vllm)
             except (ImportError, ValueError) as exc:
                 raise SystemExit(f"rlfleet run: InferencePool {pool.metadata.name}: {exc}") from None
 

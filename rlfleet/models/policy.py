@@ -46,11 +46,12 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def load_policy(model_dir: str | Path, dtype: str = "float32"):
-    """(model, tokenizer) from an HF directory, in eval mode."""
+def load_policy(model_dir: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"):
+    """(model, tokenizer) from an HF directory, in eval mode, on `device` (rlfleet/models/device.py chooses it)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
+    model.to(device)  # type: ignore[arg-type]  # transformers annotates PreTrainedModel.to by a wrapper that hides it
     model.eval()
     return model, load_tokenizer(model_dir)
 

@@ -239,7 +239,8 @@ def build_ingest_service(run: RLRun, namespace: str, owner: Owner | None = None)
 def build_verifier_deployment(
     run: RLRun, namespace: str, owner: Owner | None = None, defaults: ClusterDefaults = DEFAULTS, active: bool = True
 ) -> dict:
-    """The verifier reads checkpoints from the trusted origin, never from relays."""
+    """The verifier reads checkpoints from the trusted origin, never from relays; with verifier.gpus its pods get
+    the GPU image and resource as a pool's and the trainer's do (ClusterDefaults.image_for, build_container)."""
     r, v = run.metadata.name, run.spec.verifier
     args = [
         "--consumer",
@@ -249,7 +250,16 @@ def build_verifier_deployment(
         "--cache-dir",
         f"{names.CACHE_DIR}/verifier",
     ]
-    main = build_container(run, names.VERIFIER, args, defaults.image_for(run, 0), defaults, v.resources)
+    main = build_container(
+        run,
+        names.VERIFIER,
+        args,
+        defaults.image_for(run, v.gpus),
+        defaults,
+        v.resources,
+        gpus=v.gpus,
+        gpu_resource=v.gpu_resource,
+    )
     return deployment(
         names.verifier(r),
         namespace,

@@ -24,6 +24,8 @@ LOCAL = "RLFLEET_LOCAL"  # set by `rlfleet run`: bind /metrics to 127.0.0.1 only
 LOG_LEVEL = "RLFLEET_LOG_LEVEL"
 CACHE = "RLFLEET_CACHE"  # builtin model cache (default ~/.cache/rlfleet)
 VLLM_KV_CACHE_BYTES = "RLFLEET_VLLM_KV_CACHE_BYTES"  # vLLM's KV cache on CPU
+DEVICE = "RLFLEET_DEVICE"  # cpu, cuda, cuda:N or auto (unset): where the process computes (rlfleet/models/device.py)
+LOCAL_RANK = "LOCAL_RANK"  # torchrun's: a trainer rank's GPU index in its pod (default 0)
 # Read by `rlfleet operator` (set by the Helm chart).
 IMAGE = "RLFLEET_IMAGE"  # default image of every component
 GPU_IMAGE = "RLFLEET_GPU_IMAGE"  # default image of the components that ask for GPUs

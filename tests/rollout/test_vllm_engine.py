@@ -140,6 +140,13 @@ def test_vllm_rollouts_pass_the_verifier_across_a_weight_swap(engine, models, tm
     assert refused.value.reason in ("toploc", "logprob_mismatch", "impossible_token")
 
 
+def test_the_capture_self_check_passes_where_every_step_runs_eagerly(engine):
+    """The check an engine with CUDA graphs makes at start (vllm_engine.py's docstring), here on the eager CPU
+    engine, whose hooks fire on every step: a tiny group whose every position is captured."""
+    assert engine.args == {"tensor_parallel_size": 1, "enforce_eager": True}, "the CPU defaults"
+    assert engine._capture_self_check()
+
+
 def test_a_checkpoint_of_another_model_is_refused_and_the_engine_keeps_its_weights(engine, tmp_path):
     other = tiny_policy_dir(tmp_path / "other", seed=0, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
     (other / "model.safetensors").rename(other / "renamed.safetensors")

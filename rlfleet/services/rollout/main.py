@@ -167,7 +167,7 @@ class Worker:
         self.ctx = ctx
         self.spec = ctx.bundle.run.spec
         pool_name, pool = ctx.bundle.pool(options.pool, str(options.config))
-        self.engine_kind = pool.engine
+        self.engine_kind, self.vllm = pool.engine, pool.vllm  # make_engine's kind and vLLM settings
         self.max_pending = pool.max_pending
         self.ingest_url = rollouts_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
         self.tickets_url = tickets_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
@@ -203,20 +203,20 @@ class Worker:
         spec = self.spec
         base = local_model_path(spec.model, spec.task, spec.trainer.seed)
         if base is not None:
-            self.engine = make_engine(self.engine_kind, base, -1, spec.model.dtype)
+            self.engine = make_engine(self.engine_kind, base, -1, spec.model.dtype, self.vllm)
         while not self.ctx.stop.is_set():
             self._raise_follower_error()
             ready = self.follower.take(-1)
             if ready:
                 version, path, _ = ready
                 if self.engine is None:
-                    self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype)
+                    self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype, self.vllm)
                 else:
                     try:
                         self.engine.load_weights(path, version)
                     except ValueError:  # the local base model is another architecture: start from this version
                         self.engine.close()
-                        self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype)
+                        self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype, self.vllm)
                 VERSION.set(version)
                 return True
             time.sleep(0.05)

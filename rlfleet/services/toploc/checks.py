@@ -25,6 +25,12 @@ Thresholds and tolerances follow the group's engine and the run's dtype unless t
 on every group. A spot-checked group leaves with the recomputed logprobs (`Outcome.logprobs`), which
 the trainer then trains on instead of the worker's. Out-of-band verification (`msg_id=None`) skips
 only the one-time guards (replay, ticket) and writes nothing.
+
+Devices: the prefill runs where the verifier's model is (its process's device, rlfleet/models/device.py:
+a GPU when the verifier has one, in spec.model.dtype) and checks 3 and 4 compute there too: the claimed
+logprobs, the tokens and the seeds' uniforms are moved to the model's device, and only the verdict's
+numbers (counts, maxima, the top-k of each proof chunk, the recomputed logprobs as lists) come back to
+the CPU.
 """
 
 from __future__ import annotations
@@ -119,7 +125,7 @@ def possible_tokens(
     """
     tok = logp.gather(-1, tokens[:, None])  # (T, 1)
     above = logp > tok + 2 * slack  # (T, V)
-    ok = torch.ones(tokens.shape[0], dtype=torch.bool)
+    ok = torch.ones(tokens.shape[0], dtype=torch.bool, device=logp.device)
     if top_k > 0:
         ok &= above.sum(-1) < top_k
     if top_p < 1.0:
@@ -128,7 +134,7 @@ def possible_tokens(
             kth = logp.topk(top_k, dim=-1).values[:, -1:]  # (T, 1)
             z = probs.masked_fill(logp < kth - 2 * slack, 0.0).sum(-1)  # >= the worker's kept mass
         else:
-            z = torch.ones(tokens.shape[0])
+            z = torch.ones(tokens.shape[0], device=logp.device)
         mass = (probs * above).sum(-1) / z  # (T,) mass certainly before the token in the nucleus order
         ok &= mass <= top_p + top_p_slack
     return ok
@@ -267,7 +273,8 @@ class Checker:
                 raise Rejection("toploc", f"samples[{i}] chunk {bad[0][0]}: {bad[0][1]}")
         recomputed = [scored.logprobs[i][prompt_len - 1 :] for i in range(len(group.samples))]  # (T_i,) each
         for i, sample in enumerate(group.samples):
-            err = (recomputed[i] - torch.tensor(sample.logprobs)).abs().max().item()
+            claimed = torch.tensor(sample.logprobs, dtype=recomputed[i].dtype, device=recomputed[i].device)
+            err = (recomputed[i] - claimed).abs().max().item()
             if not err <= cal.logprob_tolerance:  # NaN claims fail too
                 raise Rejection(
                     "logprob_mismatch",
@@ -297,7 +304,7 @@ class Checker:
         if sp.top_p >= 1.0 and sp.top_k == 0:
             return
         for i, sample in enumerate(group.samples):
-            tokens = torch.tensor(sample.completion_ids)
+            tokens = torch.tensor(sample.completion_ids, device=logits[i].device)
             ok = possible_tokens(
                 torch.log_softmax(logits[i], -1), tokens, sp.top_p, sp.top_k, cal.logprob_tolerance, cal.top_p_tolerance
             )

@@ -39,6 +39,7 @@ from pathlib import Path
 import redis
 from prometheus_client import Counter
 
+from rlfleet.models.device import choose_device
 from rlfleet.models.policy import configure_torch_threads, load_policy
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
@@ -135,6 +136,7 @@ class Gate:
         self.ctx, self.consumer, self.origin_url, self.cache_dir = ctx, consumer, origin_url, cache_dir
         self.spec = ctx.bundle.run.spec
         self.models: OrderedDict[int, tuple] = OrderedDict()
+        self.device = choose_device()  # every version's model prefills there, in spec.model.dtype (checks.py)
         self._models_lock = threading.Lock()  # the HTTP API verifies from another thread
         self.checker = Checker(self.spec, ctx.client, ctx.keys, self.policy)
         self._commit = ctx.client.register_script(_COMMIT)
@@ -154,7 +156,7 @@ class Gate:
             if version not in self.models:
                 # whole, or rebuilt from a version held here and deltas
                 path = fetch_policy(self.fetch, version, self.cache_dir)
-                self.models[version] = load_policy(path, self.spec.model.dtype)
+                self.models[version] = load_policy(path, self.spec.model.dtype, self.device)
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
                 # The disk cache keeps what the async window can still ask for and what is loaded (the

@@ -43,9 +43,10 @@ mantissa error mean is <= 10 (`TMEAN`) and the median <= 8 (`TMEDIAN`). `toploc`
 ships no thresholds.
 
 Cost: `build_proofs_many` / `verify_proofs_many` take every chunk of several samples (a group) at
-once: one `topk` per chunk size, one host copy, and the field arithmetic of gf.py, which runs a
-fixed number of batched numpy operations per call whatever the number of chunks. A worker builds a
-group's proofs in one call and the gate checks a group's in one.
+once: one `topk` per chunk size (on the activations' device: a GPU verifier ranks there), one host
+copy of the top-k, and the field arithmetic of gf.py, which runs a fixed number of batched numpy
+operations per call whatever the number of chunks. A worker builds a group's proofs in one call and
+the gate checks a group's in one.
 
 We implement this ourselves rather than depend on `toploc`: its wheels are C++ extensions
 compiled against one torch build, and the numpy version below is short (docs/code.md, "Write it ourselves

@@ -39,10 +39,11 @@ def replay_mismatch(
 ) -> int | None:
     """The first position whose token is not the one `seed` draws from `logits` (T, V) (already divided by
     the temperature), or None when every token is."""
-    toks = torch.tensor(tokens, dtype=torch.long)
-    u = torch.from_numpy(sample_uniforms(seed, len(tokens)))
+    device = logits.device  # the prefill's (a GPU's when the verifier has one): the draw is redone there
+    toks = torch.tensor(tokens, dtype=torch.long, device=device)
+    u = torch.from_numpy(sample_uniforms(seed, len(tokens))).to(device)
     logits = logits.float()
-    ok = torch.zeros(len(tokens), dtype=torch.bool)
+    ok = torch.zeros(len(tokens), dtype=torch.bool, device=device)
     for slack in (0.0, -tolerance, tolerance):
         ok |= _consistent(logits, keep_mask(logits, top_p, top_k, slack), toks, u, tolerance)
     bad = (~ok).nonzero()

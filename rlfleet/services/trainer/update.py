@@ -19,29 +19,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlfleet.models.device import choose_device
 from rlfleet.models.policy import score
 from rlfleet.services.trainer.loss import group_advantages, grpo_loss
 from rlfleet.services.trainer.sharding import is_sharded
+from rlfleet.wire import env
 from rlfleet.wire.streams import RolloutGroup
 
 
 def training_device() -> torch.device:
-    """Where this rank computes: its GPU (LOCAL_RANK, torchrun-style; 0 in a one-replica pod) when CUDA
-    is available, else the CPU. Made current before NCCL joins, as NCCL requires."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
+    """Where this rank computes: rlfleet/models/device.py's choice for its GPU index (LOCAL_RANK,
+    torchrun-style; 0 in a one-replica pod). A GPU is made current before NCCL joins, as NCCL requires."""
+    device = choose_device(rank=env.get_int(env.LOCAL_RANK, 0))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     return device
 
 
 def init_distributed() -> tuple[int, int]:
-    """(rank, world size) from the torchrun-style environment; joins the process group when world > 1."""
+    """(rank, world size) from the torchrun-style environment; joins the process group when world > 1
+    (NCCL when this rank computes on a GPU, else gloo)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1 and not dist.is_initialized():
-        training_device()
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
+        backend = "nccl" if training_device().type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world)
     return rank, world
 
 

@@ -2,14 +2,23 @@
 
 `torch` (torch_engine.py) runs any model on CPU or GPU; `vllm` (vllm_engine.py, pinned to one vLLM
 release) is imported only when asked for, so nothing here needs vLLM installed.
+
+Device rule: the process's device is chosen once, by rlfleet/models/device.py (a GPU when torch sees
+one, unless env RLFLEET_DEVICE says otherwise); the torch engine's model lives there, and vLLM, which
+places its own workers, must run where that choice says (its CUDA build on a GPU, its CPU build on
+the CPU) or the engine refuses to start naming the fix.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlfleet.services.rollout.engines.base import Engine, Generation
+
+if TYPE_CHECKING:
+    from rlfleet.config import VLLMSpec
 
 __all__ = ["ENGINE_KINDS", "Engine", "Generation", "check_supported", "make_engine", "resolve_kind", "vllm_usable"]
 
@@ -17,10 +26,13 @@ ENGINE_KINDS = ("torch", "vllm", "auto")
 
 
 def vllm_usable() -> bool:
-    """vLLM is installed and a GPU is present (what `engine: auto` picks vLLM for)."""
-    import torch
+    """vLLM is installed and this process would compute on a GPU (what `engine: auto` picks vLLM for)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    from rlfleet.models.device import TORCH_CUDA, decide
+    from rlfleet.wire import env
 
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+    return decide(env.get(env.DEVICE), 0, TORCH_CUDA.count()).type == "cuda"
 
 
 def resolve_kind(kind: str) -> str:
@@ -32,24 +44,33 @@ def resolve_kind(kind: str) -> str:
     return kind
 
 
-def check_supported(kind: str, model_dir: Path) -> None:
+def check_supported(kind: str, model_dir: Path, settings: VLLMSpec | None = None) -> None:
     """Raise ImportError/ValueError naming the fix when engine `kind` cannot serve the model in
-    `model_dir` on this machine (asked before any process starts; engines fail later otherwise)."""
+    `model_dir` with the pool's `settings` on this machine (asked before any process starts; engines
+    fail later otherwise)."""
     if resolve_kind(kind) == "vllm":
         from rlfleet.services.rollout.engines.vllm_pin import check_supported as vllm_check  # no vLLM import
+        from rlfleet.services.rollout.engines.vllm_pin import cpu_build, engine_args
 
         vllm_check(Path(model_dir))
+        engine_args(settings, on_cpu=cpu_build())
 
 
-def make_engine(kind: str, model_dir: Path, version: int, dtype: str = "float32") -> Engine:
+def make_engine(
+    kind: str, model_dir: Path, version: int, dtype: str = "float32", settings: VLLMSpec | None = None
+) -> Engine:
     """Factory keyed by InferencePool `engine`: torch; vllm; auto = vllm when vLLM is installed and
     a GPU is present, else torch. vLLM on CPU works but must be asked for: its start takes tens of
-    seconds on a few cores and it needs head size >= 32 (its throughput there: benchmarks/rollout.py)."""
+    seconds on a few cores and it needs head size >= 32 (its throughput there: benchmarks/rollout.py).
+    `settings`: the pool's `spec.vllm` (vLLM only; None = its defaults)."""
+    from rlfleet.models.device import choose_device
+
     kind = resolve_kind(kind)
+    device = choose_device()  # module docstring
     if kind == "vllm":
         from rlfleet.services.rollout.engines.vllm_engine import VLLMEngine  # ImportError names the install extra
 
-        return VLLMEngine(model_dir, version, dtype)
+        return VLLMEngine(model_dir, version, dtype, settings, device)
     from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 
-    return TorchEngine(model_dir, version, dtype)
+    return TorchEngine(model_dir, version, dtype, device)

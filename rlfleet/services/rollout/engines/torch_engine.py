@@ -43,8 +43,8 @@ def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tenso
 class TorchEngine(Engine):
     name = "torch"
 
-    def __init__(self, model_dir: Path, version: int, dtype: str = "float32"):
-        self.model, self.tokenizer = load_policy(model_dir, dtype)
+    def __init__(self, model_dir: Path, version: int, dtype: str = "float32", device: str | torch.device = "cpu"):
+        self.model, self.tokenizer = load_policy(model_dir, dtype, device)  # make_engine chooses the device
         self.version = version
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         self.eos_id = self.tokenizer.eos_token_id

