@@ -18,6 +18,7 @@ def test_defaults_are_eager_on_cpu_and_cuda_graphs_with_the_memory_share_on_gpu(
         "tensor_parallel_size": 1,
         "enforce_eager": False,
         "gpu_memory_utilization": 0.9,
+        "compilation_config": {"cudagraph_mode": "PIECEWISE"},  # the model's forward (and its hooks) runs
     }
 
 
@@ -40,7 +41,8 @@ def test_a_pools_gpus_are_its_tensor_parallel_size_unless_it_says_otherwise():
 
 
 def test_tensor_parallelism_on_cpu_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"spec\.vllm\.tensorParallelSize: 2 on CPU.*set it to 1"):
+    refused = r"spec\.vllm\.tensorParallelSize: 2 \(empty: the pool's gpus\) on CPU.*tensorParallelSize: 1"
+    with pytest.raises(ValueError, match=refused):
         engine_args(VLLMSpec(tensor_parallel_size=2), on_cpu=True)
     assert engine_args(VLLMSpec(enforce_eager=False), on_cpu=True)["enforce_eager"] is False, "as written"
 
@@ -53,5 +55,5 @@ def test_the_launchers_check_refuses_tensor_parallelism_on_the_cpu_build(tmp_pat
         pytest.skip("the CUDA build of vLLM runs tensor parallel")
     model = tiny_policy_dir(tmp_path / "m", seed=0, num_attention_heads=2, num_key_value_heads=1)
     check_supported("vllm", model, VLLMSpec(tensor_parallel_size=1))
-    with pytest.raises(ValueError, match=r"spec\.vllm\.tensorParallelSize: 2 on CPU"):
+    with pytest.raises(ValueError, match=r"spec\.vllm\.tensorParallelSize: 2 \(empty"):
         check_supported("vllm", model, VLLMSpec(tensor_parallel_size=2))

@@ -48,14 +48,17 @@ Pinned because these move between vLLM releases: `worker_extension_cls`, `Worker
 the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
 `VLLM_USE_V2_MODEL_RUNNER=0`), `SamplingParams.skip_reading_prefix_cache`, internal request ids
 `"{external}-{8 chars}"`, and the CPU attention's head sizes (vllm_pin.py, read without importing vLLM).
+
 Settings: a pool's `spec.vllm` (tensor parallelism, GPU memory, max_model_len, eager or CUDA graphs)
 becomes `LLM`'s arguments by vllm_pin.engine_args. With tensor parallelism every rank runs the
 hooks and holds the same final rows (they are all-reduced), so rank 0's capture is the sequence's.
 Hooks fire only where the model's forward runs in Python: eager always does (the CPU default);
-with CUDA graphs (the GPU default) a step replayed from a captured graph may skip them. So with
-graphs on, the engine checks the capture at start (`_capture_self_check`: a tiny group whose every
-prompt and completion position must be captured, the check `assemble` (vllm_capture.py) makes on every group) and,
-when a position is missing, restarts eager with a logged warning: slower, never wrong.
+with CUDA graphs (the GPU default) a step replayed from a graph of the whole model would skip
+them, so graphs are asked for piecewise (`compilation_config.cudagraph_mode`, pinned too). Since
+that rests on vLLM's runner, the engine also checks the capture at start when graphs are on
+(`_capture_self_check`: a tiny group whose every prompt and completion position must be captured,
+the check vllm_capture.assemble makes on every group) and, when a position is missing, restarts
+eager with a logged warning: slower, never wrong.
 """
 
 from __future__ import annotations

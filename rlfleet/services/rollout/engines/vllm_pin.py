@@ -8,7 +8,10 @@ Settings (`engine_args`): tensor_parallel_size = spec.vllm.tensorParallelSize (t
 empty one to the pool's gpus, at least 1), and 1 only on CPU; gpu_memory_utilization on GPU only
 (the CPU KV cache is sized by env RLFLEET_VLLM_KV_CACHE_BYTES); max_model_len when set (else the
 model's); enforce_eager as set, else eager on CPU (torch.compile would take minutes on a few cores)
-and CUDA graphs on GPU.
+and CUDA graphs on GPU. CUDA graphs are asked for piecewise (`cudagraph_mode: PIECEWISE`): vLLM
+0.32's default (FULL_AND_PIECEWISE) replays decode steps from one graph of the whole model, so its
+forward, where the TOPLOC capture hooks sit (vllm_engine.py), would not run on them; piecewise
+graphs replay the pieces between attention ops from inside that forward, which still runs in Python.
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ def engine_args(settings: VLLMSpec | None, on_cpu: bool) -> dict[str, Any]:
     tp = s.tensor_parallel_size or 1
     if on_cpu and tp > 1:
         raise ValueError(
-            f"spec.vllm.tensorParallelSize: {tp} on CPU: rlfleet runs vLLM's CPU build as one engine process; "
-            f"set it to 1 (or leave it empty with gpus: 0), or give the pool GPUs"
+            f"spec.vllm.tensorParallelSize: {tp} (empty: the pool's gpus) on CPU: rlfleet runs vLLM's CPU build "
+            f"as one engine process; set spec.vllm.tensorParallelSize: 1, or run the pool on GPUs"
         )
     args: dict[str, Any] = {
         "tensor_parallel_size": tp,
@@ -77,6 +80,8 @@ def engine_args(settings: VLLMSpec | None, on_cpu: bool) -> dict[str, Any]:
         args["max_model_len"] = s.max_model_len
     if not on_cpu:
         args["gpu_memory_utilization"] = s.gpu_memory_utilization
+        if not args["enforce_eager"]:
+            args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}  # the capture hooks fire (docstring)
     return args
 
 
