@@ -6,7 +6,8 @@ sampling, reward); the first failure rejects the whole group with that check's r
 seed replay); every group gets the others. Accepted groups go to `verified` with the trusted rewards
 (and, when prefilled, the recomputed logprobs: `forward_trusted`), rejected ones to `rejected` with
 the reason and the original message (audit). Entries read together share their prefills (batch.py)
-and are committed in order, each with the verdict it would get alone.
+and are committed in order, each with the verdict it would get alone. The prefills run on the
+process's device (rlfleet/models/device.py: its GPU when it has one), in the run's spec.model.dtype.
 
 Exactly once: the verdict is committed by one Lua script that XACKs the entry first and does
 nothing more if the XACK acknowledged nothing (another replica committed it); otherwise it
