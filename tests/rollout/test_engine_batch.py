@@ -37,7 +37,9 @@ def policy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(policy) -> TorchEngine:
-    return TorchEngine(policy, version=0)
+    engine = TorchEngine(policy, version=0, device=torch.device("cpu"))  # the device a process chose
+    assert engine.device.type == "cpu" and all(p.device.type == "cpu" for p in engine.model.parameters())
+    return engine
 
 
 def _params(seed, max_tokens=10, **kw) -> SamplingParams:
