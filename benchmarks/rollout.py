@@ -4,17 +4,19 @@ One randomly initialised Qwen2 policy (builtin character tokenizer) is published
 and 1 to a file store, served by a real origin and one relay over 127.0.0.1 HTTP. For each engine,
 in one process, one after the other on the same machine:
   - the engine starts on version 0 (downloaded through the relay) and warms up with one group;
-  - throughput: `--rounds` rounds of `--groups` groups of G completions of arithmetic prompts,
-    one `generate` call per group as the rollout worker makes them (same seeds for both engines);
-    completion tokens / wall time of the calls, median over rounds (TOPLOC proof building is not
-    included: it is the same for both);
+  - throughput with K groups in flight, for each K of `--in-flight` (default 1,4,16): `--rounds`
+    rounds of `--groups` groups of G completions of arithmetic prompts, K groups per `generate_groups`
+    call as a worker with maxGroupsInFlight K makes them (same prompts and seeds for every K and both
+    engines); completion tokens / wall time of the calls, median over rounds (TOPLOC proof building
+    is not included: it is the same for both engines and every K). `inflight_speedup`: the best K's
+    tokens/s / K=1's (goals on CPU: vLLM >= 2, torch >= 1.5);
   - swap, `--swaps` times (versions 1, 0, 1, ...): the version is "announced" (t0), downloaded
     through the relay with hash and signature checks into a fresh directory (download), loaded in
     place (load), and a 1-token group is generated with it (first token); the relay already holds
     both versions (fetched once before any engine runs), so download is the relay -> worker leg
     that every swap pays. Medians over the swaps; the goal is swap / (download + load) <= 1.2.
-Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 8 --group-size 8
-       --max-tokens 64 --rounds 3 --swaps 5 --threads 0 --engines torch,vllm --json PATH]
+Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 16 --group-size 8
+       --max-tokens 64 --rounds 3 --in-flight 1,4,16 --swaps 5 --threads 0 --engines torch,vllm --json PATH]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.services.rollout.engines import make_engine
+from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchSettings, fetch_version
 from rlfleet.tasks.arithmetic import ArithmeticTask
@@ -83,15 +86,21 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
         for i in range(args.groups)
     ]
     rows = prompts(engine.tokenizer, args.groups)
-    engine.generate(rows[0], params[0], args.group_size)  # warm-up
-    rates, tokens, gen_s = [], 0, 0.0
-    for _ in range(args.rounds):  # the median round damps other processes' load on a shared machine
-        n, t0 = 0, time.monotonic()
-        for prompt, p in zip(rows, params):
-            n += sum(len(g.completion_ids) for g in engine.generate(prompt, p, args.group_size))
-        elapsed = time.monotonic() - t0
-        rates.append(n / elapsed)
-        tokens, gen_s = tokens + n, gen_s + elapsed
+    requests = [GroupRequest(prompt, p, args.group_size) for prompt, p in zip(rows, params)]
+    engine.generate_groups(requests[: max(args.in_flight)])  # warm-up, the largest batch
+    in_flight = {}
+    tokens, gen_s = 0, 0.0
+    for k in args.in_flight:
+        rates = []
+        for _ in range(args.rounds):  # the median round damps other processes' load on a shared machine
+            n, t0 = 0, time.monotonic()
+            for at in range(0, len(requests), k):  # K groups per call, as a worker with maxGroupsInFlight K
+                n += sum(len(g.completion_ids) for gens in engine.generate_groups(requests[at : at + k]) for g in gens)
+            elapsed = time.monotonic() - t0
+            rates.append(n / elapsed)
+            tokens, gen_s = tokens + n, gen_s + elapsed
+        in_flight[k] = {"tok_s": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates)}
+    one = in_flight[min(args.in_flight)]
 
     swaps = []
     for i in range(args.swaps):  # versions 1, 0, 1, ... each downloaded afresh, as every swap pays it
@@ -114,9 +123,11 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
         "start_s": start_s,
         "tokens": tokens,
         "gen_s": gen_s,
-        "tok_s": statistics.median(rates),
-        "tok_s_min": min(rates),
-        "tok_s_max": max(rates),
+        "tok_s": one["tok_s"],  # the fewest groups in flight (1: one group per call)
+        "tok_s_min": one["tok_s_min"],
+        "tok_s_max": one["tok_s_max"],
+        "in_flight": in_flight,
+        "inflight_speedup": max(r["tok_s"] for r in in_flight.values()) / one["tok_s"],
         "download_s": download_s,
         "load_s": load_s,
         "first_s": first_s,
@@ -129,11 +140,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engines", default="torch,vllm")
+    ap.add_argument(
+        "--in-flight",
+        default="1,4,16",
+        type=lambda v: sorted({int(k) for k in v.split(",")}),
+        help="groups per engine call to measure (a worker's maxGroupsInFlight); the speedup is over the smallest",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--swaps", type=int, default=5, help="weight swaps per engine (figures are medians)")
     ap.add_argument("--json", type=Path, help="write the figures to this file")
@@ -163,7 +180,8 @@ def main() -> int:
     load.append(os.getloadavg()[0])
     print(
         f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, fp32, {size / 2**20:.1f} MiB checkpoint; "
-        f"{args.groups} groups x G={args.group_size}, <= {args.max_tokens} tokens, temperature 1; "
+        f"{args.groups} groups x G={args.group_size}, <= {args.max_tokens} tokens, temperature 1, "
+        f"in flight {','.join(map(str, args.in_flight))}; "
         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average {load[0]:.2f} -> {load[1]:.2f}"
     )
     print(
@@ -180,11 +198,21 @@ def main() -> int:
             f"{r['download_s']:>10.3f} {r['load_s']:>7.3f} {r['first_s']:>9.3f} {r['swap_s']:>7.3f} "
             f"{r['swap_ratio']:>14.2f}"
         )
-    print("tokens/s: median of --rounds rounds (min-max beside it); start s: download v0 + engine start")
+    print(
+        "tokens/s: median of --rounds rounds (min-max beside it) with the fewest groups in flight; "
+        "start s: download v0 + engine start"
+    )
     print(
         "swap s = version announced -> first token from it = download (relay -> worker, hashes, signature) + load + "
         f"1st tok; medians of {args.swaps} swaps, swap/(dl+load) the median of the swaps' ratios (goal <= 1.2)"
     )
+    print()
+    heads = " ".join(f"{f'{k} in flight':>14}" for k in args.in_flight)
+    print(f"{'engine':<7} {heads} {'inflight_speedup':>17}   (tokens/s, median of --rounds; speedup: best / fewest)")
+    for r in results:
+        cells = " ".join(f"{r['in_flight'][k]['tok_s']:>14.1f}" for k in args.in_flight)
+        print(f"{r['engine']:<7} {cells} {r['inflight_speedup']:>16.2f}x")
+    print("goals on CPU: vllm >= 2x, torch >= 1.5x (issue 26)")
     if args.json:
         args.json.write_text(json.dumps({"load_average": load, "engines": results}, indent=2) + "\n")
     return 0

@@ -123,6 +123,15 @@ class InferencePoolSpec(Spec):
     max_pending: int = Field(
         default=64, ge=1, description="A worker pauses while the inbox holds more than this many unverified groups."
     )
+    max_groups_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Groups a worker samples together in one engine batch (vLLM's continuous batching, one batched "
+        "forward for torch); never more than the trainer can still take. A weight swap waits for the groups in "
+        "flight, so each group records the one version that produced it. Empty: sized to the engine (torch 8, "
+        "vllm 16; benchmarks/rollout.py --in-flight).",
+    )
     relay: str | None = Field(
         default=None, description="RelayTier to download checkpoints from (default: the highest tier of the run)."
     )

@@ -133,7 +133,11 @@ VIEWS: dict[str, View] = {
     for v in (
         View(components.TRAINER, (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST)),
         View(components.VERIFIER, _GENERATORS),
-        View(components.ROLLOUT, _GENERATORS, pool=("run", "engine", "maxPending", "ingestUrl", "vllm")),
+        View(
+            components.ROLLOUT,
+            _GENERATORS,
+            pool=("run", "engine", "maxPending", "maxGroupsInFlight", "ingestUrl", "vllm"),
+        ),
         # Relays, the origin and the ingest move bytes: sampling, the task or the model never roll them.
         View(components.RELAY, (*_REDIS, *_SHARDCAST)),
         View(components.ORIGIN, (*_REDIS, *_STORE)),

@@ -147,6 +147,65 @@ def test_the_capture_self_check_passes_where_every_step_runs_eagerly(engine):
     assert engine._capture_self_check()
 
 
+def batched_groups(engine, spec, seeds: list[int], indices: list[int]) -> list[RolloutGroup]:
+    """The groups of tasks `indices` with group seeds `seeds`, generated in ONE generate_groups call."""
+    from rlfleet.services.rollout.engines.base import GroupRequest
+
+    s, t = spec.sampling, spec.verifier.toploc
+    task = make_task(spec.task)
+    problems = [task.problem(f"arith-0-{i}") for i in indices]
+    prompts = [engine.tokenizer(p.prompt)["input_ids"] for p in problems]
+    params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=seed) for seed in seeds]
+    batch = engine.generate_groups([GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)])
+    groups = []
+    for problem, prompt, q, gens in zip(problems, prompts, params, batch):
+        assert {g.version for g in gens} == {engine.version}
+        samples = [
+            Sample(
+                g.completion_ids,
+                g.logprobs,
+                build_proofs(g.hidden, len(prompt), decode_batching_size=t.decode_batching_size, topk=t.topk),
+                task.reward(problem, completion_text(engine.tokenizer, g.completion_ids, engine.stop_ids)),
+                g.finish_reason,
+            )
+            for g in gens
+        ]
+        groups.append(RolloutGroup(problem.task_id, "w-vllm", gens[0].version, prompt, q, samples, engine=engine.name))
+    return groups
+
+
+def test_several_groups_in_one_call_give_what_one_group_at_a_time_gives(engine, models, tmp_path, redis_url):
+    """Continuous batching of several groups (different prompts and seeds, one llm.generate): the same
+    completions and logprobs as one group per call, every prompt and completion row captured, and
+    the gate's checks pass."""
+    from rlfleet.services.rollout.engines.vllm_pin import cpu_build
+
+    spec = parse_bundle(bundle_yaml(vllm_run(models[0], tmp_path / "store"))).run.spec
+    engine.load_weights(models[0], 0)
+    indices, seeds = [3, 4, 5, 6, 7], [300, 301, 302, 303, 304]
+    batched = batched_groups(engine, spec, seeds, indices)
+    assert len({len(g.prompt_ids) for g in batched}) > 1, "the batch mixes prompt lengths"
+    alone = [make_group(engine, spec, index=i, seed=s) for i, s in zip(indices, seeds)]
+    finishes = set()
+    for b, a in zip(batched, alone):
+        assert [s.completion_ids for s in b.samples] == [s.completion_ids for s in a.samples]
+        for sb, sa in zip(b.samples, a.samples):
+            if cpu_build():  # vLLM-CPU fp32: bit-identical logprobs and hidden rows (so proofs), whatever the batch
+                assert sb.logprobs == sa.logprobs and sb.proofs == sa.proofs
+            else:  # a GPU's kernels may pick another reduction order for another batch shape
+                assert max(abs(x - y) for x, y in zip(sb.logprobs, sa.logprobs)) < 1e-5
+            finishes.add(sb.finish_reason)
+    assert finishes == {"stop", "length"}, "both endings (and so EOS continuations) are in the batch"
+    policies = {0: load_policy(models[0])}
+    client = redis_from_url(redis_url)
+    keys = RunKeys("vllm-batch")
+    client.xadd(keys.policy, encode_json({"version": 0}))
+    checker = Checker(spec, client, keys, lambda v: policies[v])
+    for group in batched:
+        assert max_logprob_error(policies[0][0], group) < 1e-4
+        checker.check(group, msg_id=None)
+
+
 def test_a_checkpoint_of_another_model_is_refused_and_the_engine_keeps_its_weights(engine, tmp_path):
     other = tiny_policy_dir(tmp_path / "other", seed=0, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
     (other / "model.safetensors").rename(other / "renamed.safetensors")

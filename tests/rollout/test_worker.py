@@ -1,11 +1,11 @@
-"""The rollout worker's version cache (rlfleet/services/rollout/main.py VersionFollower)."""
+"""The rollout worker's version cache (rlfleet/services/rollout/follower.py)."""
 
 from __future__ import annotations
 
 import threading
 
 from rlfleet.config import parse_bundle
-from rlfleet.services.rollout.main import VersionFollower
+from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.versions.checkpoint import version_dir_name
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys

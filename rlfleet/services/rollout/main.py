@@ -1,36 +1,40 @@
 """`rlfleet rollout`: a worker of an InferencePool.
 
-Loop: draw a task id and seed (or, when the run assigns work, take a ticket that fixes them:
-rlfleet/wire/assignment.py), sample G completions with the current policy version, build TOPLOC proofs of
-their final hidden states, XADD the group to the inbox. A background thread follows the `policy`
-stream and downloads each announced version through the relays (checking every file's sha256; a delta
-version is rebuilt from the one held here, shardcast/assemble.py)
-while generation goes on with the old weights; the main loop swaps weights between groups, so a
-group is always produced by exactly one version, which it records.
+Loop, one batch of groups at a time: swap to the newest downloaded version if there is one; ask how
+many groups the trainer can still take (`room`: backpressure below); take up to K = min(maxGroupsInFlight,
+room) pieces of work, each a task id and seed drawn here (or, when the run assigns work, a ticket that
+fixes them: rlfleet/wire/assignment.py); sample all K groups of G completions in ONE engine call
+(`generate_groups`: the engine batches K*G sequences, rlfleet/services/rollout/engines/base.py); build
+the TOPLOC proofs of their final hidden states; send each group in order (XADD to the inbox, or POST
+to the ingest). maxGroupsInFlight unset: the engine's `default_groups_in_flight`.
+Versions: a background thread (follower.py) downloads each announced version while generation goes
+on with the old weights; weights are swapped only between batches, so a swap waits for the groups in
+flight, and every group of a batch is produced by exactly the one version the engine call ran on,
+which it records.
 
 A worker of a pool with `ingestUrl` (untrusted, possibly in another cluster) never touches Redis: it
 POSTs each group to the run's ingest with its own token (env RLFLEET_WORKER_TOKEN, or the file named
 by RLFLEET_WORKER_TOKEN_FILE; rlfleet/services/ingest/) and learns of new versions by long-polling
 its relays' `latest?after=N` instead of reading the policy stream.
 
-Backpressure: the worker pauses while the inbox holds more than `maxPending` groups (the verifier
-deletes what it has handled, so XLEN is the backlog; an ingest worker leaves this to the ingest) or
-while its weights lag the newest announced version by more than `maxAsyncLevel`; it resumes by
-itself. An ingest answering 429 or 503 makes the worker wait (Retry-After) and resend the same group;
-a group is never dropped.
+Backpressure, checked before each batch (`room`): the worker pauses while the inbox holds more than
+`maxPending` groups (the verifier deletes what it has handled, so XLEN is the backlog; an ingest worker
+leaves this to the ingest), while its weights lag the newest announced version by more than
+`maxAsyncLevel`, or while the trainer's demand is covered (`batch_full`, `enough_queued`); it resumes
+by itself. A batch takes at most the room those checks leave (groups still wanted, inbox slots), so
+it never overshoots the queue. An ingest answering 429 or 503 makes the worker wait (Retry-After) and
+resend the same group; a group is never dropped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import redis
 import requests
 from prometheus_client import Counter, Gauge
 
@@ -39,16 +43,14 @@ from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
 from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
-from rlfleet.services.shardcast.assemble import fetch_policy
-from rlfleet.services.shardcast.client import FetchSettings, wait_for_version
+from rlfleet.services.rollout.engines.base import GroupRequest
+from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
-from rlfleet.versions.checkpoint import prune_cache
-from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components, env
 from rlfleet.wire.assignment import assigned_work, issue_ticket
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
-from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams, decode_json, stream_reply
+from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -58,80 +60,11 @@ VERSION = Gauge("rlfleet_rollout_policy_version", "Policy version of the loaded 
 LAG = Gauge("rlfleet_rollout_version_lag", "Newest announced version minus loaded version")
 PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by backpressure", ["reason"])
 IN_FLIGHT = Gauge("rlfleet_rollout_requests_in_flight", "Completions the engine is generating now")
-DOWNLOAD_SECONDS = Gauge(
-    "rlfleet_rollout_weight_download_seconds", "Download (relays, hashes, signature) of the newest version"
-)
+GROUPS_IN_FLIGHT = Gauge("rlfleet_rollout_groups_in_flight", "Groups the engine is generating now (one batch)")
 LOAD_SECONDS = Gauge("rlfleet_rollout_weight_load_seconds", "In-place load of the last swapped version into the engine")
 SWAP_SECONDS = Gauge(
     "rlfleet_rollout_weight_swap_seconds", "Last swap from seeing the version announced to generating with it"
 )
-
-
-class VersionFollower(threading.Thread):
-    """Follows the policy stream and downloads each new version; `ready` holds the newest local one."""
-
-    def __init__(
-        self, ctx: Context, relay_urls: list[str], cache_dir: Path, keep: int, reader: redis.Redis | None = None
-    ):
-        super().__init__(daemon=True, name="version-follower")
-        self.ctx, self.relay_urls, self.cache_dir, self.keep = ctx, relay_urls, cache_dir, keep
-        self.reader = reader  # reads the policy stream (a worker's read-only Redis user); None: the relays' long-poll
-        self.use_redis = reader is not None
-        # manifests must verify with the run's key; the relays' measurements are kept across versions
-        self.fetch = FetchSettings.over(
-            relay_urls, ctx.run_name, public_key=run_public_key(ctx.bundle.run.spec.shardcast), stop=ctx.stop
-        )
-        self.announced = -1
-        self.ready: tuple[int, Path, float] | None = None  # (version, directory, monotonic time it was announced)
-        self.taken = -1  # the newest version handed to the engine: in use or being loaded, never pruned
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        try:
-            self._follow()
-        except BaseException as exc:  # surfaced to the main loop, which exits non-zero
-            self.error = exc
-
-    def _announcements(self):
-        """The newest announced version each time there is news (None: nothing new yet)."""
-        if self.reader is None:  # use_redis
-            while not self.ctx.stop.is_set():
-                yield wait_for_version(self.relay_urls, self.ctx.run_name, self.announced, 60, stop=self.ctx.stop)
-            return
-        last_id: bytes | str = "0-0"
-        while not self.ctx.stop.is_set():
-            resp = stream_reply(self.reader.xread({self.ctx.keys.policy: last_id}, block=500))
-            newest = None
-            for _, entries in resp or []:
-                for msg_id, fields in entries:
-                    last_id = msg_id
-                    newest = max(newest or -1, int(decode_json(fields)["version"]))
-            yield newest
-
-    def _follow(self) -> None:
-        for newest in self._announcements():
-            if newest is None or newest <= self.announced:
-                continue
-            self.announced, announced_at = newest, time.monotonic()
-            # whole, or rebuilt from the version held here and a delta
-            path = fetch_policy(self.fetch, newest, self.cache_dir)
-            DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
-            with self._lock:
-                self.ready = (newest, path, announced_at)
-                self._prune(newest)
-
-    def take(self, newer_than: int) -> tuple[int, Path, float] | None:
-        with self._lock:
-            if self.ready and self.ready[0] > newer_than:
-                self.taken = self.ready[0]
-                return self.ready
-        return None
-
-    def _prune(self, newest: int) -> None:
-        """Drop versions older than the newest `keep`, but never the one the engine took (it may still
-        be loading it while newer versions arrive). Called with the lock held."""
-        prune_cache(self.cache_dir, min(newest - self.keep + 1, self.taken))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +102,7 @@ class Worker:
         pool_name, pool = ctx.bundle.pool(options.pool, str(options.config))
         self.engine_kind, self.vllm = pool.engine, pool.vllm  # make_engine's kind and vLLM settings
         self.max_pending = pool.max_pending
+        self.max_in_flight = pool.max_groups_in_flight  # None: the engine's default_groups_in_flight
         self.ingest_url = rollouts_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
         self.tickets_url = tickets_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
         self.worker_id = options.worker_id
@@ -242,8 +176,19 @@ class Worker:
             VERSION.set(version)
             log.info("now generating with version %d", version)
 
+    @property
+    def in_flight(self) -> int:
+        """K: the most groups one batch takes (the pool's maxGroupsInFlight, else the engine's default)."""
+        return self.max_in_flight or self.loaded.default_groups_in_flight
+
     def paused(self) -> str | None:
-        """Why generation should wait now, or None (an ingest worker's backlog is the ingest's to refuse).
+        """Why generation should wait now, or None (`room`'s reason)."""
+        return self.room()[0]
+
+    def room(self) -> tuple[str | None, int]:
+        """(why generation should wait now, or None; how many groups the next batch may take, at most K).
+        An ingest worker's backlog is the ingest's to refuse. The room is what keeps each reason below
+        from arising within one batch, so a batch never overshoots the queue (and goes stale in it).
 
         - `version_lag`: the engine is more than maxAsyncLevel versions behind the newest announced one;
         - `batch_full`: the trainer already holds the batch of the last step that could train this
@@ -262,9 +207,10 @@ class Worker:
         lag = (newest or 0) - self.loaded.version
         LAG.set(lag)
         if lag > self.spec.trainer.max_async_level:
-            return "version_lag"
+            return "version_lag", 0
+        room = self.in_flight
         if self.ingest_url:
-            return None
+            return None, room
         keys = self.ctx.keys
         assert self.reader is not None  # a worker without an ingest reads Redis
         with self.reader.pipeline(transaction=False) as pipe:  # one round trip, every 20 ms while paused
@@ -273,15 +219,17 @@ class Worker:
             pipe.xlen(keys.verified)
             (oldest, need, held), queued, verified = pipe.execute()
         if oldest is not None and self.loaded.version < int(oldest):
-            return "batch_full"
+            return "batch_full", 0
         if need is not None:
             ahead = queued + verified - int(held or 0)
             later = self.loaded.version > int(oldest)  # still trainable once the trainer's step advances
-            if ahead >= int(need) + later * self.spec.trainer.batch_size:
-                return "enough_queued"
+            wanted = int(need) + later * self.spec.trainer.batch_size - ahead
+            if wanted <= 0:
+                return "enough_queued", 0
+            room = min(room, wanted)
         if queued > self.max_pending:
-            return "backlog"
-        return None
+            return "backlog", 0
+        return None, min(room, self.max_pending + 1 - queued)
 
     def next_work(self) -> tuple[str, int, int | None] | None:
         """(task id, group seed, ticket) of the next group: drawn here, or assigned by the run
@@ -299,86 +247,92 @@ class Worker:
         task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
         return task_id, seed, ticket
 
-    def make_group(
-        self, task_id: str | None = None, seed: int | None = None, ticket: int | None = None
-    ) -> RolloutGroup:
-        """One group: of `task_id` with group seed `seed` (next_work's), or a drawn task and seed when not given."""
-        if task_id is None or seed is None:
-            task_id, seed = self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31))
+    def make_groups(self, work: list[tuple[str, int, int | None]]) -> list[RolloutGroup]:
+        """The groups of `work` ((task id, group seed, ticket) each, next_work's), sampled in ONE engine
+        call, so every group records the one version that produced all of them."""
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
-        problem = self.task.problem(task_id)
-        prompt_ids = self.loaded.tokenizer(problem.prompt)["input_ids"]
-        params = SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, seed=seed
-        )
-        IN_FLIGHT.set(s.group_size)
+        problems = [self.task.problem(task_id) for task_id, _, _ in work]
+        prompts = [self.loaded.tokenizer(p.prompt)["input_ids"] for p in problems]
+        params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=seed) for _, seed, _ in work]
+        IN_FLIGHT.set(s.group_size * len(work))
+        GROUPS_IN_FLIGHT.set(len(work))
         try:
-            gens = self.loaded.generate(prompt_ids, params, s.group_size)
+            batch = self.loaded.generate_groups([GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)])
         finally:
             IN_FLIGHT.set(0)
-        samples = []
-        group_proofs = build_proofs_many(  # the whole group's chunks in one vectorised pass
-            [gen.hidden for gen in gens],
-            prompt_len=len(prompt_ids),
+            GROUPS_IN_FLIGHT.set(0)
+        versions = {gen.version for gens in batch for gen in gens}
+        if len(versions) != 1:  # the engine seam's invariant; a group claiming one version must hold only its tokens
+            raise RuntimeError(f"one engine call produced versions {sorted(versions)}: the engine broke its contract")
+        proofs = build_proofs_many(  # every sample of the batch in one vectorised pass
+            [gen.hidden for gens in batch for gen in gens],
+            prompt_len=[len(p) for p, gens in zip(prompts, batch) for _ in gens],
             decode_batching_size=toploc.decode_batching_size,
             topk=toploc.topk,
         )
-        for gen, proofs in zip(gens, group_proofs):
-            text = completion_text(self.loaded.tokenizer, gen.completion_ids, self.loaded.stop_ids)
-            samples.append(
-                Sample(
-                    completion_ids=gen.completion_ids,
-                    logprobs=gen.logprobs,
-                    proofs=proofs,
-                    reward=self.task.score(problem, text, len(gen.completion_ids)),
-                    finish_reason=gen.finish_reason,
+        groups, at = [], 0
+        for (_, _, ticket), problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
+            samples = []
+            for gen, sample_proofs in zip(gens, proofs[at : at + len(gens)]):
+                text = completion_text(self.loaded.tokenizer, gen.completion_ids, self.loaded.stop_ids)
+                reward = self.task.score(problem, text, len(gen.completion_ids))
+                samples.append(Sample(gen.completion_ids, gen.logprobs, sample_proofs, reward, gen.finish_reason))
+                TOKENS.inc(len(gen.completion_ids))
+            at += len(gens)
+            groups.append(
+                RolloutGroup(
+                    task_id=problem.task_id,
+                    worker_id=self.worker_id,
+                    policy_version=gens[0].version,  # the version that produced the tokens, not one swapped in since
+                    prompt_ids=prompt_ids,
+                    sampling=q,
+                    samples=samples,
+                    engine=self.loaded.name,
+                    ticket=ticket,
                 )
             )
-            TOKENS.inc(len(gen.completion_ids))
-        # The version that produced the tokens (engine.py's invariant), not one swapped in since.
-        return RolloutGroup(
-            task_id=problem.task_id,
-            worker_id=self.worker_id,
-            policy_version=gens[0].version,
-            prompt_ids=prompt_ids,
-            sampling=params,
-            samples=samples,
-            engine=self.loaded.name,
-            ticket=ticket,
-        )
+        return groups
+
+    def take_work(self, room: int) -> list[tuple[str, int, int | None]] | None:
+        """Up to `room` pieces of work (next_work's); None if stopped meanwhile (a ticket held back)."""
+        work = []
+        for _ in range(room):
+            piece = self.next_work()
+            if piece is None:
+                return None
+            work.append(piece)
+        return work
+
+    def send(self, group: RolloutGroup) -> bool:
+        """XADD `group` to the inbox or POST it to the ingest; False if stopped while the ingest held it back."""
+        if self.ingest_url:
+            fields = group.encode()[MESSAGE_FIELD]
+            on_wait = PAUSED.labels(components.INGEST).inc
+            if post_group(self.session, self.ingest_url, self.token, fields, self.ctx.stop, on_wait=on_wait) is None:
+                return False
+        else:
+            # Never trimmed (no MAXLEN): the inbox holds only unverified groups; maxPending bounds it.
+            self.ctx.client.xadd(self.ctx.keys.rollouts, group.encode())  # type: ignore[arg-type]  # invariant Dict
+        GROUPS.inc()
+        return True
 
     def run(self) -> None:
         if not self.wait_first_version():
             return
         while not self.ctx.stop.is_set():
             self._raise_follower_error()
-            self.maybe_swap()
-            reason = self.paused()
+            self.maybe_swap()  # only here, between batches: a swap waits for the groups in flight
+            reason, room = self.room()
             if reason:
                 PAUSED.labels(reason).inc(0.02)
                 time.sleep(0.02)
                 continue
-            work = self.next_work()
+            work = self.take_work(room)
             if work is None:
-                return  # stopped while the ingest held the ticket back
-            group = self.make_group(*work)
-            if self.ingest_url:
-                if (
-                    post_group(
-                        self.session,
-                        self.ingest_url,
-                        self.token,
-                        group.encode()[MESSAGE_FIELD],
-                        self.ctx.stop,
-                        on_wait=PAUSED.labels(components.INGEST).inc,
-                    )
-                    is None
-                ):
+                return  # stopped while the ingest held a ticket back
+            for group in self.make_groups(work):
+                if not self.send(group):
                     return  # stopped while the ingest held it back
-            else:
-                # Never trimmed (no MAXLEN): the inbox holds only unverified groups; maxPending bounds it.
-                self.ctx.client.xadd(self.ctx.keys.rollouts, group.encode())  # type: ignore[arg-type]  # invariant Dict
-            GROUPS.inc()
 
 
 def main(options: RolloutOptions) -> int:

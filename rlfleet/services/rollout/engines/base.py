@@ -3,7 +3,13 @@
 Contract of every engine: token logprobs are `log_softmax(logits / temperature)` over the full
 vocabulary (what the trainer and verifier recompute); top-p/top-k only restrict which tokens may
 be drawn. `hidden` holds the final (post-norm) hidden state of every prompt and completion
-position, the rows TOPLOC proofs are built from.
+position, the rows TOPLOC proofs are built from, on the CPU.
+
+Batching: `generate_groups` samples several groups (each its own prompt, seed and sampling
+parameters) together, as one batch of the engine; `generate` is one group of it. Sample i of a
+request with seed s draws with `sample_seed(s, first + i)` (rlfleet/models/sampling.py), so a
+sample's tokens depend on the weights, its prompt and its seed only, never on which batch it was
+drawn in (up to the float noise of another batch shape, which the gate's replayTolerance absorbs).
 """
 
 from __future__ import annotations
@@ -24,24 +30,41 @@ if TYPE_CHECKING:  # the engines package imports without torch: the launcher che
 class Generation:
     completion_ids: list[int]  # (T,) including the end-of-sequence token when one was sampled
     logprobs: list[float]  # (T,)
-    hidden: torch.Tensor  # (P + T, H) final hidden states of prompt and completion positions
+    hidden: torch.Tensor  # (P + T, H) final hidden states of prompt and completion positions, on the CPU
     finish_reason: str  # "stop" or "length"
     version: int  # the policy version whose weights produced every token and hidden state of it
 
 
+@dataclass(frozen=True)
+class GroupRequest:
+    """Samples first .. first+n-1 of a group of one prompt (the worker asks for whole groups: first 0)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    first: int = 0
+
+
 class Engine(ABC):
-    """Invariant: one `generate` call runs on one weights version, the one each Generation records;
-    `load_weights` never takes effect in the middle of a `generate` call."""
+    """Invariant: one `generate_groups` call runs on one weights version, the one each Generation of it
+    records; `load_weights` never takes effect in the middle of a call (a swap waits for the batch)."""
 
     name: str  # what a group records as its `engine` (the gate replays `torch` groups, not `vllm` ones)
     version: int
     tokenizer: PreTrainedTokenizerBase
     stop_ids: frozenset[int]  # rlfleet.models.sampling.stop_token_ids of the model: a completion ends at the first
+    # Groups a worker keeps in flight when its pool sets no maxGroupsInFlight: where this engine's
+    # tokens/s stops growing on CPU (benchmarks/rollout.py --in-flight), memory permitting.
+    default_groups_in_flight: int = 1
 
     @abstractmethod
+    def generate_groups(self, requests: list[GroupRequest]) -> list[list[Generation]]:
+        """One list of `request.n` Generations per request, in order, all on one weights version;
+        sample i of a request draws with `rlfleet.models.sampling.sample_seed(params.seed, first + i)`."""
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int = 0) -> list[Generation]:
-        """Samples first .. first+n-1 of a group of one prompt; sample i draws with
-        `rlfleet.models.sampling.sample_seed(params.seed, i)` (rlfleet/models/sampling.py)."""
+        """Samples first .. first+n-1 of a group of one prompt (generate_groups with one request)."""
+        return self.generate_groups([GroupRequest(list(prompt_ids), params, n, first)])[0]
 
     @abstractmethod
     def load_weights(self, model_dir: Path, version: int) -> None:

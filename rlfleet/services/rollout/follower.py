@@ -1,0 +1,96 @@
+"""A rollout worker's policy versions: a background thread follows the announcements (the run's `policy`
+stream, or for an ingest worker its relays' `latest?after=N` long-poll) and downloads each new version
+through the relays (every file's sha256 checked, the manifest's signature verified; a delta version is
+rebuilt from the one held here, shardcast/assemble.py) while generation goes on with the old weights.
+
+`ready` holds the newest version on disk; the worker `take`s it between batches (main.py). Invariant:
+the cache keeps the newest `keepVersions` and never the one the engine took last (it may still be
+loading it while newer versions arrive).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import redis
+from prometheus_client import Gauge
+
+from rlfleet.services.shardcast.assemble import fetch_policy
+from rlfleet.services.shardcast.client import FetchSettings, wait_for_version
+from rlfleet.versions.checkpoint import prune_cache
+from rlfleet.versions.signing import run_public_key
+from rlfleet.wire.runtime import Context
+from rlfleet.wire.streams import decode_json, stream_reply
+
+DOWNLOAD_SECONDS = Gauge(
+    "rlfleet_rollout_weight_download_seconds", "Download (relays, hashes, signature) of the newest version"
+)
+
+
+class VersionFollower(threading.Thread):
+    """Follows the policy stream and downloads each new version; `ready` holds the newest local one."""
+
+    def __init__(
+        self, ctx: Context, relay_urls: list[str], cache_dir: Path, keep: int, reader: redis.Redis | None = None
+    ):
+        super().__init__(daemon=True, name="version-follower")
+        self.ctx, self.relay_urls, self.cache_dir, self.keep = ctx, relay_urls, cache_dir, keep
+        self.reader = reader  # reads the policy stream (a worker's read-only Redis user); None: the relays' long-poll
+        self.use_redis = reader is not None
+        # manifests must verify with the run's key; the relays' measurements are kept across versions
+        self.fetch = FetchSettings.over(
+            relay_urls, ctx.run_name, public_key=run_public_key(ctx.bundle.run.spec.shardcast), stop=ctx.stop
+        )
+        self.announced = -1
+        self.ready: tuple[int, Path, float] | None = None  # (version, directory, monotonic time it was announced)
+        self.taken = -1  # the newest version handed to the engine: in use or being loaded, never pruned
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        try:
+            self._follow()
+        except BaseException as exc:  # surfaced to the main loop, which exits non-zero
+            self.error = exc
+
+    def _announcements(self):
+        """The newest announced version each time there is news (None: nothing new yet)."""
+        if self.reader is None:  # use_redis
+            while not self.ctx.stop.is_set():
+                yield wait_for_version(self.relay_urls, self.ctx.run_name, self.announced, 60, stop=self.ctx.stop)
+            return
+        last_id: bytes | str = "0-0"
+        while not self.ctx.stop.is_set():
+            resp = stream_reply(self.reader.xread({self.ctx.keys.policy: last_id}, block=500))
+            newest = None
+            for _, entries in resp or []:
+                for msg_id, fields in entries:
+                    last_id = msg_id
+                    newest = max(newest or -1, int(decode_json(fields)["version"]))
+            yield newest
+
+    def _follow(self) -> None:
+        for newest in self._announcements():
+            if newest is None or newest <= self.announced:
+                continue
+            self.announced, announced_at = newest, time.monotonic()
+            # whole, or rebuilt from the version held here and a delta
+            path = fetch_policy(self.fetch, newest, self.cache_dir)
+            DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
+            with self._lock:
+                self.ready = (newest, path, announced_at)
+                self._prune(newest)
+
+    def take(self, newer_than: int) -> tuple[int, Path, float] | None:
+        with self._lock:
+            if self.ready and self.ready[0] > newer_than:
+                self.taken = self.ready[0]
+                return self.ready
+        return None
+
+    def _prune(self, newest: int) -> None:
+        """Drop versions older than the newest `keep`, but never the one the engine took (it may still
+        be loading it while newer versions arrive). Called with the lock held."""
+        prune_cache(self.cache_dir, min(newest - self.keep + 1, self.taken))
