@@ -49,7 +49,8 @@ from rlfleet.config import parse_bundle
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import load_policy
-from rlfleet.services.rollout.engines import GroupRequest, make_engine
+from rlfleet.services.rollout.engines import make_engine
+from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchSettings, fetch_version
 from rlfleet.services.toploc.batch import prefill_verdicts
