@@ -39,6 +39,7 @@ from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
 from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
+from rlfleet.services.rollout.health import engine_liveness
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings, wait_for_version
 from rlfleet.services.toploc.proof import build_proofs_many
@@ -193,6 +194,7 @@ class Worker:
             ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, reader=self.reader
         )
         self.engine: Engine | None = None  # made by start() (see `loaded`)
+        self.liveness = engine_liveness(ctx, lambda: self.engine)  # /healthz: generations and swaps hold working()
 
     def wait_first_version(self) -> bool:
         """Start the engine and load the first announced version. The engine starts from the run's base
@@ -218,6 +220,7 @@ class Worker:
                         self.engine.close()
                         self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype)
                 VERSION.set(version)
+                self.liveness.ready()
                 return True
             time.sleep(0.05)
         return False
@@ -236,7 +239,8 @@ class Worker:
         if ready:
             version, path, announced_at = ready
             t0 = time.monotonic()
-            self.loaded.load_weights(path, version)
+            with self.liveness.working():
+                self.loaded.load_weights(path, version)
             LOAD_SECONDS.set(time.monotonic() - t0)
             SWAP_SECONDS.set(time.monotonic() - announced_at)
             VERSION.set(version)
@@ -313,7 +317,8 @@ class Worker:
         )
         IN_FLIGHT.set(s.group_size)
         try:
-            gens = self.loaded.generate(prompt_ids, params, s.group_size)
+            with self.liveness.working():
+                gens = self.loaded.generate(prompt_ids, params, s.group_size)
         finally:
             IN_FLIGHT.set(0)
         samples = []

@@ -31,12 +31,15 @@ class Generation:
 
 class Engine(ABC):
     """Invariant: one `generate` call runs on one weights version, the one each Generation records;
-    `load_weights` never takes effect in the middle of a `generate` call."""
+    `load_weights` never takes effect in the middle of a `generate` call.
+    Liveness (rlfleet/wire/health.py): `heartbeat` is the time.monotonic() of the last completed forward
+    step, read in the worker's process; `probe` is the idle check."""
 
     name: str  # what a group records as its `engine` (the gate replays `torch` groups, not `vllm` ones)
     version: int
     tokenizer: PreTrainedTokenizerBase
     stop_ids: frozenset[int]  # rlfleet.models.sampling.stop_token_ids of the model: a completion ends at the first
+    heartbeat: float = 0.0  # set by the engine after every forward step
 
     @abstractmethod
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int = 0) -> list[Generation]:
@@ -46,6 +49,13 @@ class Engine(ABC):
     @abstractmethod
     def load_weights(self, model_dir: Path, version: int) -> None:
         """Swap to the weights of `model_dir` in place; later generations record `version`."""
+
+    def probe(self) -> None:
+        """A 1-token generation, the idle liveness check: returns once the engine produced it, raises when
+        it cannot. The caller holds the lock its `generate` and `load_weights` calls hold (the worker's
+        liveness lock, rlfleet/services/rollout/health.py), so a probe never interleaves with a swap."""
+        prompt = self.tokenizer("1")["input_ids"] or [0]
+        self.generate(prompt, SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=1, seed=0), 1)
 
     def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing outside the process)
         """Release what the engine holds outside this process's memory (child processes); idempotent."""

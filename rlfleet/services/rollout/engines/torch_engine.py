@@ -16,6 +16,7 @@ gate replays it from one prefill (rlfleet/services/toploc/replay.py).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,7 @@ class TorchEngine(Engine):
             out = body(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             hidden.append(out.last_hidden_state)  # (n, 1, H): the row of the token just fed
+            self.heartbeat = time.monotonic()  # a forward step completed (liveness, base.py)
             done = done | torch.isin(nxt, stops)
             if bool(done.all()):
                 break

@@ -44,10 +44,16 @@ Cost of the capture: every row of every step is copied to host memory and the wh
 cross from the worker process in one `collective_rpc`; for long completions on GPU, building the
 proofs (top-k per 32 rows) inside the worker would cut that.
 
-Pinned because these move between vLLM releases: `worker_extension_cls`, `Worker.reload_weights`,
-the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
-`VLLM_USE_V2_MODEL_RUNNER=0`), `SamplingParams.skip_reading_prefix_cache`, internal request ids
-`"{external}-{8 chars}"`, and the CPU attention's head sizes (vllm_pin.py, read without importing vLLM).
+Liveness (base.py's `heartbeat`): `LLM.generate` calls `LLMEngine.step()` once per engine step until its
+requests finish, and each return is one scheduler step done, whether the engine core runs in this
+process (CPU) or in its own (GPU: `step` returns with the step's outputs); so `step` is wrapped to beat,
+in the worker's process, where /healthz reads it. A wedged core process leaves `step` waiting: no beat.
+
+Pinned because these move between vLLM releases: `LLMEngine.step` as `LLM.generate`'s loop,
+`worker_extension_cls`, `Worker.reload_weights`, the V1 model runner's `input_batch` /
+`query_start_loc` / `sampler` bookkeeping (we force `VLLM_USE_V2_MODEL_RUNNER=0`),
+`SamplingParams.skip_reading_prefix_cache`, internal request ids `"{external}-{8 chars}"`, and the CPU
+attention's head sizes (vllm_pin.py, read without importing vLLM).
 Hooks fire only where the model's forward runs in Python, so the engine runs with
 `enforce_eager=True` (also on CPU, where torch.compile would take minutes on a few cores).
 """
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -237,6 +244,7 @@ class VLLMEngine(Engine):
             **backend,
         )
         self.llm.collective_rpc("rlfleet_install_capture")
+        self.llm.llm_engine.step = partial(_beating_step, self, self.llm.llm_engine.step)  # type: ignore[method-assign]
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.version = version
         self._lock = threading.Lock()  # one version per group: generate and load_weights never interleave
@@ -320,6 +328,13 @@ class VLLMEngine(Engine):
                 )
             )
         return result
+
+
+def _beating_step(engine: VLLMEngine, step):
+    """LLMEngine.step, then the engine's heartbeat (module docstring)."""
+    out = step()
+    engine.heartbeat = time.monotonic()
+    return out
 
 
 def _assemble(prompt_ids, completion, prompt_rows, rows, tail_rows, sampled) -> tuple[torch.Tensor, list[float]]:
