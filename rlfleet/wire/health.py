@@ -158,6 +158,7 @@ class Liveness:
         self._probe_started: float | None = None
         self._probe_failed: tuple[float, str] | None = None  # (when, why)
         self._thread: threading.Thread | None = None
+        self._was_ok = True  # the last verdict once ready: a change is logged
 
     # ---- what the component reports
 
@@ -263,4 +264,7 @@ class Liveness:
         verdict = self.verdict(time.monotonic())
         if self.alive is not None:
             self.alive.set(1 if verdict.ok else 0)
+        if self._ready and verdict.ok != self._was_ok:  # the log says when and why liveness failed
+            (log.info if verdict.ok else log.warning)("engine liveness: %s: %s", verdict.status, verdict.detail)
+        self._was_ok = verdict.ok
         return verdict

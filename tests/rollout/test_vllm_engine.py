@@ -183,6 +183,13 @@ def test_completions_end_one_position_short_of_the_context_window(engine, models
         engine.generate(prompt_ids + prompt_ids[:3], params, 1)
 
 
+def test_the_engine_beats_in_this_process_and_the_idle_probe_generates(engine):
+    """Liveness (rlfleet/wire/health.py): the wrapped LLMEngine.step sets the heartbeat in the worker's process."""
+    before = engine.heartbeat
+    engine.probe()  # one generated token (base.py)
+    assert engine.heartbeat > before
+
+
 def test_the_pinned_release_and_cpu_head_sizes_are_the_installed_vllms():
     import vllm
     from vllm.platforms import current_platform

@@ -43,6 +43,13 @@ def prefill_liveness(ctx: Context, last_used: Callable[[], tuple | None]) -> Liv
 
 def watch(live: Liveness, model) -> None:
     """Count `model`'s prefills as the liveness's work (module docstring)."""
+
+    def started(module, args) -> None:  # None: the forward's inputs are left as they are
+        live.begin()
+
+    def finished(module, args, output) -> None:  # None: its output too; called when it raises as well
+        live.end()
+
     body = model.model  # the decoder every prefill runs (rlfleet.models.policy.Prefill)
-    body.register_forward_pre_hook(lambda module, args: live.begin())
-    body.register_forward_hook(lambda module, args, output: live.end(), always_call=True)
+    body.register_forward_pre_hook(started)
+    body.register_forward_hook(finished, always_call=True)
