@@ -98,8 +98,15 @@ def test_a_wedged_engine_fails_its_liveness_probe_and_is_restarted(cluster):
             120,
         )
         assert restarted
-        status = k.core.read_namespaced_pod(pod.name, NS).status
-        assert status.container_statuses[0].restart_count >= 1
+        status = wait_for(  # what the API server says (the kubelet writes it)
+            "restartCount 1 in the pod's status",
+            lambda: (
+                (s := a.runner.api.get("Pod", NS, pod.name)["status"])["containerStatuses"][0]["restartCount"] >= 1
+                and s
+            ),
+            30,
+        )
+        assert status["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] != 0  # killed, not finished
         log = pod.log.read_text()
         assert "engine liveness: wedged: " in log, log[-3000:]
         wait_for("the restarted worker's startup probe", lambda: pod.ready and pod.restarts == 1, 300, every=2)
@@ -111,6 +118,8 @@ def test_a_wedged_engine_fails_its_liveness_probe_and_is_restarted(cluster):
             every=2,
         )
         assert pod.restarts == 1, "restarted once: the restarted engine stays alive"
+        accepted = sum(1 for w in auditor.accepted.values() if w == pod.name)
+        print(f"liveness failed -> restarted in {restarted[0]['t'] - failed[0]['t']:.0f}s; {accepted} groups accepted")
         assert not [e for e in a.runner.events if e["event"] == "livenessProbe failed" and e["pod"] != pod.name]
     finally:
         auditor.stop()

@@ -54,7 +54,7 @@ class Engine(ABC):
         """A 1-token generation, the idle liveness check: returns once the engine produced it, raises when
         it cannot. The caller holds the lock its `generate` and `load_weights` calls hold (the worker's
         liveness lock, rlfleet/services/rollout/health.py), so a probe never interleaves with a swap."""
-        prompt = self.tokenizer("1")["input_ids"] or [0]
+        prompt = [self.tokenizer.eos_token_id or 0]  # not tokenized: the worker's thread may be using the tokenizer
         self.generate(prompt, SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=1, seed=0), 1)
 
     def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing outside the process)
