@@ -4,7 +4,8 @@
   minutes on a GPU; the startup probe's budget covers it);
 - busy: while the worker generates a group or swaps weights (`Worker` holds `working()` around
   `generate` and `load_weights`): the engine's heartbeat must advance within the deadline (base.py:
-  the torch engine's decode steps, vLLM's engine steps, both read in this process);
+  the torch engine's decode steps, vLLM's engine steps, both read in this process); a swap beats
+  nothing, so a weight load must finish within the deadline too (seconds for a model that fits a GPU);
 - idle (paused by backpressure, waiting for a ticket or for the ingest, building proofs): a 1-token
   `Engine.probe` every RLFLEET_HEALTH_PROBE_INTERVAL_S, holding the same lock as generations and
   swaps, so it never runs inside a swap and a group never waits more than one probe for it.
