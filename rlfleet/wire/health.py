@@ -125,10 +125,17 @@ class LivenessSettings:
 
     @classmethod
     def from_env(cls) -> LivenessSettings:
-        return cls(
-            deadline_s=env.get_float(env.HEALTH_DEADLINE_S, cls.deadline_s),
-            probe_every_s=env.get_float(env.HEALTH_PROBE_INTERVAL_S, cls.probe_every_s),
-        )
+        values = {
+            name: env.get_float(name, default)
+            for name, default in (
+                (env.HEALTH_DEADLINE_S, cls.deadline_s),
+                (env.HEALTH_PROBE_INTERVAL_S, cls.probe_every_s),
+            )
+        }
+        for name, value in values.items():
+            if not value > 0:
+                raise SystemExit(f"environment variable {name}={value:g}: seconds, above 0; unset it for the default")
+        return cls(deadline_s=values[env.HEALTH_DEADLINE_S], probe_every_s=values[env.HEALTH_PROBE_INTERVAL_S])
 
 
 class Liveness:

@@ -17,7 +17,7 @@ from rlfleet.config import parse_bundle
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.rollout.health import ALIVE, PROBE_SECONDS, engine_liveness
 from rlfleet.wire import env
-from rlfleet.wire.health import Health, serve
+from rlfleet.wire.health import Health, LivenessSettings, serve
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys, SamplingParams
 from tests.runs import bundle_yaml, pool, rlrun
@@ -149,3 +149,11 @@ def test_a_blocked_or_failing_idle_probe_fails(monkeypatch, engine):
         finally:
             handle.remove()
         wait_for("alive again", lambda: healthz(url)[0] == 200, 30)
+
+
+def test_the_settings_come_from_the_environment_and_refuse_what_is_not_a_duration(monkeypatch):
+    monkeypatch.setenv(env.HEALTH_DEADLINE_S, "5")
+    assert LivenessSettings.from_env() == LivenessSettings(deadline_s=5.0, probe_every_s=30.0)
+    monkeypatch.setenv(env.HEALTH_PROBE_INTERVAL_S, "0")
+    with pytest.raises(SystemExit, match="RLFLEET_HEALTH_PROBE_INTERVAL_S=0: seconds, above 0"):
+        LivenessSettings.from_env()
