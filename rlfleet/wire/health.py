@@ -67,17 +67,26 @@ def _wedged(what: str, allowed: float) -> Verdict:
 SERVING = Verdict(True, "ok", "the process serves (no health check registered)")
 
 
-class Health:
-    """What /healthz answers: the registered checks, each a function of memory only (never blocking)."""
+PENDING = Verdict(False, "starting", "the process is starting (its health check is not registered yet)")
 
-    def __init__(self) -> None:
+
+class Health:
+    """What /healthz answers: the registered checks, each a function of memory only (never blocking).
+    `pending`: the component will register a check; until it does, "starting" (503), so a startup probe
+    that asks in the first second never passes before the check that covers the model load is in."""
+
+    def __init__(self, pending: bool = False) -> None:
         self._checks: list[Callable[[], Verdict]] = []
+        self._pending = pending
 
     def register(self, check: Callable[[], Verdict]) -> None:
         self._checks.append(check)
+        self._pending = False
 
     def verdict(self) -> Verdict:
         """The first failing check's verdict, else the last check's (SERVING with none)."""
+        if self._pending:
+            return PENDING
         out = SERVING
         for check in self._checks:
             out = check()

@@ -59,12 +59,15 @@ def setup_logging(component: str) -> logging.Logger:
     return logging.getLogger(f"rlfleet.{component}")
 
 
-def component_context(options: ComponentOptions, component: str, redis_optional: bool = False) -> Context:
+def component_context(
+    options: ComponentOptions, component: str, redis_optional: bool = False, health_check: bool = False
+) -> Context:
     """Load the config as `component` reads it (its view, rlfleet/wire/views.py: reading a field outside
     it raises ViewError, and the operator rolls the component's pods exactly when its view changes),
     connect Redis, serve /metrics and /healthz (ctx.health; wire/health.py), and turn SIGTERM/SIGINT into `stop`.
     `redis_optional`: a component that can work without Redis (a relay following its upstream, a worker
-    posting to an ingest) gets `redis=None` when no URL is given instead of an error."""
+    posting to an ingest) gets `redis=None` when no URL is given instead of an error.
+    `health_check`: the component registers a check on ctx.health; /healthz answers "starting" until then."""
     setup_logging(component)
     bundle = view_bundle(load_bundle(options.config), VIEWS[component])
     url = options.redis_url or env.get(env.REDIS_URL) or bundle.run.spec.redis.url
@@ -74,7 +77,7 @@ def component_context(options: ComponentOptions, component: str, redis_optional:
             [f"spec.redis.url: required outside `rlfleet run` (or pass --redis-url / {env.REDIS_URL})"],
         )
     client = connect_redis(url) if url else None
-    health = Health()
+    health = Health(pending=health_check)
     if options.metrics_port:
         serve(options.metrics_port, "127.0.0.1" if env.get(env.LOCAL) else "0.0.0.0", health)
     stop = threading.Event()

@@ -17,7 +17,7 @@ from rlfleet.config import parse_bundle
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.rollout.health import ALIVE, PROBE_SECONDS, engine_liveness
 from rlfleet.wire import env
-from rlfleet.wire.health import Health, LivenessSettings, serve
+from rlfleet.wire.health import Health, LivenessSettings, Verdict, serve
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys, SamplingParams
 from tests.runs import bundle_yaml, pool, rlrun
@@ -83,6 +83,20 @@ def test_a_server_without_checks_answers_200_and_serves_metrics_as_before():
         assert "python_info{" in metrics.text  # prometheus_client's default registry, as start_http_server served
         only = requests.get(f"{url}/metrics", params={"name[]": "python_info"}, timeout=10).text
         assert "python_info{" in only and "rlfleet_" not in only  # its name[] filter, as before
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_component_that_will_register_a_check_answers_starting_until_it_does():
+    health = Health(pending=True)  # component_context(..., health_check=True): the rollout worker, the verifier
+    server = serve(0, "127.0.0.1", health)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        status, body = healthz(url)
+        assert (status, body["status"]) == (503, "starting"), body  # a startup probe in the first second waits
+        health.register(lambda: Verdict(True, "idle", "registered"))
+        assert healthz(url) == (200, {"status": "idle", "detail": "registered"})
     finally:
         server.shutdown()
         server.server_close()

@@ -361,7 +361,7 @@ class VerifierOptions(ComponentOptions):
 
 
 def main(options: VerifierOptions) -> int:
-    ctx = component_context(options, components.VERIFIER)
+    ctx = component_context(options, components.VERIFIER, health_check=True)  # the gate's prefill liveness
     configure_torch_threads()
     gate = Gate(ctx, options.consumer, options.origin_url, options.cache_dir)
     if options.api_port:
