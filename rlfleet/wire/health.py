@@ -280,7 +280,8 @@ class Liveness:
         verdict = self.verdict(time.monotonic())
         if self.alive is not None:
             self.alive.set(1 if verdict.ok else 0)
-        if self._ready and verdict.ok != self._was_ok:  # the log says when and why liveness failed
-            (log.info if verdict.ok else log.warning)("engine liveness: %s: %s", verdict.status, verdict.detail)
-        self._was_ok = verdict.ok
+        if self._ready:  # the log says when and why liveness failed, and when it came back
+            if verdict.ok != self._was_ok:
+                (log.info if verdict.ok else log.warning)("engine liveness: %s: %s", verdict.status, verdict.detail)
+            self._was_ok = verdict.ok
         return verdict

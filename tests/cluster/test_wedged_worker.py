@@ -6,8 +6,8 @@ the pool's podTemplate; nothing in rlfleet knows of it). The worker's process st
 the kubelet's liveness probe fails, the container is restarted (restartCount 1), and the restarted worker
 passes its startup probe and produces accepted groups again.
 
-The podTemplate keeps the test short: a 10 s deadline (RLFLEET_HEALTH_DEADLINE_S), a liveness probe every
-5 s, and a 5 s termination grace (a wedged engine ignores SIGTERM: it is killed)."""
+The podTemplate keeps the test short: a 10 s deadline (RLFLEET_HEALTH_DEADLINE_S), a startup probe every 2 s,
+a liveness probe every 5 s, and a 5 s termination grace (a wedged engine ignores SIGTERM: it is killed)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from tests.cluster.test_one_cluster import OPERATOR_SA, VALUES
 
 RUN, POOL = "arithmetic", "arithmetic-cpu"
 WEDGE = REPO / "tests" / "cluster" / "wedge"
-WEDGE_AFTER = 3  # generations before the engine blocks
+WEDGE_AFTER = 10  # generations (groups and idle probes) before the engine blocks
 MARKER = f"{names.CACHE_DIR}/wedged-once"  # on the pod's emptyDir: the restarted container does not wedge
 
 
@@ -43,8 +43,10 @@ def wedging_pool_template() -> dict:
         {"name": "RLFLEET_HEALTH_DEADLINE_S", "value": "10"},
         {"name": "RLFLEET_HEALTH_PROBE_INTERVAL_S", "value": "3"},
     ]
-    probe = {"periodSeconds": 5, "failureThreshold": 2}
-    container = {"name": names.ROLLOUT, "env": env, "livenessProbe": probe}
+    # The startup probe every 2 s: it must pass in the seconds between the engine's first version and the wedge
+    # (an engine that wedges before its startup probe passes is restarted when the startup budget runs out).
+    probes = {"startupProbe": {"periodSeconds": 2}, "livenessProbe": {"periodSeconds": 5, "failureThreshold": 2}}
+    container = {"name": names.ROLLOUT, "env": env, **probes}
     return {"spec": {"terminationGracePeriodSeconds": 5, "containers": [container]}}
 
 
