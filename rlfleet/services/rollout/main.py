@@ -389,9 +389,7 @@ class Worker:
 def main(options: RolloutOptions) -> int:
     if not options.relay_urls:
         raise SystemExit("rlfleet rollout: at least one --relay-url is required")
-    ctx = component_context(
-        options, components.ROLLOUT, redis_optional=True, health_check=True
-    )  # no Redis: ingest pools
+    ctx = component_context(options, components.ROLLOUT, redis_optional=True, health_check=True)  # ingest: no Redis
     configure_torch_threads()
     worker = Worker(ctx, options)
     try:
