@@ -22,7 +22,7 @@ def _add_component_args(p: argparse.ArgumentParser) -> None:
         "--config", required=True, type=Path, help="RLRun YAML (the same file `rlfleet run` and kubectl take)"
     )
     p.add_argument("--redis-url", default=None, help="overrides spec.redis.url (env RLFLEET_REDIS_URL)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0 = none)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics and /healthz port (0 = none)")
 
 
 def _trainer_args(p: argparse.ArgumentParser) -> None:

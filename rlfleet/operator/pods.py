@@ -3,10 +3,15 @@ container (entrypoint, environment, resources, probes, security), the pod templa
 secrets, the config hash, the component's podTemplate override), Deployments, StatefulSets, Services
 and PodDisruptionBudgets. Pure functions of the config models and the operator's ClusterDefaults.
 
-Probes: HTTP servers (origin, relay, ingest) are probed on /healthz of their port; the others
-(trainer, verifier, rollout) on /metrics, which their process serves from its first second: liveness
-means "the process answers", never "the model is loaded". A startupProbe gives slow starts room
-(a vLLM worker compiling and loading a model: up to 15 minutes) before liveness counts.
+Probes: HTTP servers (origin, relay, ingest) are probed on /healthz of their port. Rollout workers and
+the verifier are probed on /healthz of their metrics port, which says whether their model is alive
+(rlfleet/wire/health.py): 503 while starting (the engine loading, the first version coming in), and
+when a forward step or the idle probe (one generated token, a short prefill) misses its deadline, so a
+wedged engine fails liveness (3 x 20 s) and the kubelet restarts it. The startupProbe gives their
+starts room (a vLLM worker loading a model: up to 15 minutes; the verifier 5) before liveness counts;
+readiness on the same answer keeps a roll-out from counting a worker before its model serves. The
+trainer is probed on /metrics, which its process serves from its first second: liveness means "the
+process answers", never "the model is loaded".
 """
 
 from __future__ import annotations
@@ -136,8 +141,15 @@ def torch_env(component: str) -> list[dict]:
 # ---- the main container ------------------------------------------------------------------------
 
 
+# Components whose metrics port answers /healthz with their model's liveness (module docstring).
+ENGINE_HEALTH = (names.ROLLOUT, names.VERIFIER)
+
+
 def _probes(component: str, http_port: str | None) -> dict:
-    port, path = (http_port, "/healthz") if http_port else ("metrics", "/metrics")
+    if http_port:
+        port, path = http_port, "/healthz"
+    else:
+        port, path = "metrics", "/healthz" if component in ENGINE_HEALTH else "/metrics"
     get = {"httpGet": {"path": path, "port": port}, "timeoutSeconds": 5}
     startup_failures = 90 if component == names.ROLLOUT else 30  # x 10 s
     return {

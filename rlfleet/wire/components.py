@@ -9,7 +9,7 @@ Its record says what the rest of the code needs to know about it without importi
   roles    its Redis ACL roles (rlfleet/wire/redis_acl.py): the first is its main client's
            (env RLFLEET_REDIS_URL); a rollout worker reads and takes tickets as users of their own
   ports    the fields of its options that are HTTP ports it serves (endpoints.json, probes)
-  metrics  whether it serves Prometheus /metrics (its --metrics-port)
+  metrics  whether it serves Prometheus /metrics and /healthz (its --metrics-port; wire/health.py)
 Invariants: names are unique and each is a quoted string in this module only (a test greps rlfleet/);
 `COMPONENTS` keeps the order of the CLI's subcommands.
 """

@@ -26,6 +26,9 @@ CACHE = "RLFLEET_CACHE"  # builtin model cache (default ~/.cache/rlfleet)
 VLLM_KV_CACHE_BYTES = "RLFLEET_VLLM_KV_CACHE_BYTES"  # vLLM's KV cache on CPU
 DEVICE = "RLFLEET_DEVICE"  # cpu, cuda, cuda:N or auto (unset): where the process computes (rlfleet/models/device.py)
 LOCAL_RANK = "LOCAL_RANK"  # torchrun's: a trainer rank's GPU index in its pod (default 0)
+# Engine liveness on /healthz (rlfleet/wire/health.py): a rollout worker's engine, the verifier's prefill model.
+HEALTH_DEADLINE_S = "RLFLEET_HEALTH_DEADLINE_S"  # a forward step (busy) or an idle probe must complete within it
+HEALTH_PROBE_INTERVAL_S = "RLFLEET_HEALTH_PROBE_INTERVAL_S"  # idle: a tiny forward once this long without one
 # Read by `rlfleet operator` (set by the Helm chart).
 IMAGE = "RLFLEET_IMAGE"  # default image of every component
 GPU_IMAGE = "RLFLEET_GPU_IMAGE"  # default image of the components that ask for GPUs

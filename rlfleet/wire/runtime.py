@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -14,6 +14,7 @@ from redis import Redis
 
 from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.wire import env
+from rlfleet.wire.health import Health, serve
 from rlfleet.wire.streams import RunKeys, stream_entries
 from rlfleet.wire.views import VIEWS, view_bundle
 
@@ -24,7 +25,7 @@ class ComponentOptions:
 
     config: Path  # the RLRun YAML, the same file `rlfleet run` and kubectl take
     redis_url: str | None = None  # overrides env.REDIS_URL and spec.redis.url
-    metrics_port: int = 0  # Prometheus /metrics port; 0 = none
+    metrics_port: int = 0  # Prometheus /metrics and /healthz port (wire/health.py); 0 = none
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Context:
     keys: RunKeys
     stop: threading.Event
     redis_url: str = ""  # what `redis` connects to (a component that needs other client settings reconnects)
+    health: Health = field(default_factory=Health)  # what /healthz answers: a component registers its checks
 
     @property
     def run_name(self) -> str:
@@ -57,12 +59,15 @@ def setup_logging(component: str) -> logging.Logger:
     return logging.getLogger(f"rlfleet.{component}")
 
 
-def component_context(options: ComponentOptions, component: str, redis_optional: bool = False) -> Context:
+def component_context(
+    options: ComponentOptions, component: str, redis_optional: bool = False, health_check: bool = False
+) -> Context:
     """Load the config as `component` reads it (its view, rlfleet/wire/views.py: reading a field outside
     it raises ViewError, and the operator rolls the component's pods exactly when its view changes),
-    connect Redis, start /metrics, and turn SIGTERM/SIGINT into `stop`.
+    connect Redis, serve /metrics and /healthz (ctx.health; wire/health.py), and turn SIGTERM/SIGINT into `stop`.
     `redis_optional`: a component that can work without Redis (a relay following its upstream, a worker
-    posting to an ingest) gets `redis=None` when no URL is given instead of an error."""
+    posting to an ingest) gets `redis=None` when no URL is given instead of an error.
+    `health_check`: the component registers a check on ctx.health; /healthz answers "starting" until then."""
     setup_logging(component)
     bundle = view_bundle(load_bundle(options.config), VIEWS[component])
     url = options.redis_url or env.get(env.REDIS_URL) or bundle.run.spec.redis.url
@@ -72,10 +77,9 @@ def component_context(options: ComponentOptions, component: str, redis_optional:
             [f"spec.redis.url: required outside `rlfleet run` (or pass --redis-url / {env.REDIS_URL})"],
         )
     client = connect_redis(url) if url else None
+    health = Health(pending=health_check)
     if options.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(options.metrics_port, addr="127.0.0.1" if env.get(env.LOCAL) else "0.0.0.0")
+        serve(options.metrics_port, "127.0.0.1" if env.get(env.LOCAL) else "0.0.0.0", health)
     stop = threading.Event()
 
     def _on_signal(signum, frame):
@@ -83,7 +87,8 @@ def component_context(options: ComponentOptions, component: str, redis_optional:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    return Context(bundle=bundle, redis=client, keys=RunKeys(bundle.run.metadata.name), stop=stop, redis_url=url or "")
+    keys = RunKeys(bundle.run.metadata.name)
+    return Context(bundle=bundle, redis=client, keys=keys, stop=stop, redis_url=url or "", health=health)
 
 
 # A component rides out a Redis restart (a pod rescheduled, the local launcher's restart with its

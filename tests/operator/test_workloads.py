@@ -117,6 +117,12 @@ def test_every_long_running_pod_has_probes_security_and_a_disruption_budget_wher
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     rollout = next(c for c in children if c["metadata"]["name"] == "arithmetic-cpu-rollout" and "template" in c["spec"])
     assert _container(rollout)["startupProbe"]["failureThreshold"] * 10 >= 900, "vLLM start-up gets 15 minutes"
+    verifier = next(c for c in children if c["metadata"]["name"] == "arithmetic-verifier" and "template" in c["spec"])
+    for workload in (rollout, verifier):  # their model's liveness (rlfleet/wire/health.py), on the metrics port
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert _container(workload)[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}, probe
+        liveness = _container(workload)["livenessProbe"]
+        assert (liveness["periodSeconds"], liveness["failureThreshold"]) == (20, 3)
     budgets = {c["metadata"]["name"]: c["spec"] for c in children if c["kind"] == "PodDisruptionBudget"}
     assert budgets == {
         "arithmetic-cpu-rollout": {"maxUnavailable": "25%", "selector": rollout["spec"]["selector"]},

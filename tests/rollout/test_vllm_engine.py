@@ -8,6 +8,10 @@ tiny-arithmetic has 16, see test_an_unsupported_head_size_is_refused_with_the_fi
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -247,6 +251,28 @@ def test_completions_end_one_position_short_of_the_context_window(engine, models
         match=f"a prompt of {window - 1} tokens leaves no room to generate in the model's {window}-token context",
     ):
         engine.generate(prompt_ids + prompt_ids[:3], params, 1)
+
+
+def test_the_engine_beats_in_this_process_and_the_idle_probe_generates(engine):
+    """Liveness (rlfleet/wire/health.py): the wrapped LLMEngine.step sets the heartbeat in the worker's process."""
+    before = engine.heartbeat
+    engine.probe()  # one generated token (base.py)
+    assert engine.heartbeat > before
+
+
+def test_the_heartbeat_is_read_here_when_the_engine_core_runs_in_another_process(models):
+    """On a GPU vLLM runs its engine core in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING, which we set
+    to 0 on CPU only); the heartbeat still beats in the worker's process, on every engine step of a group."""
+    environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.rollout.vllm_core_process", str(models[0])],
+        env=environ, cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not seen["in_process"] and "EngineCore" in seen["children"], seen
+    # more beats than requests (4 and an EOS continuation at most): every engine step beats, not each request's end
+    assert seen["beats"] > len(seen["lengths"]) + 1 and max(seen["lengths"]) > 1, seen
 
 
 def test_the_pinned_release_and_cpu_head_sizes_are_the_installed_vllms():

@@ -71,6 +71,7 @@ def gate_system(tmp_path, redis_url, sampling="{groupSize: 4, maxTokens: 4}", ve
         with serving(make_app(store, "gate")) as origin_url:
             yield ctx, policy, origin_url, tmp_path
     finally:
+        ctx.stop.set()  # the gates' liveness probers (rlfleet/services/toploc/health.py)
         client.close()
         for k, v in saved.items():
             if v is None:

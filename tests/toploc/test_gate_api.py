@@ -31,6 +31,7 @@ def test_api_verifies_out_of_band_and_reports_workers_health_metrics(tmp_path, r
             api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
             health = api.get("/healthz").json()
             assert health["status"] == "ok" and health["consumer"] == "verifier-api" and health["inbox"] == 0
+            assert health["engine"].startswith("idle: "), health  # no model loaded yet: nothing to wedge
 
             honest = honest_group(engine, ctx, 1)
             verdict = api.post("/verify", json=body(honest)).json()

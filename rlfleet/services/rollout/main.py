@@ -45,6 +45,7 @@ from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.rollout.follower import VersionFollower
+from rlfleet.services.rollout.health import engine_liveness
 from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
 from rlfleet.wire import components, env
@@ -127,6 +128,7 @@ class Worker:
             ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, reader=self.reader
         )
         self.engine: Engine | None = None  # made by start() (see `loaded`)
+        self.liveness = engine_liveness(ctx, lambda: self.engine)  # /healthz: generations and swaps hold working()
 
     def wait_first_version(self) -> bool:
         """Start the engine and load the first announced version. The engine starts from the run's base
@@ -152,6 +154,7 @@ class Worker:
                         self.engine.close()
                         self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype, self.vllm)
                 VERSION.set(version)
+                self.liveness.ready()
                 return True
             time.sleep(0.05)
         return False
@@ -170,7 +173,8 @@ class Worker:
         if ready:
             version, path, announced_at = ready
             t0 = time.monotonic()
-            self.loaded.load_weights(path, version)
+            with self.liveness.working():
+                self.loaded.load_weights(path, version)
             LOAD_SECONDS.set(time.monotonic() - t0)
             SWAP_SECONDS.set(time.monotonic() - announced_at)
             VERSION.set(version)
@@ -257,7 +261,8 @@ class Worker:
         IN_FLIGHT.set(s.group_size * len(work))
         GROUPS_IN_FLIGHT.set(len(work))
         try:
-            batch = self.loaded.generate_groups([GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)])
+            with self.liveness.working():
+                batch = self.loaded.generate_groups([GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)])
         finally:
             IN_FLIGHT.set(0)
             GROUPS_IN_FLIGHT.set(0)
@@ -338,7 +343,7 @@ class Worker:
 def main(options: RolloutOptions) -> int:
     if not options.relay_urls:
         raise SystemExit("rlfleet rollout: at least one --relay-url is required")
-    ctx = component_context(options, components.ROLLOUT, redis_optional=True)  # an ingest pool's workers run without it
+    ctx = component_context(options, components.ROLLOUT, redis_optional=True, health_check=True)  # ingest: no Redis
     configure_torch_threads()
     worker = Worker(ctx, options)
     try:

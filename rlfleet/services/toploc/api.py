@@ -7,7 +7,8 @@
                            deep, wrong types, another schema), with the gate's reason and what is wrong
   GET  /workers            reputation of every worker seen: counters and ban record
   GET  /workers/{id}       one worker's counters and ban record
-  GET  /healthz            Redis reachable, inbox backlog, versions loaded
+  GET  /healthz            Redis reachable, inbox backlog, versions loaded, the prefill model's liveness
+                           (rlfleet/services/toploc/health.py; 503 when it is not alive, as on the metrics port)
   GET  /metrics            Prometheus metrics of this process (rlfleet_verifier_*)
 It shares the gate's loaded models; it runs in a thread of the verifier process (`--api-port`).
 """
@@ -46,7 +47,8 @@ class WorkerStats(BaseModel):
 
 
 class Health(BaseModel):
-    status: str = Field(description="`ok` when Redis answers.")
+    status: str = Field(description="`ok` when Redis answers and the prefill model is alive.")
+    engine: str = Field(description="The prefill model's liveness: idle, busy, or why it is not alive.")
     consumer: str = Field(description="This replica's consumer name.")
     inbox: int = Field(description="Unhandled groups in the inbox stream.")
     loaded_versions: list[int] = Field(description="Policy versions held in memory.")
@@ -103,12 +105,18 @@ def make_api(gate) -> FastAPI:
     def worker(worker_id: str) -> dict:
         return one_worker_stats(r, keys, worker_id)
 
-    @app.get("/healthz", response_model=Health, summary="Liveness and backlog")
-    def healthz() -> Health:
+    @app.get("/healthz", response_model=Health, summary="Liveness and backlog", responses={503: {"model": Health}})
+    def healthz() -> Response | Health:
         r.ping()
-        return Health(
-            status="ok", consumer=gate.consumer, inbox=r.xlen(keys.rollouts), loaded_versions=list(gate.models)
+        engine = gate.liveness.check()
+        health = Health(
+            status="ok" if engine.ok else engine.status,
+            engine=f"{engine.status}: {engine.detail}",
+            consumer=gate.consumer,
+            inbox=r.xlen(keys.rollouts),
+            loaded_versions=list(gate.models),
         )
+        return health if engine.ok else JSONResponse(health.model_dump(), status_code=503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     def metrics() -> Response:

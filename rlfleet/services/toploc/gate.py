@@ -46,6 +46,7 @@ from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
+from rlfleet.services.toploc.health import prefill_liveness, watch
 from rlfleet.services.toploc.reputation import ban_plan, field
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
@@ -139,6 +140,8 @@ class Gate:
         self.models: OrderedDict[int, tuple] = OrderedDict()
         self.device = choose_device()  # every version's model prefills there, in spec.model.dtype (checks.py)
         self._models_lock = threading.Lock()  # the HTTP API verifies from another thread
+        self.last_used: tuple | None = None  # the (model, tokenizer) of the newest policy() call: what /healthz probes
+        self.liveness = prefill_liveness(ctx, lambda: self.last_used)
         self.checker = Checker(self.spec, ctx.client, ctx.keys, self.policy)
         self._commit = ctx.client.register_script(_COMMIT)
         self._dead_letter = ctx.client.register_script(_DEAD_LETTER)
@@ -149,6 +152,7 @@ class Gate:
             [self.origin_url], ctx.run_name, timeout=120, stop=ctx.stop, public_key=run_public_key(self.spec.shardcast)
         )
         ensure_group(ctx.client, ctx.keys.rollouts, ctx.keys.verifier_group)
+        self.liveness.ready()
 
     def policy(self, version: int):
         """(model, tokenizer) of `version`, fetched from the trusted origin; the last maxAsyncLevel + 2 are kept
@@ -158,6 +162,7 @@ class Gate:
                 # whole, or rebuilt from a version held here and deltas
                 path = fetch_policy(self.fetch, version, self.cache_dir)
                 self.models[version] = load_policy(path, self.spec.model.dtype, self.device)
+                watch(self.liveness, self.models[version][0])
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
                 # The disk cache keeps what the async window can still ask for and what is loaded (the
@@ -165,6 +170,7 @@ class Gate:
                 window = max(self.models) - self.spec.trainer.max_async_level
                 prune_cache(self.cache_dir, min(window, *self.models))
             self.models.move_to_end(version)
+            self.last_used = self.models[version]  # the newest kept, so never one evicted
             return self.models[version]
 
     def verify(self, fields: dict) -> tuple[RolloutGroup | None, Outcome | Rejection]:
@@ -358,7 +364,7 @@ class VerifierOptions(ComponentOptions):
 
 
 def main(options: VerifierOptions) -> int:
-    ctx = component_context(options, components.VERIFIER)
+    ctx = component_context(options, components.VERIFIER, health_check=True)  # the gate's prefill liveness
     configure_torch_threads()
     gate = Gate(ctx, options.consumer, options.origin_url, options.cache_dir)
     if options.api_port:

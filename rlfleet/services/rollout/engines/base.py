@@ -47,7 +47,9 @@ class GroupRequest:
 
 class Engine(ABC):
     """Invariant: one `generate_groups` call runs on one weights version, the one each Generation of it
-    records; `load_weights` never takes effect in the middle of a call (a swap waits for the batch)."""
+    records; `load_weights` never takes effect in the middle of a call (a swap waits for the batch).
+    Liveness (rlfleet/wire/health.py): `heartbeat` is the time.monotonic() of the last completed forward
+    step, read in the worker's process; `probe` is the idle check."""
 
     name: str  # what a group records as its `engine` (the gate replays `torch` groups, not `vllm` ones)
     version: int
@@ -56,6 +58,7 @@ class Engine(ABC):
     # Groups a worker keeps in flight when its pool sets no maxGroupsInFlight: where this engine's
     # tokens/s stops growing on CPU (benchmarks/rollout.py --in-flight), memory permitting.
     default_groups_in_flight: int = 1
+    heartbeat: float = 0.0  # set by the engine after every forward step
 
     @abstractmethod
     def generate_groups(self, requests: list[GroupRequest]) -> list[list[Generation]]:
@@ -69,6 +72,13 @@ class Engine(ABC):
     @abstractmethod
     def load_weights(self, model_dir: Path, version: int) -> None:
         """Swap to the weights of `model_dir` in place; later generations record `version`."""
+
+    def probe(self) -> None:
+        """A 1-token generation, the idle liveness check: returns once the engine produced it, raises when
+        it cannot. The caller holds the lock its `generate` and `load_weights` calls hold (the worker's
+        liveness lock, rlfleet/services/rollout/health.py), so a probe never interleaves with a swap."""
+        prompt = [self.tokenizer.eos_token_id or 0]  # not tokenized: the worker's thread may be using the tokenizer
+        self.generate(prompt, SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=1, seed=0), 1)
 
     def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing outside the process)
         """Release what the engine holds outside this process's memory (child processes); idempotent."""

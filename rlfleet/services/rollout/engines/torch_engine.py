@@ -30,6 +30,7 @@ not on the batch it was drawn in: the gate replays it from one prefill (rlfleet/
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +162,7 @@ class TorchEngine(Engine):
             )
             cache = out.past_key_values
             hidden.append(out.last_hidden_state)  # (B, 1, H): the row of the token just fed
+            self.heartbeat = time.monotonic()  # a forward step completed (liveness, base.py)
             done = done | torch.isin(nxt, stops) | (last <= t)
             if bool(done.all()):
                 break

@@ -1,4 +1,4 @@
-"""Assembling what vLLM's worker captured (vllm_engine.py's `CaptureExtension`) into one completion's
+"""Assembling what vLLM's worker captured (vllm_worker.py's `CaptureExtension`) into one completion's
 hidden rows and logprobs; no vLLM call, so it reads without vLLM.
 
 A capture entry per request: the final hidden rows it computed, keyed by position, and per sampled

@@ -1,4 +1,5 @@
-"""The vLLM engine: every call into vLLM lives in this module, pinned to vLLM 0.32.0 (docs/code.md).
+"""The vLLM engine: every call into vLLM lives here and in vllm_worker.py (what runs inside vLLM's worker),
+pinned to vLLM 0.32.0 (docs/code.md).
 
 Generation goes through vLLM's offline `LLM` (continuous batching, paged KV cache, prefix cache).
 What rollouts need beyond vLLM's outputs is captured *inside* vLLM's worker by a small worker
@@ -6,32 +7,11 @@ extension (`CaptureExtension`, passed as `worker_extension_cls` and called by na
 `LLM.collective_rpc`, so the same code works whether the engine core and its workers run in other
 processes, as vLLM does by default on GPU, or in this one, as we run it on CPU):
 
-- Final hidden states (for TOPLOC proofs): a forward hook on the model module records, for every
-  row of every forward, the request (`input_batch.req_ids`, row ranges `query_start_loc`) and the
-  row's position (`positions`); the rows are the post-norm states the decode produced anyway, so
-  there is no second prefill. vLLM 0.32's own route to hidden states (speculative method
-  `extract_hidden_states` with a KV connector writing them to files) is built for distillation and
-  ties generation to speculative decoding, so it is not used.
-  Coverage: prompt rows come from the group's first request, which skips *reading* the prefix
-  cache (`skip_reading_prefix_cache`) so all its prompt rows are computed; a completion's tokens
-  t_0..t_{T-2} are fed by its own decode steps. vLLM never feeds the last token t_{T-1} (it stops
-  after sampling it), so each request may sample one token past the group's limit: a completion
-  that runs to the limit gets t_{T-1}'s row from the decode step that samples that extra token
-  (dropped, with its row and logprob). One that stops at EOS earlier gets a 1-token continuation
-  request (prompt + completion, greedy, output discarded) that reads the prefix cache: it
-  recomputes only the rows after the last full cached KV block and yields t_{T-1}'s row.
-- Token logprobs: vLLM's own logprobs are `log_softmax(logits)` before temperature
-  (`logprobs_mode="raw_logprobs"`) or after temperature *and* top-k/top-p renormalisation
-  (`processed_logprobs`); neither is the contract of engine.py (`log_softmax(logits / T)` over the
-  full vocabulary, what the trainer and verifier recompute) when top-k/top-p are on. So a
-  pre-hook on vLLM's `Sampler` computes exactly that from the logits it receives and a post-hook
-  picks the sampled token's entry; vLLM's logprobs are not requested at all.
+- Final hidden states (for TOPLOC proofs) and token logprobs: vllm_worker.py's docstring says how
+  they are captured and which rows come from which request.
 
-Weights: `Worker.reload_weights(weights_path=…)` (vLLM's layerwise in-place reload, which re-runs
-the kernel-format processing, e.g. the CPU backend's packed GEMM weights; a plain
-`model.load_weights` would leave those stale), plus the CPU repack of a tied head that reload
-misses (`CaptureExtension.rlfleet_reload_weights`), then `reset_prefix_cache` so no KV block
-computed by the old weights is reused. Invariant: `generate_groups` and `load_weights` hold one lock, so
+Weights: vllm_worker.py's `rlfleet_reload_weights`, then `reset_prefix_cache` so no KV block computed by
+the old weights is reused. Invariant: `generate_groups` and `load_weights` hold one lock, so
 every request of every group of a call (and their continuations) runs on one version and each
 `Generation` records it; a swap waits for the groups in flight.
 
@@ -49,7 +29,13 @@ Cost of the capture: every row of every step is copied to host memory and the wh
 cross from the worker process in one `collective_rpc`; for long completions on GPU, building the
 proofs (top-k per 32 rows) inside the worker would cut that.
 
-Pinned because these move between vLLM releases: `worker_extension_cls`, `Worker.reload_weights`,
+Liveness (base.py's `heartbeat`): `LLM.generate` calls `LLMEngine.step()` once per engine step until its
+requests finish, and each return is one scheduler step done, whether the engine core runs in this
+process (CPU) or in its own (GPU: `step` returns with the step's outputs); so `step` is wrapped to beat,
+in the worker's process, where /healthz reads it. A wedged core process leaves `step` waiting: no beat.
+
+Pinned because these move between vLLM releases: `LLMEngine.step` as `LLM.generate`'s loop,
+`worker_extension_cls`, `Worker.reload_weights`,
 the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
 `VLLM_USE_V2_MODEL_RUNNER=0`), `SamplingParams.skip_reading_prefix_cache`, internal request ids
 `"{external}-{8 chars}"`, and the CPU attention's head sizes (vllm_pin.py, read without importing vLLM).
@@ -71,7 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -81,6 +67,7 @@ import torch
 from rlfleet.config import VLLMSpec
 from rlfleet.models.policy import DTYPES, load_tokenizer
 from rlfleet.models.sampling import sample_seed
+from rlfleet.services.rollout.engines import vllm_worker
 from rlfleet.services.rollout.engines.base import Engine, Generation, GroupRequest
 from rlfleet.services.rollout.engines.vllm_capture import CaptureError, assemble, decode_capture
 from rlfleet.services.rollout.engines.vllm_pin import (
@@ -121,112 +108,6 @@ if vllm.__version__ != VLLM_VERSION:
         f"rlfleet's vLLM adapter is pinned to vllm {VLLM_VERSION}, found {vllm.__version__}; "
         f"reinstall with {INSTALL_HINT}"
     )
-
-
-# ------------------------------------------------------------------ inside vLLM's worker process
-
-
-@dataclass
-class _Record:
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> (H,) final hidden state
-    sampled: dict[int, tuple[int, float]] = field(default_factory=dict)  # position -> (token, logprob)
-
-
-@dataclass
-class _Capture:
-    requests: dict[str, _Record] = field(default_factory=dict)
-    step: list[tuple[str, int]] = field(default_factory=list)  # this step's (request, last input position)
-    logp: torch.Tensor | None = None  # (B, V) log_softmax(logits / T) of this step
-
-
-def _external_id(internal: str) -> str:
-    return internal.rsplit("-", 1)[0]  # vLLM 0.32 appends "-{8 random chars}" to our request id
-
-
-def _after_model(runner, cap: _Capture, module, args, kwargs, output) -> None:
-    hidden = output[0] if isinstance(output, tuple) else output  # (N_padded, H), post final norm
-    positions = kwargs["positions"]  # (N_padded,)
-    n = runner.input_batch.num_reqs
-    starts = runner.query_start_loc.np[: n + 1]
-    rows, pos = hidden.detach().to("cpu"), positions.to("cpu").tolist()
-    cap.step = []
-    for k, rid in enumerate(runner.input_batch.req_ids[:n]):
-        a, b = int(starts[k]), int(starts[k + 1])
-        rec = cap.requests.setdefault(_external_id(rid), _Record())
-        for r in range(a, b):
-            rec.rows[pos[r]] = rows[r].clone()  # a recomputed position (preemption) keeps the newest row
-        cap.step.append((_external_id(rid), pos[b - 1]))
-
-
-def _before_sampler(cap: _Capture, module, args, kwargs) -> None:
-    logits = kwargs["logits"] if "logits" in kwargs else args[0]  # (B, V)
-    meta = kwargs["sampling_metadata"] if "sampling_metadata" in kwargs else args[1]
-    temp = meta.temperature if meta.temperature is not None else torch.ones(logits.shape[0], device=logits.device)
-    cap.logp = torch.log_softmax(logits.float() / temp.float()[:, None], dim=-1)
-
-
-def _after_sampler(cap: _Capture, module, args, kwargs, output) -> None:
-    tokens = output.sampled_token_ids[:, 0].to("cpu")  # (B,)
-    if cap.logp is None or len(cap.step) != tokens.shape[0]:
-        return  # a warm-up/dummy sampler run, not one of our requests' steps
-    picked = cap.logp.gather(-1, output.sampled_token_ids[:, :1].long().to(cap.logp.device))[:, 0].to("cpu")
-    for k, (rid, last_pos) in enumerate(cap.step):
-        cap.requests[rid].sampled[last_pos + 1] = (int(tokens[k]), float(picked[k]))
-    cap.logp = None
-
-
-class CaptureExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); methods run in the worker process."""
-
-    # What the vLLM worker this class is mixed into provides (annotations only: nothing set here).
-    model_runner: Any
-    reload_weights: Any
-
-    def rlfleet_install_capture(self) -> None:
-        runner = self.model_runner
-        cap = runner._rlfleet_capture = _Capture()
-        runner.get_model().register_forward_hook(partial(_after_model, runner, cap), with_kwargs=True)
-        runner.sampler.register_forward_pre_hook(partial(_before_sampler, cap), with_kwargs=True)
-        runner.sampler.register_forward_hook(partial(_after_sampler, cap), with_kwargs=True)
-
-    def rlfleet_reload_weights(self, weights_path: str) -> None:
-        """vLLM's in-place reload, then the CPU GEMM dispatch redone for layers that keep their weight.
-
-        vLLM 0.32's layerwise reload re-processes only layers it loaded tensors into; a tied
-        `lm_head` loads none (it shares `embed_tokens.weight`), so on CPU its packed GEMM copy of
-        the old weights survived the reload and logits came from the old head (found by
-        tests/rollout/test_vllm_engine.py). Redoing the dispatch for every layer that still holds its
-        weight (`remove_weight=False` layers: embeddings, heads) rebuilds those copies."""
-        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-            for module in self.model_runner.get_model().modules():
-                weight = getattr(module, "weight", None)
-                if hasattr(module, "cpu_linear") and weight is not None and weight.numel() > 0:
-                    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-
-    def rlfleet_drain_capture(self) -> dict:
-        """Everything captured since the last drain, as plain data (msgpack-safe), then forgotten."""
-        cap = self.model_runner._rlfleet_capture
-        out = {}
-        for rid, rec in cap.requests.items():
-            positions = sorted(rec.rows)
-            hidden = torch.stack([rec.rows[p] for p in positions]) if positions else torch.empty(0)
-            out[rid] = {
-                "positions": positions,
-                "dtype": str(hidden.dtype).removeprefix("torch."),
-                "shape": list(hidden.shape),
-                "hidden": hidden.contiguous().view(torch.uint8).numpy().tobytes(),
-                "sampled": [[p, t, lp] for p, (t, lp) in sorted(rec.sampled.items())],
-            }
-        cap.requests.clear()
-        return out
-
-
-# ------------------------------------------------------------------ in the rollout worker
 
 
 class VLLMEngine(Engine):
@@ -284,12 +165,13 @@ class VLLMEngine(Engine):
             # LLM's annotation names only dtype strings; its ModelConfig takes a torch.dtype as well.
             dtype=DTYPES[dtype],  # type: ignore[arg-type]
             enable_prefix_caching=True,
-            worker_extension_cls=f"{__name__}.CaptureExtension",
+            worker_extension_cls=f"{vllm_worker.__name__}.CaptureExtension",
             **args,
             **memory,
             **backend,
         )
         self.llm.collective_rpc("rlfleet_install_capture")
+        self.llm.llm_engine.step = partial(_beating_step, self, self.llm.llm_engine.step)  # type: ignore[method-assign]
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     def _capture_self_check(self) -> bool:
@@ -394,3 +276,10 @@ class VLLMEngine(Engine):
                 )
             )
         return result
+
+
+def _beating_step(engine: VLLMEngine, step):
+    """LLMEngine.step, then the engine's heartbeat (module docstring)."""
+    out = step()
+    engine.heartbeat = time.monotonic()
+    return out
