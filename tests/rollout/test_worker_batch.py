@@ -103,11 +103,11 @@ def test_a_batch_takes_k_groups_but_never_more_than_the_trainer_still_wants(tmp_
     with serving(make_app(store, "batch")) as origin_url:
         worker, thread = running(ctx, config, origin_url, tmp_path, engine)
         try:
-            assert settled(redis_client, keys, quiet=3.0) == 7, (engine.batches, worker.room(), thread.is_alive())
+            assert settled(redis_client, keys, worker) == 7, (engine.batches, worker.room(), thread.is_alive())
             assert worker.paused() == "enough_queued"
             assert [n for n, _ in engine.batches] == [3, 3, 1], "K = 3 per call, the last one the 1 still wanted"
             redis_client.hset(keys.demand, "need", 9)
-            assert settled(redis_client, keys, quiet=3.0) == 9
+            assert settled(redis_client, keys, worker) == 9
             assert [n for n, _ in engine.batches][3:] == [2]
         finally:
             ctx.stop.set()
@@ -144,7 +144,7 @@ def test_no_group_of_a_batch_mixes_versions_across_a_swap_announced_while_it_gen
         worker, thread = running(ctx, config, origin_url, tmp_path, engine, workers)
         try:
             # inbox bounded by maxPending 5: a batch of 3 on version 0, then one of 3 on version 1
-            assert settled(redis_client, keys, quiet=3.0) == 6
+            assert settled(redis_client, keys, worker) == 6
         finally:
             ctx.stop.set()
             thread.join(30)

@@ -35,15 +35,17 @@ def write_config(path: Path, model: Path, store: Path, level: int) -> Path:
     return write_rlrun(path, run, pool("pool", "demand", replicas=1, maxPending=100))
 
 
-def settled(redis_client, keys, quiet: float = 1.0, timeout: float = 60.0) -> int:
-    """The inbox length once no group has been added for `quiet` seconds (the worker is paused); a worker
-    that never pauses fails the test after `timeout` seconds instead of running into pytest's timeout."""
+def settled(redis_client, keys, worker: Worker, quiet: float = 1.0, timeout: float = 60.0) -> int:
+    """The inbox length once the worker says it is paused and no group has been added for `quiet` seconds;
+    a worker that never pauses fails the test after `timeout` seconds instead of running into pytest's
+    timeout. Asking the worker matters on a loaded machine: a batch still generating adds nothing for
+    a while, and then the worker is not paused (its room is still open)."""
     last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout
     while True:
         n = redis_client.xlen(keys.rollouts)
         if n != last:
             last, since = n, time.monotonic()
-        elif time.monotonic() - since >= quiet:
+        elif time.monotonic() - since >= quiet and worker.paused() is not None:
             return n
         assert time.monotonic() < deadline, f"the worker never paused: {n} groups in the inbox after {timeout:g} s"
         time.sleep(0.05)
@@ -71,23 +73,25 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
         try:
             wait_for("the worker's engine on version 0", lambda: worker.engine and worker.engine.version == 0, 60)
             assert worker.paused() == "batch_full"
-            assert settled(redis_client, keys) == 0, "no group is sampled on a version the trainer will not train"
+            assert settled(redis_client, keys, worker) == 0, (
+                "no group is sampled on a version the trainer will not train"
+            )
 
             redis_client.xadd(keys.policy, encode_json({"version": 1}))
             wait_for("the swap to version 1", lambda: worker.engine.version == 1, 60)
             # Version 1 is the oldest the next step trains and no later step will: its 3 groups only.
-            assert settled(redis_client, keys) == 3
+            assert settled(redis_client, keys, worker) == 3
             assert worker.paused() == "enough_queued"
             # A trainer collecting at version 1 (maxAsyncLevel 1: oldest 0) trains version 1 for one
             # more step: this step's 3 groups and one more batch of 3, then the worker waits.
             redis_client.hset(keys.demand, "oldest", 0)
-            assert settled(redis_client, keys) == 6
+            assert settled(redis_client, keys, worker) == 6
             assert worker.paused() == "enough_queued"
 
             redis_client.hset(keys.demand, "need", 1)  # the trainer took 2 of its step's groups from elsewhere
             assert worker.paused() == "enough_queued", "the 6 queued cover 1 + one batch"
             redis_client.xtrim(keys.rollouts, maxlen=2, approximate=False)  # the gate took 4 of them
-            assert settled(redis_client, keys) == 4
+            assert settled(redis_client, keys, worker) == 4
             versions = [RolloutGroup.decode(m).policy_version for _, m in redis_client.xrange(keys.rollouts)]
             assert versions == [1, 1, 1, 1]
             # Verified groups the trainer has not taken count as queued; those it holds do not.
@@ -95,7 +99,7 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
             redis_client.xadd(keys.verified, {b"m": b"waiting for the trainer"})
             redis_client.hset(keys.demand, "held", 1)
             redis_client.xtrim(keys.rollouts, maxlen=2, approximate=False)
-            assert settled(redis_client, keys) == 3, "2 in the inbox + 1 verified waiting cover 1 + one batch"
+            assert settled(redis_client, keys, worker) == 3, "2 in the inbox + 1 verified waiting cover 1 + one batch"
         finally:
             ctx.stop.set()
             thread.join(30)
