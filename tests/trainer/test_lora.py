@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
 import torch
 
-from rlfleet.config import DeltaSpec
+from rlfleet.config import DeltaSpec, parse_bundle
 from rlfleet.config.training import LoraSpec
 from rlfleet.models.adapter import load_adapted, merge_dir
 from rlfleet.models.policy import load_policy
@@ -19,13 +20,17 @@ from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.trainer.lora import attach
+from rlfleet.services.trainer.main import Trainer
 from rlfleet.versions.adapter import ADAPTER_FILES, AdapterBaseError, base_identity
 from rlfleet.versions.checkpoint import MANIFEST_NAME, read_manifest
 from rlfleet.versions.manifest import ManifestError, check_manifest
 from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.versions.store import open_store
-from tests.support import serving, tiny_policy_dir
+from rlfleet.wire.runtime import Context
+from rlfleet.wire.streams import RunKeys
+from rlfleet.wire.views import VIEWS, view_bundle
+from tests.support import redis_from_url, serving, tiny_policy_dir, trainer_run_config
 
 RUN = "lora"
 SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
@@ -147,3 +152,45 @@ def test_targets_that_name_no_linear_layer_are_refused_naming_the_field(tmp_path
     with pytest.raises(ValueError, match=r"spec.trainer.lora.targetModules: \['qkv'\] name no linear layer"):
         attach(model, LoraSpec(target_modules=["q_proj", "qkv"]), base, "x")
     assert attach(model, None, base, "x") is None
+
+
+def lora_trainer(tmp_path, redis_url) -> Trainer:
+    policy = tmp_path / "policy"
+    if not policy.exists():
+        tiny_policy_dir(policy, seed=0)
+    trainer = "{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-2, klCoef: 0.1, lora: {rank: 4, alpha: 8}}"
+    bundle = parse_bundle(trainer_run_config(policy, tmp_path / "store", trainer))
+    ctx = Context(
+        bundle=view_bundle(bundle, VIEWS["trainer"]),
+        redis=redis_from_url(redis_url),
+        keys=RunKeys("tr"),
+        stop=threading.Event(),
+    )
+    return Trainer(ctx, output_dir=None)
+
+
+def test_the_trainer_trains_only_the_adapter_publishes_it_and_resumes_it(tmp_path, redis_url):
+    from tests.trainer.test_trainer import group
+
+    trainer = lora_trainer(tmp_path, redis_url)
+    base = {k: v.clone() for k, v in trainer.model.state_dict().items() if ".lora_" not in k}
+    for i in range(4):
+        trainer.ctx.redis.xadd(trainer.ctx.keys.verified, group(f"g{i}", [1.0, 0.0] if i % 2 else [0.0, 1.0]).encode())
+    trainer.run(2)
+    after = trainer.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items()), "the base is frozen"
+    lora_b = [v for k, v in after.items() if ".lora_B." in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "the adapters moved (B starts at zero)"
+    store = trainer.store
+    identity = base_identity(tmp_path / "policy")
+    for version in (0, 1, 2):
+        manifest = read_manifest(store, "tr", version)
+        assert manifest is not None and manifest.adapter is not None and manifest.adapter.base == identity
+        assert sorted(f.name for f in manifest.files) == sorted(ADAPTER_FILES) and manifest.delta is None
+    # A restarted trainer resumes the adapter and optimizer state and re-publishes v2 as it is (idempotent).
+    again = lora_trainer(tmp_path, redis_url)
+    assert again.resume() == 3 and again.version == 2
+    resumed = again.model.state_dict()
+    assert all(torch.equal(resumed[k], after[k]) for k in after)
+    assert again.optimizer.state_dict()["state"].keys() == trainer.optimizer.state_dict()["state"].keys()
+    assert len(again.optimizer.param_groups[0]["params"]) == len(again.lora.parameters())
