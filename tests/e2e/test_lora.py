@@ -19,6 +19,7 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # The builtin tiny-arithmetic (hidden 64, 2 layers): rank 8 on every linear layer trains ~41k of its ~120k
 # weights' worth of adapters in a version of ~80 KiB; adapters want a larger learning rate than full fine-tuning.
 LORA = {"rank": 8, "alpha": 16, "targetModules": ALL_LINEAR}
+STEPS = 150  # the example's
 
 
 def run(config: Path, run_dir: Path, timeout: float) -> dict:
@@ -54,9 +55,6 @@ def test_a_lora_run_learns_the_arithmetic_example(tmp_path):
     assert all(
         sorted(f["name"] for f in m["files"]) == ["adapter_config.json", "adapter_model.safetensors"] for m in manifests
     )
-
-
-STEPS = 150  # the example's
 
 
 @pytest.mark.slow
