@@ -1,6 +1,6 @@
 """Delta benchmark: bytes on the wire per policy version, delta ÷ full, on real consecutive versions.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--steps 4] [--series builtin large]
+    PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--steps 4] [--series builtin large builtin-lora large-lora]
                                                       [--dtypes float32 bfloat16] [--lrs 1e-3 1e-4 1e-6]
                                                       [--json PATH] [--workdir DIR]
 
@@ -13,6 +13,12 @@ Series: a model x a dtype x a learning rate, each `--steps` real GRPO steps from
             warm-started (hours on CPU), so it solves nothing and the task's rewards are all 0; its
             rewards are random 0/1 instead: Adam's step (about lr per weight) does not depend on what a
             reward means, which is what the bytes of a delta depend on
+  *-lora    the same model trained with trainer.lora (LORA below: rank 8 on every linear layer, PEFT through
+            the trainer's rlfleet/services/trainer/lora.py, its learning rate x LORA_LR): each version is the
+            adapter, published whole with its adapter section (an adapter is never a delta). Its ratio is the
+            wire bytes of a version ÷ the bytes of a whole version of that model (the base checkpoint), what
+            a LoRA run sends instead of a whole version or a delta. The engine samples base + adapter
+            (rlfleet/models/adapter.py Merger); no entropy bound (nothing is a delta).
 Each step is `grpo_update` (the trainer's) with the file's TrainerSpec, then save_model_dir (the
 trainer's publish path). The versions are published twice through the trainer's PolicyPublisher into
 file stores: every version as a delta (fullEvery, maxRatio, maxChainRatio out of the way: the codec's
@@ -50,6 +56,9 @@ RUN = "delta-bench"
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
 LARGE = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 16}
 MIN_LARGE_BYTES = 256 << 20
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = {"rank": 8, "alpha": 16.0, "target_modules": LINEAR}
+LORA_LR = 10.0  # adapters take a larger learning rate than full fine-tuning
 
 
 def large_model(dest: Path, dtype: str, seed: int = 0) -> Path:
@@ -81,14 +90,17 @@ def large_model(dest: Path, dtype: str, seed: int = 0) -> Path:
     return dest
 
 
-def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path) -> list[Path]:
-    """`steps` + 1 consecutive versions work/v0 .. work/v{steps} made by real GRPO steps (module docstring)."""
+def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path, lora: bool = False) -> list[Path]:
+    """`steps` + 1 consecutive versions work/v0 .. work/v{steps} made by real GRPO steps (module docstring). With
+    `lora`, each version is the adapter, and work/base links to the base model it applies to."""
     import torch
 
     from rlfleet.config import load_bundle
+    from rlfleet.config.training import LoraSpec
     from rlfleet.models.builtin import resolve_model_path
     from rlfleet.models.policy import load_policy
     from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.services.trainer.lora import attach
     from rlfleet.services.trainer.update import grpo_update
     from rlfleet.tasks import make_run_task
     from rlfleet.versions.checkpoint import save_model_dir
@@ -102,11 +114,24 @@ def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path) -> lis
         start, groups, group_size = large_model(work / "init", dtype), 4, 4
     model, tokenizer = load_policy(start, dtype)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=trainer.weight_decay)
+    adapters = attach(model, LoraSpec(**LORA) if lora else None, start, str(start))
+    if adapters is not None:
+        lr *= LORA_LR
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "base").symlink_to(Path(start).resolve())
+
+    def save(dest: Path) -> None:
+        if adapters is not None:
+            adapters.save(model.state_dict(), dest)
+        else:
+            save_model_dir(model, tokenizer, dest)
+
+    trained = adapters.parameters() if adapters is not None else model.parameters()
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=trainer.weight_decay)
     task, rng = make_run_task(spec), np.random.default_rng(0)
     paths = [work / "v0"]
-    save_model_dir(model, tokenizer, paths[0])
-    engine = make_engine("torch", paths[0], 0, dtype)
+    save(paths[0])
+    engine = make_engine("torch", start if adapters is not None else paths[0], 0, dtype)
     s = spec.sampling
     for v in range(1, steps + 1):
         batch = []
@@ -123,14 +148,20 @@ def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path) -> lis
             batch.append(RolloutGroup(problem.task_id, "bench", v - 1, prompt, params, samples, rollout_id=f"{v}-{g}"))
         grpo_update(model, optimizer, batch, trainer, s.temperature, tokenizer.pad_token_id)
         paths.append(work / f"v{v}")
-        save_model_dir(model, tokenizer, paths[-1])
-        engine.load_weights(paths[-1], v)
+        save(paths[-1])
+        if adapters is not None:  # no manifest here to check the base by: the engine's merge itself
+            engine.adapters.merger.apply(paths[-1])  # type: ignore[attr-defined]
+        else:
+            engine.load_weights(paths[-1], v)
     engine.close()
     return paths
 
 
-def publish_series(paths: list[Path], store_dir: Path, deltas, signer, shard_size: int | None = None) -> list[dict]:
-    """Publish the versions in order through the trainer's PolicyPublisher; per version its `last` record."""
+def publish_series(
+    paths: list[Path], store_dir: Path, deltas, signer, shard_size: int | None = None, adapter=None
+) -> list[dict]:
+    """Publish the versions in order through the trainer's PolicyPublisher (adapter versions when `adapter`, the
+    manifest's adapter section, is given); per version its `last` record."""
     from rlfleet.versions.checkpoint import DEFAULT_SHARD_SIZE
     from rlfleet.versions.publish import PolicyPublisher
     from rlfleet.versions.store import open_store
@@ -141,7 +172,7 @@ def publish_series(paths: list[Path], store_dir: Path, deltas, signer, shard_siz
     for v, path in enumerate(paths):
         copy = store_dir.parent / f".publish-{store_dir.name}-v{v}"
         shutil.copytree(path, copy)  # the publisher moves files out of what it publishes
-        publisher.publish(v, copy)
+        publisher.publish(v, copy, adapter)
         shutil.rmtree(copy, ignore_errors=True)
         records.append(dict(publisher.last))
     publisher.close()
@@ -240,43 +271,52 @@ def entropy_bound(base: Path, new: Path) -> float:
 
 def run_series(kind: str, dtype: str, lr: float, args, work: Path, keys) -> dict:
     from rlfleet.config import DeltaSpec
+    from rlfleet.versions.adapter import adapter_section
 
     signer, public = keys
     print(f"{kind} {dtype} lr {lr:g}: training {args.steps} steps (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     started = time.monotonic()
-    paths = make_series(kind, dtype, lr, args.steps, work / "versions")
+    lora = kind.endswith("-lora")
+    paths = make_series(kind.removesuffix("-lora"), dtype, lr, args.steps, work / "versions", lora)
     train_s = time.monotonic() - started
+    base = (work / "versions" / "base").resolve() if lora else None
+    adapter = adapter_section(base, str(base)) if base is not None else None
     every = DeltaSpec(full_every=10**6, max_ratio=1.0, max_chain_ratio=100.0)
-    forced = publish_series(paths, work / "store-delta", every, signer)
-    default = publish_series(paths, work / "store-default", DeltaSpec(), signer)
+    forced = publish_series(paths, work / "store-delta", every, signer, adapter=adapter)
+    default = publish_series(paths, work / "store-default", DeltaSpec(), signer, adapter=adapter)
     rows = follow(work / "store-delta", len(paths), work / "follow", public)
-    full = forced[0]["full_bytes"]
+    # A whole version's bytes: the base checkpoint for a LoRA series (what it would send without adapters).
+    whole = [sum(p.stat().st_size for p in base.iterdir() if p.is_file())] * len(paths) if base else None
+    full_of = [whole[v] if whole else forced[v]["full_bytes"] for v in range(len(paths))]
+    full = full_of[0]
     versions = []
     for v in range(1, len(paths)):
+        model_file = "adapter_model.safetensors" if lora else "model.safetensors"
         versions.append(
             {
                 "version": v,
-                "full_bytes": forced[v]["full_bytes"],
+                "full_bytes": full_of[v],
                 "wire_bytes": rows[v]["wire_bytes"],
-                "ratio": rows[v]["wire_bytes"] / forced[v]["full_bytes"],
+                "ratio": rows[v]["wire_bytes"] / full_of[v],
                 "ops": forced[v].get("ops", {}),
                 "encode_seconds": forced[v].get("encode_seconds", 0.0),
                 "rebuild_seconds": rows[v]["seconds"],
                 "default_kind": default[v]["kind"],
                 "default_bytes": default[v]["sent_bytes"],
                 "default_relay_bytes": default[v]["relay_bytes"],
-                "entropy_bound": entropy_bound(paths[v - 1] / "model.safetensors", paths[v] / "model.safetensors"),
+                "entropy_bound": math.nan if lora else entropy_bound(paths[v - 1] / model_file, paths[v] / model_file),
             }
         )
     shutil.rmtree(work, ignore_errors=True)
     return {
-        "series": f"{kind}-{dtype}-lr{lr:g}",
+        "series": f"{kind}-{dtype}-lr{lr * (LORA_LR if lora else 1):g}",
         "model": kind,
         "dtype": dtype,
         "learning_rate": lr,
         "full_bytes": full,
         "train_seconds": train_s,
         "delta_bytes_ratio": float(np.mean([r["ratio"] for r in versions])),
+        "adapter_bytes": forced[-1]["full_bytes"] if lora else None,
         "default_bytes_ratio": float(np.mean([r["default_bytes"] / r["full_bytes"] for r in versions])),
         "default_relay_bytes_ratio": float(np.mean([r["default_relay_bytes"] / r["full_bytes"] for r in versions])),
         "default_kinds": [default[v]["kind"] for v in range(len(paths))],
@@ -285,10 +325,13 @@ def run_series(kind: str, dtype: str, lr: float, args, work: Path, keys) -> dict
     }
 
 
+SERIES = ["builtin", "large", "builtin-lora", "large-lora"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="GRPO steps per series (versions = steps + 1)")
-    ap.add_argument("--series", nargs="*", default=["builtin", "large"], choices=["builtin", "large"])
+    ap.add_argument("--series", nargs="*", default=["builtin", "large"], choices=SERIES)
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--lrs", type=float, nargs="*", default=[1e-3], help="learning rates (the example's is 1e-3)")
     ap.add_argument("--json", default=None, help="write the results here")

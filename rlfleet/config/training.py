@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlfleet.config.base import Spec
 from rlfleet.config.workload import ResourcesSpec, gpu_resource, pod_template, resources
+
+MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class SamplingSpec(Spec):
@@ -32,6 +34,24 @@ class SamplingSpec(Spec):
         "the run for a work ticket (Redis, or the ingest's tickets endpoint) and the ticket fixes task and seed "
         "(rlfleet/wire/assignment.py); the gate accepts each ticket once and only from the worker it was issued to, so "
         "a worker cannot grind seeds or tasks, and tickets it drops are counted.",
+    )
+
+
+class LoraSpec(Spec):
+    """Low-rank adapters (PEFT LoRA): W' = W + (alpha / rank) * B @ A on each targeted linear layer."""
+
+    rank: int = Field(
+        default=8, ge=1, le=1024, description="r: the inner dimension of each adapter (A: r x in, B: out x r)."
+    )
+    alpha: float = Field(
+        default=16.0, gt=0.0, le=65_536.0, description="The adapter's output is scaled by alpha / rank."
+    )
+    target_modules: list[Annotated[str, Field(pattern=MODULE_PATTERN, max_length=200)]] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"],
+        min_length=1,
+        max_length=64,
+        description="Names of the linear layers that get adapters (the last part of a module's name, e.g. q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj); every name must match a linear layer of the model.",
     )
 
 
@@ -102,7 +122,22 @@ class TrainerSpec(Spec):
         "training state does not fit one device; the published checkpoint is still the whole model. Has "
         "no effect with replicas: 1.",
     )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="Train low-rank adapters instead of every weight (absent: full fine-tuning). The base model stays "
+        "frozen; each policy version is the adapter alone (a few MiB, shipped whole), which workers and the verifier "
+        "merge into the base they hold, refusing an adapter made over another base.",
+    )
     gpus: int = Field(default=0, ge=0, le=64, description="GPUs per trainer replica (cluster only).")
     gpu_resource: str = gpu_resource()
     resources: ResourcesSpec = resources("1", "4Gi")
     pod_template: dict[str, Any] | None = pod_template()
+
+    @model_validator(mode="after")
+    def _lora_unsharded(self) -> TrainerSpec:
+        if self.lora is not None and self.sharding == "fsdp" and self.replicas > 1:
+            raise ValueError(
+                "trainer.lora: adapters are trained with sharding: none (the frozen base is replicated, the adapter is "
+                "small); set trainer.sharding: none or remove trainer.lora"
+            )
+        return self

@@ -31,6 +31,7 @@ from rlfleet.versions.chain import required_base, retained
 from rlfleet.versions.manifest import (
     COMPLETE_MARKER,
     MANIFEST_NAME,
+    AdapterSection,
     DeltaSection,
     FileEntry,
     FileRef,
@@ -125,9 +126,10 @@ def publish_version(
     signer: Callable[[bytes], str] | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     delta: DeltaSection | None = None,
+    adapter: AdapterSection | None = None,
 ) -> Manifest:
     """Upload every file of `local_dir` to `{run}/policy/v{N}/`, then manifest.json; return the manifest.
-    `delta` is a delta version's section (signed with the rest)."""
+    `delta` is a delta version's section, `adapter` an adapter version's (each signed with the rest)."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     local_dir = Path(local_dir)
@@ -140,7 +142,7 @@ def publish_version(
             f"run {run!r} version {version} is already published with different files; "
             "published versions are immutable, publish a new version number"
         )
-    manifest = Manifest(run, version, shard_size, files, datetime.now(UTC).isoformat(), delta)
+    manifest = Manifest(run, version, shard_size, files, datetime.now(UTC).isoformat(), delta, adapter=adapter)
     manifest = Manifest.from_json(manifest.to_json(), run, version)  # an ill-formed delta never reaches the store
     for entry in files:
         store.put_file(version_key(run, version, entry.name), local_dir / entry.name)

@@ -4,6 +4,7 @@ JSON form (what is stored, served, signed):
     {"run", "version", "created", "shard_size",
      "files": [{"name", "size", "sha256", "shards": [{"offset", "size", "sha256"}]}],
      ["delta": {"format": 1, "base": B, "files": [{"name", "size", "sha256", "from", ["patch"], ["base_sha256"]}]}],
+     ["adapter": {"format": 1, "base": "<sha256 of the base model>", "model": "<the run's spec.model.path>"}],
      ["signature": "ed25519:..."]}
 `files` are what travels (for a delta version: patch files and files shipped whole); the signed `delta`
 section names the base version and the *resulting* files (rlfleet.versions.chain says how they are built).
@@ -13,7 +14,10 @@ Invariants of a `Manifest` (checked by `Manifest.from_json`, the one way in from
   - each file's shards tile it in order, each 1..shard_size bytes with its own sha256;
   - a delta's base is below the version; each resulting file comes from one source the transferred
     `files` back (a patch file, or the same file shipped whole), and a resulting file also among
-    `files` is identical to it there.
+    `files` is identical to it there;
+  - an adapter version (LoRA: its files are the adapter, rlfleet/versions/adapter.py) names the base it
+    was trained over by that base's identity (adapter.base_identity), so a consumer holding another base
+    refuses it; it is never a delta (an adapter is small and ships whole).
 Signatures: `signing_bytes` is the canonical JSON (sorted keys, compact) of the JSON object without
 "signature". `parse_manifest` verifies the signature over the object exactly as received, before the
 shape is checked or anything typed is built; unknown top-level fields are kept in `extra`, so
@@ -34,10 +38,11 @@ MANIFEST_NAME = "manifest.json"
 COMPLETE_MARKER = ".complete"  # written last into a downloaded version directory
 SIGNATURE_FIELD = "signature"
 DELTA = "delta"  # the manifest field of the delta section
+ADAPTER = "adapter"  # the manifest field of an adapter version's section
 FORMAT = 1
 SOURCES = ("patch", "base", "file")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_KNOWN = {"run", "version", "created", "shard_size", "files", DELTA, SIGNATURE_FIELD}
+_KNOWN = {"run", "version", "created", "shard_size", "files", DELTA, ADAPTER, SIGNATURE_FIELD}
 
 
 class ManifestError(ValueError):
@@ -103,6 +108,19 @@ class DeltaSection:
 
 
 @dataclass(frozen=True)
+class AdapterSection:
+    """A LoRA version: its files are an adapter over the base model whose identity is `base`; `model` is the
+    run's spec.model.path, for messages."""
+
+    base: str
+    model: str
+    format: int = FORMAT
+
+    def to_json(self) -> dict:
+        return {"format": self.format, "base": self.base, "model": self.model}
+
+
+@dataclass(frozen=True)
 class Manifest:
     run: str
     version: int
@@ -111,6 +129,7 @@ class Manifest:
     created: str | None = None
     delta: DeltaSection | None = None
     signature: str | None = None
+    adapter: AdapterSection | None = None
     extra: Mapping = field(default_factory=dict)  # unknown top-level fields, kept so re-encoding is lossless
 
     def file(self, name: str) -> FileEntry | None:
@@ -123,6 +142,8 @@ class Manifest:
             out["created"] = self.created
         if self.delta is not None:
             out[DELTA] = self.delta.to_json()
+        if self.adapter is not None:
+            out[ADAPTER] = self.adapter.to_json()
         if self.signature is not None:
             out[SIGNATURE_FIELD] = self.signature
         return out
@@ -201,6 +222,7 @@ def check_manifest(doc: object, run: str | None = None, version: int | None = No
         entries.append(FileEntry(entry["name"], entry["size"], entry["sha256"], shards))
     try:
         delta = _section(doc.get(DELTA), version, {e.name: e for e in entries})
+        adapter = _adapter(doc.get(ADAPTER), delta)
     except ValueError as exc:
         raise ManifestError(f"{where}: {exc}") from None
     signature = doc.get(SIGNATURE_FIELD)
@@ -208,7 +230,20 @@ def check_manifest(doc: object, run: str | None = None, version: int | None = No
         raise ManifestError(f"{where}: '{SIGNATURE_FIELD}' must be a string")
     created = doc.get("created")
     extra = {k: v for k, v in doc.items() if k not in _KNOWN}
-    return Manifest(run, version, shard_size, tuple(entries), created, delta, signature, extra)
+    return Manifest(run, version, shard_size, tuple(entries), created, delta, signature, adapter, extra)
+
+
+def _adapter(section: object, delta: DeltaSection | None) -> AdapterSection | None:
+    """The `adapter` section (None if absent), or ValueError: format 1, base a sha256, model a string, no delta."""
+    if section is None:
+        return None
+    if not isinstance(section, dict) or section.get("format") != FORMAT or not _sha(section.get("base")):
+        raise ValueError(f"'{ADAPTER}' must be an object with format {FORMAT}, base (64 hex) and model (str)")
+    if not isinstance(section.get("model"), str):
+        raise ValueError(f"'{ADAPTER}' must be an object with format {FORMAT}, base (64 hex) and model (str)")
+    if delta is not None:
+        raise ValueError(f"an adapter version ships whole: '{ADAPTER}' and '{DELTA}' together")
+    return AdapterSection(section["base"], section["model"])
 
 
 def _claim_name(name: str, names: set[str]) -> None:

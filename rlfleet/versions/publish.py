@@ -15,6 +15,9 @@ is shipped whole. Then it publishes
   - whole alone, when there is no delta or it does not pay.
 The base is the publisher's own copy of the previous version's files, never read back from the store:
 `base_sha256` in the manifest names exactly the bytes the delta was made against.
+An adapter version (trainer.lora; `publish(..., adapter=...)`) is always published whole: an adapter
+is a few MiB, its files are new at every step (the delta would be about its size), and it is applied to
+the base a consumer holds, never to the previous version.
 Idempotent: a version already in the store is left as it is when its resulting files (name, size,
 sha256) equal `local_dir`'s, however it was published (a resumed trainer re-publishes its version),
 and becomes the base of the next one; other files raise VersionExistsError.
@@ -43,7 +46,7 @@ from rlfleet.versions.checkpoint import (
     sha256_file,
 )
 from rlfleet.versions.codec import encode_file
-from rlfleet.versions.manifest import DeltaSection, FileRef, Manifest, ResultFile
+from rlfleet.versions.manifest import AdapterSection, DeltaSection, FileRef, Manifest, ResultFile
 from rlfleet.versions.store import CheckpointStore
 
 log = logging.getLogger("rlfleet.versions")
@@ -99,9 +102,10 @@ class PolicyPublisher:
     def close(self) -> None:
         self._dir.cleanup()
 
-    def publish(self, version: int, local_dir: Path) -> Manifest:
-        """Publish `local_dir`'s files as `version`; return its manifest. Afterwards the files are
-        moved out of `local_dir` into the publisher's base directory."""
+    def publish(self, version: int, local_dir: Path, adapter: AdapterSection | None = None) -> Manifest:
+        """Publish `local_dir`'s files as `version` (an adapter over a base when `adapter` is given: whole,
+        never a delta); return its manifest. Afterwards the files are moved out of `local_dir` into the
+        publisher's base directory."""
         local_dir = Path(local_dir)
         full_bytes = sum(p.stat().st_size for p in local_dir.rglob("*") if p.is_file())
         self.last = {"version": version, "full_bytes": full_bytes, "ops": {}}
@@ -110,8 +114,8 @@ class PolicyPublisher:
             manifest = self._existing(existing, local_dir, version)
         else:
             with tempfile.TemporaryDirectory(prefix="rlfleet-delta-") as tmp:
-                section = self._delta(local_dir, Path(tmp)) if self._has_base(version) else None
-                manifest = self._publish(version, local_dir, Path(tmp), section, full_bytes)
+                section = self._delta(local_dir, Path(tmp)) if self._has_base(version) and not adapter else None
+                manifest = self._publish(version, local_dir, Path(tmp), section, full_bytes, adapter)
         self._keep(version, local_dir, result_files(manifest))
         return manifest
 
@@ -119,7 +123,13 @@ class PolicyPublisher:
         return self.spec.enabled and self.base is not None and self.base[0] == version - 1
 
     def _publish(
-        self, version: int, local_dir: Path, out: Path, section: list[ResultFile] | None, full_bytes: int
+        self,
+        version: int,
+        local_dir: Path,
+        out: Path,
+        section: list[ResultFile] | None,
+        full_bytes: int,
+        adapter: AdapterSection | None = None,
     ) -> Manifest:
         """Publish the delta in `out` (described by `section`), or it and the whole files, or these alone."""
         sent = self.last.get("delta_bytes", 0)
@@ -138,7 +148,14 @@ class PolicyPublisher:
             kind, src, pays = "full", local_dir, False
         delta = offer if pays else None
         manifest = publish_version(
-            self.store, self.run, version, src, signer=self.signer, shard_size=self.shard_size, delta=delta
+            self.store,
+            self.run,
+            version,
+            src,
+            signer=self.signer,
+            shard_size=self.shard_size,
+            delta=delta,
+            adapter=adapter,
         )
         self.chain_bytes = self.chain_bytes + sent if kind == "delta" else 0.0
         worker = size_of(delta_files(manifest)) if pays else full_bytes  # what a worker holding version - 1 gets

@@ -121,6 +121,8 @@ BAD_FILES = [
     ("no-run", POOL, ["exactly one RLRun", "found 0"]),
     ("invalid-yaml", RUN + "  trainer: [1, 2\n", ["not valid YAML"]),
     ("bad-store-uri", RUN + "  store:\n    uri: http://bucket/x\n", ["spec.store", "file:// or s3://"]),
+    ("lora-rank-0", RUN + "  trainer:\n    lora: {rank: 0}\n", ["spec.trainer.lora.rank"]),
+    ("lora-no-targets", RUN + "  trainer:\n    lora: {targetModules: []}\n", ["spec.trainer.lora.targetModules"]),
 ]
 
 
@@ -259,3 +261,25 @@ def test_a_worker_picks_its_pool_by_name_and_an_unknown_name_lists_the_pools():
         two.pool(None)
     name, spec = parse_bundle(RUN).pool(None)
     assert name == "local" and spec.replicas == 2 and spec.engine == "torch", "no pool document: the model's defaults"
+
+
+def test_lora_is_off_by_default_and_parses_camel_case():
+    assert parse_bundle(RUN, "f.yaml").run.spec.trainer.lora is None
+    lora = parse_bundle(RUN + "  trainer:\n    lora: {rank: 4, alpha: 8, targetModules: [q_proj, up_proj]}\n", "f.yaml")
+    spec = lora.run.spec.trainer.lora
+    assert spec is not None and (spec.rank, spec.alpha, spec.target_modules) == (4, 8.0, ["q_proj", "up_proj"])
+
+
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ("  trainer: {lora: {rank: 2000}}\n", "spec.trainer.lora.rank"),
+        ("  trainer: {lora: {alpha: 0}}\n", "spec.trainer.lora.alpha"),
+        ("  trainer: {lora: {targetModules: [model.layers.0.q_proj]}}\n", "spec.trainer.lora.targetModules.0"),
+        ("  trainer: {lora: {rank: 4, dropout: 0.1}}\n", "spec.trainer.lora.dropout"),
+        ("  trainer: {lora: {}, sharding: fsdp, replicas: 2}\n", "spec.trainer"),
+    ],
+)
+def test_lora_errors_name_the_field(spec, field):
+    problems = _problems(RUN + spec)
+    assert len(problems) == 1 and problems[0].startswith(f"document 0 (RLRun demo): {field}"), problems

@@ -38,7 +38,7 @@ import numpy as np
 import requests
 from prometheus_client import Counter, Gauge
 
-from rlfleet.models.builtin import local_model_path
+from rlfleet.models.builtin import local_model_path, resolve_model_path
 from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
 from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
@@ -48,6 +48,7 @@ from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
 from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
+from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.wire import components, env
 from rlfleet.wire.assignment import assigned_work, issue_ticket
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
@@ -145,12 +146,17 @@ class Worker:
             ready = self.follower.take(-1)
             if ready:
                 version, path, _ = ready
+                if self.engine is None and is_adapter_dir(path):  # an adapter (LoRA) applies to the run's base
+                    base = resolve_model_path(spec.model, spec.task, spec.trainer.seed)
+                    self.engine = make_engine(self.engine_kind, base, -1, spec.model.dtype, self.vllm)
                 if self.engine is None:
                     self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype, self.vllm)
                 else:
                     try:
                         self.engine.load_weights(path, version)
                     except ValueError:  # the local base model is another architecture: start from this version
+                        if is_adapter_dir(path):
+                            raise  # an adapter needs the base it was made over (its message names it)
                         self.engine.close()
                         self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype, self.vllm)
                 VERSION.set(version)

@@ -8,6 +8,9 @@ seed replay); every group gets the others. Accepted groups go to `verified` with
 the reason and the original message (audit). Entries read together share their prefills (batch.py)
 and are committed in order, each with the verdict it would get alone. The prefills run on the
 process's device (rlfleet/models/device.py: its GPU when it has one), in the run's spec.model.dtype.
+In a LoRA run (trainer.lora) a version is an adapter: the policy the checks use is the run's base model
+with that version's adapter merged in (rlfleet/models/adapter.py), and the adapter's signed manifest must
+name this base, so a group is verified against exactly base + the adapter version it claims.
 
 Exactly once: the verdict is committed by one Lua script that XACKs the entry first and does
 nothing more if the XACK acknowledged nothing (another replica committed it); otherwise it
@@ -40,6 +43,8 @@ from pathlib import Path
 import redis
 from prometheus_client import Counter
 
+from rlfleet.models.adapter import load_adapted
+from rlfleet.models.builtin import resolve_model_path
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import configure_torch_threads, load_policy
 from rlfleet.services.shardcast.assemble import fetch_policy
@@ -48,6 +53,7 @@ from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.health import prefill_liveness, watch
 from rlfleet.services.toploc.reputation import ban_plan, field
+from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components
@@ -161,7 +167,11 @@ class Gate:
             if version not in self.models:
                 # whole, or rebuilt from a version held here and deltas
                 path = fetch_policy(self.fetch, version, self.cache_dir)
-                self.models[version] = load_policy(path, self.spec.model.dtype, self.device)
+                if is_adapter_dir(path):  # a LoRA run: base + the claimed adapter, made over this very base
+                    base = resolve_model_path(self.spec.model, self.spec.task, self.spec.trainer.seed)
+                    self.models[version] = load_adapted(path, base, self.spec.model.dtype, self.device)
+                else:
+                    self.models[version] = load_policy(path, self.spec.model.dtype, self.device)
                 watch(self.liveness, self.models[version][0])
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)

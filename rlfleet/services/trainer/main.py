@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
+from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step, withdraw
 from rlfleet.services.trainer.sharding import (
     full_model_state,
@@ -79,6 +80,7 @@ class Trainer:
 
         base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
         self.model, self.tokenizer = load_policy(base, self.spec.model.dtype)
+        self.lora = attach(self.model, self.spec.trainer.lora, base, self.spec.model.path)  # None: every weight trains
         self.device = training_device()
         self.model.to(self.device)
         t = self.spec.trainer
@@ -88,7 +90,8 @@ class Trainer:
         self.prefill = shard_policy(self.model, self.world) if self.sharded else Prefill(self.model)
         if self.world > 1:
             log.info("rank %d of %d, %s", self.rank, self.world, "FSDP-sharded" if self.sharded else "replicated")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+        trained = self.lora.parameters() if self.lora else self.model.parameters()
+        self.optimizer = torch.optim.AdamW(trained, lr=t.learning_rate, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(t.warmup_steps, t.lr_schedule, t.steps)
         )
@@ -108,16 +111,18 @@ class Trainer:
 
     def publish(self, model_state: dict) -> None:
         """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
-        delta against the previous version), then announce it."""
+        delta against the previous version; with LoRA the adapter alone, lora.py), then announce it."""
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
-            save_model_dir(
-                self.model, self.tokenizer, Path(tmp), state_dict=publishable_weights(self.model, model_state)
-            )
+            if self.lora:
+                self.lora.save(model_state, Path(tmp))
+            else:
+                weights = publishable_weights(self.model, model_state)
+                save_model_dir(self.model, self.tokenizer, Path(tmp), state_dict=weights)
             shardcast = self.spec.shardcast
             self._publisher = self._publisher or PolicyPublisher(
                 self.store, self.ctx.run_name, shardcast.deltas, run_signer(shardcast), shardcast.shard_size_bytes
             )
-            self._publisher.publish(self.version, Path(tmp))
+            self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)

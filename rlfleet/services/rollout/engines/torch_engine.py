@@ -48,7 +48,9 @@ from rlfleet.models.sampling import (
     sample_uniforms,
     stop_token_ids,
 )
+from rlfleet.services.rollout.engines.adapters import InPlace
 from rlfleet.services.rollout.engines.base import Engine, Generation, GroupRequest
+from rlfleet.versions.adapter import is_adapter_dir
 
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
@@ -69,9 +71,14 @@ class TorchEngine(Engine):
         self.version = version
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         self.eos_id = self.tokenizer.eos_token_id
+        self.adapters = InPlace(self.model, model_dir)  # a LoRA run's versions: adapters over this base
 
     def load_weights(self, model_dir: Path, version: int) -> None:
-        load_weights_in_place(self.model, model_dir)
+        if is_adapter_dir(model_dir):
+            self.adapters.apply(model_dir)
+        else:
+            load_weights_in_place(self.model, model_dir)
+            self.adapters = InPlace(self.model, model_dir)  # whole weights: the base of any later adapter
         self.version = version
 
     def _budget(self, prompt_ids: list[int], max_tokens: int) -> int:

@@ -68,6 +68,7 @@ from rlfleet.config import VLLMSpec
 from rlfleet.models.policy import DTYPES, load_tokenizer
 from rlfleet.models.sampling import sample_seed
 from rlfleet.services.rollout.engines import vllm_worker
+from rlfleet.services.rollout.engines.adapters import MergedDirs
 from rlfleet.services.rollout.engines.base import Engine, Generation, GroupRequest
 from rlfleet.services.rollout.engines.vllm_capture import CaptureError, assemble, decode_capture
 from rlfleet.services.rollout.engines.vllm_pin import (
@@ -141,7 +142,7 @@ class VLLMEngine(Engine):
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_id = self.tokenizer.eos_token_id
         self.stop_ids = stop_ids(model_dir, self.tokenizer)  # the gate's stop tokens, exactly
-        self._names = tensor_names(model_dir)
+        self._names, self._adapters = tensor_names(model_dir), MergedDirs(model_dir)  # adapters.py: LoRA versions
         self.version = version
         self._lock = threading.Lock()  # one version per group: generate and load_weights never interleave
         args = engine_args(settings, on_cpu)
@@ -186,6 +187,7 @@ class VLLMEngine(Engine):
         return True
 
     def load_weights(self, model_dir: Path, version: int) -> None:
+        model_dir = self._adapters.resolve(model_dir)
         names = tensor_names(Path(model_dir))
         if names != self._names:
             raise ValueError(
