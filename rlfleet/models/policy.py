@@ -115,9 +115,7 @@ class Prefill(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, chunked: Chunked | None = None
-    ) -> tuple[Any, ...]:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, chunked: Chunked | None = None) -> tuple[Any, ...]:
         """(hidden (B, L, H), logits (B, L-1, V)); with `chunked`, (hidden, logprobs (B, L-1), entropy
         (B, L-1) or None) through rlfleet/models/logprobs.py, no (B, L-1, V) tensor made."""
         hidden = self.lm.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, L, H)

@@ -21,6 +21,7 @@ from rlfleet.models.policy import load_policy, load_weights_in_place
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
+from rlfleet.services.trainer.precision import prepare_for_training
 from rlfleet.services.trainer.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -36,12 +37,18 @@ from tests.support import serving, start_trainer, tiny_policy_dir, trainer_run_c
 from tests.trainer.test_trainer import group
 from tests.trainer.test_trainer_dp import batch
 
-# Step 1: plain SGD with momentum on a batch of 12 completions (6 per rank), no clipping.
-FIRST = TrainerSpec(learning_rate=0.5, max_grad_norm=1e6)
+# Step 1: plain SGD with momentum on a batch of 12 completions (6 per rank), no clipping; in
+# micro-batches of at most 24 padded tokens (3 on each rank),
+# logprobs in chunks of 5 positions, decoder layers checkpointed.
+FIRST = TrainerSpec(
+    learning_rate=0.5, max_grad_norm=1e6, micro_batch_tokens=24, logprob_chunk=5, activation_checkpointing=True
+)
 # Step 2: one completion (rank 1 has none of its own and joins FSDP's collectives with a
-# placeholder, once per update of its 2 epochs); the entropy bonus gives it a gradient, and a small
-# clip makes the norm matter.
-SECOND = TrainerSpec(learning_rate=0.5, entropy_coef=0.5, max_grad_norm=0.05, epochs=2)
+# placeholder, in the off-policy forward and once per update of its 2 epochs); the entropy bonus gives
+# it a gradient, and a small clip makes the norm matter.
+SECOND = TrainerSpec(
+    learning_rate=0.5, entropy_coef=0.5, max_grad_norm=0.05, epochs=2, off_policy={"mode": "tis", "cap": 2.0}
+)
 
 
 def single_completion() -> list[RolloutGroup]:
@@ -72,6 +79,7 @@ def _rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> N
 
     assert init_distributed() == (rank, world)
     model, tokenizer = load_policy(policy_dir)
+    prepare_for_training(model, FIRST)
     prefill = shard_policy(model, world)
     optimizer = sgd(model)
     grpo_update(prefill, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id, rank=rank, world=world)
@@ -101,6 +109,7 @@ def test_two_sharded_processes_update_like_one_and_publish_a_whole_checkpoint(tm
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
     torch.manual_seed(0)
     model, tokenizer = load_policy(policy)
+    prepare_for_training(model, FIRST)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = sgd(model)
     grpo_update(model, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id)
