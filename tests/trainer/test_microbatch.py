@@ -197,3 +197,50 @@ def test_an_off_policy_update_reports_the_ratio_and_weighs_the_gradient():
     none = gradients(model, TrainerSpec(**base), batch)
     weighted = gradients(model, tis, batch)
     assert any(not torch.allclose(none[n], weighted[n]) for n in none)
+
+
+def test_a_bf16_run_trains_fp32_masters_and_publishes_bf16(tmp_path, redis_url):
+    import threading
+
+    from safetensors.torch import load_file
+
+    from rlfleet.config import parse_bundle
+    from rlfleet.services.trainer.main import Trainer
+    from rlfleet.services.trainer.sharding import full_model_state
+    from rlfleet.wire.runtime import Context
+    from rlfleet.wire.streams import RunKeys
+    from rlfleet.wire.views import VIEWS, view_bundle
+    from tests.runs import bundle_yaml, rlrun
+    from tests.support import redis_from_url, tiny_policy_dir
+    from tests.trainer.test_trainer import group
+
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    config = bundle_yaml(
+        rlrun(
+            "tr",
+            model={"path": str(policy), "dtype": "bfloat16"},
+            task={"maxOperand": 20},
+            sampling={"groupSize": 2, "maxTokens": 4},
+            trainer={"batchSize": 2, "learningRate": 1e-6},
+            store=tmp_path / "store",
+            shardcast={"requireSignatures": False},
+        )
+    )
+    client = redis_from_url(redis_url)
+    ctx = Context(
+        bundle=view_bundle(parse_bundle(config), VIEWS["trainer"]),
+        redis=client,
+        keys=RunKeys("bf"),
+        stop=threading.Event(),
+    )
+    trainer = Trainer(ctx, output_dir=None)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.step([group("a", [1.0, 0.0]), group("b", [0.0, 1.0])])
+    assert changed_fraction(before, trainer.model) > 0.5  # the fp32 masters took the 1e-6 step
+    trainer.publish(full_model_state(trainer.model))
+    published = list((tmp_path / "store").rglob("*.safetensors"))
+    assert published
+    for path in published:
+        assert {t.dtype for t in load_file(str(path)).values()} == {torch.bfloat16}
+    client.close()

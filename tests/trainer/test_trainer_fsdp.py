@@ -188,3 +188,38 @@ def test_two_fsdp_trainer_processes_train_resume_and_publish_whole_checkpoints(t
     assert any(not torch.equal(latest.state_dict()[k], v) for k, v in base.state_dict().items()), (
         "training moved the weights"
     )
+
+
+def _mixed_rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from rlfleet.services.trainer.precision import precision_for
+    from rlfleet.services.trainer.update import init_distributed
+
+    init_distributed()
+    spec = TrainerSpec(learning_rate=1e-6, micro_batch_tokens=24)
+    precision = precision_for("bfloat16", spec)
+    model, tokenizer = load_policy(policy_dir, precision.load_dtype)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    prefill = shard_policy(model, world, precision.fsdp_policy())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate)
+    grpo_update(prefill, optimizer, batch(), spec, 1.0, tokenizer.pad_token_id, rank=rank, world=world)
+    weights = full_model_state(model)
+    if rank == 0:
+        changed = sum(int((weights[k] != v).sum()) for k, v in initial.items())
+        dtypes = sorted({str(v.dtype) for v in weights.values()})
+        json.dump({"changed": changed / sum(v.numel() for v in initial.values()), "dtypes": dtypes}, open(out, "w"))
+    dist.destroy_process_group()
+
+
+def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(tmp_path):
+    """A bf16 run under FSDP2 (MixedPrecisionPolicy bf16 compute, fp32 reduction) keeps fp32 shards:
+    an AdamW step of 1e-6, below bf16's resolution, changes most weights."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    out = tmp_path / "mixed.json"
+    mp.spawn(_mixed_rank_main, args=(2, free_port(), str(policy), str(out)), nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["dtypes"] == ["torch.float32"]
+    assert result["changed"] > 0.5, result
