@@ -2,7 +2,9 @@
 
 One scoring function serves the trainer (with gradients) and the verifier (without), so both
 compute token logprobs exactly the same way: `log_softmax(logits / temperature)` over the full
-vocabulary, the logits at position t scoring the token at t+1.
+vocabulary, the logits at position t scoring the token at t+1. The trainer takes them `chunk`
+positions at a time (rlfleet/models/logprobs.py: the same math per position, memory bounded by
+chunk x vocabulary); the verifier in one piece.
 """
 
 from __future__ import annotations
