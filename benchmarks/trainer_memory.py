@@ -19,10 +19,12 @@ memory or compute (the graph and its backward are the same).
 
 Memory. CUDA: `torch.cuda.max_memory_allocated()` over the step (reset before it), parameters
 included. CPU: each configuration runs in a subprocess of its own and reports its peak resident set
-(`ru_maxrss`) minus the resident set after torch's import, before the model is built: everything the
-step held at its worst, model state included, as the operating system saw it (glibc returns large
-freed blocks to the system, so the figure follows live tensors; it includes allocator slack, so it
-is an upper bound of live bytes).
+(`ru_maxrss`) minus the resident set at the subprocess's start, before torch is imported: everything
+the step held at its worst, model state included, as the operating system saw it, plus torch's and
+transformers' own code and data (about 0.4 GiB here). glibc returns large freed blocks to the system,
+so the figure follows live tensors; with the libraries and allocator slack it is an upper bound of
+live bytes. On CPU AdamW runs per parameter (torch's default off CUDA), and its temporaries for the
+embedding (136 M of the parameters) come on top of the model state at the step's end.
 Beside it: the model-state bound, params + grads + AdamW's two moments = 16 bytes per fp32
 parameter, and an estimate of one micro-batch's activations with the levers on (T tokens, H, I, L
 layers, V, C chunk positions, 4-byte floats): the checkpointed layer inputs L*T*H, one layer's
@@ -168,6 +170,7 @@ def main() -> None:
     parser.add_argument("--multiples", default="1,4,16")
     parser.add_argument("--micro-rows", type=int, default=1, help="rows per micro-batch")
     parser.add_argument("--levers-at", type=int, default=2, help="batch (x micro-batch) of the lever series")
+    parser.add_argument("--series", default="batch,seq,lever", help="which series to run")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -182,6 +185,7 @@ def main() -> None:
     ]
     plan += [("seq", {**base, "lever": "+checkpointing", "seq": s, "rows": args.micro_rows}) for s in seqs[1:]]
     plan += [("lever", {**base, "lever": k, "seq": seqs[0], "rows": args.levers_at * args.micro_rows}) for k in LEVERS]
+    plan = [(series, cfg) for series, cfg in plan if series in args.series.split(",")]
     results = []
     print(
         f"{'series':<7}{'lever':<19}{'seq':>6}{'rows':>6}{'peak GiB':>10}{'state GiB':>10}{'bound GiB':>10}"
@@ -201,7 +205,7 @@ def main() -> None:
         )
     batch = {r["rows"] // args.micro_rows: r for r in results if r["series"] == "batch" and "error" not in r}
     summary = {
-        "device": results[0].get("device"),
+        "device": results[0].get("device") if results else None,
         "peak_ratio_16x": batch[16]["peak_bytes"] / batch[1]["peak_bytes"] if 16 in batch and 1 in batch else None,
         "peak_over_bound_max": max(
             (r["peak_over_bound"] for r in results if r["lever"] == "+checkpointing" and "error" not in r), default=None
