@@ -55,6 +55,20 @@ class LoraSpec(Spec):
     )
 
 
+class OffPolicySpec(Spec):
+    mode: Literal["none", "tis", "mis"] = Field(
+        default="none",
+        description="Correction for the mismatch between the engine that sampled and the trainer "
+        "(rlfleet/services/trainer/loss.py): `none` clips the ratio against the sampling logprobs as they are; `tis` "
+        "(truncated importance sampling) clips against the trainer's own recomputed logprobs and weighs each token's "
+        "policy-gradient term by min(trainer / sampler probability, cap); `mis` (masked) drops the tokens whose ratio "
+        "exceeds cap instead. Both cost one extra forward (no gradient) per step.",
+    )
+    cap: float = Field(
+        default=2.0, ge=1.0, le=1000.0, description="Truncation (tis) or masking (mis) threshold of the ratio."
+    )
+
+
 class TrainerSpec(Spec):
     steps: int = Field(
         default=100, ge=1, le=10_000_000, description="Optimizer steps; each publishes one policy version."
@@ -110,6 +124,35 @@ class TrainerSpec(Spec):
         default=False,
         description="Online filtering: drop groups whose rewards are all equal (zero advantage, no gradient) and keep "
         "reading until the batch is full of groups that teach something.",
+    )
+    micro_batch_tokens: int = Field(
+        default=8192,
+        ge=16,
+        le=16_777_216,
+        description="Padded tokens (rows x longest row) per forward/backward: a step's rows, sorted by length, are "
+        "packed into micro-batches of at most this many and their gradients accumulated, the loss normalised as one "
+        "batch; a row longer than the budget goes alone. Bounds the step's activation memory.",
+    )
+    logprob_chunk: int = Field(
+        default=1024,
+        ge=1,
+        le=1_048_576,
+        description="Positions whose logits (fp32, positions x vocabulary) exist at once when token logprobs are "
+        "taken; the backward recomputes a chunk's logits instead of keeping them.",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each decoder layer's activations in the backward instead of keeping them (about a "
+        "third more compute, activation memory of one layer per micro-batch).",
+    )
+    master_weights: bool = Field(
+        default=True,
+        description="For a bfloat16 model: train fp32 weights and optimizer state and compute in bfloat16 (autocast, "
+        "or FSDP2's mixed-precision policy with fp32 gradient reduction), so updates smaller than bfloat16's "
+        "resolution accumulate instead of rounding away; published versions stay bfloat16. No effect for float32.",
+    )
+    off_policy: OffPolicySpec = Field(
+        default_factory=OffPolicySpec, description="Sampler/trainer mismatch correction (importance sampling)."
     )
     seed: int = Field(default=0, description="Trainer seed.")
     replicas: int = Field(default=1, ge=1, le=4096, description="Data-parallel trainer processes.")

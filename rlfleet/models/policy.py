@@ -2,18 +2,21 @@
 
 One scoring function serves the trainer (with gradients) and the verifier (without), so both
 compute token logprobs exactly the same way: `log_softmax(logits / temperature)` over the full
-vocabulary, the logits at position t scoring the token at t+1.
+vocabulary, the logits at position t scoring the token at t+1. The trainer takes them `chunk`
+positions at a time (rlfleet/models/logprobs.py: the same math per position, memory bounded by
+chunk x vocabulary); the verifier in one piece.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
 
+from rlfleet.models.logprobs import chunked_token_logprobs
 from rlfleet.wire import env
 
 if TYPE_CHECKING:
@@ -95,6 +98,15 @@ def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+@dataclass(frozen=True)
+class Chunked:
+    """Score by chunks of `chunk` positions (the trainer's path; memory bounded by chunk x vocabulary)."""
+
+    chunk: int
+    temperature: float
+    entropy: bool = False
+
+
 class Prefill(torch.nn.Module):
     """The part of a causal LM's forward that scoring uses: final hidden states (after the last
     norm) and the logits of every position but the last. One module, so that FSDP can make it the
@@ -105,24 +117,49 @@ class Prefill(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, chunked: Chunked | None = None) -> tuple[Any, ...]:
+        """(hidden (B, L, H), logits (B, L-1, V)); with `chunked`, (hidden, logprobs (B, L-1), entropy
+        (B, L-1) or None) through rlfleet/models/logprobs.py, no (B, L-1, V) tensor made."""
         hidden = self.lm.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, L, H)
-        return hidden, self.lm.lm_head(hidden[:, :-1])  # (B, L, H), (B, L-1, V)
+        if chunked is None:
+            return hidden, self.lm.lm_head(hidden[:, :-1])  # (B, L, H), (B, L-1, V)
+        scored = mask[:, 1:].bool()  # positions whose next token is a real one; padding is never scored
+        logp, ent = chunked_token_logprobs(
+            self.lm.lm_head,
+            hidden[:, :-1][scored],
+            ids[:, 1:][scored],
+            chunked.temperature,
+            chunked.chunk,
+            chunked.entropy,
+        )
+        grid = torch.zeros(scored.shape, dtype=torch.float32, device=ids.device)
+        return hidden, grid.masked_scatter(scored, logp), None if ent is None else grid.masked_scatter(scored, ent)
 
 
 def score(
-    model, rows: list[list[int]], temperature: float, pad_id: int, want_hidden: bool = False, want_entropy: bool = False
+    model,
+    rows: list[list[int]],
+    temperature: float,
+    pad_id: int,
+    want_hidden: bool = False,
+    want_entropy: bool = False,
+    chunk: int = 0,
 ) -> Scored:
     """Prefill right-padded `rows` in one batch; gradients flow if enabled by the caller.
-    `model` is a causal LM or its `Prefill` (the trainer's, possibly sharded)."""
+    `model` is a causal LM or its `Prefill` (the trainer's, possibly sharded). `chunk` > 0 takes the
+    logprobs `chunk` positions at a time (rlfleet/models/logprobs.py); 0 in one (B, L-1, V) piece."""
     ids, mask = pad_right(rows, pad_id)
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
-    hidden, logits = (model if isinstance(model, Prefill) else Prefill(model))(ids, mask)
-    logits = logits.float() / temperature  # (B, L-1, V)
-    logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
-    logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else None  # (B, L-1)
+    prefill = model if isinstance(model, Prefill) else Prefill(model)
+    if chunk:
+        hidden, logp, ent = prefill(ids, mask, Chunked(chunk, temperature, want_entropy))
+    else:
+        hidden, logits = prefill(ids, mask)
+        logits = logits.float() / temperature  # (B, L-1, V)
+        logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
+        logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1) if want_entropy else None  # (B, L-1)
     lengths = [len(r) for r in rows]
     return Scored(
         hidden=[hidden[i, :n] for i, n in enumerate(lengths)] if want_hidden else [],

@@ -21,6 +21,7 @@ from rlfleet.models.policy import load_policy, load_weights_in_place
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
+from rlfleet.services.trainer.precision import prepare_for_training
 from rlfleet.services.trainer.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -36,12 +37,18 @@ from tests.support import serving, start_trainer, tiny_policy_dir, trainer_run_c
 from tests.trainer.test_trainer import group
 from tests.trainer.test_trainer_dp import batch
 
-# Step 1: plain SGD with momentum on a batch of 12 completions (6 per rank), no clipping.
-FIRST = TrainerSpec(learning_rate=0.5, max_grad_norm=1e6)
+# Step 1: plain SGD with momentum on a batch of 12 completions (6 per rank), no clipping; in
+# micro-batches of at most 24 padded tokens (3 on each rank),
+# logprobs in chunks of 5 positions, decoder layers checkpointed.
+FIRST = TrainerSpec(
+    learning_rate=0.5, max_grad_norm=1e6, micro_batch_tokens=24, logprob_chunk=5, activation_checkpointing=True
+)
 # Step 2: one completion (rank 1 has none of its own and joins FSDP's collectives with a
-# placeholder, once per update of its 2 epochs); the entropy bonus gives it a gradient, and a small
-# clip makes the norm matter.
-SECOND = TrainerSpec(learning_rate=0.5, entropy_coef=0.5, max_grad_norm=0.05, epochs=2)
+# placeholder, in the off-policy forward and once per update of its 2 epochs); the entropy bonus gives
+# it a gradient, and a small clip makes the norm matter.
+SECOND = TrainerSpec(
+    learning_rate=0.5, entropy_coef=0.5, max_grad_norm=0.05, epochs=2, off_policy={"mode": "tis", "cap": 2.0}
+)
 
 
 def single_completion() -> list[RolloutGroup]:
@@ -72,6 +79,7 @@ def _rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> N
 
     assert init_distributed() == (rank, world)
     model, tokenizer = load_policy(policy_dir)
+    prepare_for_training(model, FIRST)
     prefill = shard_policy(model, world)
     optimizer = sgd(model)
     grpo_update(prefill, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id, rank=rank, world=world)
@@ -101,6 +109,7 @@ def test_two_sharded_processes_update_like_one_and_publish_a_whole_checkpoint(tm
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
     torch.manual_seed(0)
     model, tokenizer = load_policy(policy)
+    prepare_for_training(model, FIRST)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = sgd(model)
     grpo_update(model, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id)
@@ -179,3 +188,38 @@ def test_two_fsdp_trainer_processes_train_resume_and_publish_whole_checkpoints(t
     assert any(not torch.equal(latest.state_dict()[k], v) for k, v in base.state_dict().items()), (
         "training moved the weights"
     )
+
+
+def _mixed_rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from rlfleet.services.trainer.precision import precision_for
+    from rlfleet.services.trainer.update import init_distributed
+
+    init_distributed()
+    spec = TrainerSpec(learning_rate=1e-6, micro_batch_tokens=24)
+    precision = precision_for("bfloat16", spec)
+    model, tokenizer = load_policy(policy_dir, precision.load_dtype)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    prefill = shard_policy(model, world, precision.fsdp_policy())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate)
+    grpo_update(prefill, optimizer, batch(), spec, 1.0, tokenizer.pad_token_id, rank=rank, world=world)
+    weights = full_model_state(model)
+    if rank == 0:
+        changed = sum(int((weights[k] != v).sum()) for k, v in initial.items())
+        dtypes = sorted({str(v.dtype) for v in weights.values()})
+        json.dump({"changed": changed / sum(v.numel() for v in initial.values()), "dtypes": dtypes}, open(out, "w"))
+    dist.destroy_process_group()
+
+
+def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(tmp_path):
+    """A bf16 run under FSDP2 (MixedPrecisionPolicy bf16 compute, fp32 reduction) keeps fp32 shards:
+    an AdamW step of 1e-6, below bf16's resolution, changes most weights."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    out = tmp_path / "mixed.json"
+    mp.spawn(_mixed_rank_main, args=(2, free_port(), str(policy), str(out)), nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["dtypes"] == ["torch.float32"]
+    assert result["changed"] > 0.5, result

@@ -17,7 +17,7 @@ from tests.trainer.test_trainer import group
 
 TRAINER = (
     "{batchSize: 2, maxAsyncLevel: 1, learningRate: 1.0e-3, steps: 2, skipZeroAdvantageGroups: true, "
-    "entropyCoef: 0.01, klCoef: 0.1}"
+    "entropyCoef: 0.01, klCoef: 0.1, offPolicy: {mode: tis, cap: 2.0}, microBatchTokens: 16, logprobChunk: 4}"
 )
 
 BATCH_STATS = (
@@ -30,6 +30,9 @@ BATCH_STATS = (
     "entropy_mean",
     "kl_mean",
     "completion_tokens_mean",
+    "offpolicy_ratio_mean",
+    "offpolicy_ratio_max",
+    "offpolicy_truncated_fraction",
 )
 # Field of metrics.jsonl -> (sample name, labels) that carries it after one step.
 SERIES = {

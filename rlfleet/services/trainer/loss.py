@@ -17,6 +17,24 @@ short completions weigh by their tokens); `sequence` = mean over completions of 
 token mean (original GRPO). With data parallelism every rank divides by the *whole* batch's count
 (`denominator`), so the gradients summed over ranks equal the single-process gradient.
 
+Micro-batches: the loss is a sum over tokens (token) or completions (sequence) divided by a count
+fixed for the whole batch (`denominator`), so the loss of a batch is the sum of its micro-batches'
+losses, and gradients accumulated over micro-batches (update.py) equal the one-batch gradient; the
+entropy and KL terms are per-token terms of the same sum, so they split the same way.
+
+Off-policy correction (`trainer.offPolicy`, `off_policy_weights`). The engine that sampled (vLLM,
+often bf16) and the trainer disagree on logprobs even for the same weights. With pi_s the sampler's
+claimed probability of the token, pi_old the trainer's own, recomputed with the weights before the
+update (no gradient), and rho = pi_old / pi_s per token:
+  tis: w = min(rho, cap)          (truncated importance sampling)
+  mis: w = 1 if rho <= cap else 0 (masked importance sampling: the token is dropped)
+and the clipped ratio is taken against pi_old instead of pi_s; w is detached and multiplies the
+token's clipped objective. Since the objective is positively homogeneous in A (min, clip and the
+delta cap all scale with A >= 0 weights), w * objective(A) = objective(w * A), so w enters as a
+per-token advantage (advantages of shape (B, T)). Masked tokens keep their place in the
+normalisation (the loss scale does not depend on how many are dropped). The entropy and KL terms are
+regularisers of the current policy and are not weighted. `none` keeps the ratio against pi_s.
+
 References: DeepSeekMath (GRPO), INTELLECT-2 technical report (two-sided clipping, delta = 4),
 DAPO (token-level normalization, decoupled eps_low / eps_high), J. Schulman "Approximating KL
 divergence" (k3).
@@ -35,7 +53,7 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def grpo_loss(
     logprobs: torch.Tensor,  # (B, T) under the policy being trained
     old_logprobs: torch.Tensor,  # (B, T) under the policy that sampled
-    advantages: torch.Tensor,  # (B,)
+    advantages: torch.Tensor,  # (B,), or (B, T) per token (importance-weighted, off_policy_weights)
     mask: torch.Tensor,  # (B, T) 1 on completion tokens
     eps_low: float,
     eps_high: float,
@@ -48,7 +66,7 @@ def grpo_loss(
     denominator: float | None = None,  # data parallel: the whole batch's tokens (token) or completions (sequence)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages[:, None].expand_as(ratio)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(ratio)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
     objective = torch.where(adv < 0, torch.maximum(objective, delta * adv), objective)
@@ -82,3 +100,27 @@ def grpo_loss(
         if kl_coef > 0:
             stats["kl_mean"] = float((k3 * mask).sum() / tokens)
     return loss, stats
+
+
+def off_policy_weights(
+    trainer_old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(B, T) detached importance weights of the tokens (mode tis or mis, see the module docstring) and
+    their statistics as sums over the masked tokens, for the caller to pool across micro-batches and
+    ranks: offpolicy_ratio_mean and offpolicy_{truncated,masked}_fraction (sums), offpolicy_ratio_max."""
+    with torch.no_grad():
+        mask = mask.to(torch.float32)
+        rho = torch.exp(trainer_old.float() - sampler.float()) * mask
+        over = (rho > cap).to(torch.float32) * mask
+        if mode == "tis":
+            weights, share = torch.clamp(rho, max=cap), "offpolicy_truncated_fraction"
+        elif mode == "mis":
+            weights, share = rho.le(cap).to(torch.float32), "offpolicy_masked_fraction"
+        else:
+            raise ValueError(f"spec.trainer.offPolicy.mode: {mode!r} is not none, tis or mis")
+        stats = {
+            "offpolicy_ratio_mean": float(rho.sum()),
+            share: float(over.sum()),
+            "offpolicy_ratio_max": float(rho.max()) if rho.numel() else 0.0,
+        }
+    return weights * mask, stats

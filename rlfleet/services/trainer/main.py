@@ -31,6 +31,7 @@ import torch
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step, withdraw
+from rlfleet.services.trainer.precision import precision_for, prepare_for_training
 from rlfleet.services.trainer.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -79,15 +80,19 @@ class Trainer:
         from rlfleet.models.builtin import resolve_model_path
 
         base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
-        self.model, self.tokenizer = load_policy(base, self.spec.model.dtype)
-        self.lora = attach(self.model, self.spec.trainer.lora, base, self.spec.model.path)  # None: every weight trains
+        t = self.spec.trainer
+        self.precision = precision_for(self.spec.model.dtype, t)  # fp32 master weights for bf16 (precision.py)
+        self.model, self.tokenizer = load_policy(base, self.precision.load_dtype)
+        self.lora = attach(self.model, t.lora, base, self.spec.model.path)  # None: every weight trains
+        prepare_for_training(self.model, t)
         self.device = training_device()
         self.model.to(self.device)
-        t = self.spec.trainer
         torch.manual_seed(t.seed)
         self.sharded = t.sharding == "fsdp" and self.world > 1
         # What the loss scores through: the whole policy, or its shard of it under FSDP (sharding.py).
-        self.prefill = shard_policy(self.model, self.world) if self.sharded else Prefill(self.model)
+        self.prefill = (
+            shard_policy(self.model, self.world, self.precision.fsdp_policy()) if self.sharded else Prefill(self.model)
+        )
         if self.world > 1:
             log.info("rank %d of %d, %s", self.rank, self.world, "FSDP-sharded" if self.sharded else "replicated")
         trained = self.lora.parameters() if self.lora else self.model.parameters()
@@ -116,8 +121,15 @@ class Trainer:
             if self.lora:
                 self.lora.save(model_state, Path(tmp))
             else:
-                weights = publishable_weights(self.model, model_state)
-                save_model_dir(self.model, self.tokenizer, Path(tmp), state_dict=weights)
+                save_model_dir(
+                    self.model,
+                    self.tokenizer,
+                    Path(tmp),
+                    state_dict={
+                        k: v.to(self.precision.publish_dtype)  # the run's dtype, whatever the masters are
+                        for k, v in publishable_weights(self.model, model_state).items()
+                    },
+                )
             shardcast = self.spec.shardcast
             self._publisher = self._publisher or PolicyPublisher(
                 self.store, self.ctx.run_name, shardcast.deltas, run_signer(shardcast), shardcast.shard_size_bytes
@@ -206,6 +218,7 @@ class Trainer:
             self.reference,
             self.rank,
             self.world,
+            None if self.sharded else self.precision.compute_dtype,  # FSDP's own policy casts when sharded
         )
         stats["learning_rate"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()

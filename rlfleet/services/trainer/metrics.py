@@ -38,6 +38,11 @@ BATCH_STATS = (
     "entropy_mean",
     "kl_mean",
     "completion_tokens_mean",
+    # trainer.offPolicy tis/mis (loss.py): trainer / sampler probability of the tokens, share truncated or masked
+    "offpolicy_ratio_mean",
+    "offpolicy_ratio_max",
+    "offpolicy_truncated_fraction",
+    "offpolicy_masked_fraction",
 )
 STAT = Gauge(
     "rlfleet_trainer_batch_stat", "Statistic of the last optimizer step (the fields of metrics.jsonl)", ["stat"]

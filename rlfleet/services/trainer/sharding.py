@@ -40,14 +40,16 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from rlfleet.models.policy import Prefill
 
 
-def shard_policy(lm, world: int) -> Prefill:
+def shard_policy(lm, world: int, mp_policy=None) -> Prefill:
     """Shard `lm`'s parameters in place over the `world` ranks of the joined process group; return the
-    root `Prefill` that scoring calls. Create the optimizer afterwards (it must hold the shards)."""
+    root `Prefill` that scoring calls. Create the optimizer afterwards (it must hold the shards).
+    `mp_policy`: FSDP2's MixedPrecisionPolicy (precision.py), or None to compute in the parameters' dtype."""
+    mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
     mesh = init_device_mesh(next(lm.parameters()).device.type, (world,))  # shards stay where the model is
     for layer in lm.model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **mp)
     root = Prefill(lm)
-    fully_shard(root, mesh=mesh)
+    fully_shard(root, mesh=mesh, **mp)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

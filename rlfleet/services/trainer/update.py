@@ -7,13 +7,30 @@ every rank, so all ranks keep the same weights and the update equals the single-
 to float summation order. With `trainer.sharding: fsdp` the model is sharded (sharding.py): the
 same split and the same sum, done by FSDP's reduce-scatter in the backward instead of the
 all-reduce here. The batch statistics (loss, ratio, clip fraction, entropy, KL) are the whole
-batch's on every rank. Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-(gloo on CPU, NCCL on GPU), which is how the operator starts trainer pods.
+batch's on every rank.
+
+Bounded memory per step: each rank sorts its rows by length and packs them into micro-batches of
+at most `trainer.microBatchTokens` padded tokens (`micro_batches`); every micro-batch is one
+forward and backward, gradients accumulate, and one optimizer step follows. Each micro-batch's
+loss is divided by the whole batch's count (tokens or completions, over all ranks), so the
+accumulated gradient is exactly the one-batch gradient (loss.py). Token logprobs are taken
+`trainer.logprobChunk` positions at a time (rlfleet/models/logprobs.py), so no tensor of a
+micro-batch's positions by the vocabulary exists. Under FSDP every rank runs as many passes as the
+rank with the most micro-batches (all ranks hold the batch, so each computes every plan), the
+extra ones on a zero-weight placeholder. Before the first update, without gradients and in the
+same micro-batches: the frozen reference's logprobs (klCoef > 0) and, with `trainer.offPolicy`
+tis/mis, the trainer's own logprobs, from which loss.py's importance weights come. `compute_dtype`
+autocasts the forwards (fp32 master weights computing in bf16, precision.py).
+
+Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (gloo on CPU, NCCL on GPU),
+which is how the operator starts trainer pods.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,7 +38,7 @@ import torch.distributed as dist
 
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import score
-from rlfleet.services.trainer.loss import group_advantages, grpo_loss
+from rlfleet.services.trainer.loss import group_advantages, grpo_loss, off_policy_weights
 from rlfleet.services.trainer.sharding import is_sharded
 from rlfleet.wire import env
 from rlfleet.wire.streams import RolloutGroup
@@ -64,6 +81,38 @@ def broadcast(obj, rank: int, world: int):
     return box[0]
 
 
+@dataclass
+class MicroBatch:
+    """Rows of one forward/backward and what the loss needs of them, aligned (B, T) on completion tokens."""
+
+    rows: list[list[int]]
+    mask: torch.Tensor  # 1 on completion tokens
+    sampled: torch.Tensor  # the engine's claimed logprobs
+    advantages: torch.Tensor  # (B,), or (B, T) once importance-weighted
+    tokens: int  # completion tokens
+    old: torch.Tensor | None = None  # the trainer's own logprobs before the update (offPolicy tis/mis)
+    ref: torch.Tensor | None = None  # the frozen reference's logprobs (klCoef > 0)
+
+    def align(self, per_row: list[torch.Tensor], starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """(B, T) of each row's completion-token values, from per-row (L_i - 1,) tensors."""
+        out = torch.zeros_like(self.mask)
+        for i, (values, start, n) in enumerate(zip(per_row, starts, lengths)):
+            out[i, start : start + n] = values[start : start + n]
+        return out
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of `lengths` packed into micro-batches of at most `budget` padded tokens (rows x longest
+    row): longest first, so each micro-batch holds rows of similar length; a row over budget goes alone."""
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
 def grpo_update(
     model,
     optimizer,
@@ -74,90 +123,129 @@ def grpo_update(
     reference=None,
     rank: int = 0,
     world: int = 1,
+    compute_dtype: torch.dtype | None = None,
 ) -> dict:
     """Apply one update for `groups` with TrainerSpec `t`; return batch statistics (same on every rank).
-    `model` is a causal LM or the trainer's (possibly sharded) `Prefill` of one."""
+    `model` is a causal LM or the trainer's (possibly sharded) `Prefill` of one. `compute_dtype`:
+    autocast the forward to it (fp32 master weights computing in bf16; precision.py)."""
     sharded = is_sharded(model)
     device = next(model.parameters()).device
-    rows, old, group_adv, starts, rewards = [], [], [], [], []
+    rows, sampled, group_adv, starts, rewards = [], [], [], [], []
     for g in groups:
         group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
         rewards.extend(group_rewards.tolist())
         for s, a in zip(g.samples, group_advantages(group_rewards)):
             rows.append(g.prompt_ids + s.completion_ids)
-            old.append(s.logprobs)
+            sampled.append(s.logprobs)
             group_adv.append(a)
             starts.append(len(g.prompt_ids) - 1)  # index in the (L-1,) logprob row of the first completion token
-    total_tokens = sum(len(o) for o in old)
+    total_tokens = sum(len(o) for o in sampled)
     denominator = float(total_tokens) if t.normalization == "token" else float(len(rows))
-    mine = list(range(rank, len(rows), world))
-    rows, old, starts = [rows[i] for i in mine], [old[i] for i in mine], [starts[i] for i in mine]
-    advantages = (torch.stack([group_adv[i] for i in mine]) if mine else torch.zeros(0)).to(device)
+    # Rank r takes rows r, r + W, ...; every rank holds the whole batch, so each knows every rank's plan
+    # and, under FSDP (whose collectives run inside forward and backward), runs as many passes as the
+    # rank with the most micro-batches, the extra ones on a zero-weight placeholder.
+    plans = [
+        [[mine[i] for i in mb] for mb in micro_batches([len(rows[i]) for i in mine], t.micro_batch_tokens)]
+        for mine in (list(range(r, len(rows), world)) for r in range(world))
+    ]
+    passes = max(len(p) for p in plans) if sharded else len(plans[rank])
+    micro = []
+    for idx in plans[rank]:
+        mb_rows = [rows[i] for i in idx]
+        lengths = [len(sampled[i]) for i in idx]
+        mask = torch.zeros(len(idx), max(len(r) for r in mb_rows) - 1, device=device)
+        mb = MicroBatch(mb_rows, mask, mask, torch.stack([group_adv[i] for i in idx]).to(device), sum(lengths))
+        mb_starts = [starts[i] for i in idx]
+        mb.mask = mb.align([torch.ones(len(r) - 1) for r in mb_rows], mb_starts, lengths)
+        mb.sampled = mb.align(
+            [torch.tensor([0.0] * s + sampled[i]) for s, i in zip(mb_starts, idx)], mb_starts, lengths
+        )
+        micro.append((mb, mb_starts, lengths))
+    chunk = t.logprob_chunk
+    autocast = (
+        torch.autocast(device.type, dtype=compute_dtype) if compute_dtype is not None else contextlib.nullcontext()
+    )
+
+    def scores(net, i: int, want_entropy: bool = False):
+        """Micro-batch i's scores by `net` (None on a placeholder pass, which only joins FSDP's collectives)."""
+        if i >= len(micro):
+            placeholder = score(net, [[pad_id, pad_id]], temperature, pad_id, chunk=chunk).logprobs[0]
+            return None, placeholder
+        mb, mb_starts, lengths = micro[i]
+        scored = score(net, mb.rows, temperature, pad_id, want_entropy=want_entropy, chunk=chunk)
+        entropy = mb.align(scored.entropy, mb_starts, lengths) if scored.entropy else None
+        return (mb.align(scored.logprobs, mb_starts, lengths), entropy), None
 
     model.train()
-    if rows:  # what every update of this batch shares: the mask, the sampling logprobs, the reference's
-        width = max(len(r) for r in rows) - 1
+    off_stats: dict[str, float] = {}
+    with autocast:
+        with torch.no_grad():  # before any update: the reference's and the trainer's own logprobs
+            for i in range(passes):
+                if reference is not None:
+                    got, _ = scores(reference, i)
+                    if got:
+                        micro[i][0].ref = got[0]
+                if t.off_policy.mode != "none":
+                    got, _ = scores(model, i)
+                    if got:
+                        mb = micro[i][0]
+                        mb.old = got[0]
+                        weights, stats = off_policy_weights(
+                            mb.old, mb.sampled, mb.mask, t.off_policy.mode, t.off_policy.cap
+                        )
+                        mb.advantages = mb.advantages[:, None] * weights
+                        for k, v in stats.items():
+                            off_stats[k] = (
+                                max(off_stats.get(k, 0.0), v) if k.endswith("_max") else off_stats.get(k, 0.0) + v
+                            )
 
-        def aligned(per_row: list[torch.Tensor]) -> torch.Tensor:
-            """(B, T) tensor of each row's completion-token values, from per-row (L_i - 1,) tensors."""
-            out = torch.zeros(len(rows), width, device=device)
-            for i, (values, start) in enumerate(zip(per_row, starts)):
-                out[i, start : start + len(old[i])] = values[start : start + len(old[i])]
-            return out
+        def one_pass() -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+            """One optimizer update over this rank's rows (every rank joins it): (loss, statistics, grad norm).
+            Gradients accumulate over the micro-batches; each one's loss is divided by the whole batch's count."""
+            optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            loss = torch.zeros((), device=device)
+            for i in range(passes):
+                got, placeholder = scores(model, i, want_entropy=t.entropy_coef > 0)
+                if got is None:
+                    (placeholder.sum() * 0.0).backward()
+                    continue
+                mb = micro[i][0]
+                mb_loss, stats = grpo_loss(
+                    got[0],
+                    mb.old if mb.old is not None else mb.sampled,
+                    mb.advantages,
+                    mb.mask,
+                    t.eps_low,
+                    t.eps_high,
+                    t.delta,
+                    normalization=t.normalization,
+                    entropy=got[1],
+                    entropy_coef=t.entropy_coef,
+                    ref_logprobs=mb.ref,
+                    kl_coef=t.kl_coef,
+                    denominator=denominator,
+                )
+                mb_loss.backward()
+                loss = loss + mb_loss.detach()
+                for k, v in stats.items():  # per-token means of the micro-batch -> sums over tokens
+                    sums[k] = sums.get(k, 0.0) + v * mb.tokens
+            if world > 1 and not sharded:
+                for p in model.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            stats = whole_batch_means({**sums, **off_stats}, sum(mb.tokens for mb, _, _ in micro), t, world, device)
+            if world > 1:
+                total = loss.reshape(1).clone()
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                loss = total[0]
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            optimizer.step()
+            return loss, stats, grad_norm
 
-        mask = aligned([torch.ones(len(r) - 1) for r in rows])
-        sampled = aligned([torch.tensor([0.0] * s + o) for s, o in zip(starts, old)])
-        ref_lp = None
-        if reference is not None:
-            with torch.no_grad():
-                ref_lp = aligned(score(reference, rows, temperature, pad_id).logprobs)
-    elif sharded and reference is not None:  # join the reference's FSDP collectives as the other ranks do
-        with torch.no_grad():
-            score(reference, [[pad_id, pad_id]], temperature, pad_id)
-
-    def one_pass() -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """One optimizer update over this rank's rows (every rank joins it): (loss, statistics, grad norm)."""
-        optimizer.zero_grad(set_to_none=True)
-        stats: dict[str, float] = {}
-        loss = torch.zeros(())
-        if rows:
-            scored = score(model, rows, temperature, pad_id, want_entropy=t.entropy_coef > 0)
-            loss, stats = grpo_loss(
-                aligned(scored.logprobs),
-                sampled,
-                advantages,
-                mask,
-                t.eps_low,
-                t.eps_high,
-                t.delta,
-                normalization=t.normalization,
-                entropy=aligned(scored.entropy) if scored.entropy else None,
-                entropy_coef=t.entropy_coef,
-                ref_logprobs=ref_lp,
-                kl_coef=t.kl_coef,
-                denominator=denominator,
-            )
-            loss.backward()
-        elif sharded:
-            # FSDP's gathers and reduce-scatters run inside forward and backward: this rank joins them
-            # with a placeholder row whose loss is multiplied by zero, so it adds nothing to the gradient.
-            placeholder = score(model, [[pad_id, pad_id]], temperature, pad_id).logprobs[0]
-            (placeholder.sum() * 0.0).backward()
-        if world > 1:
-            for p in [] if sharded else model.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            total = torch.tensor([loss.item()], device=device)  # NCCL reduces GPU tensors only
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            loss = total[0]
-            stats = whole_batch_token_means(stats, sum(len(o) for o in old), t, device)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        optimizer.step()
-        return loss, stats, grad_norm
-
-    for _ in range(t.epochs):  # GRPO's mu updates; the statistics returned are the last one's
-        loss, stats, grad_norm = one_pass()
+        for _ in range(t.epochs):  # GRPO's mu updates; the statistics returned are the last one's
+            loss, stats, grad_norm = one_pass()
     model.eval()
     rewards_arr = np.array(rewards)
     return {
@@ -171,14 +259,21 @@ def grpo_update(
     }
 
 
-def whole_batch_token_means(stats: dict[str, float], tokens: int, t, device) -> dict[str, float]:
-    """The loss's per-token means (ratio, clip fraction, entropy, KL) over the whole batch, from each
-    rank's means over its `tokens` completion tokens: sum of mean x tokens over ranks / all tokens.
-    Every rank calls it (a rank without completions adds zeros); which means exist follows from the
-    config `t`, so all ranks reduce the same vector."""
+def whole_batch_means(sums: dict[str, float], tokens: int, t, world: int, device) -> dict[str, float]:
+    """The per-token means (ratio, clip fraction, entropy, KL, off-policy ratio and share) of the whole
+    batch, from this rank's sums over its `tokens` completion tokens, and the maxima (`*_max`) over all
+    ranks. Every rank calls it (a rank without completions adds zeros); which keys exist follows from
+    the config `t`, so all ranks reduce the same vectors."""
     keys = ["ratio_mean", "clip_fraction"] + ["entropy_mean"] * (t.entropy_coef > 0) + ["kl_mean"] * (t.kl_coef > 0)
-    sums = torch.tensor(
-        [stats.get(k, 0.0) * tokens for k in keys] + [float(tokens)], dtype=torch.float64, device=device
-    )
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    return {k: float(v) for k, v in zip(keys, sums[:-1] / sums[-1].clamp(min=1.0))}
+    maxima = []
+    if t.off_policy.mode != "none":
+        share = "offpolicy_truncated_fraction" if t.off_policy.mode == "tis" else "offpolicy_masked_fraction"
+        keys += ["offpolicy_ratio_mean", share]
+        maxima = ["offpolicy_ratio_max"]
+    totals = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(tokens)], dtype=torch.float64, device=device)
+    peaks = torch.tensor([sums.get(k, 0.0) for k in maxima] + [0.0], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    means = {k: float(v) for k, v in zip(keys, totals[:-1] / totals[-1].clamp(min=1.0))}
+    return {**means, **{k: float(v) for k, v in zip(maxima, peaks[:-1])}}
