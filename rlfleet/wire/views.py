@@ -110,7 +110,7 @@ _POLICY = ("model", "task", "lengthPenalty", "sampling")
 # spec.trainer as the trainer reads it (its replicas, gpus, resources and pod template are the operator's).
 _TRAINER = _fields(
     "trainer: steps batchSize learningRate weightDecay epsLow epsHigh delta maxGradNorm epochs maxAsyncLevel"
-    " normalization entropyCoef klCoef warmupSteps lrSchedule skipZeroAdvantageGroups seed sharding"
+    " normalization entropyCoef klCoef warmupSteps lrSchedule skipZeroAdvantageGroups seed sharding checkpointEvery"
 )
 # spec.trainer as the others read it: a worker sizes the queue it keeps for the trainer by batchSize and
 # starts its engine from the builtin build of seed; everyone bounds staleness by maxAsyncLevel.
