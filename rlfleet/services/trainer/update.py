@@ -8,7 +8,7 @@ to float summation order. With `trainer.sharding: fsdp` the model is sharded (sh
 same split and the same sum, done by FSDP's reduce-scatter in the backward instead of the
 all-reduce here. The batch statistics (loss, ratio, clip fraction, entropy, KL) are the whole
 batch's on every rank. Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-(gloo on CPU, NCCL on GPU), which is how the operator starts trainer pods.
+(gloo on CPU, NCCL on GPU), which ranks.py gives every rank it starts.
 """
 
 from __future__ import annotations
