@@ -14,6 +14,7 @@ import redis as redis_lib
 import torch
 
 from rlfleet.models.policy import load_policy
+from rlfleet.operator.progress import read_progress
 from rlfleet.versions.store import open_store
 from rlfleet.wire.streams import RunKeys, group_digest
 from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
@@ -88,6 +89,9 @@ def test_kill_9_and_restart_loses_nothing_and_trains_nothing_twice(tmp_path, red
     assert records[-1]["policy_version"] == (10 if every == 1 else 12)
     assert sorted(per_version) == (list(range(1, 11)) if every == 1 else [1, 2, 3, *range(6, 13)])
     assert redis_client.xlen(keys.verified) == 0, "every message was acknowledged and removed"
+    # The operator's status (Complete at spec.trainer.steps) counts steps, not versions.
+    progress = read_progress(redis_url, "tr")
+    assert (progress["step"], progress["policyVersion"]) == (10, 10 if every == 1 else 12)
 
     # The same 20 groups through a trainer that is never killed (another store, another Redis database).
     reference = tmp_path / "reference"

@@ -20,7 +20,6 @@ reads the streams, publishes and commits.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import tempfile
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
-from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step, withdraw
+from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, withdraw
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
 from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
 from rlfleet.services.trainer.state import (
@@ -80,7 +79,7 @@ class Trainer:
         self.rank, self.world = init_distributed()  # only rank 0 reads streams, publishes and commits
         if self.rank != 0:
             withdraw()  # its series would read 0 and halve every average over the trainer pods
-        self.metrics_file = output_dir / "metrics.jsonl" if output_dir else None
+        self.records = MetricsLog(output_dir / "metrics.jsonl" if output_dir else None)
         from rlfleet.models.builtin import resolve_model_path
 
         base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
@@ -105,6 +104,7 @@ class Trainer:
             self.reference = shard_policy(reference, self.world) if self.sharded else reference
         self.version = 0
         self.saved_step = 0  # the step of the last saved state
+        self.step_done = 0  # the step whose weights the model holds (announced with each version)
         self.pending = Commit()  # what the steps since then trained (rank 0), committed at the next save
         self.last_record: dict | None = None
         self.started = time.monotonic()
@@ -130,7 +130,7 @@ class Trainer:
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)
-        announcement = {"version": self.version, "time": time.time()}
+        announcement = {"version": self.version, "time": time.time(), "step": self.step_done}
         if self.last_reward is not None:  # shown by the operator's status and printer columns
             announcement["reward"] = self.last_reward
         # redis-py asks for Dict[FieldT, EncodableT], invariant: no narrower dict passes (Mapping would).
@@ -257,45 +257,22 @@ class Trainer:
             load_checkpoint(self.store, state["checkpoint"], self.model, self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
             self.version = state["version"]
-            self.saved_step = state["step"]
+            self.saved_step = self.step_done = state["step"]
         if self.rank == 0:  # versions published after the state came from weights lost with the crash
             self.version = resume_version(self.store, self.ctx.run_name, self.version)
         self.version = broadcast(self.version, self.rank, self.world)
         weights = full_model_state(self.model)  # every rank: a collective under FSDP
         if self.rank == 0:
             self.publish(weights)  # idempotent for a version already in the store; announces it again
-            self.forget_records_after(self.saved_step)  # those steps are trained again
+            self.records.forget_after(self.saved_step)  # those steps are trained again
         if state is None:
             return 1
         if self.rank == 0:
             self.commit(Commit.from_dict(state["commit"]))
-            if state.get("record") and self.last_recorded_step() < state["step"]:
-                self.write_record(state["record"])  # the crash came between saving the step and recording it
+            if state.get("record") and self.records.last_step() < state["step"]:
+                self.records.append(state["record"])  # the crash came between saving the step and recording it
         log.info("resumed after step %d at version %d", state["step"], self.version)
         return state["step"] + 1
-
-    def forget_records_after(self, step: int) -> None:
-        """Remove metrics.jsonl's records of steps after `step` (trained again from the state of `step`)."""
-        if not (self.metrics_file and self.metrics_file.exists()):
-            return
-        lines = self.metrics_file.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if json.loads(line)["step"] <= step]
-        if len(kept) < len(lines):
-            self.metrics_file.write_text("".join(kept))
-
-    def last_recorded_step(self) -> int:
-        """The step of metrics.jsonl's last record (0 without one)."""
-        if not (self.metrics_file and self.metrics_file.exists()):
-            return 0
-        lines = self.metrics_file.read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-
-    def write_record(self, record: dict) -> None:
-        """Export a step's record on /metrics and append it to metrics.jsonl."""
-        export_step(record)
-        if self.metrics_file:
-            with open(self.metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
     def run(self, steps: int) -> None:
         every = self.spec.trainer.checkpoint_every
@@ -317,6 +294,7 @@ class Trainer:
             t2 = time.monotonic()
             lags = [self.version - g.policy_version for g in groups]
             self.version += 1
+            self.step_done = step
             self.last_reward = stats["reward_mean"]
             # The whole weights to publish on rank 0; every rank joins (a collective under FSDP).
             model_state = full_model_state(self.model)
@@ -354,7 +332,7 @@ class Trainer:
                 self.save(step)  # before the version is published: a restart never finds it newer than the state
             self.publish(model_state)
             record.update(publish_seconds=time.monotonic() - t2, wall_seconds=time.monotonic() - self.started)
-            self.write_record(record)
+            self.records.append(record)
             log.info(
                 "step %d version %d reward %.3f staleness %.2f",
                 step,

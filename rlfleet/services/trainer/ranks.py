@@ -6,7 +6,8 @@ command started for the replica is the group's parent: it trains nothing, it sta
 same command line, each with the torchrun environment of its rank (`rank_env`):
   LOCAL_RANK = i (0..N-1: the GPU index in the pod, rlfleet/models/device.py), LOCAL_WORLD_SIZE = N,
   RANK = GROUP_RANK x N + i, WORLD_SIZE = replicas x N (given), MASTER_ADDR/MASTER_PORT (given),
-where GROUP_RANK is the replica's index (the pod's ordinal; the local launcher's replica number). A process
+where GROUP_RANK is the replica's index (the pod's ordinal; the local launcher's replica number); a lone
+replica started by hand without MASTER_ADDR rendezvouses on 127.0.0.1 and a free port. A process
 with ranks 1 (or a child, which has LOCAL_RANK set) is a rank itself; without RANK in its environment it
 takes GROUP_RANK x 1 + 0.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +66,12 @@ def become_rank(ranks: int) -> None:
         os.environ.update(rank_env(os.environ, int(os.environ.get(env.LOCAL_RANK, "0")), ranks))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _die_with_parent() -> None:
     # Linux only; elsewhere a child outlives a killed parent (the supervisor's group kill still ends it).
     try:
@@ -76,7 +84,10 @@ def run_group(ranks: int, argv: list[str] | None = None, poll_s: float = 0.2) ->
     """Start `ranks` children of `argv` (default: this command line), each with its rank's environment;
     return 0 when all exit 0, else the first failure's status after killing the others."""
     argv = argv or [sys.executable, "-m", "rlfleet.cli", *sys.argv[1:]]
-    envs = [{**os.environ, **rank_env(os.environ, i, ranks)} for i in range(ranks)]
+    base = dict(os.environ)
+    if env.MASTER_ADDR not in base and int(base.get(env.WORLD_SIZE, ranks)) == ranks:
+        base.update({env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(_free_port())})  # one replica, by hand
+    envs = [{**base, **rank_env(base, i, ranks)} for i in range(ranks)]
     procs = [subprocess.Popen(argv, env=e, preexec_fn=_die_with_parent) for e in envs]
 
     def forward(signum, frame) -> None:
