@@ -42,6 +42,9 @@ from __future__ import annotations
 
 import io
 import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +96,14 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+@contextmanager
+def _alone() -> Iterator[None]:
+    """DCP warns whenever it runs without a process group; a one-process trainer does so on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_checkpoint(store: CheckpointStore, run: str, step: int, lm, optimizer) -> str:
     """Write this rank's part of the weights and optimizer state of step `step`; return the checkpoint's key.
     Every rank calls it (a collective); all ranks' files are in the store when it returns."""
@@ -103,7 +114,8 @@ def save_checkpoint(store: CheckpointStore, run: str, step: int, lm, optimizer) 
         dist.barrier()
     model_state, optimizer_state = get_state_dict(lm, optimizer)  # this rank's shards, keyed by parameter name
     with tempfile.TemporaryDirectory(prefix="rlfleet-dcp-") as tmp:
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp, no_dist=_world() == 1)
+        with _alone():
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp, no_dist=_world() == 1)
         for path in sorted(Path(tmp).rglob("*")):
             if path.is_file():
                 store.put_file(f"{key}/{path.relative_to(tmp).as_posix()}", path)
@@ -124,7 +136,8 @@ def load_checkpoint(store: CheckpointStore, key: str, lm, optimizer) -> None:
             dest = Path(tmp) / name[len(key) + 1 :]
             dest.parent.mkdir(parents=True, exist_ok=True)
             store.download(name, dest)
-        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp, no_dist=_world() == 1)
+        with _alone():
+            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp, no_dist=_world() == 1)
     set_state_dict(lm, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
 
