@@ -119,3 +119,18 @@ def test_endpoints_are_the_http_ports_the_registry_names(tmp_path):
             "verifier/0": f"http://127.0.0.1:{by_name['verifier/0'].api_port}",
         },
     }
+
+
+def test_a_local_run_counts_every_trainer_rank_against_the_machine(tmp_path):
+    import pytest
+
+    from rlfleet.config import ConfigError
+    from rlfleet.local.plan import check_local_size
+
+    config = tmp_path / "rlrun.yaml"
+    text = (ROOT / "examples" / "arithmetic" / "rlrun.yaml").read_text()
+    config.write_text(text.replace("    maxAsyncLevel: 2\n", "    maxAsyncLevel: 2\n    ranksPerReplica: 64\n"))
+    processes = plan(load_bundle(config), config, tmp_path)
+    assert len(processes) < 64
+    with pytest.raises(ConfigError, match=r"start 69 processes .* or trainer.ranksPerReplica"):
+        check_local_size(processes, str(config))
