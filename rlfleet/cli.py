@@ -29,6 +29,13 @@ def _trainer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default=None, type=Path, help="where metrics.jsonl is written")
     p.add_argument("--steps", type=int, default=None, help="override spec.trainer.steps")
     p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="rank processes of this replica (spec.trainer.ranksPerReplica): with N > 1 this process starts N "
+        "ranks with the torchrun environment (rlfleet/services/trainer/ranks.py)",
+    )
+    p.add_argument(
         "--hold-when-done",
         action="store_true",
         help="after the last step wait for SIGTERM instead of exiting (what the operator's pods do)",

@@ -155,7 +155,13 @@ class TrainerSpec(Spec):
         default_factory=OffPolicySpec, description="Sampler/trainer mismatch correction (importance sampling)."
     )
     seed: int = Field(default=0, description="Trainer seed.")
-    replicas: int = Field(default=1, ge=1, le=4096, description="Data-parallel trainer processes.")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="Trainer replicas (pods in a cluster), each a group of `ranksPerReplica` rank processes; the "
+        "data-parallel world is replicas x ranksPerReplica ranks.",
+    )
     sharding: Literal["none", "fsdp"] = Field(
         default="none",
         description="How data-parallel replicas hold the model. `none`: every replica keeps the whole model, its "
@@ -163,7 +169,30 @@ class TrainerSpec(Spec):
         "fits one device). `fsdp`: PyTorch FSDP2 (`fully_shard`, one unit per decoder layer plus the "
         "root) shards parameters, gradients and optimizer state over the replicas, for models whose "
         "training state does not fit one device; the published checkpoint is still the whole model. Has "
-        "no effect with replicas: 1.",
+        "no effect with a world of one rank.",
+    )
+    gpus: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="GPUs per trainer replica (asked of the cluster); each GPU runs one rank process "
+        "(ranksPerReplica defaults to it).",
+    )
+    ranks_per_replica: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Rank processes per replica, one per GPU, torchrun-style (LOCAL_RANK, RANK = replica x "
+        "ranksPerReplica + LOCAL_RANK, WORLD_SIZE = replicas x ranksPerReplica). Default: gpus, or 1 without "
+        "GPUs. Set it without GPUs to run several CPU ranks (gloo) per replica; with gpus > 0 it must equal gpus.",
+    )
+    checkpoint_every: int = Field(
+        default=1,
+        ge=1,
+        le=1_000_000,
+        description="Steps between saves of the resume state (weights and optimizer sharded with "
+        "torch.distributed.checkpoint); a policy version is still published every step. A restart retrains the "
+        "groups of the steps after the last save from the weights saved before them (services/trainer/state.py).",
     )
     lora: LoraSpec | None = Field(
         default=None,
@@ -171,16 +200,34 @@ class TrainerSpec(Spec):
         "frozen; each policy version is the adapter alone (a few MiB, shipped whole), which workers and the verifier "
         "merge into the base they hold, refusing an adapter made over another base.",
     )
-    gpus: int = Field(default=0, ge=0, le=64, description="GPUs per trainer replica (cluster only).")
     gpu_resource: str = gpu_resource()
     resources: ResourcesSpec = resources("1", "4Gi")
     pod_template: dict[str, Any] | None = pod_template()
 
     @model_validator(mode="after")
     def _lora_unsharded(self) -> TrainerSpec:
-        if self.lora is not None and self.sharding == "fsdp" and self.replicas > 1:
+        if self.lora is not None and self.sharding == "fsdp" and self.world > 1:
             raise ValueError(
                 "trainer.lora: adapters are trained with sharding: none (the frozen base is replicated, the adapter is "
                 "small); set trainer.sharding: none or remove trainer.lora"
             )
         return self
+
+    @model_validator(mode="after")
+    def _ranks_match_gpus(self) -> TrainerSpec:
+        if self.gpus and self.ranks_per_replica is not None and self.ranks_per_replica != self.gpus:
+            raise ValueError(
+                f"ranksPerReplica: {self.ranks_per_replica} ranks on {self.gpus} GPUs; each rank computes on one GPU "
+                f"of its pod, so set ranksPerReplica to gpus ({self.gpus}) or leave it out"
+            )
+        return self
+
+    @property
+    def ranks(self) -> int:
+        """Rank processes per replica (ranksPerReplica, else one per GPU, else 1)."""
+        return self.ranks_per_replica or max(self.gpus, 1)
+
+    @property
+    def world(self) -> int:
+        """Ranks of the data-parallel world: replicas x ranks per replica."""
+        return self.replicas * self.ranks

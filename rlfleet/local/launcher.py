@@ -3,8 +3,8 @@
 It builds the builtin model if needed (so components never race to build it), then starts an
 embedded redis-server (append-only file, rlfleet/local/redis_server.py), the Shardcast origin, each
 RelayTier's relays (the tree of rlfleet/wire/topology.py), the verifier replicas, each InferencePool's
-workers and the trainer (one process per rank when trainer.replicas > 1, with the torchrun-style
-environment of the trainer pods), with the same `rlfleet <component>` entrypoints the containers use.
+workers and the trainer (one process per replica, each starting its ranksPerReplica ranks, with the
+torchrun-style environment of the trainer pods), with the same `rlfleet <component>` entrypoints the containers use.
 The processes are planned as typed records (rlfleet/local/plan.py), handed to the supervisor as
 command lines only when they start; a `LocalRun` holds one launch's state.
 Components run under a restart policy with back-off, as pods would (rlfleet/local/supervisor.py): a

@@ -7,7 +7,7 @@ derives from a process (its Redis URLs, its endpoint, its name and log) reads th
 `rlfleet <component>` command line is built from them only when the process is handed to the
 supervisor (`Process.argv`), and nothing parses it back.
 Names are built by `Process.name`: the component's, then `/instance` when there is one ("relay/t0-0",
-"trainer/2"); the log is `logs/<component>[-instance].log`.
+"trainer/2": a trainer replica, whose --ranks processes share its log); the log is `logs/<component>[-instance].log`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Process:
     config: Path
     log_dir: Path
     instance: str = ""
-    rank: int = 0  # a trainer's rank (rank 0 reads the streams and publishes)
+    rank: int = 0  # a trainer replica's first rank (rank 0 reads the streams and publishes)
     env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
     # The component's options (None / empty: not given).
     port: int | None = field(default=None, metadata=_flag("--port"))
@@ -57,6 +57,7 @@ class Process:
     keep_versions: int | None = field(default=None, metadata=_flag("--keep-versions"))
     output_dir: Path | None = field(default=None, metadata=_flag("--output-dir"))
     steps: int | None = field(default=None, metadata=_flag("--steps"))
+    ranks: int | None = field(default=None, metadata=_flag("--ranks"))  # a trainer replica's rank processes
 
     @property
     def kind(self) -> str:
@@ -154,24 +155,26 @@ def plan(bundle: Bundle, config: Path, run_dir: Path, steps: int | None = None) 
             out.append(
                 process(ROLLOUT, worker, worker_id=worker, pool=pool, relay_urls=relay_urls, cache_dir=cache / worker)
             )
-    # trainer.replicas > 1: one process per rank with the torchrun-style environment the operator
-    # gives trainer pods; rank 0 (no instance, named like the component; last in the list) reads the streams
-    # and publishes.
-    replicas = spec.trainer.replicas
+    # One process per trainer replica, each a group of `ranks` rank processes (--ranks N: it starts them,
+    # rlfleet/services/trainer/ranks.py), with the torchrun-style environment the operator gives trainer pods:
+    # GROUP_RANK is the replica, RANK = GROUP_RANK x ranks + LOCAL_RANK. Replica 0 (no instance, named like the
+    # component; last in the list) holds rank 0, which reads the streams and publishes.
+    t = spec.trainer
     master = (
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(replicas)}
-        if replicas > 1
+        {env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(free_port()), env.WORLD_SIZE: str(t.world)}
+        if t.world > 1
         else {}
     )
-    for rank in range(replicas - 1, -1, -1):
+    for replica in range(t.replicas - 1, -1, -1):
         out.append(
             process(
                 TRAINER,
-                str(rank) if rank else "",
-                rank=rank,
-                env={**master, "RANK": str(rank)} if replicas > 1 else {},
+                str(replica) if replica else "",
+                rank=replica * t.ranks,
+                env={**master, env.GROUP_RANK: str(replica)} if t.world > 1 else {},
                 output_dir=run_dir,
                 steps=steps,
+                ranks=t.ranks if t.ranks > 1 else None,
             )
         )
     return out
@@ -200,11 +203,12 @@ def endpoints(redis_url: str, processes: list[Process]) -> dict:
 def check_local_size(processes: list[Process], source: str) -> None:
     """Refuse a run this machine should not start: too many processes, or no worker to feed the trainer."""
     problems = []
-    if len(processes) > MAX_LOCAL_PROCESSES:
+    count = sum(p.ranks or 1 for p in processes)  # a trainer replica is its ranks
+    if count > MAX_LOCAL_PROCESSES:
         problems.append(
-            f"replicas: the run would start {len(processes)} processes on this machine (at most "
-            f"{MAX_LOCAL_PROCESSES}); lower the InferencePool/RelayTier/verifier/trainer replicas, or run it on "
-            "a cluster"
+            f"replicas: the run would start {count} processes on this machine (at most "
+            f"{MAX_LOCAL_PROCESSES}); lower the InferencePool/RelayTier/verifier/trainer replicas or "
+            "trainer.ranksPerReplica, or run it on a cluster"
         )
     if not any(p.kind == ROLLOUT for p in processes):
         problems.append(

@@ -13,7 +13,11 @@ the numbers are RestartPolicy's):
     mistake, it comes from outside (the OOM killer, a user, a chaos test), and what killed it says
     nothing about the run's config or code; kubelet, too, never gives up on a pod.
 Every component runs in its own session (its own process group), so a signal to the launcher's
-terminal never reaches it directly and `stop_all` can end each one with its children.
+terminal never reaches it directly and `stop_all` can end each one with its children. A component
+that exits takes its process group with it (SIGKILL to what is left, as the kubelet ends a
+container's processes): a trainer replica is a group of rank processes under one parent
+(rlfleet/services/trainer/ranks.py) that is restarted whole, since a torch.distributed group cannot
+lose one member and go on.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class Supervisor:
                     comp.failures = 0  # stayed up: the next exit starts the back-off over
                 continue
             if comp.restart_at is None:
+                _signal_group(comp.proc, signal.SIGKILL)  # what it started dies with it (a trainer's ranks)
                 comp.failures = comp.failures + 1 if now - comp.started_at < policy.stable_s else 1
                 if comp.failures >= policy.crash_loop and code != -signal.SIGKILL:
                     return comp

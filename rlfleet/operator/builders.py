@@ -35,6 +35,7 @@ from rlfleet.operator.pods import (
 from rlfleet.operator.pools import build_pool_children, build_pool_config_map, build_rollout_workload
 from rlfleet.operator.relays import build_relay_children, resolve_pool_relays, resolve_upstream
 from rlfleet.operator.resources import MissingDependency, SpecError, check_cluster_run, parse_as, parse_resource
+from rlfleet.wire import env
 
 __all__ = [
     "ClusterDefaults",
@@ -97,26 +98,34 @@ def build_trainer_service(run: RLRun, namespace: str, owner: Owner | None = None
 def build_trainer_statefulset(
     run: RLRun, namespace: str, owner: Owner | None = None, defaults: ClusterDefaults = DEFAULTS, active: bool = True
 ) -> dict:
-    """GRPO trainer; with trainer.replicas > 1 each pod gets torchrun-style MASTER_ADDR/WORLD_SIZE/RANK.
+    """GRPO trainer: one pod per replica, each running `rlfleet trainer --ranks N` (N = ranksPerReplica, one rank
+    process per GPU, services/trainer/ranks.py). With a world (replicas x N) over 1 each pod gets the torchrun-style
+    MASTER_ADDR/MASTER_PORT/WORLD_SIZE and GROUP_RANK = its ordinal, from which each rank takes
+    RANK = GROUP_RANK x N + LOCAL_RANK; with N > 1 a memory-backed /dev/shm (`shm_volume`), which the ranks of
+    one pod share (NCCL's intra-node transport; the container runtime's default is 64 MiB).
     `--hold-when-done`: after the last step the trainer waits to be scaled down instead of exiting (a
     StatefulSet would restart it)."""
     r, t = run.metadata.name, run.spec.trainer
     dist: list[dict] = []
-    if t.replicas > 1:
+    if t.world > 1:
         dist = [
-            {"name": "MASTER_ADDR", "value": names.trainer_master_addr(r, namespace)},
-            {"name": "MASTER_PORT", "value": str(names.TORCH_MASTER_PORT)},
-            {"name": "WORLD_SIZE", "value": str(t.replicas)},
+            {"name": env.MASTER_ADDR, "value": names.trainer_master_addr(r, namespace)},
+            {"name": env.MASTER_PORT, "value": str(names.TORCH_MASTER_PORT)},
+            {"name": env.WORLD_SIZE, "value": str(t.world)},
             {
-                "name": "RANK",
+                "name": env.GROUP_RANK,
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
             },
         ]
     signing = run.spec.shardcast.signing_key_secret
+    mounts = [{"name": "signing", "mountPath": names.SIGNING_DIR, "readOnly": True}] if signing else []
+    if t.ranks > 1:
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     main = build_container(
         run,
         names.TRAINER,
-        ["--output-dir", f"{names.CACHE_DIR}/trainer", "--hold-when-done"],
+        ["--output-dir", f"{names.CACHE_DIR}/trainer", "--hold-when-done"]
+        + (["--ranks", str(t.ranks)] if t.ranks > 1 else []),
         defaults.image_for(run, t.gpus),
         defaults,
         t.resources,
@@ -124,11 +133,13 @@ def build_trainer_statefulset(
         gpu_resource=t.gpu_resource,
         store_access=True,
         extra_env=dist,
-        mounts=[{"name": "signing", "mountPath": names.SIGNING_DIR, "readOnly": True}] if signing else None,
+        mounts=mounts or None,
     )
-    if t.replicas > 1:
+    if t.world > 1:
         main["ports"].insert(0, {"name": "torch", "containerPort": names.TORCH_MASTER_PORT})
-    volumes = [secret_volume("signing", signing, [names.SIGNING_KEY])] if signing else None
+    volumes = [secret_volume("signing", signing, [names.SIGNING_KEY])] if signing else []
+    if t.ranks > 1:
+        volumes.append(shm_volume(t.ranks))
     labels = names.labels("RLRun", r, names.TRAINER, r)
     return statefulset(
         names.trainer(r),
@@ -136,10 +147,16 @@ def build_trainer_statefulset(
         labels,
         names.selector("RLRun", r, names.TRAINER, r),
         scale(run, t.replicas, active),
-        _run_pod(run, names.TRAINER, main, defaults, t.pod_template, volumes),
+        _run_pod(run, names.TRAINER, main, defaults, t.pod_template, volumes or None),
         owner,
         names.trainer(r),
     )
+
+
+def shm_volume(ranks: int) -> dict:
+    """/dev/shm for a pod of `ranks` rank processes: memory-backed (it counts against the pod's memory), 1 GiB a
+    rank, enough for NCCL's per-peer buffers and torch's shared-memory tensors."""
+    return {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{ranks}Gi"}}
 
 
 def _server_deployment(

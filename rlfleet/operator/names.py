@@ -43,7 +43,7 @@ KINDS = {k.kind: k for k in (RLRUN, INFERENCE_POOL, RELAY_TIER)}
 # Ports inside pods.
 SHARDCAST_PORT = 8080  # origin and relay HTTP
 METRICS_PORT = 9090  # Prometheus /metrics of every component
-TORCH_MASTER_PORT = 29500  # trainer rendezvous when trainer.replicas > 1
+TORCH_MASTER_PORT = 29500  # trainer rendezvous when the world (replicas x ranks) is over 1
 
 # Paths inside pods.
 CONFIG_DIR = "/etc/rlfleet"

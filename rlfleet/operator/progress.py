@@ -25,8 +25,10 @@ def read_progress(url: str, run_name: str) -> dict:
         out: dict = {"step": 0}
         version = latest_announced_version(client, keys)
         if version is not None:
-            out.update(step=version, policyVersion=version)
             newest = decode_json(client.xrevrange(keys.policy, count=1)[0][1])
+            # The step, not the version, says when the run is done: a resume may publish versions ahead of it.
+            step = newest.get("step", version)
+            out.update(step=step if isinstance(step, int) else version, policyVersion=version)
             if isinstance(newest.get("reward"), (int, float)):
                 out["reward"] = float(newest["reward"])
         stats = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}

@@ -25,7 +25,14 @@ LOG_LEVEL = "RLFLEET_LOG_LEVEL"
 CACHE = "RLFLEET_CACHE"  # builtin model cache (default ~/.cache/rlfleet)
 VLLM_KV_CACHE_BYTES = "RLFLEET_VLLM_KV_CACHE_BYTES"  # vLLM's KV cache on CPU
 DEVICE = "RLFLEET_DEVICE"  # cpu, cuda, cuda:N or auto (unset): where the process computes (rlfleet/models/device.py)
-LOCAL_RANK = "LOCAL_RANK"  # torchrun's: a trainer rank's GPU index in its pod (default 0)
+# torchrun's names, set on trainer ranks (rlfleet/services/trainer/ranks.py starts a replica's ranks).
+LOCAL_RANK = "LOCAL_RANK"  # a trainer rank's index in its replica = its GPU index in its pod (default 0)
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"  # ranks per replica
+GROUP_RANK = "GROUP_RANK"  # the replica's index (a trainer pod's ordinal); RANK = GROUP_RANK x ranks + LOCAL_RANK
+RANK = "RANK"  # the rank in the whole world (default 0)
+WORLD_SIZE = "WORLD_SIZE"  # replicas x ranks per replica (default 1)
+MASTER_ADDR = "MASTER_ADDR"  # where rank 0 listens for the process group's rendezvous
+MASTER_PORT = "MASTER_PORT"
 # Engine liveness on /healthz (rlfleet/wire/health.py): a rollout worker's engine, the verifier's prefill model.
 HEALTH_DEADLINE_S = "RLFLEET_HEALTH_DEADLINE_S"  # a forward step (busy) or an idle probe must complete within it
 HEALTH_PROBE_INTERVAL_S = "RLFLEET_HEALTH_PROBE_INTERVAL_S"  # idle: a tiny forward once this long without one

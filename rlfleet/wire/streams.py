@@ -4,7 +4,8 @@ Streams (keys built only by `RunKeys`):
   rollouts  inbox: one message per group from the workers (untrusted)
   verified  groups the verifier accepted, with trusted rewards (consumed by the trainer)
   rejected  groups refused, with the reason (audit)
-  policy    one message per published policy version
+  policy    one message per published policy version: {version, time, step (the trainer step whose weights
+            it is; it lags the version after a resume that republished, services/trainer/state.py), reward}
   deadletter inbox entries whose handling failed verifier.maxAttempts times (kept for an operator)
 A message is one Redis field `m` holding compact JSON; token ids, logprobs and proofs travel as
 base64 of little-endian int32 / float32 / raw bytes. `SCHEMA_VERSION` changes with any

@@ -111,7 +111,7 @@ _POLICY = ("model", "task", "lengthPenalty", "sampling")
 _TRAINER = _fields(
     "trainer: steps batchSize learningRate weightDecay epsLow epsHigh delta maxGradNorm epochs maxAsyncLevel"
     " normalization entropyCoef klCoef warmupSteps lrSchedule skipZeroAdvantageGroups seed sharding lora"
-    " microBatchTokens logprobChunk activationCheckpointing masterWeights offPolicy"
+    " microBatchTokens logprobChunk activationCheckpointing masterWeights offPolicy checkpointEvery"
 )
 # spec.trainer as the others read it: a worker sizes the queue it keeps for the trainer by batchSize and
 # starts its engine from the builtin build of seed; everyone bounds staleness by maxAsyncLevel.

@@ -22,10 +22,23 @@ def test_trainer_replicas_are_ranks_with_the_torchrun_environment_of_the_trainer
     comps = plan(load_bundle(config), config, tmp_path)
     trainers = [c for c in comps if c.kind == TRAINER]
     assert [c.name for c in trainers] == ["trainer/2", "trainer/1", "trainer"], "rank 0 last: the launcher waits on it"
-    assert [c.env["RANK"] for c in trainers] == ["2", "1", "0"]
+    assert [c.env["GROUP_RANK"] for c in trainers] == ["2", "1", "0"]
     assert {c.env["WORLD_SIZE"] for c in trainers} == {"3"}
     assert len({(c.env["MASTER_ADDR"], c.env["MASTER_PORT"]) for c in trainers}) == 1, "one rendezvous"
     assert len({c.log for c in trainers}) == 3
+    assert all("--ranks" not in c.argv for c in trainers), "a replica of one rank is the rank"
+
+
+def test_a_trainer_replica_of_several_ranks_is_one_process_that_starts_them(tmp_path):
+    config = tmp_path / "rlrun.yaml"
+    text = (ROOT / "examples" / "arithmetic" / "rlrun.yaml").read_text()
+    config.write_text(
+        text.replace("    maxAsyncLevel: 2\n", "    maxAsyncLevel: 2\n    replicas: 2\n    ranksPerReplica: 2\n")
+    )
+    trainers = [c for c in plan(load_bundle(config), config, tmp_path) if c.kind == TRAINER]
+    assert [(c.name, c.rank, c.env["GROUP_RANK"]) for c in trainers] == [("trainer/1", 2, "1"), ("trainer", 0, "0")]
+    assert {c.env["WORLD_SIZE"] for c in trainers} == {"4"}, "2 replicas x 2 ranks"
+    assert all(c.argv[c.argv.index("--ranks") + 1] == "2" for c in trainers)
 
 
 def test_one_trainer_replica_gets_no_distributed_environment(tmp_path):
@@ -106,3 +119,18 @@ def test_endpoints_are_the_http_ports_the_registry_names(tmp_path):
             "verifier/0": f"http://127.0.0.1:{by_name['verifier/0'].api_port}",
         },
     }
+
+
+def test_a_local_run_counts_every_trainer_rank_against_the_machine(tmp_path):
+    import pytest
+
+    from rlfleet.config import ConfigError
+    from rlfleet.local.plan import check_local_size
+
+    config = tmp_path / "rlrun.yaml"
+    text = (ROOT / "examples" / "arithmetic" / "rlrun.yaml").read_text()
+    config.write_text(text.replace("    maxAsyncLevel: 2\n", "    maxAsyncLevel: 2\n    ranksPerReplica: 64\n"))
+    processes = plan(load_bundle(config), config, tmp_path)
+    assert len(processes) < 64
+    with pytest.raises(ConfigError, match=r"start 69 processes .* or trainer.ranksPerReplica"):
+        check_local_size(processes, str(config))

@@ -109,3 +109,30 @@ def test_stop_all_kills_what_ignores_sigterm_when_forced_and_its_children_with_i
     while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":
         assert time.monotonic() < deadline, "the component's child outlived it"
         time.sleep(0.02)
+
+
+def test_a_component_that_dies_takes_what_it_started_with_it(tmp_path: Path):
+    """A trainer replica is a parent and its rank processes: when the parent dies (kill -9 included), the ranks
+    it left must not hold the rendezvous port against the restarted replica."""
+    child_pid = tmp_path / "child.pid"
+    code = (
+        "import subprocess,sys,time,pathlib,os;"
+        f"c=subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']);"
+        f"pathlib.Path({str(child_pid)!r}).write_text(str(c.pid));time.sleep(60)"
+    )
+    comp = Component("trainer", python(code), tmp_path / "t.log")
+    sup = Supervisor([comp], dict(os.environ), FAST, say=lambda _: None)
+    sup.start(comp)
+    deadline = time.monotonic() + 20
+    while not child_pid.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pid = int(child_pid.read_text())
+    comp.proc.kill()
+    comp.proc.wait()
+    poll_until(sup, lambda _: comp.restart_at is not None)
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z":
+        assert time.monotonic() < deadline, "the component's child outlived it"
+        time.sleep(0.02)
+    sup.stop_all()

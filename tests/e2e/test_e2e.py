@@ -128,6 +128,40 @@ def test_killed_components_and_redis_are_restarted_and_the_run_finishes(tmp_path
     assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    items = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(item.split("=", 1) for item in items if "=" in item)
+
+
+@pytest.mark.slow
+def test_a_trainer_replica_of_two_ranks_restarts_whole_when_one_rank_is_killed(tmp_path):
+    """`ranksPerReplica: 2` on the CPU: the replica is one process starting 2 gloo ranks. Killing one rank kills
+    the replica (a process group cannot lose a member); the launcher restarts it, it resumes from the state saved
+    every 3 steps, and the run ends with every step recorded once and no rollout trained twice."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "rlrun.yaml"
+    text = EXAMPLE.read_text()
+    config.write_text(
+        text.replace("    maxAsyncLevel: 2\n", "    maxAsyncLevel: 2\n    ranksPerReplica: 2\n    checkpointEvery: 3\n")
+    )
+    argv = [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
+    proc = subprocess.Popen([*argv, "--steps", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(run_dir, proc, 4, seconds=900)
+    ranks = {int(environ_of(pid).get("LOCAL_RANK", -1)): pid for pid in component_pids(run_dir, "--ranks", "2")}
+    assert set(ranks) == {-1, 0, 1}, "the replica's process and its 2 ranks"
+    os.kill(ranks[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    assert "trainer exited with code 137; restarting" in out, out
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "local rank 1 exited with -9" in log and "resumed after step" in log
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9)), "every step recorded once"
+    ids = trained_ids(run_dir)
+    assert len(ids) == len(set(ids)) == 8 * 16, "no rollout trained twice"
+    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+
+
 CRASHING_POOL = pool("outside", "arithmetic", replicas=1, ingestUrl="http://127.0.0.1:9/")
 
 

@@ -125,8 +125,42 @@ def test_trainer_gpus_and_distributed_env():
     assert multi["spec"]["replicas"] == 4
     assert _container(multi)["resources"]["limits"]["nvidia.com/gpu"] == 8
     env = _env(multi)
-    assert env["WORLD_SIZE"] == "4" and env["MASTER_ADDR"] == f"arithmetic-trainer-0.arithmetic-trainer.{NS}.svc"
-    assert "pod-index" in env["RANK"]["fieldRef"]["fieldPath"]
+    assert env["WORLD_SIZE"] == "32", "4 replicas x 8 ranks, one a GPU"
+    assert env["MASTER_ADDR"] == f"arithmetic-trainer-0.arithmetic-trainer.{NS}.svc"
+    assert "pod-index" in env["GROUP_RANK"]["fieldRef"]["fieldPath"], "each rank's RANK = ordinal x 8 + LOCAL_RANK"
+    assert _container(multi)["args"][-2:] == ["--ranks", "8"], "one container starts the pod's 8 rank processes"
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_a_trainer_pod_of_several_ranks_gets_shared_memory_and_its_rank_environment(version):
+    """ranksPerReplica without GPUs (CPU ranks over gloo): one pod, one container, 2 rank processes."""
+    sts = b.build_trainer_statefulset(_bundle(trainer={"ranksPerReplica": 2}).run, NS)
+    kubernetes_validate.validate(sts, version, strict=True)
+    assert sts["spec"]["replicas"] == 1
+    container, pod = _container(sts), sts["spec"]["template"]["spec"]
+    assert container["command"] == ["rlfleet", "trainer"] and container["args"][-2:] == ["--ranks", "2"]
+    env = _env(sts)
+    assert env["WORLD_SIZE"] == "2" and env["MASTER_PORT"] == str(names.TORCH_MASTER_PORT)
+    assert "pod-index" in env["GROUP_RANK"]["fieldRef"]["fieldPath"] and "RANK" not in env
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert "limits" not in container["resources"], "no GPU asked for"
+    one = b.build_trainer_statefulset(_bundle().run, NS)
+    assert "--ranks" not in _container(one)["args"] and all(v["name"] != "shm" for v in _pod_volumes(one))
+
+
+def _pod_volumes(obj) -> list[dict]:
+    return obj["spec"]["template"]["spec"].get("volumes", [])
+
+
+def test_ranks_per_replica_must_match_the_gpus_it_runs_on():
+    from rlfleet.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ranksPerReplica: 4 ranks on 8 GPUs"):
+        _bundle(trainer={"gpus": 8, "ranksPerReplica": 4})
+    assert _bundle(trainer={"gpus": 8, "ranksPerReplica": 8}).run.spec.trainer.world == 8
+    assert _bundle(trainer={"replicas": 3, "ranksPerReplica": 2}).run.spec.trainer.world == 6
 
 
 def test_pool_replicas_engine_and_gpus():

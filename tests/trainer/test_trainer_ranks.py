@@ -4,16 +4,24 @@ instead of exiting into a restart."""
 
 from __future__ import annotations
 
+import collections
 import signal
 import time
 
+import psutil
+import pytest
+import redis as redis_lib
 import requests
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.local.redis_server import free_port
-from rlfleet.wire.streams import RunKeys
+from rlfleet.models.policy import load_policy
+from rlfleet.versions.store import open_store
+from rlfleet.wire.streams import RunKeys, group_digest
 from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
 from tests.trainer.test_trainer import group
+from tests.trainer.test_trainer_resume import final_weights
 
 TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 1, replicas: 2}"
 
@@ -66,3 +74,94 @@ def test_only_rank_zero_reports_and_every_rank_holds_after_the_last_step(tmp_pat
             proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(60) for proc in ranks]
     assert codes == [0, 0]
+
+
+def dist_env(world: int) -> dict[str, str]:
+    return {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+
+
+def run_trainer(config, redis_url, out, *extra: str, world: int = 1) -> str:
+    """`rlfleet trainer` to its end; its log."""
+    proc = start_trainer(config, redis_url, out, *extra, env=dist_env(world) if world > 1 else {})
+    log = out / "trainer.log"
+    assert proc.wait(300) == 0, log.read_text()
+    return log.read_text()
+
+
+def test_two_ranks_of_one_replica_train_the_update_of_one_rank(tmp_path, redis_url, redis_client):
+    """`--ranks 2` (ranksPerReplica: 2, no GPU: gloo): one command starts both ranks, which split the batch and
+    save the resume state each its share (DCP); it holds the weights one rank gets from the same batch."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    trainer = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 1, ranksPerReplica: 2}"
+    runs = {}
+    for ranks, db in ((2, 0), (1, 1)):
+        out = tmp_path / f"ranks{ranks}"
+        out.mkdir()
+        config = out / "rlrun.yaml"
+        config.write_text(trainer_run_config(policy, out / "store", trainer))
+        url = redis_url.rsplit("/", 1)[0] + f"/{db}"
+        client = redis_lib.Redis.from_url(url)
+        for rid in ("a", "b"):
+            client.xadd(RunKeys("tr").verified, group(rid, [1.0, 0.0]).encode())
+        log = run_trainer(config, url, out, "--ranks", str(ranks), world=ranks)
+        assert ("rank 1 of 2" in log) == (ranks == 2), log
+        runs[ranks] = final_weights(config.read_text())
+        assert client.xlen(RunKeys("tr").verified) == 0
+    initial = load_policy(policy)[0].state_dict()
+    assert any(not torch.equal(runs[1][k], v) for k, v in initial.items()), "the step moved the weights"
+    for name, value in runs[1].items():
+        torch.testing.assert_close(runs[2][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["fsdp", "none"])
+def test_the_resume_state_of_two_ranks_resumes_on_one_and_back(tmp_path, redis_url, redis_client, sharding):
+    """Saved by 2 ranks (FSDP shards, or replicated tensors each written by one rank), resumed by 1 process, saved
+    again and resumed by 2: every group trained once, and the weights those of one process that never stopped."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    trainer = f"{{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 6, sharding: {sharding}}}"
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(trainer_run_config(policy, tmp_path / "store", trainer))
+    keys, ids = RunKeys("tr"), [f"g{i}" for i in range(12)]
+    for rid in ids:
+        redis_client.xadd(keys.verified, group(rid, [1.0, 0.0]).encode())
+    for steps, ranks in ((2, 2), (4, 1), (6, 2)):
+        log = run_trainer(config, redis_url, tmp_path, "--steps", str(steps), "--ranks", str(ranks), world=ranks)
+    assert "resumed after step 2 " in log and "resumed after step 4 " in log
+    saved = {k.rsplit("/", 1)[1] for k in open_store(f"file://{tmp_path}/store").list("tr/trainer/checkpoints/")}
+    assert saved == {".metadata", "__0_0.distcp", "__1_0.distcp"}, "each of the 2 ranks wrote its share, one step's"
+    trained = {d.decode(): int(v) for d, v in redis_client.zrange(keys.trained, 0, -1, withscores=True)}
+    assert sorted(trained) == sorted(group_digest(group(rid, [1.0, 0.0])) for rid in ids)
+    assert collections.Counter(trained.values()) == {v: 2 for v in range(1, 7)}, "each step trained its batch once"
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "rlrun.yaml").write_text(trainer_run_config(policy, reference / "store", trainer))
+    url = redis_url.rsplit("/", 1)[0] + "/1"
+    client = redis_lib.Redis.from_url(url)
+    for rid in ids:
+        client.xadd(keys.verified, group(rid, [1.0, 0.0]).encode())
+    run_trainer(reference / "rlrun.yaml", url, reference)
+    expected, got = final_weights((reference / "rlrun.yaml").read_text()), final_weights(config.read_text())
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_replica_s_ranks_die_together(tmp_path, redis_url):
+    """A process group cannot lose a member: when one rank of a `--ranks 2` replica is killed, the parent kills
+    the other and exits with the killed rank's status, so the supervisor or the kubelet restarts them together."""
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(trainer_run_config(tiny_policy_dir(tmp_path / "policy", seed=0), tmp_path / "store", TRAINER))
+    parent = start_trainer(config, redis_url, tmp_path, "--ranks", "2", env=dist_env(2))
+    deadline = time.monotonic() + 240
+    while (log := (tmp_path / "trainer.log").read_text()).count("rank ") < 2 or "rank 1 of 2" not in log:
+        assert parent.poll() is None, log
+        assert time.monotonic() < deadline, log
+        time.sleep(0.2)
+    ranks = psutil.Process(parent.pid).children()
+    assert len(ranks) == 2
+    local = {int(p.environ()["LOCAL_RANK"]): p for p in ranks}
+    local[1].kill()
+    assert parent.wait(60) == 128 + signal.SIGKILL
+    local[0].wait(30)
+    assert not local[0].is_running(), "the other rank did not outlive its group"

@@ -9,19 +9,22 @@ One step:
   2. group-normalized advantages, GRPO loss with two-sided clipping (loss.py), grad-norm clip, AdamW;
   3. publish version v+1 to the store (manifest last; whole or as a delta against v, rlfleet/versions/publish.py),
      announce it on the `policy` stream;
-  4. save the resume state, then record the digests as trained and XACK their messages, so a
-     crash before the state is saved redelivers them and a crash after it never trains them twice
-     (state.py has the whole protocol).
+  4. every `checkpointEvery` steps (and at the last step, or when stopped) save the resume state,
+     sharded (state.py), then record the digests of the steps since the previous save as trained and
+     XACK their messages; until then they stay pending, so a crash redelivers them and they are trained
+     again from the weights saved before them, never on top of their own update (state.py has the
+     whole protocol).
+A replica of several ranks is started by ranks.py (`--ranks`); every rank runs this loop, rank 0 alone
+reads the streams, publishes and commits.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
@@ -30,22 +33,24 @@ import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.services.trainer.lora import attach
-from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, export_step, withdraw
+from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, withdraw
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
-from rlfleet.services.trainer.sharding import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_state,
-    publishable_weights,
-    shard_policy,
+from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
+from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
+from rlfleet.services.trainer.state import (
+    Commit,
+    load_checkpoint,
+    load_state,
+    resume_version,
+    save_checkpoint,
+    save_state,
 )
-from rlfleet.services.trainer.state import load_state, save_state
 from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
 from rlfleet.versions.checkpoint import prune_versions, save_model_dir
 from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
-from rlfleet.wire import components
+from rlfleet.wire import components, env
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest, stream_reply
 
@@ -76,7 +81,7 @@ class Trainer:
         self.rank, self.world = init_distributed()  # only rank 0 reads streams, publishes and commits
         if self.rank != 0:
             withdraw()  # its series would read 0 and halve every average over the trainer pods
-        self.metrics_file = output_dir / "metrics.jsonl" if output_dir else None
+        self.records = MetricsLog(output_dir / "metrics.jsonl" if output_dir else None)
         from rlfleet.models.builtin import resolve_model_path
 
         base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
@@ -106,6 +111,10 @@ class Trainer:
             reference = load_policy(base, self.spec.model.dtype)[0].to(self.device)
             self.reference = shard_policy(reference, self.world) if self.sharded else reference
         self.version = 0
+        self.saved_step = 0  # the step of the last saved state
+        self.step_done = 0  # the step whose weights the model holds (announced with each version)
+        self.pending = Commit()  # what the steps since then trained (rank 0), committed at the next save
+        self.last_record: dict | None = None
         self.started = time.monotonic()
         self.dropped_ids: dict[str, list[str]] = {}
         self.read_rewards: list[float] = []  # every sample's reward in the groups a step read, dropped ones too
@@ -138,7 +147,7 @@ class Trainer:
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)
-        announcement = {"version": self.version, "time": time.time()}
+        announcement = {"version": self.version, "time": time.time(), "step": self.step_done}
         if self.last_reward is not None:  # shown by the operator's status and printer columns
             announcement["reward"] = self.last_reward
         # redis-py asks for Dict[FieldT, EncodableT], invariant: no narrower dict passes (Mapping would).
@@ -156,7 +165,7 @@ class Trainer:
         self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
         self.read_rewards = []
         while len(batch) < want and not self.ctx.stop.is_set():
-            self.set_demand(oldest, want - len(batch), len(ack))
+            self.set_demand(oldest, want - len(batch), len(ack) + len(self.pending.message_ids))
             # After a restart, first the messages this consumer read but never acknowledged, walked
             # once by id (reading pending entries from "0" again would return the same ones forever).
             start = self._pending_cursor or ">"
@@ -179,7 +188,11 @@ class Trainer:
                         continue
                     self.read_rewards += [s.reward for s in group.samples]
                     digest = group_digest(group)
-                    if r.zscore(keys.trained, digest) is not None or any(group_digest(g) == digest for g in batch):
+                    if (
+                        r.zscore(keys.trained, digest) is not None
+                        or digest in self.pending.digests
+                        or any(group_digest(g) == digest for g in batch)
+                    ):
                         drops["duplicate"] += 1
                         self.dropped_ids["duplicate"].append(group.rollout_id)
                     elif group.policy_version < oldest:
@@ -224,74 +237,88 @@ class Trainer:
         self.scheduler.step()
         return stats
 
-    def commit(self, digests: list[str], ack: list, version: int) -> None:
-        """Record the step's groups (content digests) as trained and acknowledge its messages (idempotent)."""
+    def commit(self, commit: Commit) -> None:
+        """Record `commit`'s groups (content digests) as trained and acknowledge its messages (idempotent)."""
         keys, r = self.ctx.keys, self.ctx.client
         with r.pipeline(transaction=True) as pipe:
-            if digests:
-                pipe.zadd(keys.trained, {d: version for d in digests})
+            if commit.digests:
+                pipe.zadd(keys.trained, commit.digests)
                 pipe.zremrangebyrank(keys.trained, 0, -TRAINED_DIGESTS_KEPT - 1)
-            if ack:
-                pipe.xack(keys.verified, keys.trainer_group, *ack)
-                pipe.xdel(keys.verified, *ack)
+            if commit.message_ids:
+                pipe.xack(keys.verified, keys.trainer_group, *commit.message_ids)
+                pipe.xdel(keys.verified, *commit.message_ids)
             pipe.execute()
+
+    def save(self, step: int) -> None:
+        """Save the resume state of `step` (every rank), then commit what the steps since the last save trained."""
+        key = save_checkpoint(self.store, self.ctx.run_name, step, self.model, self.optimizer)
+        self.saved_step = step
+        if self.rank != 0:
+            return
+        save_state(
+            self.store,
+            self.ctx.run_name,
+            step=step,
+            version=self.version,
+            checkpoint=key,
+            scheduler=self.scheduler,
+            commit=self.pending,
+            record=self.last_record,
+        )
+        self.commit(self.pending)
+        self.pending = Commit()
 
     def resume(self) -> int:
         """Restore the saved state if there is one (see state.py); return the next step to take."""
         state = load_state(self.store, self.ctx.run_name)  # every rank reads it
         if state is not None:
-            load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            load_checkpoint(self.store, state["checkpoint"], self.model, self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
             self.version = state["version"]
+            self.saved_step = self.step_done = state["step"]
+        if self.rank == 0:  # versions published after the state came from weights lost with the crash
+            self.version = resume_version(self.store, self.ctx.run_name, self.version)
+        self.version = broadcast(self.version, self.rank, self.world)
         weights = full_model_state(self.model)  # every rank: a collective under FSDP
         if self.rank == 0:
             self.publish(weights)  # idempotent for a version already in the store; announces it again
+            self.records.forget_after(self.saved_step)  # those steps are trained again
         if state is None:
             return 1
         if self.rank == 0:
-            self.commit(state["commit"].get("digests", []), state["commit"]["message_ids"], self.version)
-            if state.get("record") and self.last_recorded_step() < state["step"]:
-                self.write_record(state["record"])  # the crash came between saving the step and recording it
+            self.commit(Commit.from_dict(state["commit"]))
+            if state.get("record") and self.records.last_step() < state["step"]:
+                self.records.append(state["record"])  # the crash came between saving the step and recording it
         log.info("resumed after step %d at version %d", state["step"], self.version)
         return state["step"] + 1
 
-    def last_recorded_step(self) -> int:
-        """The step of metrics.jsonl's last record (0 without one)."""
-        if not (self.metrics_file and self.metrics_file.exists()):
-            return 0
-        lines = self.metrics_file.read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-
-    def write_record(self, record: dict) -> None:
-        """Export a step's record on /metrics and append it to metrics.jsonl."""
-        export_step(record)
-        if self.metrics_file:
-            with open(self.metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
     def run(self, steps: int) -> None:
+        every = self.spec.trainer.checkpoint_every
         for step in range(self.resume(), steps + 1):
             t0 = time.monotonic()
             groups, ack, drops = self.collect() if self.rank == 0 else ([], [], {})
             stopping = broadcast(self.ctx.stop.is_set(), self.rank, self.world)
             if stopping:
                 log.info("stopping before step %d; %d unacknowledged groups will be redelivered", step, len(groups))
+                if self.saved_step < step - 1:
+                    self.save(step - 1)  # what was trained since the last save is kept, not trained again
                 return
             if self.rank == 0:  # the batch is held: the next step trains from one version newer
-                self.set_demand(self.oldest_trained(self.version + 1), self.spec.trainer.batch_size, len(ack))
+                held = len(ack) + len(self.pending.message_ids)
+                self.set_demand(self.oldest_trained(self.version + 1), self.spec.trainer.batch_size, held)
             groups = broadcast(groups, self.rank, self.world)
             t1 = time.monotonic()
             stats = self.step(groups)
             t2 = time.monotonic()
             lags = [self.version - g.policy_version for g in groups]
             self.version += 1
+            self.step_done = step
             self.last_reward = stats["reward_mean"]
-            # Whole weights and optimizer state on rank 0; every rank joins (collectives under FSDP).
-            model_state, optimizer_state = (
-                full_model_state(self.model),
-                full_optimizer_state(self.model, self.optimizer),
-            )
+            # The whole weights to publish on rank 0; every rank joins (a collective under FSDP).
+            model_state = full_model_state(self.model)
             if self.rank != 0:
+                if step % every == 0 or step == steps:
+                    self.save(step)
                 continue
             rollout_ids = [g.rollout_id for g in groups]
             digests = [group_digest(g) for g in groups]
@@ -317,23 +344,13 @@ class Trainer:
                 "rollout_ids": rollout_ids,
                 "dropped_rollout_ids": self.dropped_ids,
             }
-            save_state(
-                self.store,
-                self.ctx.run_name,
-                step=step,
-                version=self.version,
-                model_state=model_state,
-                optimizer_state=optimizer_state,
-                scheduler=self.scheduler,
-                rollout_ids=rollout_ids,
-                message_ids=ack,
-                record=record,
-                digests=digests,
-            )
+            self.pending.add(rollout_ids, digests, self.version, ack)
+            self.last_record = record
+            if step % every == 0 or step == steps:
+                self.save(step)  # before the version is published: a restart never finds it newer than the state
             self.publish(model_state)
-            self.commit(digests, ack, self.version)
             record.update(publish_seconds=time.monotonic() - t2, wall_seconds=time.monotonic() - self.started)
-            self.write_record(record)
+            self.records.append(record)
             log.info(
                 "step %d version %d reward %.3f staleness %.2f",
                 step,
@@ -348,9 +365,15 @@ class TrainerOptions(ComponentOptions):
     output_dir: Path | None = None  # where metrics.jsonl is written
     steps: int | None = None  # overrides spec.trainer.steps
     hold_when_done: bool = False  # after the last step, wait for SIGTERM instead of exiting (in a pod)
+    ranks: int = 1  # rank processes of this replica (ranks.py): with more than 1 this process starts them
 
 
 def main(options: TrainerOptions) -> int:
+    if is_group_parent(options.ranks):
+        return run_group(options.ranks)
+    become_rank(options.ranks)
+    if env.get_int(env.LOCAL_RANK, 0) > 0:
+        options = replace(options, metrics_port=0)  # the replica's /metrics port is local rank 0's
     ctx = component_context(options, components.TRAINER)
     configure_torch_threads()
     if options.output_dir:

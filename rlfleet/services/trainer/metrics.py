@@ -8,6 +8,8 @@ rank 0's value, not that value divided by the world size.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import get_args
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -111,3 +113,32 @@ def withdraw() -> None:
     """Take the trainer's series off /metrics (ranks other than 0, which never set them)."""
     for metric in EXPORTED:
         REGISTRY.unregister(metric)
+
+
+class MetricsLog:
+    """metrics.jsonl (None: not kept): one record per step, appended once the step is done and exported on
+    /metrics; on resume, records of steps trained again are removed (state.py)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def _lines(self) -> list[str]:
+        return self.path.read_text().splitlines(keepends=True) if self.path and self.path.exists() else []
+
+    def append(self, record: dict) -> None:
+        export_step(record)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def last_step(self) -> int:
+        """The step of the last record (0 without one)."""
+        lines = self._lines()
+        return json.loads(lines[-1])["step"] if lines else 0
+
+    def forget_after(self, step: int) -> None:
+        """Remove the records of steps after `step`."""
+        lines = self._lines()
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        if self.path and len(kept) < len(lines):
+            self.path.write_text("".join(kept))

@@ -1,8 +1,8 @@
 """Sharded data parallel for the trainer (`trainer.sharding: fsdp`), with PyTorch FSDP2.
 
-Layout: a 1-D device mesh over the W trainer replicas; `fully_shard` on every decoder layer, then
-on the policy's `Prefill` (embedding, final norm, tied output head) as the root unit. Each rank
-holds 1/W of every parameter, of its gradient and of its AdamW moments (dim-0 shards, DTensors).
+Layout: a 1-D device mesh over the W trainer ranks (replicas x ranks per replica); `fully_shard` on
+every decoder layer, then on the policy's `Prefill` (embedding, final norm, tied output head) as the
+root unit. Each rank holds 1/W of every parameter, of its gradient and of its AdamW moments (dim-0 shards, DTensors).
 In the forward a unit all-gathers its parameters and frees them after use; in the backward it
 gathers them again and reduce-scatters the gradients.
 
@@ -13,11 +13,12 @@ PREMUL_SUM). The collectives run inside the forward and backward, so every rank 
 forwards and backwards: a rank without completions of its own runs one on a placeholder with zero
 weight (update.py).
 
-State in and out, the same for every sharding and replica count (so a run may resume with
-another): `full_model_state` and `full_optimizer_state` gather the whole model and optimizer
-state, keyed by parameter name (torch.distributed.checkpoint.state_dict's full state dicts), onto rank 0's CPU; it is a
-collective under FSDP, so every rank calls it. `load_full_state` gives each rank its shard of a
-full state every rank has read. The published checkpoint is whole HF safetensors written by
+State in and out: the resume state is not gathered; every rank saves its shards with
+torch.distributed.checkpoint and any world size reads them back (state.py). `full_model_state`
+gathers the whole weights, keyed by parameter name (torch.distributed.checkpoint.state_dict's full
+state dicts), onto rank 0's CPU for publishing; it is a collective under FSDP, so every rank calls
+it. `full_optimizer_state` and `load_full_state` gather and scatter a whole optimizer state too (for
+tools and tests; the trainer does not). The published checkpoint is whole HF safetensors written by
 rank 0 (`publishable_weights`: a tied parameter is saved once, under its first name, as
 `save_pretrained` does), so rollout workers and the verifier never see shards.
 Reference: torchtitan `parallelize` (per-block fully_shard, then the root) and its HF export.

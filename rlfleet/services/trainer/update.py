@@ -23,7 +23,7 @@ tis/mis, the trainer's own logprobs, from which loss.py's importance weights com
 autocasts the forwards (fp32 master weights computing in bf16, precision.py).
 
 Launch is torchrun-style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (gloo on CPU, NCCL on GPU),
-which is how the operator starts trainer pods.
+which ranks.py gives every rank it starts.
 """
 
 from __future__ import annotations
