@@ -145,7 +145,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
         w = honest_margins(policy, dtype, args.honest_groups)
-        c = DEFAULTS[("torch", dtype)]
+        c = DEFAULTS[("torch", "cpu", dtype)]
         print(
             f"| {dtype} honest (worst) | {w['exp']:.0f} | {w['mean']:.3g} | {w['median']:.3g} | {w['logprob']:.2g} | "
             f"{w['replay']:.2g} |"
