@@ -34,6 +34,27 @@ def sample_uniforms(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).random(n)
 
 
+class UniformStream:
+    """`sample_uniforms(seed, ·)` read one position at a time, for an engine that meets positions one decode
+    step at a time (vLLM's worker, rlfleet/services/rollout/engines/vllm_worker.py): the stream is drawn
+    lazily in growing chunks from one generator. PCG64's `random` turns each 64-bit output into one
+    double with no carried state, so consecutive chunks are exactly one longer call: `stream[t] ==
+    sample_uniforms(seed, n)[t]` for every t < n (tests/rollout/test_sampler_contract.py)."""
+
+    CHUNK = 256
+
+    def __init__(self, seed: int):
+        self._rng = np.random.default_rng(seed)
+        self._u = np.empty(0)
+
+    def __getitem__(self, t: int) -> float:
+        if t < 0:
+            raise IndexError(f"position {t} of a completion")
+        while t >= len(self._u):
+            self._u = np.concatenate([self._u, self._rng.random(max(self.CHUNK, len(self._u)))])
+        return float(self._u[t])
+
+
 def keep_mask(logits: torch.Tensor, top_p: float, top_k: int, slack: float = 0.0) -> torch.Tensor:
     """(B, V) bool: the tokens top-k then top-p leave drawable (logits already divided by the temperature).
 
@@ -49,6 +70,22 @@ def keep_mask(logits: torch.Tensor, top_p: float, top_k: int, slack: float = 0.0
         probs = torch.softmax(sorted_logits, dim=-1)
         inside = probs.cumsum(-1) - probs <= top_p + slack  # the smallest prefix whose mass reaches top_p
         keep &= torch.zeros_like(keep).scatter(-1, order, inside)
+    return keep
+
+
+def keep_mask_rows(logits: torch.Tensor, filters: list[tuple[float, int]]) -> torch.Tensor:
+    """(B, V) bool: `keep_mask` of each row under its own (top_p, top_k); rows sharing them are filtered
+    together (every operation of keep_mask is row-wise, so a row's mask does not depend on its batch)."""
+    rows_of: dict[tuple[float, int], list[int]] = {}
+    for row, f in enumerate(filters):
+        rows_of.setdefault(f, []).append(row)
+    if len(rows_of) == 1:
+        (top_p, top_k), _ = rows_of.popitem()
+        return keep_mask(logits, top_p, top_k)
+    keep = torch.empty_like(logits, dtype=torch.bool)
+    for (top_p, top_k), rows in rows_of.items():
+        idx = torch.tensor(rows, device=logits.device)
+        keep[idx] = keep_mask(logits[idx], top_p, top_k)
     return keep
 
 

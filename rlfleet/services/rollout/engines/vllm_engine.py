@@ -231,7 +231,8 @@ class VLLMEngine(Engine):
                 top_p=requests[k].params.top_p,
                 top_k=requests[k].params.top_k,
                 max_tokens=limits[k] + 1,  # the extra token's decode step feeds the last one (docstring)
-                seed=sample_seed(requests[k].params.seed, requests[k].first + i),
+                # drawn by rlfleet's rule in the worker (vllm_worker.py); vLLM's own draw is replaced
+                extra_args={vllm_worker.SEED_ARG: sample_seed(requests[k].params.seed, requests[k].first + i)},
                 stop_token_ids=sorted(self.stop_ids),
                 detokenize=False,
                 skip_reading_prefix_cache=(i == 0),  # a group's first request computes its prompt rows

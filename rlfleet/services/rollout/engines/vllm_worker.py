@@ -40,6 +40,11 @@ from typing import Any
 
 import torch
 
+from rlfleet.models.sampling import UniformStream, draw, keep_mask_rows
+
+# The SamplingParams.extra_args key carrying a request's rlfleet sample seed (vllm_engine.py sets it).
+SEED_ARG = "rlfleet_sample_seed"
+
 
 @dataclass
 class _Record:
@@ -50,8 +55,10 @@ class _Record:
 @dataclass
 class _Capture:
     requests: dict[str, _Record] = field(default_factory=dict)
-    step: list[tuple[str, int]] = field(default_factory=list)  # this step's (request, last input position)
+    step: list[tuple[str, str, int]] = field(default_factory=list)  # (request, vLLM's id, last input position)
     logp: torch.Tensor | None = None  # (B, V) log_softmax(logits / T) of this step
+    drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's (rows, tokens) drawn by rlfleet's rule
+    streams: dict[str, UniformStream] = field(default_factory=dict)  # vLLM's request id -> its uniforms
 
 
 def _external_id(internal: str) -> str:
@@ -70,24 +77,57 @@ def _after_model(runner, cap: _Capture, module, args, kwargs, output) -> None:
         rec = cap.requests.setdefault(_external_id(rid), _Record())
         for r in range(a, b):
             rec.rows[pos[r]] = rows[r].clone()  # a recomputed position (preemption) keeps the newest row
-        cap.step.append((_external_id(rid), pos[b - 1]))
+        cap.step.append((_external_id(rid), rid, pos[b - 1]))
 
 
-def _before_sampler(cap: _Capture, module, args, kwargs) -> None:
-    logits = kwargs["logits"] if "logits" in kwargs else args[0]  # (B, V)
+def _draw_rows(runner, cap: _Capture, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, tokens): rlfleet's draw for every row whose request carries a sample seed (module docstring)."""
+    rows, temps, filters, uniforms = [], [], [], []
+    for k, (_, rid, last_pos) in enumerate(cap.step):
+        state = runner.requests[rid]  # every request of the input batch is one of the runner's
+        params = state.sampling_params
+        seed = (params.extra_args or {}).get(SEED_ARG) if params is not None else None
+        if params is None or seed is None:  # not sampled by rlfleet's rule: the greedy continuations
+            continue
+        t = last_pos + 1 - state.num_prompt_tokens  # the drawn token's position within its completion
+        if t < 0:  # a partial prefill (a chunk of a long prompt): vLLM discards its token
+            continue
+        if rid not in cap.streams:
+            cap.streams[rid] = UniformStream(seed)
+        rows.append(k)
+        temps.append(params.temperature)
+        filters.append((params.top_p, params.top_k))
+        uniforms.append(cap.streams[rid][t])
+    if not rows:
+        return None
+    dev = logits.device
+    idx = torch.tensor(rows, device=dev)
+    scaled = logits[idx].float() / torch.tensor(temps, device=dev)[:, None]  # as torch_engine: float32 logits / T
+    tokens = draw(scaled, keep_mask_rows(scaled, filters), torch.tensor(uniforms, dtype=torch.float64, device=dev))
+    return idx, tokens
+
+
+def _before_sampler(runner, cap: _Capture, module, args, kwargs) -> None:
+    logits = kwargs["logits"] if "logits" in kwargs else args[0]  # (B, V), before vLLM's in-place temperature
     meta = kwargs["sampling_metadata"] if "sampling_metadata" in kwargs else args[1]
     temp = meta.temperature if meta.temperature is not None else torch.ones(logits.shape[0], device=logits.device)
     cap.logp = torch.log_softmax(logits.float() / temp.float()[:, None], dim=-1)
+    cap.drawn = _draw_rows(runner, cap, logits) if len(cap.step) == logits.shape[0] else None
 
 
 def _after_sampler(cap: _Capture, module, args, kwargs, output) -> None:
-    tokens = output.sampled_token_ids[:, 0].to("cpu")  # (B,)
-    if cap.logp is None or len(cap.step) != tokens.shape[0]:
+    if cap.logp is None or len(cap.step) != output.sampled_token_ids.shape[0]:
         return  # a warm-up/dummy sampler run, not one of our requests' steps
+    if cap.drawn is not None:  # ours replace vLLM's draws: what vLLM appends to the request and feeds next
+        rows, tokens = cap.drawn
+        output.sampled_token_ids[rows.to(output.sampled_token_ids.device), 0] = tokens.to(
+            output.sampled_token_ids.device, output.sampled_token_ids.dtype
+        )
+    tokens = output.sampled_token_ids[:, 0].to("cpu")  # (B,)
     picked = cap.logp.gather(-1, output.sampled_token_ids[:, :1].long().to(cap.logp.device))[:, 0].to("cpu")
-    for k, (rid, last_pos) in enumerate(cap.step):
+    for k, (rid, _, last_pos) in enumerate(cap.step):
         cap.requests[rid].sampled[last_pos + 1] = (int(tokens[k]), float(picked[k]))
-    cap.logp = None
+    cap.logp, cap.drawn = None, None
 
 
 class CaptureExtension:
@@ -101,7 +141,7 @@ class CaptureExtension:
         runner = self.model_runner
         cap = runner._rlfleet_capture = _Capture()
         runner.get_model().register_forward_hook(partial(_after_model, runner, cap), with_kwargs=True)
-        runner.sampler.register_forward_pre_hook(partial(_before_sampler, cap), with_kwargs=True)
+        runner.sampler.register_forward_pre_hook(partial(_before_sampler, runner, cap), with_kwargs=True)
         runner.sampler.register_forward_hook(partial(_after_sampler, cap), with_kwargs=True)
 
     def rlfleet_reload_weights(self, weights_path: str) -> None:
@@ -138,4 +178,5 @@ class CaptureExtension:
                 "sampled": [[p, t, lp] for p, (t, lp) in sorted(rec.sampled.items())],
             }
         cap.requests.clear()
+        cap.streams.clear()  # drained after every generate_groups call: its requests are finished
         return out
