@@ -22,7 +22,9 @@ torch, and the attacker proves tampered tokens with them (tests/toploc/attacks.A
 attacks there: bf16 compute is a vLLM engine in bf16, fp16 compute the torch engine in fp16 labelled
 vllm (vLLM's CPU build computes in fp32 or bf16 only), drafts come from a noised torch copy (any
 cheaper model). Only the "now" column is measured on vLLM (the pre-16 column is torch's history).
-`--json PATH` writes one row per attack and engine: {engine, attack, groups, rejected, passed, reasons}.
+`--json PATH` writes one row per attack and engine: {engine, attack, groups, rejected, passed, reasons,
+unchanged: groups the attack left token for token as honest sampling made them, e.g. a draft that is
+the seed's draw under the real weights or an EOS drop on a group without EOS: honest by construction}.
 Usage: .venv/bin/python benchmarks/gate_attacks.py [--groups 12] [--engine torch|vllm|both] [--json out.json]
 """
 
@@ -209,7 +211,12 @@ def attack_groups(kind: str, policy: Path, tmp: Path, n: int, spec, top_p_spec, 
             g.engine = "vllm"
     made["bf16 compute"] = ("numeric", bf16)
     made["fp16 compute"] = ("numeric", fp16)
-    return base, made, models, honest_groups
+    unchanged = {  # attacks that left a group token for token as honest sampling made it (honest by construction)
+        name: sum(attacks.tokens(g) == attacks.tokens(b) for g, b in zip(groups, base))
+        for name, (cls, groups) in made.items()
+        if cls != "replay" and name in classes
+    }
+    return base, made, models, honest_groups, unchanged
 
 
 def detection(kind: str, policy: Path, tmp: Path, n: int, client, model_path: str) -> list[dict]:
@@ -219,7 +226,7 @@ def detection(kind: str, policy: Path, tmp: Path, n: int, client, model_path: st
     spec, top_p_spec = spec_of(model=model_path, verifier=both), spec_of(top_p=0.9, model=model_path, verifier=both)
     closers: list = []
     try:
-        base, made, models, honest_groups = attack_groups(kind, policy, tmp, n, spec, top_p_spec, closers)
+        base, made, models, honest_groups, unchanged = attack_groups(kind, policy, tmp, n, spec, top_p_spec, closers)
     finally:
         for c in closers:
             c.close()
@@ -229,7 +236,7 @@ def detection(kind: str, policy: Path, tmp: Path, n: int, client, model_path: st
         judges = {"now": Judge(client, s, models)}
         if kind == "torch" and cls == "numeric":
             judges["pre16"] = Judge(client, spec_of(top_p=s.sampling.top_p, verifier=PRE_16, model=model_path), models)
-        row: dict = {"engine": kind, "attack": name, "groups": len(groups)}
+        row: dict = {"engine": kind, "attack": name, "groups": len(groups), "unchanged": unchanged.get(name, 0)}
         for label, judge in judges.items():
             judge.reset()
             if cls == "replay":
@@ -299,6 +306,8 @@ def main() -> int:
     for r in rows:
         pre = f"{r['pre16_rejected']}/{r['groups']}" if "pre16_rejected" in r else ""
         why = f" ({','.join(r['reasons'])})" if r["reasons"] else ""
+        if r.get("unchanged"):
+            why += f"; {r['unchanged']} left token for token honest by the attack"
         print(f"| {r['engine']} | {r['attack']} | {pre} | {r['rejected']}/{r['groups']}{why} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -84,8 +84,8 @@ def test_calibration_follows_engine_device_and_dtype_and_explicit_settings_win()
     assert fp32.max_mismatch_share == 0 and fp32.max_running_share == 0  # exact replay on CPU
     gpu = calibration(verifier("{workerDevice: gpu}", "bfloat16"), "vllm", "bfloat16")
     assert gpu.toploc == AUTHORS.toploc and 0 < gpu.max_running_share < gpu.max_mismatch_share < 0.1
-    for (_, device, dtype), c in DEFAULTS.items():  # the label picks tolerances, never a weaker check
-        assert c == DEFAULTS[("torch", device, dtype)]
+    for c in DEFAULTS.values():  # noise is absorbed by a share of mismatches, never by a mass slack (a hole)
+        assert c.replay_tolerance == 1e-3
     share = calibration(verifier("{workerDevice: gpu, maxReplayMismatchShare: 0}"), "vllm", "float32")
     assert share.max_mismatch_share == 0
     assert fp32.toploc.max_exp_mismatches < AUTHORS.toploc.max_exp_mismatches

@@ -20,8 +20,8 @@ hidden 256 x 4 layers and 512 x 8 layers, 16 groups each):
   bf16 compute in an fp32 run (an attack): exp 1-4, mean 0.53-3.0, |logprob diff| 4e-3
 
 vLLM on CPU in fp32 computes the same float32 math as the torch engine (honest vLLM-CPU logprobs
-match the torch prefill to about 5e-6), so its rows are the torch rows: a label `vllm` buys nothing
-on a CPU run.
+match the torch prefill to about 5e-6), so its fp32 row is the torch row: a label `vllm` buys nothing
+in an fp32 CPU run (in bf16 it buys a looser logprob tolerance, below, and no skipped check).
 
 Rare honest outliers: fp32 noise can push one value across a bf16 rounding edge at the top-k
 boundary, so the recomputed top-k set differs by one element and the claimed polynomial evaluated
@@ -31,13 +31,23 @@ would ban its worker, so the TOPLOC thresholds tolerate a few outliers (exp mism
 rely on the median, which an outlier cannot move, for systematic drift; bf16 or fp16 compute, stale
 weights and other models are caught as well by the logprob tolerance, which no tie can trip. So
 fp32 allows 4 exponent mismatches, mean 4, median 0.5 and |logprob diff| 1e-4 (40x the honest
-worst, below what fp16 compute produces); bf16 allows 12 / 5 / 3 and 0.05. The replay tolerance
-(probability mass and logit slack at the top-k/top-p edges) is 1e-3 in fp32 and 0.02 in bf16;
-honest draws replayed exactly in every CPU measurement, so the share of replay mismatches a group
-may have (`max_mismatch_share`, replay.py) is 0 on CPU: one token its seed does not draw rejects it.
+worst, below what fp16 compute produces); bf16 allows 12 / 5 / 3 and 0.05 (vLLM bf16: 0.2, below).
+
+Replay (replay.py). The replay tolerance (probability mass and logit slack at the top-k/top-p
+edges) is 1e-3 in every row: a mass slack is a hole, not a margin (at 0.02, groups drawn with topP
+ignored replayed with 0 mismatches on a flat model, benchmarks/replay_calibration.py), so float
+noise is absorbed by a share of mismatched positions instead. fp32 on CPU: honest draws replay
+exactly (0 mismatches in 1,324 honest vLLM-CPU groups of a whole run and in every torch
+measurement), so the share is 0: one token its seed does not draw rejects the group. bf16: a group
+may have 5 % mismatched positions and a worker 2 % over its running total; measured with vLLM-CPU
+bf16 workers and an fp32 verifier (24 groups of 8 x 16 tokens): honest share at most 0.011 (mean
+0.0013), a temperature 0.8 lie at least 0.117, topP ignored at least 0.128 (margin 0.105).
+vLLM-CPU bf16 against a bf16 verifier: |logprob diff| up to 0.007 on a random Qwen2 and 0.057 on the
+trained tiny-math (a whole run was banned at 0.05), TOPLOC exp 4, mean 2.3, median 1: its logprob
+tolerance is 0.2.
 
 GPU rows (either engine, device class `gpu`) are NOT calibrated yet: no GPU was available. They keep
-the authors' TOPLOC values and logprob tolerance, a replay tolerance of 0.05, a top-p slack of 0.02,
+the authors' TOPLOC values and logprob tolerance, a replay tolerance of 1e-3, a top-p slack of 0.02,
 and allow a small share of replay mismatches per group (0.05 in bf16, 0.02 in fp32: Token-DiFR
 reports > 98 % exact matches for honest vLLM bf16 GPU workers under a shared seed) and a lower
 running share per worker (`max_running_share`, reputation.py: an attacker who stays under the
@@ -65,17 +75,20 @@ class Calibration:
 
 AUTHORS = Calibration(Thresholds(38, 10.0, 8.0), logprob_tolerance=0.05, top_p_tolerance=0.05, replay_tolerance=0.05)
 _CPU_FP32 = Calibration(Thresholds(4, 4.0, 0.5), logprob_tolerance=1e-4, top_p_tolerance=1e-3, replay_tolerance=1e-3)
-_CPU_BF16 = Calibration(Thresholds(12, 5.0, 3.0), logprob_tolerance=0.05, top_p_tolerance=0.02, replay_tolerance=0.02)
-_GPU = replace(AUTHORS, top_p_tolerance=0.02)  # uncalibrated: see the module docstring
+_SHARE_BF16 = {"max_mismatch_share": 0.05, "max_running_share": 0.02}
+_CPU_BF16 = Calibration(
+    Thresholds(12, 5.0, 3.0), logprob_tolerance=0.05, top_p_tolerance=0.02, replay_tolerance=1e-3, **_SHARE_BF16
+)
+_GPU = replace(AUTHORS, top_p_tolerance=0.02, replay_tolerance=1e-3)  # uncalibrated: see the module docstring
 DEFAULTS: dict[tuple[str, str, str], Calibration] = {
     ("torch", "cpu", "float32"): _CPU_FP32,
     ("torch", "cpu", "bfloat16"): _CPU_BF16,
     ("vllm", "cpu", "float32"): _CPU_FP32,
-    ("vllm", "cpu", "bfloat16"): _CPU_BF16,
+    ("vllm", "cpu", "bfloat16"): replace(_CPU_BF16, logprob_tolerance=0.2),
     ("torch", "gpu", "float32"): replace(_GPU, max_mismatch_share=0.02, max_running_share=0.01),
-    ("torch", "gpu", "bfloat16"): replace(_GPU, max_mismatch_share=0.05, max_running_share=0.02),
+    ("torch", "gpu", "bfloat16"): replace(_GPU, **_SHARE_BF16),
     ("vllm", "gpu", "float32"): replace(_GPU, max_mismatch_share=0.02, max_running_share=0.01),
-    ("vllm", "gpu", "bfloat16"): replace(_GPU, max_mismatch_share=0.05, max_running_share=0.02),
+    ("vllm", "gpu", "bfloat16"): replace(_GPU, **_SHARE_BF16),
 }
 
 
