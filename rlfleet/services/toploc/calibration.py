@@ -75,9 +75,14 @@ class Calibration:
 
 AUTHORS = Calibration(Thresholds(38, 10.0, 8.0), logprob_tolerance=0.05, top_p_tolerance=0.05, replay_tolerance=0.05)
 _CPU_FP32 = Calibration(Thresholds(4, 4.0, 0.5), logprob_tolerance=1e-4, top_p_tolerance=1e-3, replay_tolerance=1e-3)
-_SHARE_BF16 = {"max_mismatch_share": 0.05, "max_running_share": 0.02}
+_BF16_SHARE, _BF16_RUNNING = 0.05, 0.02  # replay mismatch shares of a bf16 group and of a worker's running total
 _CPU_BF16 = Calibration(
-    Thresholds(12, 5.0, 3.0), logprob_tolerance=0.05, top_p_tolerance=0.02, replay_tolerance=1e-3, **_SHARE_BF16
+    Thresholds(12, 5.0, 3.0),
+    logprob_tolerance=0.05,
+    top_p_tolerance=0.02,
+    replay_tolerance=1e-3,
+    max_mismatch_share=_BF16_SHARE,
+    max_running_share=_BF16_RUNNING,
 )
 _GPU = replace(AUTHORS, top_p_tolerance=0.02, replay_tolerance=1e-3)  # uncalibrated: see the module docstring
 DEFAULTS: dict[tuple[str, str, str], Calibration] = {
@@ -86,9 +91,9 @@ DEFAULTS: dict[tuple[str, str, str], Calibration] = {
     ("vllm", "cpu", "float32"): _CPU_FP32,
     ("vllm", "cpu", "bfloat16"): replace(_CPU_BF16, logprob_tolerance=0.2),
     ("torch", "gpu", "float32"): replace(_GPU, max_mismatch_share=0.02, max_running_share=0.01),
-    ("torch", "gpu", "bfloat16"): replace(_GPU, **_SHARE_BF16),
+    ("torch", "gpu", "bfloat16"): replace(_GPU, max_mismatch_share=_BF16_SHARE, max_running_share=_BF16_RUNNING),
     ("vllm", "gpu", "float32"): replace(_GPU, max_mismatch_share=0.02, max_running_share=0.01),
-    ("vllm", "gpu", "bfloat16"): replace(_GPU, **_SHARE_BF16),
+    ("vllm", "gpu", "bfloat16"): replace(_GPU, max_mismatch_share=_BF16_SHARE, max_running_share=_BF16_RUNNING),
 }
 
 
