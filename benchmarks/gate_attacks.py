@@ -10,18 +10,17 @@ Table 1, honest margins: over groups drawn with other batch shapes (1, 2, 4, 8 r
 threads, the worst per-chunk TOPLOC errors, the largest |claimed - recomputed| logprob and the
 largest replay miss (how far outside its CDF interval a replayed draw fell; 0 = exact), for an fp32
 and a bf16 run, next to the calibrated defaults (rlfleet/services/toploc/calibration.py).
-Table 2, detection: groups rejected of those submitted, per attack, (a) with the pre-issue-16 numeric
-checks (the TOPLOC authors' thresholds, logprob tolerance 0.05, top-p slack of the old exp(-0.1)
-factor, no seed replay) and (b) with the gate as it is now (calibrated fp32 defaults, seed replay,
-stop checks, content digests). Replay and stop attacks exist only in (b): the issue measured 12/12
-passing for them before.
+Table 2, detection: groups rejected of those submitted, per attack and engine, by the gate as it is
+now (calibrated fp32 defaults, seed replay of every group whatever its engine, stop checks, content
+digests), in a run admitting both engines. (The pre-issue-16 column of docs/security.md is an earlier
+measurement: it relabelled groups vllm to skip replay, which the gate no longer allows.)
 With `--engine vllm` every group, honest or attacked, is drawn by the real vLLM engine (the CPU build;
 a random Qwen2 with head size 32, which vLLM's CPU attention supports, and the arithmetic task's
 tokenizer), drawing by rlfleet's seeded rule in vLLM's worker; the gate's model is the same weights in
 torch, and the attacker proves tampered tokens with them (tests/toploc/attacks.Attacker). The numeric
 attacks there: bf16 compute is a vLLM engine in bf16, fp16 compute the torch engine in fp16 labelled
 vllm (vLLM's CPU build computes in fp32 or bf16 only), drafts come from a noised torch copy (any
-cheaper model). Only the "now" column is measured on vLLM (the pre-16 column is torch's history).
+cheaper model).
 `--json PATH` writes one row per attack and engine: {engine, attack, groups, rejected, passed, reasons,
 unchanged: groups the attack left token for token as honest sampling made them, e.g. a draft that is
 the seed's draw under the real weights or an EOS drop on a group without EOS: honest by construction}.
@@ -64,10 +63,6 @@ spec:
   trainer: {{batchSize: 16, learningRate: 1.0e-3, maxAsyncLevel: 2}}
   verifier: {verifier}
 """
-PRE_16 = (
-    "{engines: [torch, vllm], logprobTolerance: 0.05, topPTolerance: 0.095, "
-    "toploc: {maxExpMismatches: 38, maxMantErrMean: 10, maxMantErrMedian: 8}}"
-)
 
 
 def spec_of(dtype: str = "float32", top_p: float = 1.0, verifier: str = "{}", model: str = "builtin://tiny-arithmetic"):
@@ -221,7 +216,7 @@ def attack_groups(kind: str, policy: Path, tmp: Path, n: int, spec, top_p_spec, 
 
 def detection(kind: str, policy: Path, tmp: Path, n: int, client, model_path: str) -> list[dict]:
     """One row per attack (and the honest groups) for one engine, judged by the gate as it is now; the torch
-    rows also carry the pre-16 numeric checks."""
+    rows are judged by the gate as it is now."""
     both = "{engines: [torch, vllm]}"  # a run admitting both engines: the label must not lower the bar
     spec, top_p_spec = spec_of(model=model_path, verifier=both), spec_of(top_p=0.9, model=model_path, verifier=both)
     closers: list = []
@@ -233,25 +228,16 @@ def detection(kind: str, policy: Path, tmp: Path, n: int, client, model_path: st
     rows = []
     for name, (cls, groups) in made.items():
         s = top_p_spec if name.startswith("tokens outside") else spec
-        judges = {"now": Judge(client, s, models)}
-        if kind == "torch" and cls == "numeric":
-            judges["pre16"] = Judge(client, spec_of(top_p=s.sampling.top_p, verifier=PRE_16, model=model_path), models)
+        judge = Judge(client, s, models)
         row: dict = {"engine": kind, "attack": name, "groups": len(groups), "unchanged": unchanged.get(name, 0)}
-        for label, judge in judges.items():
-            judge.reset()
-            if cls == "replay":
-                for g in base:
-                    assert judge.verdict(g) is None, f"an honest original was rejected: {judge.last}"
-            reasons = []
-            for g in groups:
-                g = copy.deepcopy(g)
-                if label == "pre16":
-                    g.engine = "vllm"  # the pre-16 gate did not replay vllm groups: the numeric checks alone
-                reasons.append(judge.verdict(g))
-            rejected = sum(r is not None for r in reasons)
-            key = "" if label == "now" else "pre16_"
-            row[f"{key}rejected"], row[f"{key}passed"] = rejected, len(groups) - rejected
-            row[f"{key}reasons"] = sorted({r for r in reasons if r})
+        judge.reset()
+        if cls == "replay":
+            for g in base:
+                assert judge.verdict(g) is None, f"an honest original was rejected: {judge.last}"
+        reasons = [judge.verdict(copy.deepcopy(g)) for g in groups]
+        rejected = sum(r is not None for r in reasons)
+        row["rejected"], row["passed"] = rejected, len(groups) - rejected
+        row["reasons"] = sorted({r for r in reasons if r})
         rows.append(row)
     now = Judge(client, spec, models)
     now.reset()
@@ -301,14 +287,13 @@ def main() -> int:
             else:
                 path = vllm_policy(tmp)
                 rows += detection(kind, path, tmp, args.groups, client, str(path))
-    print("| engine | attack | pre-16 numeric checks: rejected | now: rejected (reasons) |")
-    print("|---|---|---|---|")
+    print("| engine | attack | rejected (reasons) |")
+    print("|---|---|---|")
     for r in rows:
-        pre = f"{r['pre16_rejected']}/{r['groups']}" if "pre16_rejected" in r else ""
         why = f" ({','.join(r['reasons'])})" if r["reasons"] else ""
         if r.get("unchanged"):
             why += f"; {r['unchanged']} left token for token honest by the attack"
-        print(f"| {r['engine']} | {r['attack']} | {pre} | {r['rejected']}/{r['groups']}{why} |")
+        print(f"| {r['engine']} | {r['attack']} | {r['rejected']}/{r['groups']}{why} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

