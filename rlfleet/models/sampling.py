@@ -1,15 +1,22 @@
-"""How a token is drawn and where a completion stops: the contract the torch engine samples by and
-the gate replays (rlfleet/services/toploc/replay.py, ending.py).
+"""How a token is drawn and where a completion stops: the contract every engine samples by (the torch
+engine on whole batches, rlfleet/services/rollout/engines/torch_engine.py; vLLM one decode step at a
+time, in its worker, engines/vllm_worker.py) and the gate replays (rlfleet/services/toploc/replay.py,
+ending.py). Both engines call these functions, so the contract lives here only; on the same logits
+they draw the same tokens (vLLM-CPU fp32 and the torch engine: identical completions).
 
 Randomness per sample: sample i of a group with seed s draws with `sample_seed(s, i)`, whose
-uniform stream `sample_uniforms(seed, n)` (numpy PCG64, one float64 per position) does not depend
-on how the worker batches rows or how many threads it runs.
+uniform stream `sample_uniforms(seed, n)` (numpy PCG64, one float64 per position t of the
+completion, t = 0 for its first token) does not depend on how the worker batches rows or how many
+threads it runs; `UniformStream` reads the same stream one position at a time.
 
 Drawing (inverse CDF): at position t, with p = softmax(logits / temperature) restricted to the
-top-k, then to the top-p nucleus (`keep_mask`, the same order as vLLM and HF: k first), and
+top-k, then to the top-p nucleus (`keep_mask`, the same order as vLLM and HF: k first;
+`keep_mask_rows` when rows differ in top-p/top-k), and
 renormalised, the token is the first index j in vocabulary order with cumsum(p)[j] > u_t * sum(p).
 Given the weights, the prompt and the seed, every token is therefore determined, and a verifier
-holding the prefill's logits can check each one without decoding.
+holding the prefill's logits can check each one without decoding; where the engine's logits differ
+from the verifier's (another dtype or device), only draws whose u_t falls within that difference
+of a CDF edge can differ.
 
 Stopping: a completion ends at its first stop token (`stop_token_ids`: the tokenizer's EOS and the
 model's configured EOS ids), which is then its last token, or after `completion_budget` tokens:

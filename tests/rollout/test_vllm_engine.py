@@ -85,7 +85,7 @@ def make_group(engine, spec, index: int, seed: int) -> RolloutGroup:
         prompt_ids=prompt_ids,
         sampling=params,
         samples=samples,
-        engine=engine.name,  # vllm: not replayable, checked by proofs, logprobs and possible tokens
+        engine=engine.name,  # vllm: the gate chooses its checks by it
     )
 
 
@@ -320,6 +320,13 @@ def test_the_heartbeat_is_read_here_when_the_engine_core_runs_in_another_process
     assert not seen["in_process"] and "EngineCore" in seen["children"], seen
     # more beats than requests (4 and an EOS continuation at most): every engine step beats, not each request's end
     assert seen["beats"] > len(seen["lengths"]) + 1 and max(seen["lengths"]) > 1, seen
+    # the sampling contract holds in the core's process too: the torch engine's tokens for the same seed
+    from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+
+    reference = TorchEngine(models[0], 0)
+    want = reference.generate(reference.tokenizer("12+7=")["input_ids"], SamplingParams(**seen["params"]), 4)
+    assert seen["completions"] == [g.completion_ids for g in want]
+    assert max(abs(x - y) for g, lps in zip(want, seen["logprobs"]) for x, y in zip(g.logprobs, lps)) < 1e-5
 
 
 def test_the_pinned_release_and_cpu_head_sizes_are_the_installed_vllms():

@@ -1,8 +1,9 @@
-"""What runs inside vLLM's worker process: the capture of final hidden states and token logprobs, and the
-in-place weight reload (vllm_engine.py starts vLLM with `CaptureExtension` as its `worker_extension_cls`
-and calls its methods by name through `LLM.collective_rpc`, so the same code works whether the engine
-core and its workers run in other processes, as vLLM does by default on GPU, or in the worker's own,
-as we run it on CPU). Pinned with vllm_engine.py to vLLM 0.32.0 (vllm_pin.VLLM_VERSION).
+"""What runs inside vLLM's worker process: rlfleet's seeded draw of every token, the capture of final
+hidden states and token logprobs, and the in-place weight reload (vllm_engine.py starts vLLM with
+`CaptureExtension` as its `worker_extension_cls` and calls its methods by name through
+`LLM.collective_rpc`, so the same code works whether the engine core and its workers run in other
+processes, as vLLM does by default on GPU, or in the worker's own, as we run it on CPU). Pinned with
+vllm_engine.py to vLLM 0.32.0 (vllm_pin.VLLM_VERSION).
 
 - Final hidden states (for TOPLOC proofs): a forward hook on the model module records, for every
   row of every forward, the request (`input_batch.req_ids`, row ranges `query_start_loc`) and the
@@ -18,12 +19,31 @@ as we run it on CPU). Pinned with vllm_engine.py to vLLM 0.32.0 (vllm_pin.VLLM_V
   (dropped, with its row and logprob). One that stops at EOS earlier gets a 1-token continuation
   request (prompt + completion, greedy, output discarded) that reads the prefix cache: it
   recomputes only the rows after the last full cached KV block and yields t_{T-1}'s row.
+- Sampling, by rlfleet's contract (rlfleet/models/sampling.py), not vLLM's: every request
+  vllm_engine.py samples carries its sample seed s in `SamplingParams.extra_args[SEED_ARG]`. At each
+  step a pre-hook on vLLM's `Sampler` reads, for each row of the batch, the request's state in the
+  runner (`runner.requests`: its sampling params and prompt length P) and the last input position q
+  the model hook saw; the token drawn at that step sits at position q + 1, i.e. t = q + 1 - P within
+  the completion (t = 0 for the first token, whatever prefix-cache hit or recompute after preemption
+  led there). It draws `draw(l, keep_mask_rows(l, (top_p, top_k)), u_t)` with l = float32 logits / T
+  and u_t = `UniformStream(s)[t]` (each request's stream, read lazily, exactly `sample_uniforms(s, ·)`),
+  the functions the torch engine draws with and the gate replays. A post-hook writes those tokens
+  over vLLM's in `SamplerOutput.sampled_token_ids`, the tensor the runner then appends to the
+  request, feeds to the next step and returns: vLLM's own draw is computed and discarded. Rows
+  without a seed (the greedy continuations below) keep vLLM's greedy token; a partial prefill's row
+  (t < 0) keeps vLLM's token, which vLLM discards. The hooks read the logits before vLLM's sampler
+  divides them in place by the temperature. The sampler runs outside any CUDA graph (vLLM 0.32
+  captures only the model's forward, never `Sampler`), so these hooks fire on every step whatever
+  `cudagraph_mode`; with tensor parallelism every rank draws the same token from the same logits.
+  On a GPU the logits differ from a verifier's by bf16 kernel noise, so a draw whose u_t falls that
+  close to a CDF edge may differ from the replay (the gate's tolerance); on vLLM-CPU fp32 the tokens
+  are the torch engine's (tests/rollout/test_vllm_engine.py).
 - Token logprobs: vLLM's own logprobs are `log_softmax(logits)` before temperature
   (`logprobs_mode="raw_logprobs"`) or after temperature *and* top-k/top-p renormalisation
   (`processed_logprobs`); neither is the contract of engine.py (`log_softmax(logits / T)` over the
-  full vocabulary, what the trainer and verifier recompute) when top-k/top-p are on. So a
-  pre-hook on vLLM's `Sampler` computes exactly that from the logits it receives and a post-hook
-  picks the sampled token's entry; vLLM's logprobs are not requested at all.
+  full vocabulary, what the trainer and verifier recompute) when top-k/top-p are on. So the
+  sampler's pre-hook computes exactly that from the logits it receives and the post-hook picks
+  the entry of the token it wrote; vLLM's logprobs are not requested at all.
 
 Weights: `Worker.reload_weights(weights_path=…)` (vLLM's layerwise in-place reload, which re-runs
 the kernel-format processing, e.g. the CPU backend's packed GEMM weights; a plain
