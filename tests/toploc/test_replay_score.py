@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import redis
 import torch
 
@@ -85,3 +86,30 @@ def test_a_worker_under_the_group_share_is_banned_by_its_running_share(redis_url
     assert replay_plan(policy, "w", ReplayScore(1, 0), 0.0, "r")[1] is None  # CPU: no running rule
     assert field("w", "replay_positions") in replay_plan(policy, "w", ReplayScore(1, 0), 0.0, "r")[0]
     assert np.isclose(ReplayScore(100, 4).share, 0.04)
+
+
+def test_a_tolerated_mismatch_must_still_be_a_possible_token(redis_url):
+    """Where the calibration tolerates a share of mismatches (bf16, GPU), a mismatched token inside top-p
+    passes with its mismatch counted, and one outside top-p is `impossible_token`."""
+    from dataclasses import replace
+
+    from rlfleet.config import parse_bundle
+    from rlfleet.services.toploc.calibration import DEFAULTS
+    from rlfleet.services.toploc.checks import Checker, Rejection
+    from tests.runs import bundle_yaml, rlrun
+
+    spec = parse_bundle(bundle_yaml(rlrun("s", sampling={"groupSize": 4, "topP": 0.9}))).run.spec
+    checker = Checker(spec, redis.Redis.from_url(redis_url), RunKeys("s"), policy=lambda v: None)
+    cal = replace(DEFAULTS[("vllm", "gpu", "bfloat16")], max_mismatch_share=0.2)
+    gen = torch.Generator().manual_seed(2)
+    logits = [torch.randn(10, V, generator=gen) for _ in range(G)]
+    group = _group(logits, seed=5, top_p=0.9)
+    order = logits[0][3].argsort(descending=True)
+    drawn = group.samples[0].completion_ids[3]
+    group.samples[0].completion_ids[3] = int(order[0] if drawn != order[0] else order[1])  # inside the nucleus
+    got = checker.sampling_checks(group, logits, cal)
+    assert (got.mismatches, got.first) == (1, (0, 3))
+    group.samples[0].completion_ids[3] = int(order[-1])  # the least likely token: outside top-p 0.9
+    with pytest.raises(Rejection) as caught:
+        checker.sampling_checks(group, logits, cal)
+    assert caught.value.reason == "impossible_token"
