@@ -10,24 +10,33 @@ Table 1, honest margins: over groups drawn with other batch shapes (1, 2, 4, 8 r
 threads, the worst per-chunk TOPLOC errors, the largest |claimed - recomputed| logprob and the
 largest replay miss (how far outside its CDF interval a replayed draw fell; 0 = exact), for an fp32
 and a bf16 run, next to the calibrated defaults (rlfleet/services/toploc/calibration.py).
-Table 2, detection: groups rejected of those submitted, per attack, (a) with the pre-issue-16 numeric
-checks (the TOPLOC authors' thresholds, logprob tolerance 0.05, top-p slack of the old exp(-0.1)
-factor, no seed replay) and (b) with the gate as it is now (calibrated fp32 defaults, seed replay,
-stop checks, content digests). Replay and stop attacks exist only in (b): the issue measured 12/12
-passing for them before.
-Usage: .venv/bin/python benchmarks/gate_attacks.py [--groups 12]
+Table 2, detection: groups rejected of those submitted, per attack and engine, by the gate as it is
+now (calibrated fp32 defaults, seed replay of every group whatever its engine, stop checks, content
+digests), in a run admitting both engines. (The pre-issue-16 column of docs/security.md is an earlier
+measurement: it relabelled groups vllm to skip replay, which the gate no longer allows.)
+With `--engine vllm` every group, honest or attacked, is drawn by the real vLLM engine (the CPU build;
+a random Qwen2 with head size 32, which vLLM's CPU attention supports, and the arithmetic task's
+tokenizer), drawing by rlfleet's seeded rule in vLLM's worker; the gate's model is the same weights in
+torch, and the attacker proves tampered tokens with them (tests/toploc/attacks.Attacker). The numeric
+attacks there: bf16 compute is a vLLM engine in bf16, fp16 compute the torch engine in fp16 labelled
+vllm (vLLM's CPU build computes in fp32 or bf16 only), drafts come from a noised torch copy (any
+cheaper model).
+`--json PATH` writes one row per attack and engine: {engine, attack, groups, rejected, passed, reasons,
+unchanged: groups the attack left token for token as honest sampling made them, e.g. a draft that is
+the seed's draw under the real weights or an EOS drop on a group without EOS: honest by construction}.
+Usage: .venv/bin/python benchmarks/gate_attacks.py [--groups 12] [--engine torch|vllm|both] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 import tempfile
 from pathlib import Path
 
 import _paths  # noqa: F401  (the root first: the attack builders the gate tests use, tests.toploc.attacks)
-import numpy as np
 import redis
 import torch
 
@@ -48,20 +57,16 @@ apiVersion: rlfleet.io/v1alpha1
 kind: RLRun
 metadata: {{name: bench}}
 spec:
-  model: {{path: "builtin://tiny-arithmetic", dtype: {dtype}}}
+  model: {{path: "{model}", dtype: {dtype}}}
   task: {{type: arithmetic, seed: 0, maxOperand: 20, operations: ["+"]}}
   sampling: {{groupSize: 8, maxTokens: 6, temperature: 1.0, topP: {top_p}}}
   trainer: {{batchSize: 16, learningRate: 1.0e-3, maxAsyncLevel: 2}}
   verifier: {verifier}
 """
-PRE_16 = (
-    "{engines: [torch, vllm], logprobTolerance: 0.05, topPTolerance: 0.095, "
-    "toploc: {maxExpMismatches: 38, maxMantErrMean: 10, maxMantErrMedian: 8}}"
-)
 
 
-def spec_of(dtype: str = "float32", top_p: float = 1.0, verifier: str = "{}"):
-    return parse_bundle(RUN.format(dtype=dtype, top_p=top_p, verifier=verifier)).run.spec
+def spec_of(dtype: str = "float32", top_p: float = 1.0, verifier: str = "{}", model: str = "builtin://tiny-arithmetic"):
+    return parse_bundle(RUN.format(dtype=dtype, top_p=top_p, verifier=verifier, model=model)).run.spec
 
 
 def margins(group, model, tokenizer, spec) -> dict[str, float]:
@@ -114,7 +119,7 @@ class Judge:
     def __init__(self, client: redis.Redis, spec, models: dict[int, tuple]):
         self.client, self.keys = client, RunKeys("bench")
         self.checker = Checker(spec, client, self.keys, policy=lambda v: models[v])
-        self.n = 0
+        self.n, self.last = 0, ""
 
     def reset(self) -> None:
         self.client.flushdb()
@@ -126,46 +131,41 @@ class Judge:
         try:
             self.checker.check(group, f"{self.n}-0".encode(), prefill=True)
         except Rejection as exc:
+            self.last = exc.detail
             return exc.reason
         return None
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--groups", type=int, default=12, help="groups per attack")
-    ap.add_argument("--honest-groups", type=int, default=48, help="honest groups per dtype for the margins")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    spec = spec_of()
-    policy = resolve_model_path(spec.model, spec.task, seed=0)
-    tmp = Path(tempfile.mkdtemp(prefix="rlfleet-gate-bench-"))
+def vllm_policy(tmp: Path) -> Path:
+    """The vLLM benchmark's model: a random Qwen2 of head size 32 (vLLM's CPU attention has no smaller)."""
+    from tests.support import tiny_policy_dir
 
-    print(f"model {policy.name}; honest groups per dtype: {args.honest_groups}; attack groups: {args.groups}\n")
-    print("| dtype | exp mismatches | mantissa mean | mantissa median | abs logprob diff | replay miss |")
-    print("|---|---|---|---|---|---|")
-    for dtype in ("float32", "bfloat16"):
-        w = honest_margins(policy, dtype, args.honest_groups)
-        c = DEFAULTS[("torch", dtype)]
-        print(
-            f"| {dtype} honest (worst) | {w['exp']:.0f} | {w['mean']:.3g} | {w['median']:.3g} | {w['logprob']:.2g} | "
-            f"{w['replay']:.2g} |"
-        )
-        print(
-            f"| {dtype} default | {c.toploc.max_exp_mismatches} | {c.toploc.max_mant_err_mean} | "
-            f"{c.toploc.max_mant_err_median} | {c.logprob_tolerance} | {c.replay_tolerance} |"
-        )
-    print()
+    return tiny_policy_dir(tmp / "vllm-policy", seed=0, num_attention_heads=2, num_key_value_heads=1)
 
-    engine = TorchEngine(policy, 0)
-    model, tokenizer = engine.model, engine.tokenizer
-    base = [attacks.honest(engine, spec, i) for i in range(args.groups)]
-    stepped = attacks.one_step_later(policy, tmp / "v1", spec, base)
+
+def attack_groups(kind: str, policy: Path, tmp: Path, n: int, spec, top_p_spec, closers: list):
+    """(honest base groups, {attack: (class, groups)}, models by version, the honest reference groups) for
+    one engine; `closers` collects what must be closed (vLLM engines)."""
+    from rlfleet.services.rollout.engines import make_engine
+
+    model, tokenizer = load_policy(policy)
+    # the weights one GRPO step later, stepped before any vLLM engine starts: vLLM runs in this process and
+    # its parallel state does not survive the trainer's update here (any honest groups make the step)
+    first = [attacks.honest(TorchEngine(policy, 0), spec, i) for i in range(min(n, 4))]
+    stepped = attacks.one_step_later(policy, tmp / f"{kind}-v1", spec, first)
+    if kind == "torch":
+        engine = TorchEngine(policy, 0)
+        model, tokenizer = engine.model, engine.tokenizer
+    else:
+        raw = make_engine("vllm", policy, 0)
+        closers.append(raw)
+        engine = attacks.Attacker(raw, model, tokenizer)
+    base = [attacks.honest(engine, spec, i) for i in range(n)]
     models = {0: (model, tokenizer), 1: load_policy(stepped)}
     cheap = TorchEngine(policy, 0)
     with torch.no_grad():  # a cheaper draft model: the policy with its weights rounded to fp8 and noise added
         for p in cheap.model.parameters():
             p.copy_(p.to(torch.float8_e4m3fn).float() + 0.02 * torch.randn_like(p))
-    top_p_spec = spec_of(top_p=0.9)
 
     def stale(i: int):
         g = copy.deepcopy(base[i])
@@ -186,59 +186,116 @@ def main() -> int:
         "forced answers": ("numeric", lambda g: attacks.forced(g, model, tokenizer, spec)),
         "cheap-model drafts, one real prefill": ("numeric", lambda g: attacks.draft(cheap, g, model, tokenizer, spec)),
         "duplicated sample": ("numeric", lambda g: attacks.duplicated(g)),
-        "weights one step stale": ("numeric", None),
-        "bf16 compute": ("numeric", None),
-        "fp16 compute": ("numeric", None),
-        "tokens outside top-p 0.9": ("numeric", None),
     }
-    made = {
-        "weights one step stale": [stale(i) for i in range(args.groups)],
-        "bf16 compute": [attacks.honest(TorchEngine(policy, 0, "bfloat16"), spec, 100 + i) for i in range(args.groups)],
-        "fp16 compute": [attacks.honest(attacks.half_engine(policy), spec, 200 + i) for i in range(args.groups)],
-        "tokens outside top-p 0.9": [
-            attacks.outside_nucleus(engine, top_p_spec, 20_000 + 1000 * i) for i in range(args.groups)
-        ],
+    made = {name: (kind_, [build(g) for g in base]) for name, (kind_, build) in classes.items()}
+    made["weights one step stale"] = ("numeric", [stale(i) for i in range(n)])
+    made["tokens outside top-p 0.9"] = (
+        "numeric",
+        [attacks.outside_nucleus(engine, top_p_spec, 20_000 + 1000 * i) for i in range(n)],
+    )
+    honest_groups = [attacks.honest(engine, spec, 300 + i) for i in range(n)]
+    fp16 = [attacks.honest(attacks.half_engine(policy), spec, 200 + i) for i in range(n)]
+    if kind == "torch":
+        bf16 = [attacks.honest(TorchEngine(policy, 0, "bfloat16"), spec, 100 + i) for i in range(n)]
+    else:  # in-process vLLM engines share one parallel state: the fp32 one is closed before the bf16 one starts
+        closers.pop().close()
+        low = make_engine("vllm", policy, 0, "bfloat16")
+        closers.append(low)
+        bf16 = [attacks.honest(attacks.Attacker(low, model, tokenizer), spec, 100 + i) for i in range(n)]
+        for g in fp16:
+            g.engine = "vllm"
+    made["bf16 compute"] = ("numeric", bf16)
+    made["fp16 compute"] = ("numeric", fp16)
+    unchanged = {  # attacks that left a group token for token as honest sampling made it (honest by construction)
+        name: sum(attacks.tokens(g) == attacks.tokens(b) for g, b in zip(groups, base))
+        for name, (cls, groups) in made.items()
+        if cls != "replay" and name in classes
     }
-    print("| attack | pre-16 numeric checks: rejected | now: rejected (reasons) |")
-    print("|---|---|---|")
+    return base, made, models, honest_groups, unchanged
+
+
+def detection(kind: str, policy: Path, tmp: Path, n: int, client, model_path: str) -> list[dict]:
+    """One row per attack (and the honest groups) for one engine, judged by the gate as it is now; the torch
+    rows are judged by the gate as it is now."""
+    both = "{engines: [torch, vllm]}"  # a run admitting both engines: the label must not lower the bar
+    spec, top_p_spec = spec_of(model=model_path, verifier=both), spec_of(top_p=0.9, model=model_path, verifier=both)
+    closers: list = []
+    try:
+        base, made, models, honest_groups, unchanged = attack_groups(kind, policy, tmp, n, spec, top_p_spec, closers)
+    finally:
+        for c in closers:
+            c.close()
+    rows = []
+    for name, (cls, groups) in made.items():
+        s = top_p_spec if name.startswith("tokens outside") else spec
+        judge = Judge(client, s, models)
+        row: dict = {"engine": kind, "attack": name, "groups": len(groups), "unchanged": unchanged.get(name, 0)}
+        judge.reset()
+        if cls == "replay":
+            for g in base:
+                assert judge.verdict(g) is None, f"an honest original was rejected: {judge.last}"
+        reasons = [judge.verdict(copy.deepcopy(g)) for g in groups]
+        rejected = sum(r is not None for r in reasons)
+        row["rejected"], row["passed"] = rejected, len(groups) - rejected
+        row["reasons"] = sorted({r for r in reasons if r})
+        rows.append(row)
+    now = Judge(client, spec, models)
+    now.reset()
+    reasons = [now.verdict(g) for g in honest_groups]
+    rejected = sum(r is not None for r in reasons)
+    honest_row = {"engine": kind, "attack": "(honest)", "groups": len(honest_groups), "rejected": rejected}
+    rows.append({**honest_row, "passed": len(honest_groups) - rejected, "reasons": sorted({r for r in reasons if r})})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--groups", type=int, default=12, help="groups per attack")
+    ap.add_argument("--honest-groups", type=int, default=48, help="honest groups per dtype for the margins")
+    ap.add_argument("--engine", choices=["torch", "vllm", "both"], default="torch", help="the engine drawing groups")
+    ap.add_argument("--json", type=Path, default=None, help="write the detection rows here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    spec = spec_of()
+    policy = resolve_model_path(spec.model, spec.task, seed=0)
+    tmp = Path(tempfile.mkdtemp(prefix="rlfleet-gate-bench-"))
+    engines = ["torch", "vllm"] if args.engine == "both" else [args.engine]
+
+    if "torch" in engines and args.honest_groups > 0:
+        print(f"model {policy.name}; honest groups per dtype: {args.honest_groups}\n")
+        print("| dtype | exp mismatches | mantissa mean | mantissa median | abs logprob diff | replay miss |")
+        print("|---|---|---|---|---|---|")
+        for dtype in ("float32", "bfloat16"):
+            w = honest_margins(policy, dtype, args.honest_groups)
+            c = DEFAULTS[("torch", "cpu", dtype)]
+            print(
+                f"| {dtype} honest (worst) | {w['exp']:.0f} | {w['mean']:.3g} | {w['median']:.3g} | "
+                f"{w['logprob']:.2g} | {w['replay']:.2g} |"
+            )
+            print(
+                f"| {dtype} default | {c.toploc.max_exp_mismatches} | {c.toploc.max_mant_err_mean} | "
+                f"{c.toploc.max_mant_err_median} | {c.logprob_tolerance} | {c.replay_tolerance} |"
+            )
+        print()
+
+    rows: list[dict] = []
     with EmbeddedRedis(tmp / "redis") as url:
         client = redis.Redis.from_url(url)
-        for name, (kind, build) in classes.items():
-            s = top_p_spec if name.startswith("tokens outside") else spec
-            pre = Judge(client, spec_of(top_p=s.sampling.top_p, verifier=PRE_16), models)
-            now = Judge(client, s, models)
-            groups = made.get(name) or [build(g) for g in base]
-            cells = []
-            for judge in (pre, now):
-                if judge is pre and kind != "numeric":
-                    cells.append("n/a (issue: 12/12 passed)")
-                    continue
-                judge.reset()
-                if kind == "replay":
-                    for g in base:
-                        assert judge.verdict(g) is None, "an honest original was rejected"
-                reasons = []
-                for g in groups:
-                    g = copy.deepcopy(g)
-                    if judge is pre:
-                        g.engine = "vllm"  # no seed replay: the numeric checks alone
-                    reasons.append(judge.verdict(g))
-                n = sum(r is not None for r in reasons)
-                kinds = ",".join(sorted({r for r in reasons if r}))
-                cells.append(f"{n}/{len(groups)}" + (f" ({kinds})" if kinds else ""))
-            print(f"| {name} | {cells[0]} | {cells[1]} |")
-        now = Judge(client, spec, models)
-        now.reset()
-        honest_reasons = [now.verdict(attacks.honest(engine, spec, 300 + i)) for i in range(args.groups)]
-        print(f"| (honest, for reference) | | {sum(r is not None for r in honest_reasons)}/{args.groups} |")
-
-    # Item 5: what a logprob shift inside the old tolerance does to the trainer's ratios.
-    shift = 0.045
-    ratios = [np.exp(shift) - 1.0]
-    print(
-        f"\nlogprobs shifted by {shift} (inside the old 0.05 tolerance): every importance ratio off by "
-        f"{100 * ratios[0]:.1f} % if trained on the worker's; 0 % on the gate's recomputed ones (spot-checked groups)"
-    )
+        for kind in engines:
+            if kind == "torch":
+                rows += detection(kind, policy, tmp, args.groups, client, "builtin://tiny-arithmetic")
+            else:
+                path = vllm_policy(tmp)
+                rows += detection(kind, path, tmp, args.groups, client, str(path))
+    print("| engine | attack | rejected (reasons) |")
+    print("|---|---|---|")
+    for r in rows:
+        why = f" ({','.join(r['reasons'])})" if r["reasons"] else ""
+        if r.get("unchanged"):
+            why += f"; {r['unchanged']} left token for token honest by the attack"
+        print(f"| {r['engine']} | {r['attack']} | {r['rejected']}/{r['groups']}{why} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -208,7 +208,7 @@ def _pool_problems(run: RLRun, pools: list[InferencePool]) -> list[str]:
             )
         if pool.spec.engine in ("vllm", "auto") and "vllm" not in spec.verifier.engines:
             problems.append(
-                f"{where}: spec.engine: {pool.spec.engine} may draw with vLLM, whose groups the gate cannot replay and "
+                f"{where}: spec.engine: {pool.spec.engine} may draw with vLLM, whose groups the gate "
                 f"refuses unless the run admits them: add vllm to RLRun spec.verifier.engines (or use engine: torch)"
             )
     return problems

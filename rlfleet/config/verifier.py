@@ -19,21 +19,21 @@ class ToplocSpec(Spec):
         default=None,
         ge=0,
         description="Reject a chunk with more exponent mismatches than this among its top-k. Empty: calibrated for "
-        "the group's engine and the run's dtype (rlfleet/services/toploc/calibration.py): 38 = 128 - TEXP for vllm "
-        "(TEXP = 90 matches; Ong et al., arXiv:2501.16007; toploc-experiments `vllm_validate_poly.py`, bf16 GPU "
-        "non-determinism), tight values measured on honest runs for the torch engine.",
+        "the group's engine, verifier.workerDevice and the run's dtype (rlfleet/services/toploc/calibration.py): "
+        "38 = 128 - TEXP on gpu (TEXP = 90 matches; Ong et al., arXiv:2501.16007; toploc-experiments "
+        "`vllm_validate_poly.py`, bf16 GPU non-determinism), tight values measured on honest runs on cpu.",
     )
     max_mant_err_mean: float | None = Field(
         default=None,
         ge=0.0,
         description="Reject a chunk whose mean mantissa error (over exponent-matched values) exceeds this. Empty: "
-        "calibrated for the group's engine and the run's dtype (TMEAN = 10 for vllm; Ong et al., arXiv:2501.16007).",
+        "calibrated (TMEAN = 10 on gpu; Ong et al., arXiv:2501.16007; tight on cpu).",
     )
     max_mant_err_median: float | None = Field(
         default=None,
         ge=0.0,
-        description="Reject a chunk whose median mantissa error exceeds this. Empty: calibrated for the group's engine "
-        "and the run's dtype (TMEDIAN = 8 for vllm; Ong et al., arXiv:2501.16007).",
+        description="Reject a chunk whose median mantissa error exceeds this. Empty: calibrated (TMEDIAN = 8 on "
+        "gpu; Ong et al., arXiv:2501.16007; tight on cpu).",
     )
 
 
@@ -76,6 +76,12 @@ class BanPolicySpec(Spec):
         "behind a slow link hits when its group outlives maxAsyncLevel, and replay, which two honest groups of one "
         "prompt with the same completions also get). banOn still applies to them.",
     )
+    min_replay_positions: int = Field(
+        default=4096,
+        ge=1,
+        description="Replayed positions a worker must have before its running replay mismatch share can ban it "
+        "(verifier.maxRunningMismatchShare).",
+    )
 
 
 class VerifierSpec(Spec):
@@ -86,29 +92,51 @@ class VerifierSpec(Spec):
     engines: list[Literal["torch", "vllm"]] = Field(
         default_factory=lambda: list[Literal["torch", "vllm"]](["torch"]),
         min_length=1,
-        description="Engines whose groups the gate admits (a group records the engine that drew it). torch groups "
-        "are replayed from their seeds on spot-check; vllm groups cannot be (vLLM's own sampler, not bit-reproducible "
-        "on a GPU), so they get the proof, logprob and top-k/top-p checks alone, with the looser vllm thresholds: list "
-        "vllm only when a pool runs it.",
+        description="Engines whose groups the gate admits (a group records the engine that drew it). Both draw by "
+        "rlfleet's seeded rule (rlfleet/models/sampling.py), so every spot-checked group is replayed from its seeds "
+        "whatever engine it claims; the claimed engine only picks calibrated tolerances (with workerDevice and "
+        "spec.model.dtype), it never skips a check.",
+    )
+    worker_device: Literal["cpu", "gpu"] = Field(
+        default="cpu",
+        description="Device class the run's workers compute on; with the group's engine and spec.model.dtype it "
+        "picks the calibrated tolerances (rlfleet/services/toploc/calibration.py). cpu: tight (exact seed replay; "
+        "vLLM on CPU in fp32 as tight as torch). gpu: loose, the TOPLOC authors' values and a small share of "
+        "replay mismatches per group, not yet calibrated on a GPU. Set by the run, never by a worker.",
     )
     logprob_tolerance: float | None = Field(
         default=None,
         gt=0.0,
         description="Largest accepted |claimed - recomputed| token logprob; also the logit slack of the top-k "
-        "possibility check. Empty: calibrated for the group's engine and the run's dtype.",
+        "possibility check. Empty: calibrated for the group's engine, workerDevice and the run's dtype.",
     )
     top_p_tolerance: float | None = Field(
         default=None,
         ge=0.0,
-        description="vllm groups: a token is impossible when the probability mass certainly ranked above it exceeds "
-        "topP by more than this. Empty: calibrated for the engine and dtype.",
+        description="A token is impossible when the probability mass certainly ranked above it exceeds topP by more "
+        "than this (checked on every spot-checked group with topP < 1 or topK > 0). Empty: calibrated.",
     )
     replay_tolerance: float | None = Field(
         default=None,
         ge=0.0,
-        description="torch groups: slack, in probability mass and in logits at the top-k/top-p boundaries, within "
-        "which a replayed draw may differ from the worker's (float noise of another batch shape or thread count). "
-        "Empty: calibrated for the dtype.",
+        description="Slack, in probability mass and in logits at the top-k/top-p boundaries, within which a replayed "
+        "draw may differ from the worker's (float noise of another batch shape, thread count, engine or device). "
+        "Empty: calibrated for the engine, workerDevice and dtype.",
+    )
+    max_replay_mismatch_share: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Reject a group (seed_replay) when more than this share of its positions hold a token its seed "
+        "does not draw, beyond replayTolerance. Empty: calibrated (0 on CPU: exact replay; a small share on GPU).",
+    )
+    max_running_mismatch_share: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Ban a worker whose replay mismatches over all its replayed positions (at least "
+        "ban.minReplayPositions) exceed this share (0 = never). Empty: calibrated (0 on CPU, where one mismatch "
+        "already rejects and bans; below the per-group share on GPU).",
     )
     spot_check_fraction: float = Field(
         default=1.0,

@@ -1,15 +1,22 @@
-"""How a token is drawn and where a completion stops: the contract the torch engine samples by and
-the gate replays (rlfleet/services/toploc/replay.py, ending.py).
+"""How a token is drawn and where a completion stops: the contract every engine samples by (the torch
+engine on whole batches, rlfleet/services/rollout/engines/torch_engine.py; vLLM one decode step at a
+time, in its worker, engines/vllm_worker.py) and the gate replays (rlfleet/services/toploc/replay.py,
+ending.py). Both engines call these functions, so the contract lives here only; on the same logits
+they draw the same tokens (vLLM-CPU fp32 and the torch engine: identical completions).
 
 Randomness per sample: sample i of a group with seed s draws with `sample_seed(s, i)`, whose
-uniform stream `sample_uniforms(seed, n)` (numpy PCG64, one float64 per position) does not depend
-on how the worker batches rows or how many threads it runs.
+uniform stream `sample_uniforms(seed, n)` (numpy PCG64, one float64 per position t of the
+completion, t = 0 for its first token) does not depend on how the worker batches rows or how many
+threads it runs; `UniformStream` reads the same stream one position at a time.
 
 Drawing (inverse CDF): at position t, with p = softmax(logits / temperature) restricted to the
-top-k, then to the top-p nucleus (`keep_mask`, the same order as vLLM and HF: k first), and
+top-k, then to the top-p nucleus (`keep_mask`, the same order as vLLM and HF: k first;
+`keep_mask_rows` when rows differ in top-p/top-k), and
 renormalised, the token is the first index j in vocabulary order with cumsum(p)[j] > u_t * sum(p).
 Given the weights, the prompt and the seed, every token is therefore determined, and a verifier
-holding the prefill's logits can check each one without decoding.
+holding the prefill's logits can check each one without decoding; where the engine's logits differ
+from the verifier's (another dtype or device), only draws whose u_t falls within that difference
+of a CDF edge can differ.
 
 Stopping: a completion ends at its first stop token (`stop_token_ids`: the tokenizer's EOS and the
 model's configured EOS ids), which is then its last token, or after `completion_budget` tokens:
@@ -34,6 +41,27 @@ def sample_uniforms(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).random(n)
 
 
+class UniformStream:
+    """`sample_uniforms(seed, ·)` read one position at a time, for an engine that meets positions one decode
+    step at a time (vLLM's worker, rlfleet/services/rollout/engines/vllm_worker.py): the stream is drawn
+    lazily in growing chunks from one generator. PCG64's `random` turns each 64-bit output into one
+    double with no carried state, so consecutive chunks are exactly one longer call: `stream[t] ==
+    sample_uniforms(seed, n)[t]` for every t < n (tests/rollout/test_sampler_contract.py)."""
+
+    CHUNK = 256
+
+    def __init__(self, seed: int):
+        self._rng = np.random.default_rng(seed)
+        self._u = np.empty(0)
+
+    def __getitem__(self, t: int) -> float:
+        if t < 0:
+            raise IndexError(f"position {t} of a completion")
+        while t >= len(self._u):
+            self._u = np.concatenate([self._u, self._rng.random(max(self.CHUNK, len(self._u)))])
+        return float(self._u[t])
+
+
 def keep_mask(logits: torch.Tensor, top_p: float, top_k: int, slack: float = 0.0) -> torch.Tensor:
     """(B, V) bool: the tokens top-k then top-p leave drawable (logits already divided by the temperature).
 
@@ -49,6 +77,22 @@ def keep_mask(logits: torch.Tensor, top_p: float, top_k: int, slack: float = 0.0
         probs = torch.softmax(sorted_logits, dim=-1)
         inside = probs.cumsum(-1) - probs <= top_p + slack  # the smallest prefix whose mass reaches top_p
         keep &= torch.zeros_like(keep).scatter(-1, order, inside)
+    return keep
+
+
+def keep_mask_rows(logits: torch.Tensor, filters: list[tuple[float, int]]) -> torch.Tensor:
+    """(B, V) bool: `keep_mask` of each row under its own (top_p, top_k); rows sharing them are filtered
+    together (every operation of keep_mask is row-wise, so a row's mask does not depend on its batch)."""
+    rows_of: dict[tuple[float, int], list[int]] = {}
+    for row, f in enumerate(filters):
+        rows_of.setdefault(f, []).append(row)
+    if len(rows_of) == 1:
+        (top_p, top_k), _ = rows_of.popitem()
+        return keep_mask(logits, top_p, top_k)
+    keep = torch.empty_like(logits, dtype=torch.bool)
+    for (top_p, top_k), rows in rows_of.items():
+        idx = torch.tensor(rows, device=logits.device)
+        keep[idx] = keep_mask(logits[idx], top_p, top_k)
     return keep
 
 

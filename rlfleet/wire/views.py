@@ -117,7 +117,8 @@ _TRAINER = _fields(
 # starts its engine from the builtin build of seed; everyone bounds staleness by maxAsyncLevel.
 _TRAINER_OTHERS = _fields("trainer: maxAsyncLevel batchSize seed")
 _VERIFIER = _fields(
-    "verifier: toploc engines logprobTolerance topPTolerance replayTolerance spotCheckFraction claimIdleMs"
+    "verifier: toploc engines workerDevice logprobTolerance topPTolerance replayTolerance maxReplayMismatchShare"
+    " maxRunningMismatchShare spotCheckFraction claimIdleMs"
     " maxAttempts maxMessageBytes ban"
 )
 _REDIS = _fields("redis: url streamMaxLen roleUrls")

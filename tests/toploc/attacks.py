@@ -21,6 +21,17 @@ from rlfleet.tasks import make_run_task
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
 
 
+class Attacker:
+    """A worker's engine (torch or vLLM) beside the real weights it proves tampered tokens with: the attacks
+    below draw with `generate` and prove with `model` (a vLLM engine holds no torch model of its own)."""
+
+    def __init__(self, engine, model, tokenizer):
+        self.engine, self.model, self.tokenizer, self.name = engine, model, tokenizer, engine.name
+
+    def generate(self, prompt_ids, params, n, first=0):
+        return self.engine.generate(prompt_ids, params, n, first=first)
+
+
 def text_of(tokenizer, completion_ids: list[int]) -> str:
     """The reward's text: the tokens before the first EOS."""
     eos = tokenizer.eos_token_id

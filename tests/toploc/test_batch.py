@@ -70,9 +70,12 @@ def test_batched_prefill_checks_give_each_group_its_own_verdict(tmp_path, redis_
         assert [rejection(r) and r.reason for r in together] == expected
         assert [rejection(r) and r.detail for r in together] == [rejection(r) and r.detail for r in alone]
         assert all(r.worker_id == g.worker_id for g, r in zip(groups, together) if rejection(r))
-        for a, t in zip(alone, together):  # a passing group leaves with the logprobs it gets alone
+        for a, t in zip(alone, together):  # a passing group leaves with the logprobs and replay score it gets alone
             if not rejection(a):
-                torch.testing.assert_close(torch.tensor(sum(t, [])), torch.tensor(sum(a, [])), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(
+                    torch.tensor(sum(t[0], [])), torch.tensor(sum(a[0], [])), rtol=1e-5, atol=1e-5
+                )
+                assert (t[1].positions, t[1].mismatches) == (a[1].positions, a[1].mismatches)
 
 
 def test_scored_rows_match_one_prefill_per_group(tmp_path, monkeypatch):

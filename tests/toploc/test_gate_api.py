@@ -60,7 +60,9 @@ def test_api_verifies_out_of_band_and_reports_workers_health_metrics(tmp_path, r
             run_gate(ctx, origin_url, tmp / "cache", expected=2)
             assert verified_ids(ctx) == [honest.rollout_id]
             workers = api.get("/workers").json()
-            assert workers["w-honest"] == {"counters": {"accepted": 1}, "banned": None}
+            honest_counters = workers["w-honest"]["counters"]  # the seed replay's score rides with the verdict
+            assert workers["w-honest"]["banned"] is None and honest_counters["accepted"] == 1
+            assert honest_counters["replay_mismatches"] == 0 and honest_counters["replay_positions"] > 0
             assert workers["w-other"]["banned"]["reason"] == "toploc"
             one = api.get("/workers/w-other").json()
             assert one["counters"] == {"rejected": 1, "rejected:toploc": 1} and one["banned"]["rule"] == "banOn"

@@ -70,17 +70,24 @@ def test_an_fp32_run_rejects_what_its_numerics_rule_out_without_any_threshold_se
         assert sorted(verified_ids(ctx)) == sorted(g.rollout_id for g in honest)
 
 
-def test_calibration_follows_engine_and_dtype_and_explicit_settings_win():
+def test_calibration_follows_engine_device_and_dtype_and_explicit_settings_win():
     from rlfleet.services.toploc.calibration import AUTHORS, DEFAULTS, calibration
 
     def verifier(text: str, dtype: str = "float32"):
         doc = rlrun("c", model={"path": "m", "dtype": dtype}, verifier=yaml.safe_load(text))
         return parse_bundle(bundle_yaml(doc)).run.spec.verifier
 
-    assert calibration(verifier("{}"), "torch", "float32") == DEFAULTS[("torch", "float32")]
-    assert calibration(verifier("{}", "bfloat16"), "torch", "bfloat16") == DEFAULTS[("torch", "bfloat16")]
-    assert calibration(verifier("{}"), "vllm", "float32") == AUTHORS
-    fp32 = DEFAULTS[("torch", "float32")]
+    fp32 = DEFAULTS[("torch", "cpu", "float32")]
+    assert calibration(verifier("{}"), "torch", "float32") == fp32
+    assert calibration(verifier("{}", "bfloat16"), "torch", "bfloat16") == DEFAULTS[("torch", "cpu", "bfloat16")]
+    assert calibration(verifier("{}"), "vllm", "float32") == fp32  # vLLM on CPU in fp32: as tight as torch
+    assert fp32.max_mismatch_share == 0 and fp32.max_running_share == 0  # exact replay on CPU
+    gpu = calibration(verifier("{workerDevice: gpu}", "bfloat16"), "vllm", "bfloat16")
+    assert gpu.toploc == AUTHORS.toploc and 0 < gpu.max_running_share < gpu.max_mismatch_share < 0.1
+    for c in DEFAULTS.values():  # noise is absorbed by a share of mismatches, never by a mass slack (a hole)
+        assert c.replay_tolerance == 1e-3
+    share = calibration(verifier("{workerDevice: gpu, maxReplayMismatchShare: 0}"), "vllm", "float32")
+    assert share.max_mismatch_share == 0
     assert fp32.toploc.max_exp_mismatches < AUTHORS.toploc.max_exp_mismatches
     assert fp32.logprob_tolerance < AUTHORS.logprob_tolerance
     set_ = calibration(

@@ -2,8 +2,9 @@
 
 The torch engine draws each sample from its own seed by inverse CDF (rlfleet/models/sampling.py), so a
 sample is the same whatever batch or thread count drew it, and the gate re-draws every token from
-its prefill (replay.py). vLLM's groups cannot be replayed: the gate admits them only when the run
-lists vllm in spec.verifier.engines and then checks them by proofs and logprobs alone. A run can
+its prefill (replay.py). vLLM draws by the same rule in its worker, so
+every group is replayed whatever engine it claims; the gate admits vllm groups only when the run lists vllm in
+spec.verifier.engines, and the label only picks calibrated tolerances. A run can
 also assign each group's task and seed (spec.sampling.assignment: run), so a worker cannot grind them.
 """
 
@@ -70,7 +71,9 @@ def test_samples_their_seeds_do_not_draw_are_rejected(tmp_path, redis_url):
 
 
 @pytest.mark.parametrize("engines", [None, "[torch, vllm]"])
-def test_vllm_groups_need_admission_and_are_checked_without_replay(tmp_path, redis_url, engines):
+def test_vllm_groups_need_admission_and_a_vllm_label_does_not_skip_replay(tmp_path, redis_url, engines):
+    """A torch worker labelling its groups vllm (a downgrade attempt) is replayed all the same: its
+    temperature lie with recomputed logprobs is caught as seed_replay, as for a torch label."""
     verifier = f"{{engines: {engines}}}" if engines else "{}"
     sampling = "{groupSize: 4, maxTokens: 6, topP: 0.5}"  # far outside the nucleus, past the vllm slack
     with gate_system(tmp_path, redis_url, sampling=sampling, verifier=verifier) as (ctx, policy, origin_url, tmp):
@@ -90,9 +93,10 @@ def test_vllm_groups_need_admission_and_are_checked_without_replay(tmp_path, red
             assert got == dict.fromkeys([honest.rollout_id, lie.rollout_id, nucleus.rollout_id], "sampling_params")
             [record] = [r for r in _records(ctx) if r["rollout_id"] == honest.rollout_id]
             assert "spec.verifier.engines" in record["detail"]
-        else:  # admitted: proofs and logprobs hold, a temperature lie with recomputed logprobs passes (the limit)
-            assert verified_ids(ctx) == [honest.rollout_id, lie.rollout_id]
-            assert got == {nucleus.rollout_id: "impossible_token"}
+        else:  # admitted: replayed like any group, whatever the label
+            assert verified_ids(ctx) == [honest.rollout_id]
+            assert got == {lie.rollout_id: "seed_replay", nucleus.rollout_id: "seed_replay"}
+            assert one_worker_stats(ctx.redis, ctx.keys, "w-vllm")["counters"]["replay_mismatches"] == 0
 
 
 def _records(ctx) -> list[dict]:

@@ -7,7 +7,7 @@ the `Scored` of its own rows. A row's hidden states and logprobs do not depend o
 padding, causal attention with the padding masked), up to the float rounding of another matrix
 shape, which the TOPLOC thresholds and the logprob tolerance are set to absorb.
 
-`prefill_verdicts`: checks 3 and 4 (TOPLOC, logprobs, seed replay or possible tokens) of groups of one
+`prefill_verdicts`: checks 3 and 4 (TOPLOC, logprobs, seed replay and its score, possible tokens) of groups of one
 version, each judged by `Checker.prefill_checks` on its own rows: a group's verdict is the one it gets
 alone, and an accepted one leaves with its recomputed logprobs, as alone.
 
@@ -32,6 +32,7 @@ import torch
 
 from rlfleet.models.policy import Scored, score
 from rlfleet.services.toploc.checks import Checker, Outcome, Rejection, decode_group
+from rlfleet.services.toploc.replay import ReplayScore
 from rlfleet.wire.streams import RolloutGroup
 
 # Padded positions per prefill: bounds its activations (positions x hidden) and logits (positions x
@@ -80,14 +81,14 @@ def score_groups(model, groups: list[RolloutGroup], temperature: float, pad_id: 
 
 def prefill_verdicts(
     checker: Checker, model, tokenizer, groups: list[RolloutGroup]
-) -> list[Rejection | list[list[float]]]:
+) -> list[Rejection | tuple[list[list[float]], ReplayScore]]:
     """Checks 3 and 4 of groups of one policy version (`model`, `tokenizer`) with batched prefills:
-    per group its recomputed logprobs (G, T_i) when it passed, else its Rejection, the verdict
+    per group its recomputed logprobs (G, T_i) and replay score when it passed, else its Rejection, the verdict
     `checker.prefill_checks` gives it alone."""
     by_temperature: dict[float, list[int]] = defaultdict(list)
     for i, g in enumerate(groups):
         by_temperature[g.sampling.temperature].append(i)
-    verdicts: list[Rejection | list[list[float]]] = [[] for _ in groups]
+    verdicts: list[Rejection | tuple[list[list[float]], ReplayScore]] = [([], ReplayScore()) for _ in groups]
     for temperature, members in by_temperature.items():
         scored = score_groups(model, [groups[i] for i in members], temperature, tokenizer.pad_token_id)
         for i, sc in zip(members, scored):
@@ -124,14 +125,16 @@ def handle_batch(gate, entries: list[tuple[bytes, dict]]) -> list[int]:
                 verdicts[n] = (group, got)
             else:
                 assert isinstance(first, Outcome)  # drawn only when check() passed
-                verdicts[n] = (group, dataclasses.replace(first, prefill_checked=True, logprobs=got))
+                logprobs, replay = got
+                trusted = dataclasses.replace(first, prefill_checked=True, logprobs=logprobs, replay=replay)
+                verdicts[n] = (group, trusted)
     banned: set[str] = set()
     answers = []
     for (msg_id, fields), (group, result) in zip(entries, verdicts):  # pass 3
         if group is not None and group.worker_id in banned:
             group, result = gate.judge(msg_id, fields)
         answer = gate.commit(msg_id, fields, group, result)
-        if answer == 2 and isinstance(result, Rejection) and result.worker_id is not None:
-            banned.add(result.worker_id)
+        if answer == 2 and group is not None:  # a rejection's ban, or an accepted group's running-share ban
+            banned.add(group.worker_id)
         answers.append(answer)
     return answers

@@ -15,13 +15,16 @@ reason names the check (the reasons are spelled once, `RejectionReason` in rlfle
                 recomputed top-k is too far from the proof (one prefill of prompt + completion with
                 the claimed version);
   4. sampling   logprob_mismatch: a claimed token logprob differs from the recomputed one by more
-                than the logprob tolerance; torch groups: seed_replay, a token its seed does not draw
-                (replay.py); vllm groups: impossible_token, a token that top-k / top-p would have
-                excluded, beyond the tolerances (so honest rounding never trips it);
+                than the logprob tolerance; seed_replay: every group, whatever engine it claims (both
+                draw by rlfleet/models/sampling.py), is re-drawn from its seeds and scored (replay.py):
+                rejected when the share of tokens its seeds do not draw exceeds the calibrated share
+                (0 on CPU); where that share is above 0 (GPU rows), impossible_token: a token that
+                top-k / top-p would have excluded, beyond the tolerances;
   5. reward     recomputed by the trusted verifier on the tokens before the stop token; the claimed
                 one is ignored but counted when wrong.
-Thresholds and tolerances follow the group's engine and the run's dtype unless the run sets them
-(calibration.py). Checks 3 and 4 (the prefill) run on the spot-checked fraction of groups; 1, 2, 5
+Thresholds and tolerances follow the group's engine, the run's workerDevice and dtype unless the
+run sets them (calibration.py); the claimed engine only picks tolerances, it never skips a check.
+Checks 3 and 4 (the prefill) run on the spot-checked fraction of groups; 1, 2, 5
 on every group. A spot-checked group leaves with the recomputed logprobs (`Outcome.logprobs`), which
 the trainer then trains on instead of the worker's. Out-of-band verification (`msg_id=None`) skips
 only the one-time guards (replay, ticket) and writes nothing.
@@ -50,7 +53,7 @@ from rlfleet.services.toploc.calibration import Calibration, calibration
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.guards import ticket_replay, work_replay
 from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs_many
-from rlfleet.services.toploc.replay import group_replay
+from rlfleet.services.toploc.replay import ReplayScore, group_score
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.tasks import make_run_task
 from rlfleet.wire.assignment import ticket_problem
@@ -82,6 +85,7 @@ class Outcome:
     prefill_checked: bool  # checks 3 and 4 ran (spot-checking)
     tokens: int  # completion tokens in the group
     logprobs: list[list[float]] | None = None  # (G, T_i) recomputed token logprobs, when the prefill ran
+    replay: ReplayScore | None = None  # the seed replay's score, when the prefill ran
 
 
 def decode_group(fields: dict, max_bytes: int) -> RolloutGroup:
@@ -151,6 +155,10 @@ class Checker:
         """Thresholds for `group`: its engine's (admitted by envelope) at the run's dtype, unless the run sets them."""
         return calibration(self.spec.verifier, group.engine, self.spec.model.dtype)
 
+    def running_share_limit(self, group: RolloutGroup) -> float:
+        """The running replay mismatch share past which `group`'s worker is banned (0 = never)."""
+        return self.calibration(group).max_running_share
+
     def check(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool = True, deferred: bool = False) -> Outcome:
         """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band. `deferred`: the
         caller runs the prefill checks of a `prefill` group itself (batch.py), the others run here."""
@@ -172,7 +180,9 @@ class Checker:
             if problem_end:
                 raise Rejection("completion_end", problem_end)
             self.proof_shapes(group, model.config.hidden_size)
-            logprobs = self.prefill_checks(group, model, tokenizer) if prefill and not deferred else None
+            logprobs, replay = None, None
+            if prefill and not deferred:
+                logprobs, replay = self.prefill_checks(group, model, tokenizer)
             rewards, mismatches = [], 0
             for sample in group.samples:
                 text = completion_text(tokenizer, sample.completion_ids, stop_ids)
@@ -182,7 +192,7 @@ class Checker:
             exc.worker_id = group.worker_id
             raise
         tokens = sum(len(s.completion_ids) for s in group.samples)
-        return Outcome(rewards, mismatches, prefill and not deferred, tokens, logprobs)
+        return Outcome(rewards, mismatches, prefill and not deferred, tokens, logprobs, replay)
 
     def envelope(self, group: RolloutGroup, msg_id: bytes | None) -> None:
         s = self.spec.sampling
@@ -228,8 +238,7 @@ class Checker:
         if msg_id is None:
             return
         oldest = (latest_announced_version(self.redis, self.keys) or 0) - self.spec.trainer.max_async_level
-        seeds_replayed = prefill and group.engine == "torch"
-        problem = work_replay(self.redis, self.keys, group, msg_id, seeds_replayed, oldest)
+        problem = work_replay(self.redis, self.keys, group, msg_id, prefill, oldest)  # every engine is replayed
         if problem is None and self.spec.sampling.assignment == "run":
             problem = ticket_replay(self.redis, self.keys, group, msg_id)
         if problem:
@@ -247,10 +256,12 @@ class Checker:
                 if len(proof) != want:
                     raise Rejection("toploc", f"samples[{i}] proof {c} is {len(proof)} bytes, expected {want}")
 
-    def prefill_checks(self, group: RolloutGroup, model, tokenizer, scored: Scored | None = None) -> list[list[float]]:
-        """Checks 3 (TOPLOC) then 4 (logprobs, then seed replay or possible tokens), from one batched
+    def prefill_checks(
+        self, group: RolloutGroup, model, tokenizer, scored: Scored | None = None
+    ) -> tuple[list[list[float]], ReplayScore]:
+        """Checks 3 (TOPLOC) then 4 (logprobs, then seed replay and possible tokens), from one batched
         prefill (`scored`: this group's rows already prefilled with the group's version, e.g. by batch.py
-        with other groups); the recomputed token logprobs (G, T_i)."""
+        with other groups); the recomputed token logprobs (G, T_i) and the replay's score."""
         t, sp, cal = self.spec.verifier.toploc, group.sampling, self.calibration(group)
         prompt_len = len(group.prompt_ids)
         if scored is None:
@@ -285,24 +296,25 @@ class Checker:
                 model.lm_head(scored.hidden[i][prompt_len - 1 : -1]).float() / sp.temperature  # (T_i, V)
                 for i in range(len(group.samples))
             ]
-            self.sampling_checks(group, logits, cal)
-        return [r.tolist() for r in recomputed]
+            replay = self.sampling_checks(group, logits, cal)
+        return [r.tolist() for r in recomputed], replay
 
-    def sampling_checks(self, group: RolloutGroup, logits: list[torch.Tensor], cal: Calibration) -> None:
-        """Check 4 after the logprobs: torch groups are replayed from their seeds (replay.py); vllm groups,
-        which cannot be, get the possible-token check."""
+    def sampling_checks(self, group: RolloutGroup, logits: list[torch.Tensor], cal: Calibration) -> ReplayScore:
+        """Check 4 after the logprobs, on every group whatever its engine: the seed replay and its score
+        (replay.py); where the calibration tolerates some mismatches, also the possible-token check, so
+        a tolerated mismatch is at least a token top-k / top-p could have left."""
         sp = group.sampling
-        if group.engine == "torch":
-            miss = group_replay(logits, group, cal.replay_tolerance)
-            if miss is not None:
-                i, pos = miss
-                raise Rejection(
-                    "seed_replay",
-                    f"samples[{i}] token {pos} ({group.samples[i].completion_ids[pos]}) is not the one its seed draws",
-                )
-            return
-        if sp.top_p >= 1.0 and sp.top_k == 0:
-            return
+        replay = group_score(logits, group, cal.replay_tolerance)
+        if replay.rejected(cal.max_mismatch_share):
+            i, pos = replay.first or (0, 0)
+            raise Rejection(
+                "seed_replay",
+                f"{replay.mismatches}/{replay.positions} tokens are not the ones their seeds draw (share "
+                f"{replay.share:.3g} > {cal.max_mismatch_share}); first: samples[{i}] token {pos} "
+                f"({group.samples[i].completion_ids[pos]})",
+            )
+        if cal.max_mismatch_share == 0 or (sp.top_p >= 1.0 and sp.top_k == 0):
+            return replay  # an exact replay already proved every token drawable
         for i, sample in enumerate(group.samples):
             tokens = torch.tensor(sample.completion_ids, device=logits[i].device)
             ok = possible_tokens(
@@ -314,3 +326,4 @@ class Checker:
                     "impossible_token",
                     f"samples[{i}] token {pos} ({int(tokens[pos])}) is outside top-k {sp.top_k} / top-p {sp.top_p}",
                 )
+        return replay

@@ -1,4 +1,5 @@
-"""Where a completion stops (check 1 of checks.py, every group): rlfleet/models/sampling.py's contract.
+"""Where a completion stops (check 1 of checks.py, every group of every engine, spot-checked or not):
+rlfleet/models/sampling.py's contract, which the torch engine and vLLM's worker both keep.
 
 A completion holds no token after its first stop token, and either ends with one or has exactly
 `completion_budget` tokens (min(maxTokens, context - prompt - 1)): a completion cut short without a

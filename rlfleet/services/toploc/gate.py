@@ -52,7 +52,7 @@ from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.health import prefill_liveness, watch
-from rlfleet.services.toploc.reputation import ban_plan, field
+from rlfleet.services.toploc.reputation import ban_plan, field, replay_plan
 from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
@@ -108,6 +108,14 @@ if ban then
   for _, f in ipairs(ban.forgiven_fields) do count = count - tonumber(redis.call('HGET', KEYS[4], f) or '0') end
   if ban.now or (ban.max > 0 and count >= ban.max) then
     if redis.call('HSETNX', KEYS[5], ban.worker, ban.record) == 1 then return 2 end
+  end
+end
+local sb = plan.share_ban
+if sb then
+  local n = tonumber(redis.call('HGET', KEYS[4], sb.positions) or '0')
+  local m = tonumber(redis.call('HGET', KEYS[4], sb.mismatches) or '0')
+  if n >= sb.min and m > sb.max * n then
+    if redis.call('HSETNX', KEYS[5], sb.worker, sb.record) == 1 then return 2 end
   end
 end
 return 1
@@ -228,7 +236,7 @@ class Gate:
             }
             original = next(iter(fields.values()), b"")[: v.max_message_bytes]  # an oversize one is cut
             out = {**encode_json(record), b"original": original}
-            plan = {"stats": {"rejected": 1, f"rejected:{exc.reason}": 1}, "workers": {}}
+            plan: dict = {"stats": {"rejected": 1, f"rejected:{exc.reason}": 1}, "workers": {}}
             if worker is not None:
                 plan["workers"] = {field(worker, "rejected"): 1, field(worker, f"rejected:{exc.reason}"): 1}
                 plan["ban"] = ban_plan(v.ban, worker, exc.reason, exc.detail, record["rollout_id"])
@@ -245,6 +253,13 @@ class Gate:
                 plan["stats"]["reward_mismatch"] = plan["workers"][field(w, "reward_mismatch")] = (
                     outcome.reward_mismatches
                 )
+            if outcome.replay is not None:  # the seed replay's score: reputation, and the running-share ban
+                counters, share_ban = replay_plan(
+                    v.ban, w, outcome.replay, self.checker.running_share_limit(group), group.rollout_id
+                )
+                plan["workers"].update(counters)
+                if share_ban is not None:  # absent rather than null: cjson's null is a truthy userdata
+                    plan["share_ban"] = share_ban
             if not outcome.prefill_checked:
                 plan["stats"]["unchecked"] = plan["workers"][field(w, "unchecked")] = 1
             out, stream, verdict, reason, worker = group.encode(), keys.verified, "accepted", "", w
@@ -263,6 +278,7 @@ class Gate:
             UNCHECKED.inc(0 if outcome.prefill_checked else 1)
             TOKENS.labels(str(outcome.prefill_checked).lower()).inc(outcome.tokens)
         if answer == 2:
+            reason = reason or "seed_replay"  # an accepted group's ban: the running replay share
             BANS.labels(reason).inc()
             log.warning("banned worker %s (%s)", worker, reason)
         return int(answer)

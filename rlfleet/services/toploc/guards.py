@@ -4,7 +4,7 @@ the entry id is stored, so a redelivery of that entry (a claim after a verifier 
 
 Work is identified by `streams.group_digest` (prompt, sampling parameters, completions; not the
 seed nor any id the worker chooses). One exception keeps honest workers from being refused for
-what a peaked policy does: when a torch group's seeds are being replayed (it was spot-checked), a
+what a peaked policy does: when a group's seeds are being replayed (it was spot-checked; any engine), a
 group with the same completions but *another group seed* than the first one passes the guard; the
 seed replay then proves those are the tokens its own seeds draw, i.e. exactly what honest sampling
 gives, and the trainer (which dedups by digest too) still trains that content once. Everything

@@ -1,27 +1,59 @@
-"""Seed replay: is each token of a sample the one its seed draws? (check 4 of checks.py, `torch` groups)
+"""Seed replay and its score: is each token of a sample the one its seed draws? (check 4 of checks.py,
+every spot-checked group, whatever engine it claims)
 
-The torch engine draws token t of sample i as the inverse CDF of the filtered distribution at the
-uniform u_t of the sample's own stream (rlfleet/models/sampling.py). The gate holds the same distribution
-from its prefill (logits (T, V) of the claimed version at the run's temperature) and the same
-uniforms from the seed, so it re-draws every position at once, no decoding: the worker's token must
-be the one drawn. Exact but for float noise: the gate's logits differ from the decode's by about
-1e-6 in fp32 (another batch shape, other threads), so a token is accepted when u_t * mass falls in its
-CDF interval widened by `tolerance`, under the gate's top-k/top-p set or that set with its
-boundaries moved by +-`tolerance` (a near tie at the k-th logit or at the top_p mass).
+Both engines draw token t of sample i as the inverse CDF of the filtered distribution at the
+uniform u_t of the sample's own stream (rlfleet/models/sampling.py; vLLM through its worker's sampler
+hook). The gate holds the same distribution from its prefill (logits (T, V) of the claimed version
+at the run's temperature) and the same uniforms from the seed, so it re-draws every position at
+once, no decoding. A position *matches* when u_t * mass falls in the claimed token's CDF interval
+widened by `tolerance`, under the gate's top-k/top-p set or that set with its boundaries moved by
++-`tolerance` (a near tie at the k-th logit or at the top_p mass): the float noise of another
+batch shape, thread count, engine or precision.
 
-What this catches that no threshold can: a temperature lie with recomputed logprobs, greedy or
-low-temperature decoding, cherry-picked or duplicated samples, forced completions, drafts from a
-cheaper model proven with one real prefill: each picks tokens its seed would not. What it cannot:
-a worker that chooses the seed itself can try many and submit the group it likes (grinding); the
-run can assign seeds and tasks instead (rlfleet/wire/assignment.py). vLLM draws with its own sampler (on
-a GPU not bit-reproducibly either), so `vllm` groups are not replayed (checks.py).
+Score of a group (`ReplayScore`), over its P positions:
+  mismatch share  m / P, m = positions that do not match. The group is rejected (`seed_replay`) when
+                  m / P > max_mismatch_share (calibration.py: 0 on CPU, where honest draws replay
+                  exactly; a small share on GPU, where bf16 kernels move near-ties);
+  surprise        sum_t [ -log q_t(x_t) - H(q_t) ], q_t the verifier's filtered, renormalised
+                  distribution, x_t the claimed token (a Token-DiFR-style statistic): the claimed
+                  tokens' -log probability relative to its expected value under honest sampling, so
+                  ~0 on average for honest groups, negative for greedy, low-temperature or cherry-
+                  picked tokens, positive for tokens from another distribution. -log q is capped at
+                  SURPRISE_CAP (a token outside the filtered set). It is reported and accumulated per
+                  worker (reputation.py), not thresholded per group: over a few positions its noise
+                  is of the order of the entropy.
+A worker's running mismatch share (its counters `replay_mismatches` / `replay_positions`) bans it
+past `max_running_share` (gate.py), so a worker cannot stay just under the per-group share forever.
+
+What replay cannot catch: a worker that chooses the seed itself can try many and submit the group it
+likes (grinding); the run can assign seeds and tasks instead (rlfleet/wire/assignment.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlfleet.models.sampling import keep_mask, sample_seed, sample_uniforms
+
+SURPRISE_CAP = 30.0  # -log q of a token the filtered distribution excludes (q = 0)
+
+
+@dataclass(frozen=True)
+class ReplayScore:
+    positions: int = 0
+    mismatches: int = 0
+    surprise: float = 0.0  # sum over positions of -log q(claimed) - H(q)
+    first: tuple[int, int] | None = None  # (sample, position) of the first mismatch
+
+    @property
+    def share(self) -> float:
+        return self.mismatches / self.positions if self.positions else 0.0
+
+    def rejected(self, max_share: float) -> bool:
+        """Whether the group's mismatch share is over `max_share` (0: any mismatch)."""
+        return self.mismatches > 0 and self.share > max_share
 
 
 def _consistent(logits: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor, tol: float):
@@ -34,11 +66,11 @@ def _consistent(logits: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, 
     return keep.gather(-1, tokens[:, None])[:, 0] & (target >= lo - tol) & (target < hi + tol)
 
 
-def replay_mismatch(
+def replay_sample(
     logits: torch.Tensor, tokens: list[int], seed: int, top_p: float, top_k: int, tolerance: float
-) -> int | None:
-    """The first position whose token is not the one `seed` draws from `logits` (T, V) (already divided by
-    the temperature), or None when every token is."""
+) -> tuple[torch.Tensor, float]:
+    """((T,) bool: positions whose token `seed` draws from `logits` (T, V), already divided by the temperature;
+    the sample's surprise)."""
     device = logits.device  # the prefill's (a GPU's when the verifier has one): the draw is redone there
     toks = torch.tensor(tokens, dtype=torch.long, device=device)
     u = torch.from_numpy(sample_uniforms(seed, len(tokens))).to(device)
@@ -46,15 +78,30 @@ def replay_mismatch(
     ok = torch.zeros(len(tokens), dtype=torch.bool, device=device)
     for slack in (0.0, -tolerance, tolerance):
         ok |= _consistent(logits, keep_mask(logits, top_p, top_k, slack), toks, u, tolerance)
+    logq = torch.log_softmax(logits.masked_fill(~keep_mask(logits, top_p, top_k), float("-inf")), -1).double()
+    entropy = -(logq.exp() * logq.clamp(min=-SURPRISE_CAP)).sum(-1)  # (T,), 0 * -inf avoided by the clamp
+    nll = (-logq.gather(-1, toks[:, None])[:, 0]).clamp(max=SURPRISE_CAP)
+    return ok, float((nll - entropy).sum())
+
+
+def replay_mismatch(
+    logits: torch.Tensor, tokens: list[int], seed: int, top_p: float, top_k: int, tolerance: float
+) -> int | None:
+    """The first position whose token is not the one `seed` draws from `logits` (T, V), or None."""
+    ok, _ = replay_sample(logits, tokens, seed, top_p, top_k, tolerance)
     bad = (~ok).nonzero()
     return int(bad[0]) if len(bad) else None
 
 
-def group_replay(logits: list[torch.Tensor], group, tolerance: float) -> tuple[int, int] | None:
-    """(sample, position) of the first token of `group` its seeds do not draw, or None; logits[i] (T_i, V)."""
+def group_score(logits: list[torch.Tensor], group, tolerance: float) -> ReplayScore:
+    """The replay score of `group` (module docstring); logits[i] (T_i, V) of sample i."""
     sp = group.sampling
+    positions = mismatches = 0
+    surprise, first = 0.0, None
     for i, (rows, sample) in enumerate(zip(logits, group.samples)):
-        pos = replay_mismatch(rows, sample.completion_ids, sample_seed(sp.seed, i), sp.top_p, sp.top_k, tolerance)
-        if pos is not None:
-            return i, pos
-    return None
+        ok, s = replay_sample(rows, sample.completion_ids, sample_seed(sp.seed, i), sp.top_p, sp.top_k, tolerance)
+        bad = (~ok).nonzero()
+        if len(bad) and first is None:
+            first = (i, int(bad[0]))
+        positions, mismatches, surprise = positions + len(ok), mismatches + len(bad), surprise + s
+    return ReplayScore(positions, mismatches, surprise, first)

@@ -2,7 +2,14 @@
 
 Counters live in one hash (`RunKeys.workers`), field `"{worker}|{counter}"`, counters:
   accepted, rejected, rejected:{reason}, reward_mismatch (samples whose claimed reward was wrong),
-  unchecked (accepted groups that skipped the prefill checks by spot-checking).
+  unchecked (accepted groups that skipped the prefill checks by spot-checking),
+  replay_positions, replay_mismatches (tokens seed-replayed, and those their seeds do not draw, of
+  accepted groups), replay_surprise_milli (1000 x the replay's summed surprise, replay.py: ~0 for an
+  honest worker, negative for one that picks likelier tokens than its seeds do).
+A worker whose running mismatch share replay_mismatches / replay_positions exceeds the calibrated
+`max_running_share` over at least `ban.minReplayPositions` positions is banned (rule `runningReplayShare`,
+reason seed_replay): the per-group share (calibration.py) bounds one group, this bounds a worker that
+stays just under it on every group.
 Worker ids come from untrusted messages and may hold any character; counters never hold `|`, so
 a field splits at its last `|`. Bans live in `RunKeys.banned`: worker id -> JSON record of the
 rejection that triggered it. The gate writes both inside its commit script (gate.py), so a
@@ -73,3 +80,35 @@ def one_worker_stats(client: redis.Redis, keys: RunKeys, worker_id: str) -> dict
         if worker == worker_id:  # "a|*" also matches the fields of a worker called "a|b"
             counters[counter] = int(value)
     return {"counters": counters, "banned": ban_record(client, keys, worker_id)}
+
+
+def replay_plan(
+    policy: BanPolicySpec, worker_id: str, score, max_running_share: float, rollout_id: str
+) -> tuple[dict[str, int], dict | None]:
+    """The replay counters one accepted group adds to its worker (`score`: its replay.ReplayScore) and
+    the running-share ban the commit script applies after adding them (None when the limit is 0)."""
+    counters = {
+        "replay_positions": score.positions,
+        "replay_mismatches": score.mismatches,
+        "replay_surprise_milli": round(1000 * score.surprise),
+    }
+    workers = {field(worker_id, k): v for k, v in counters.items()}
+    if max_running_share <= 0:
+        return workers, None
+    detail = f"running replay mismatch share over {max_running_share} (>= {policy.min_replay_positions} positions)"
+    record = {
+        "reason": "seed_replay",
+        "detail": detail,
+        "rollout_id": rollout_id,
+        "rule": "runningReplayShare",
+        "at": time.time(),
+    }
+    share_ban = {
+        "worker": worker_id,
+        "mismatches": field(worker_id, "replay_mismatches"),
+        "positions": field(worker_id, "replay_positions"),
+        "max": max_running_share,
+        "min": policy.min_replay_positions,
+        "record": json.dumps(record),
+    }
+    return workers, share_ban

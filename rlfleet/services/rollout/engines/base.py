@@ -1,9 +1,11 @@
 """The engine seam: what a rollout worker asks of an inference engine (docs/code.md, "Small interfaces at the seams").
 
-Contract of every engine: token logprobs are `log_softmax(logits / temperature)` over the full
-vocabulary (what the trainer and verifier recompute); top-p/top-k only restrict which tokens may
-be drawn. `hidden` holds the final (post-norm) hidden state of every prompt and completion
-position, the rows TOPLOC proofs are built from, on the CPU.
+Contract of every engine: tokens are drawn by rlfleet/models/sampling.py's rule (each sample's
+uniform stream, top-k then top-p, inverse CDF), so the gate can replay them; token logprobs are
+`log_softmax(logits / temperature)` over the full vocabulary (what the trainer and verifier
+recompute); top-p/top-k only restrict which tokens may be drawn. `hidden` holds the final
+(post-norm) hidden state of every prompt and completion position, the rows TOPLOC proofs are
+built from, on the CPU.
 
 Batching: `generate_groups` samples several groups (each its own prompt, seed and sampling
 parameters) together, as one batch of the engine; `generate` is one group of it. Sample i of a
@@ -51,7 +53,7 @@ class Engine(ABC):
     Liveness (rlfleet/wire/health.py): `heartbeat` is the time.monotonic() of the last completed forward
     step, read in the worker's process; `probe` is the idle check."""
 
-    name: str  # what a group records as its `engine` (the gate replays `torch` groups, not `vllm` ones)
+    name: str  # what a group records as its `engine` (the gate chooses its checks and tolerances by it)
     version: int
     tokenizer: PreTrainedTokenizerBase
     stop_ids: frozenset[int]  # rlfleet.models.sampling.stop_token_ids of the model: a completion ends at the first

