@@ -147,7 +147,7 @@ def _after_sampler(cap: _Capture, module, args, kwargs, output) -> None:
     picked = cap.logp.gather(-1, output.sampled_token_ids[:, :1].long().to(cap.logp.device))[:, 0].to("cpu")
     for k, (rid, _, last_pos) in enumerate(cap.step):
         cap.requests[rid].sampled[last_pos + 1] = (int(tokens[k]), float(picked[k]))
-    cap.logp, cap.drawn = None, None
+    cap.logp, cap.drawn, cap.step = None, None, []  # a later sampler run without a forward is not this step
 
 
 class CaptureExtension:
