@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -125,3 +126,14 @@ def load_adapted(version_dir: Path, base_dir: Path, dtype: str = "float32", devi
     model, tokenizer = load_policy(base_dir, dtype, device)
     Merger(model).apply(version_dir)
     return model, tokenizer
+
+
+def load_version(version_dir: Path, dtype: str, device: str | torch.device, base: Callable[[], Path]):
+    """(model, tokenizer) of a fetched policy version: whole weights as they are, or an adapter merged into the
+    run's base, which `base()` resolves (only for an adapter: a whole-weights run never builds it)."""
+    from rlfleet.models.policy import load_policy
+    from rlfleet.versions.adapter import is_adapter_dir
+
+    if is_adapter_dir(version_dir):
+        return load_adapted(version_dir, base(), dtype, device)
+    return load_policy(version_dir, dtype, device)

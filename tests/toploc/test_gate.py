@@ -25,6 +25,7 @@ from rlfleet.services.toploc.gate import Gate
 from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.services.toploc.reputation import is_banned, one_worker_stats
 from rlfleet.services.trainer.main import Trainer
+from rlfleet.services.trainer.state import Commit
 from rlfleet.tasks import make_task
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
@@ -184,7 +185,9 @@ def test_verified_groups_train_once_even_when_redelivered(system):
         groups, ack, _ = trainer.collect()
         trainer.step(groups)
         trainer.version += 1
-        trainer.commit([group_digest(g) for g in groups], ack, trainer.version)
+        commit = Commit()
+        commit.add([g.rollout_id for g in groups], [group_digest(g) for g in groups], trainer.version, ack)
+        trainer.commit(commit)
         trained += [g.rollout_id for g in groups]
     assert sorted(trained) == sorted([honest.rollout_id, other.rollout_id])
     r.xadd(keys.verified, honest.encode())

@@ -17,6 +17,7 @@ from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.gate import Gate
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.sharding import full_model_state
+from rlfleet.services.trainer.state import Commit
 from rlfleet.wire.redis_acl import ADMIN, RunAcl, user_name
 from rlfleet.wire.streams import group_digest
 from tests.support import redis_from_url
@@ -57,7 +58,9 @@ def test_each_component_works_with_its_own_redis_user(tmp_path):
         groups, ack, _ = trainer.collect()
         trainer.step(groups)
         trainer.version += 1
-        trainer.commit([group_digest(g) for g in groups], ack, trainer.version)
+        commit = Commit()
+        commit.add([g.rollout_id for g in groups], [group_digest(g) for g in groups], trainer.version, ack)
+        trainer.commit(commit)
         trainer.publish(full_model_state(trainer.model))
         assert [g.rollout_id for g in groups] == [good.rollout_id]
         assert as_role["reader"].xrevrange(ctx.keys.policy, count=1)  # the announcement workers read

@@ -75,7 +75,7 @@ def test_identical_honest_work_from_other_seeds_is_accepted_and_trained_once(tmp
         assert rejections(ctx) == {copy.rollout_id: "replay"}
         trainer = Trainer(as_(ctx, TRAINER), output_dir=None)  # batchSize 1
         groups, ack, _ = trainer.collect()
-        trainer.commit(*_commit_args(trainer, groups), ack, 1)
+        _commit(trainer, groups, ack, 1)
         fresh = attacks.honest(engine, spec, 3)
         ctx.redis.xadd(ctx.keys.verified, fresh.encode())
         more, _, drops = trainer.collect()
@@ -99,7 +99,7 @@ def test_the_trainer_trains_the_same_work_once_under_any_ids(system):
         groups, ack, drops = trainer.collect()
         trainer.step(groups)
         trainer.version += 1
-        trainer.commit(*_commit_args(trainer, groups), ack, trainer.version)
+        _commit(trainer, groups, ack, trainer.version)
         trained += [g.rollout_id for g in groups]
         duplicates += drops["duplicate"]
     assert trained == [original.rollout_id, fresh.rollout_id]
@@ -107,10 +107,11 @@ def test_the_trainer_trains_the_same_work_once_under_any_ids(system):
     assert r.xlen(keys.verified) == 0
 
 
-def _commit_args(trainer, groups) -> list:
-    """What Trainer.commit records as trained: content digests (rollout ids before issue 16)."""
-    try:
-        from rlfleet.wire.streams import group_digest
-    except ImportError:
-        return [[g.rollout_id for g in groups]]
-    return [[group_digest(g) for g in groups]]
+def _commit(trainer, groups, ack, version: int) -> None:
+    """Record `groups` as trained by `version` and acknowledge them, as the trainer's save does (state.Commit)."""
+    from rlfleet.services.trainer.state import Commit
+    from rlfleet.wire.streams import group_digest
+
+    commit = Commit()
+    commit.add([g.rollout_id for g in groups], [group_digest(g) for g in groups], version, ack)
+    trainer.commit(commit)

@@ -38,22 +38,22 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import redis
 from prometheus_client import Counter
 
-from rlfleet.models.adapter import load_adapted
+from rlfleet.models.adapter import load_version
 from rlfleet.models.builtin import resolve_model_path
 from rlfleet.models.device import choose_device
-from rlfleet.models.policy import configure_torch_threads, load_policy
+from rlfleet.models.policy import configure_torch_threads
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.health import prefill_liveness, watch
 from rlfleet.services.toploc.reputation import ban_plan, field, replay_plan
-from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components
@@ -173,13 +173,11 @@ class Gate:
         in memory, and on disk those and the versions of the async window."""
         with self._models_lock:
             if version not in self.models:
-                # whole, or rebuilt from a version held here and deltas
+                # whole, or rebuilt from a version held here and deltas; a LoRA adapter merged into this base
                 path = fetch_policy(self.fetch, version, self.cache_dir)
-                if is_adapter_dir(path):  # a LoRA run: base + the claimed adapter, made over this very base
-                    base = resolve_model_path(self.spec.model, self.spec.task, self.spec.trainer.seed)
-                    self.models[version] = load_adapted(path, base, self.spec.model.dtype, self.device)
-                else:
-                    self.models[version] = load_policy(path, self.spec.model.dtype, self.device)
+                spec = self.spec
+                base = partial(resolve_model_path, spec.model, spec.task, spec.trainer.seed)
+                self.models[version] = load_version(path, spec.model.dtype, self.device, base)
                 watch(self.liveness, self.models[version][0])
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
