@@ -22,13 +22,8 @@ from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.trainer.precision import prepare_for_training
-from rlfleet.services.trainer.sharding import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_state,
-    publishable_weights,
-    shard_policy,
-)
+from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
+from rlfleet.services.trainer.state import load_checkpoint, save_checkpoint
 from rlfleet.services.trainer.update import grpo_update
 from rlfleet.versions.checkpoint import save_model_dir
 from rlfleet.versions.store import open_store
@@ -83,18 +78,17 @@ def _rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> N
     prefill = shard_policy(model, world)
     optimizer = sgd(model)
     grpo_update(prefill, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id, rank=rank, world=world)
-    weights, optimizer_state = full_model_state(model), full_optimizer_state(model, optimizer)
+    weights = full_model_state(model)
     if rank == 0:
         save_model_dir(model, tokenizer, f"{out}/published", state_dict=publishable_weights(model, weights))
-        torch.save({"model": weights, "optimizer": optimizer_state}, f"{out}/state.pt")
-    dist.barrier()
+    store = open_store(f"file://{out}/store")
+    key = save_checkpoint(store, "fsdp", 1, model, optimizer)  # each rank its shards (state.py)
 
-    # Resume as a restarted trainer does: a fresh sharded model and optimizer, then the whole state.
+    # Resume as a restarted trainer does: a fresh sharded model and optimizer, then the sharded state.
     model, tokenizer = load_policy(policy_dir)
     prefill = shard_policy(model, world)
     optimizer = sgd(model)
-    state = torch.load(f"{out}/state.pt", weights_only=True)
-    load_full_state(model, optimizer, state["model"], state["optimizer"])
+    load_checkpoint(store, key, model, optimizer)
     stats = grpo_update(
         prefill, optimizer, single_completion(), SECOND, 1.0, tokenizer.pad_token_id, rank=rank, world=world
     )

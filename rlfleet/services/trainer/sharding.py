@@ -17,9 +17,7 @@ State in and out: the resume state is not gathered; every rank saves its shards 
 torch.distributed.checkpoint and any world size reads them back (state.py). `full_model_state`
 gathers the whole weights, keyed by parameter name (torch.distributed.checkpoint.state_dict's full
 state dicts), onto rank 0's CPU for publishing; it is a collective under FSDP, so every rank calls
-it. `full_optimizer_state` and `load_full_state` gather and scatter a whole optimizer state too (for
-tools and tests; the trainer does not). The published checkpoint is whole HF safetensors written by
-rank 0 (`publishable_weights`: a tied parameter is saved once, under its first name, as
+it. The published checkpoint is whole HF safetensors written by rank 0 (`publishable_weights`: a tied parameter is saved once, under its first name, as
 `save_pretrained` does), so rollout workers and the verifier never see shards.
 Reference: torchtitan `parallelize` (per-block fully_shard, then the root) and its HF export.
 """
@@ -28,13 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -72,18 +64,6 @@ def _full_options(**extra) -> StateDictOptions:
 def full_model_state(lm) -> dict:
     """The whole model state dict on rank 0's CPU ({} elsewhere under FSDP). Every rank calls it."""
     return get_model_state_dict(lm, options=_full_options())
-
-
-def full_optimizer_state(lm, optimizer) -> dict:
-    """The whole optimizer state dict, keyed by parameter name, on rank 0's CPU. Every rank calls it."""
-    return get_optimizer_state_dict(lm, optimizer, options=_full_options())
-
-
-def load_full_state(lm, optimizer, model_state: dict, optimizer_state: dict) -> None:
-    """Load whole state dicts (read by every rank); under FSDP each rank keeps its shard. Every rank calls it."""
-    options = StateDictOptions(full_state_dict=True) if dist.is_initialized() else StateDictOptions()
-    set_model_state_dict(lm, model_state, options=options)
-    set_optimizer_state_dict(lm, optimizer, optimizer_state, options=options)
 
 
 def publishable_weights(lm, model_state: dict) -> dict[str, torch.Tensor]:
