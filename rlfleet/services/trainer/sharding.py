@@ -17,8 +17,9 @@ State in and out: the resume state is not gathered; every rank saves its shards 
 torch.distributed.checkpoint and any world size reads them back (state.py). `full_model_state`
 gathers the whole weights, keyed by parameter name (torch.distributed.checkpoint.state_dict's full
 state dicts), onto rank 0's CPU for publishing; it is a collective under FSDP, so every rank calls
-it. The published checkpoint is whole HF safetensors written by rank 0 (`publishable_weights`: a tied parameter is saved once, under its first name, as
-`save_pretrained` does), so rollout workers and the verifier never see shards.
+it. The published checkpoint is whole HF safetensors written by rank 0 (`publishable_weights`: a
+tied parameter is saved once, under its first name, as `save_pretrained` does), so rollout workers
+and the verifier never see shards.
 Reference: torchtitan `parallelize` (per-block fully_shard, then the root) and its HF export.
 """
 
