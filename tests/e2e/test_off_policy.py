@@ -1,5 +1,6 @@
-"""An off-policy-corrected run learns: the arithmetic example with `trainer.offPolicy: tis`, real
-processes (`rlfleet run`), as tests/e2e/test_e2e.py runs it without the correction."""
+"""An off-policy-corrected run learns: the arithmetic example with `trainer.offPolicy` tis (truncated) and
+mis (masked importance sampling), real processes (`rlfleet run`), as tests/e2e/test_e2e.py runs it
+without the correction."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
 
 
 @pytest.mark.slow
-def test_the_example_with_truncated_importance_sampling_learns(tmp_path):
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_the_example_with_importance_sampling_correction_learns(tmp_path, mode):
     text = EXAMPLE.read_text()
     assert "    maxAsyncLevel: 2\n" in text
     config = tmp_path / "rlrun.yaml"
@@ -23,7 +25,7 @@ def test_the_example_with_truncated_importance_sampling_learns(tmp_path):
     config.write_text(
         text.replace(
             "    maxAsyncLevel: 2\n",
-            "    maxAsyncLevel: 2\n    offPolicy: {mode: tis, cap: 2.0}\n"
+            f"    maxAsyncLevel: 2\n    offPolicy: {{mode: {mode}, cap: 2.0}}\n"
             "    microBatchTokens: 64\n    logprobChunk: 16\n",
         )
     )
@@ -41,8 +43,13 @@ def test_the_example_with_truncated_importance_sampling_learns(tmp_path):
     assert len(records) == 150
     # The correction is live: the trainer's own probabilities differ from the claimed ones off-policy
     # (up to maxAsyncLevel versions old), and the weights are reported every step.
-    assert all("offpolicy_ratio_mean" in r and "offpolicy_truncated_fraction" in r for r in records)
+    share = "offpolicy_truncated_fraction" if mode == "tis" else "offpolicy_masked_fraction"
+    assert all("offpolicy_ratio_mean" in r and share in r for r in records)
     assert max(r["offpolicy_ratio_max"] for r in records) > 1.0
-    # As the uncorrected example (tests/e2e/test_e2e.py): the policy's sampled reward rises to ~0.9.
-    assert summary["sampled_reward_last"] >= 0.85, summary
-    assert summary["sampled_reward_last"] - summary["sampled_reward_first"] >= 0.3, summary
+    # tis as the uncorrected example (tests/e2e/test_e2e.py): the policy's sampled reward rises to ~0.9
+    # (0.45 -> 0.96 measured). mis learns more slowly (0.43 -> 0.73 in one run): at maxAsyncLevel 2 the
+    # trainer's probability of a token sampled two versions back can exceed the sampler's by more than
+    # cap, and mis drops exactly those tokens, which are often the ones the policy is learning to favour.
+    last, rise = (0.85, 0.3) if mode == "tis" else (0.65, 0.2)
+    assert summary["sampled_reward_last"] >= last, summary
+    assert summary["sampled_reward_last"] - summary["sampled_reward_first"] >= rise, summary
