@@ -21,7 +21,7 @@ def test_trainer_pod_gets_its_volumes_env_and_secrets(tmp_path):
     trainer = pod(tmp_path, "trainer")
     assert trainer.image == CPU_IMAGE and trainer.command[:2] == ["rlfleet", "trainer"]
     env = trainer.env
-    assert env[names.ENV_POD_NAME] == "arithmetic-trainer-1" and env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
+    assert env[names.ENV_POD_NAME] == "arithmetic-trainer-1" and env["GROUP_RANK"] == "1" and env["WORLD_SIZE"] == "2"
     assert env["RLFLEET_REDIS_URL"] == SECRETS["redis"][names.REDIS_URL_KEY]  # secretKeyRef
     assert env["AWS_SECRET_ACCESS_KEY"] == "secret"  # envFrom the store credentials
     assert env["RLFLEET_TORCH_THREADS"] == "1"  # its CPU request (resourceFieldRef)

@@ -17,9 +17,9 @@ _AFTER, _MARKER = os.environ.get("RLFLEET_TEST_WEDGE_AFTER"), os.environ.get("RL
 if _AFTER and _MARKER and not Path(_MARKER).exists():
     from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 
-    _original, _calls = TorchEngine.generate, [0]
+    _original, _calls = TorchEngine.generate_groups, [0]  # every generation: batches and idle probes
 
-    def _generate(self, *args, **kwargs):
+    def _generate_groups(self, *args, **kwargs):
         _calls[0] += 1
         if _calls[0] > int(_AFTER):
             Path(_MARKER).write_text("wedged\n")
@@ -27,4 +27,4 @@ if _AFTER and _MARKER and not Path(_MARKER).exists():
             threading.Event().wait()
         return _original(self, *args, **kwargs)
 
-    TorchEngine.generate = _generate
+    TorchEngine.generate_groups = _generate_groups
