@@ -22,12 +22,7 @@ from tests.support import redis_from_url, tiny_policy_dir
 PROMPTS = ["3+4=", "12+7=", "101+999+5=", "7="]  # different lengths in one batch
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()  # tiny model: one thread avoids wake-up waits on a busy machine
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

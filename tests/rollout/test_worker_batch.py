@@ -26,13 +26,7 @@ from tests.rollout.test_worker_demand import settled
 from tests.runs import pool, rlrun, write_rlrun
 from tests.support import serving, tiny_policy_dir, wait_for
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()  # tiny model: one thread avoids wake-up waits on a busy machine
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class RecordingEngine(TorchEngine):
