@@ -64,6 +64,7 @@ from rlfleet.versions.signing import generate_keypair, load_private_key, make_si
 from rlfleet.versions.store import open_store
 from rlfleet.wire import env
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
+from tests.runs import bundle_yaml, rlrun
 from tests.support import serving
 
 RUN = "gpucheck"
@@ -82,16 +83,6 @@ QWEN25_05B = {  # Qwen2.5-0.5B's config.json, less its tokenizer ids (ours is th
 }
 DRY_RUN = {**QWEN25_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 DRY_RUN.update(num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, vocab_size=512)
-RLRUN = """
-apiVersion: rlfleet.io/v1alpha1
-kind: RLRun
-metadata: {{name: gpucheck}}
-spec:
-  model: {{path: "{model}", dtype: {dtype}}}
-  task: {{type: arithmetic}}
-  sampling: {{groupSize: {g}, maxTokens: {t}}}
-  verifier: {{engines: [torch, vllm]}}
-"""
 
 
 def build_policy(dest: Path, shape: dict, seed: int, device: torch.device) -> Path:
@@ -330,7 +321,13 @@ def main() -> int:
         work = Path(tmp)
         v0 = build_policy(work / "v0", shape, 0, device)
         build_policy(work / "v1", shape, 1, device)  # another model: its groups must be refused; a swap target
-        spec = parse_bundle(RLRUN.format(model=v0, dtype=dtype, g=args.group_size, t=args.max_tokens)).run.spec
+        run = rlrun(
+            RUN,
+            model={"path": str(v0), "dtype": dtype},
+            sampling={"groupSize": args.group_size, "maxTokens": args.max_tokens},
+            verifier={"engines": ["torch", "vllm"]},
+        )
+        spec = parse_bundle(bundle_yaml(run)).run.spec
         engine = make_engine("torch", v0, 0, dtype)
         made = step("generation_torch", generation_rows, engine, spec, device, args.groups)
         groups: list[RolloutGroup] = []
