@@ -21,9 +21,9 @@ Steps, one after the other in this process, on the device `rlfleet.models.device
  4. weight swap: a perturbed version 1 is published and signed, served by a real origin and relay
     over 127.0.0.1; versions 1, 0, 1 are each downloaded afresh (hashes, signature), loaded in place
     and used for a 1-token group: swap / (download + load), the rollout benchmark's figure;
- 5. trainer: one GRPO step (`grpo_update`, as the trainer takes it) on batches of 1, 4 and 16 of the
-    groups: peak device memory and tokens/s, beside the model-state bound (weights + gradients +
-    AdamW's two moments); a batch that does not fit says OOM.
+ 5. trainer: after one untimed warm-up step, one GRPO step (`grpo_update`, as the trainer takes it)
+    on batches of 1, 4 and 16 of the groups: peak device memory and tokens/s, beside the model-state
+    bound (weights + gradients + AdamW's two moments); a batch that does not fit says OOM.
 Prints one table; `--json PATH` writes every figure. Run through scripts/gpu-check.sh.
 """
 
@@ -239,6 +239,9 @@ def trainer_rows(spec, model_dir: Path, dtype: str, device, groups: list[Rollout
     for g in groups:  # rewards that differ within a group, so every row has an advantage
         for s in g.samples:
             s.reward = float(torch.rand((), generator=rewards))
+    # Warm-up, untimed: kernels, cuBLAS handles and the allocator's pools, and AdamW's moments, which
+    # exist from the first step on, so every measured step sees the steady state a trainer runs in.
+    grpo_update(model, optimizer, groups[:1], spec.trainer, spec.sampling.temperature, tok.pad_token_id)
     out: dict[str, dict] = {}
     for k in (1, 4, 16):
         batch = groups[:k]
