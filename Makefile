@@ -20,10 +20,10 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/rlfleet run examples/arithmetic/rlrun.yaml
 
-# The whole suite, end-to-end and vLLM runs included (about 6 minutes on 2 cores once installed;
-# the install takes about 4).
+# The whole suite, end-to-end, vLLM and cluster-in-a-box runs included, the 30 slowest tests listed at
+# the end (CI as root: about 30 minutes on 2 cores, images included; the install takes about 4).
 test: setup
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=30
 
 # Everything except the end-to-end runs marked slow.
 test-fast: setup
