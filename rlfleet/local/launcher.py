@@ -267,6 +267,7 @@ class LocalRun:
                 if failed:
                     return failed
                 time.sleep(0.5)
+            self.snapshot_reputation(client, keys)  # interrupted: the components and Redis still run
             return None
         finally:
             bar.close()
@@ -274,7 +275,7 @@ class LocalRun:
 
     def snapshot_reputation(self, client, keys: RunKeys) -> None:
         """RUN_DIR/workers.json: every worker's verdict counters and ban record (the verifier's /workers), read
-        from Redis before it stops, for `rlfleet report`."""
+        from Redis before it stops (the trainer done or the run interrupted), for `rlfleet report`."""
         import redis
 
         from rlfleet.services.toploc.reputation import worker_stats
