@@ -67,6 +67,12 @@ def run_keys(environ: dict, key_dir: Path) -> dict:
     return {env.SIGNING_KEY_FILE: str(private)}
 
 
+def take_tracker_credentials(environ: dict) -> dict[str, str]:
+    """Remove the experiment trackers' credentials from `environ` (every process's) and return them, for the
+    trainer's rank 0 alone, as on a cluster."""
+    return {name: environ.pop(name) for name in env.TRACKER_CREDENTIALS if name in environ}
+
+
 def run_local(
     file: str, run_dir: str | None = None, steps: int | None = None, progress: bool = True, prometheus: bool = False
 ) -> int:
@@ -154,8 +160,7 @@ class LocalRun:
         )
         environ = self.environment(redis_url)
         trainer_env = run_keys(environ, self.path / "keys")
-        # The trackers' credentials go to the trainer's rank 0 alone, as on a cluster.
-        trainer_env.update({name: environ.pop(name) for name in env.TRACKER_CREDENTIALS if name in environ})
+        trainer_env.update(take_tracker_credentials(environ))
         for p in self.processes:
             p.env.update(redis_env(p, self.bundle, acl, base_url))
             if p.kind == TRAINER and p.rank == 0:

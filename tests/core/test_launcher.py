@@ -6,6 +6,7 @@ import sys
 
 from rlfleet.cli import build_parser
 from rlfleet.config import load_bundle
+from rlfleet.local.launcher import take_tracker_credentials
 from rlfleet.local.plan import Process, endpoints, plan
 from rlfleet.wire.components import TRAINER
 from tests.support import REPO
@@ -155,3 +156,9 @@ def test_a_local_run_counts_every_trainer_rank_against_the_machine(tmp_path):
     assert len(processes) < 64
     with pytest.raises(ConfigError, match=r"start 69 processes .* or trainer.ranksPerReplica"):
         check_local_size(processes, str(config))
+
+
+def test_only_the_trainer_gets_the_trackers_credentials():
+    environ = {"WANDB_API_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t", "HOME": "/root"}
+    assert take_tracker_credentials(environ) == {"WANDB_API_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t"}
+    assert environ == {"HOME": "/root"}  # what every other process starts with
