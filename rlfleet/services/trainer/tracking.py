@@ -188,8 +188,9 @@ def tracking_key(run: str) -> str:
 class Trackers:
     """The trackers the run's spec names, opened on rank 0 (`open_trackers`)."""
 
-    def __init__(self, trackers: dict[str, Tracker]):
+    def __init__(self, trackers: dict[str, Tracker], run: str):
         self.trackers = trackers
+        self.run = run
         self.started = time.monotonic()
 
     def log(self, record: Mapping[str, Any]) -> None:
@@ -212,7 +213,7 @@ class Trackers:
             png: Path | None = Path(tmp) / "reward.png" if records else None
             try:
                 if png:
-                    plot(records, png, "reward")
+                    plot(records, png, f"rlfleet run {self.run}")
             except ImportError as exc:  # matplotlib (in the tracking extra) missing from this image
                 log.warning("reward.png not drawn: %s", exc)
                 png = None
@@ -244,4 +245,4 @@ def open_trackers(bundle: Bundle, store: CheckpointStore, directory: Path | None
         ids["mlflow"], trackers["mlflow"] = mlflow.run_id, mlflow
     store.put_bytes(key, json.dumps(ids).encode())
     log.info("tracking to %s", ", ".join(trackers))
-    return Trackers(trackers)
+    return Trackers(trackers, run)
