@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 import secrets
 import tempfile
@@ -132,8 +133,6 @@ class WandbTracker:
 
 class MlflowTracker:
     def __init__(self, spec: MlflowSpec, run_name: str, config: dict, run_id: str | None):
-        import os
-
         from mlflow.tracking import MlflowClient
 
         if spec.tracking_uri.startswith("file:"):
