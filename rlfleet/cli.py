@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=None, help="override spec.trainer.steps")
     p.add_argument("--no-progress", action="store_true", help="print one line per step instead of a progress bar")
+    p.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="start `prometheus` (when installed) on 127.0.0.1 beside the run to scrape every component; print its URL",
+    )
+
+    p = sub.add_parser("report", help="write RUN_DIR/report/index.html (and its PNGs) from a run directory")
+    p.add_argument("run_dir", type=Path, help="a run directory of `rlfleet run` (metrics.jsonl, workers.json, logs/)")
 
     p = sub.add_parser("validate", help="check a config file and print every error with its field path")
     p.add_argument("file")
@@ -180,10 +188,27 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlfleet.local.launcher import run_local
 
         try:
-            return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)
+            return run_local(
+                args.file,
+                run_dir=args.run_dir,
+                steps=args.steps,
+                progress=not args.no_progress,
+                prometheus=args.prometheus,
+            )
         except KeyboardInterrupt:  # before any component started (e.g. while the builtin model is built)
             print("rlfleet: interrupted before the run started", file=sys.stderr)
             return 130
+    if args.command == "report":
+        from rlfleet.local.run_report import write_html_report
+
+        if not (args.run_dir / "metrics.jsonl").is_file():
+            print(
+                f"rlfleet report: {args.run_dir}: no metrics.jsonl; give a run directory of `rlfleet run`",
+                file=sys.stderr,
+            )
+            return 2
+        print(write_html_report(args.run_dir))
+        return 0
     if args.command == "operator":
         from rlfleet.operator.handlers import run_operator
         from rlfleet.operator.options import OperatorOptions

@@ -41,6 +41,7 @@ from rlfleet.config.tasks import (
     ModelSpec,
     TaskSpec,
 )
+from rlfleet.config.tracking import MlflowSpec, TrackingSpec, WandbSpec
 from rlfleet.config.training import SamplingSpec, TrainerSpec
 from rlfleet.config.verifier import BanPolicySpec, RejectionReason, ToplocSpec, VerifierSpec
 
@@ -63,6 +64,7 @@ __all__ = [
     "IngestSpec",
     "LengthPenaltySpec",
     "MathTaskSpec",
+    "MlflowSpec",
     "Metadata",
     "ModelSpec",
     "RLRun",
@@ -77,9 +79,11 @@ __all__ = [
     "StoreSpec",
     "TaskSpec",
     "ToplocSpec",
+    "TrackingSpec",
     "TrainerSpec",
     "VLLMSpec",
     "VerifierSpec",
+    "WandbSpec",
     "load_bundle",
     "parse_bundle",
     "validation_problems",

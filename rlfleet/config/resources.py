@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, ApiVersion, Metadata, Spec
 from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
 from rlfleet.config.tasks import LengthPenaltySpec, ModelSpec, TaskSpec
+from rlfleet.config.tracking import TrackingSpec
 from rlfleet.config.training import SamplingSpec, TrainerSpec
 from rlfleet.config.verifier import VerifierSpec
 from rlfleet.config.workload import (
@@ -38,6 +39,10 @@ class RLRunSpec(Spec):
     shardcast: ShardcastSpec = Field(default_factory=ShardcastSpec, description="Checkpoint broadcast.")
     ingest: IngestSpec = Field(
         default_factory=IngestSpec, description="HTTP ingest of groups from workers outside the cluster."
+    )
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec,
+        description="Experiment trackers (W&B, MLflow) the trainer logs every step, the config and the summary to.",
     )
     suspend: bool = Field(default=False, description="Cluster only: scale the run's workloads to zero.")
     remote: bool = Field(

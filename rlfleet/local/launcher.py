@@ -33,12 +33,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlfleet.config import Bundle, load_bundle
+from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.local.plan import Process, check_local_size, endpoints, plan, redis_env
 from rlfleet.local.progress import BuildProgress, Progress, startup_status
+from rlfleet.local.prometheus import LocalPrometheus, write_targets
+from rlfleet.local.prometheus import start as start_prometheus
 from rlfleet.local.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
 from rlfleet.local.report import read_metrics, reward_trend, write_reports
+from rlfleet.local.run_report import write_html_report
 from rlfleet.local.supervisor import Component, Supervisor
+from rlfleet.services.trainer.tracking import missing_packages
 from rlfleet.wire import env
 from rlfleet.wire.components import TRAINER
 from rlfleet.wire.redis_acl import ADMIN, RunAcl
@@ -63,9 +67,20 @@ def run_keys(environ: dict, key_dir: Path) -> dict:
     return {env.SIGNING_KEY_FILE: str(private)}
 
 
-def run_local(file: str, run_dir: str | None = None, steps: int | None = None, progress: bool = True) -> int:
+def take_tracker_credentials(environ: dict) -> dict[str, str]:
+    """Remove the experiment trackers' credentials from `environ` (every process's) and return them, for the
+    trainer's rank 0 alone, as on a cluster."""
+    return {name: environ.pop(name) for name in env.TRACKER_CREDENTIALS if name in environ}
+
+
+def run_local(
+    file: str, run_dir: str | None = None, steps: int | None = None, progress: bool = True, prometheus: bool = False
+) -> int:
     bundle = load_bundle(file)
     bundle_graph(bundle, file)  # a relay tree that cannot be built fails before anything starts
+    tracking_problems = missing_packages(bundle.run.spec.tracking)
+    if tracking_problems:
+        raise ConfigError(file, tracking_problems)
     name = bundle.run.metadata.name
     run_path = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_path / "logs").mkdir(parents=True, exist_ok=True)
@@ -91,7 +106,7 @@ def run_local(file: str, run_dir: str | None = None, steps: int | None = None, p
     )
     # From here on a signal is counted, never raised (Interrupts): the imports and the start-up ahead
     # must not be cut in the middle, and every path below stops what it started.
-    run = LocalRun(bundle, file, config, run_path, steps, progress)
+    run = LocalRun(bundle, file, config, run_path, steps, progress, with_prometheus=prometheus)
     previous = {sig: signal.signal(sig, run.interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return run.start(model_dir)
@@ -111,6 +126,8 @@ class LocalRun:
     path: Path  # the run directory
     steps: int | None = None  # overrides spec.trainer.steps
     progress: bool = True
+    with_prometheus: bool = False  # --prometheus: start one beside the run (rlfleet/local/prometheus.py)
+    prometheus: LocalPrometheus | None = None
     interrupts: Interrupts = field(default_factory=lambda: Interrupts())
     processes: list[Process] = field(default_factory=list)
 
@@ -143,6 +160,7 @@ class LocalRun:
         )
         environ = self.environment(redis_url)
         trainer_env = run_keys(environ, self.path / "keys")
+        trainer_env.update(take_tracker_credentials(environ))
         for p in self.processes:
             p.env.update(redis_env(p, self.bundle, acl, base_url))
             if p.kind == TRAINER and p.rank == 0:
@@ -150,6 +168,13 @@ class LocalRun:
         (self.path / "redis").mkdir(exist_ok=True)
         text = json.dumps(endpoints(redis_url, self.processes), indent=2) + "\n"
         (self.path / "endpoints.json").write_text(text)
+        targets = write_targets(self.path, self.bundle.run.metadata.name, self.processes)
+        if self.with_prometheus:
+            try:
+                self.prometheus = start_prometheus(self.path, targets)
+                print(f"rlfleet: Prometheus at {self.prometheus.url} scrapes every component", file=sys.stderr)
+            except RuntimeError as exc:
+                print(f"rlfleet: --prometheus: {exc}; the run goes on without it", file=sys.stderr)
         comps = [p.component() for p in self.processes]
         started = Started(Supervisor([redis_comp, *comps], environ), redis=redis_comp, trainer=comps[-1])
         if self.interrupts.requested:
@@ -183,8 +208,11 @@ class LocalRun:
             failed = self.run_components(run)
         finally:
             run.supervisor.stop_all(force=lambda: self.interrupts.count >= 2)
+            if self.prometheus:
+                self.prometheus.stop()
         name = self.bundle.run.metadata.name
         summary = write_reports(self.path, time.monotonic() - started, f"rlfleet run {name}")
+        page = write_html_report(self.path)
         if self.interrupts.requested:
             print(f"rlfleet: interrupted; every component stopped. Logs in {self.path / 'logs'}", file=sys.stderr)
             return 130
@@ -202,7 +230,7 @@ class LocalRun:
         print(
             f"rlfleet: done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s, {reward_trend(summary)}, "
             f"accepted {summary['accepted']}, rejected {summary['rejected']}; {self.path / 'summary.json'}, "
-            f"{self.path / 'reward.png'}",
+            f"{self.path / 'reward.png'}; the report: {page}",
             file=sys.stderr,
         )
         return 0
@@ -238,15 +266,31 @@ class LocalRun:
                     depth = "?"  # Redis is restarting; its append-only file brings the queue back
                 bar.update(records, depth)
                 if run.trainer.finished:
+                    self.snapshot_reputation(client, keys)
                     return None
                 failed = supervisor.poll()
                 if failed:
                     return failed
                 time.sleep(0.5)
+            self.snapshot_reputation(client, keys)  # interrupted: the components and Redis still run
             return None
         finally:
             bar.close()
             client.close()
+
+    def snapshot_reputation(self, client, keys: RunKeys) -> None:
+        """RUN_DIR/workers.json: every worker's verdict counters and ban record (the verifier's /workers), read
+        from Redis before it stops (the trainer done or the run interrupted), for `rlfleet report`."""
+        import redis
+
+        from rlfleet.services.toploc.reputation import worker_stats
+
+        try:
+            stats = worker_stats(client, keys)
+        except redis.RedisError as exc:
+            print(f"rlfleet: workers.json not written: {exc}", file=sys.stderr)
+            return
+        (self.path / "workers.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass(frozen=True)

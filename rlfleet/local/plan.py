@@ -58,6 +58,7 @@ class Process:
     output_dir: Path | None = field(default=None, metadata=_flag("--output-dir"))
     steps: int | None = field(default=None, metadata=_flag("--steps"))
     ranks: int | None = field(default=None, metadata=_flag("--ranks"))  # a trainer replica's rank processes
+    metrics_port: int | None = field(default=None, metadata=_flag("--metrics-port"))  # /metrics and /healthz
 
     @property
     def kind(self) -> str:
@@ -103,7 +104,8 @@ def plan(bundle: Bundle, config: Path, run_dir: Path, steps: int | None = None) 
     logs, cache = run_dir / "logs", run_dir / "cache"
 
     def process(kind: str, instance: str = "", **options) -> Process:
-        return Process(COMPONENTS[kind], config, logs, instance, **options)
+        spec = COMPONENTS[kind]  # every process serves /metrics on 127.0.0.1 (a Prometheus can scrape the run)
+        return Process(spec, config, logs, instance, **options, metrics_port=free_port() if spec.metrics else None)
 
     origin = process(ORIGIN, port=free_port())
     replica_urls = {
@@ -195,9 +197,11 @@ def redis_env(p: Process, bundle: Bundle, acl: RunAcl, base_url: str) -> dict[st
 
 
 def endpoints(redis_url: str, processes: list[Process]) -> dict:
-    """endpoints.json: where the run's services listen (Redis, and each process's HTTP port)."""
+    """endpoints.json: where the run's services listen (Redis, each process's HTTP port, and each process's
+    Prometheus /metrics, by process name)."""
     http = {p.name: f"http://127.0.0.1:{port}" for p in processes for port in p.http_ports}
-    return {"redis": redis_url, "http": http}
+    metrics = {p.name: f"http://127.0.0.1:{p.metrics_port}/metrics" for p in processes if p.metrics_port}
+    return {"redis": redis_url, "http": http, "metrics": metrics}
 
 
 def check_local_size(processes: list[Process], source: str) -> None:

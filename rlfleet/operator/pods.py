@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rlfleet.config import API_VERSION, RLRun
+from rlfleet.config.tracking import WANDB_API_KEY_KEY
 from rlfleet.config.workload import ResourcesSpec
 from rlfleet.operator import names
 from rlfleet.operator.overrides import merge_pod_template
@@ -129,6 +130,15 @@ def signing_env(run: RLRun, component: str) -> list[dict]:
     ]
 
 
+def tracking_env(run: RLRun, component: str) -> list[dict]:
+    """The trainer alone logs to the run's trackers (spec.tracking), so it alone gets W&B's API key."""
+    wandb = run.spec.tracking.wandb
+    if component != names.TRAINER or not wandb or not wandb.api_key_secret:
+        return []
+    key = {"secretKeyRef": {"name": wandb.api_key_secret, "key": WANDB_API_KEY_KEY}}
+    return [{"name": env.WANDB_API_KEY, "valueFrom": key}]
+
+
 def torch_env(component: str) -> list[dict]:
     """Torch's intra-op threads = the CPUs the container requests (rounded up), for the components that
     run torch: left alone, torch takes every core of the node, and pods sharing a node oversubscribe it."""
@@ -190,7 +200,11 @@ def build_container(
         "image": image,
         "command": ["rlfleet", component],
         "args": ["--config", names.CONFIG_PATH, "--metrics-port", str(names.METRICS_PORT), *args],
-        "env": pod_env(run, redis, component) + torch_env(component) + signing_env(run, component) + (extra_env or []),
+        "env": pod_env(run, redis, component)
+        + torch_env(component)
+        + signing_env(run, component)
+        + tracking_env(run, component)
+        + (extra_env or []),
         "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
         "resources": resource_requirements(resources, gpus, gpu_resource),
         "volumeMounts": [
@@ -203,8 +217,11 @@ def build_container(
     }
     if defaults.pull_policy:
         c["imagePullPolicy"] = defaults.pull_policy
-    if store_access and run.spec.store.credentials_secret:
-        c["envFrom"] = [{"secretRef": {"name": run.spec.store.credentials_secret}}]
+    env_from = [run.spec.store.credentials_secret] if store_access else []
+    if component == names.TRAINER and run.spec.tracking.mlflow:  # MLflow's credentials: the trainer's only
+        env_from.append(run.spec.tracking.mlflow.credentials_secret)
+    if any(env_from):
+        c["envFrom"] = [{"secretRef": {"name": secret}} for secret in env_from if secret]
     return c
 
 

@@ -13,6 +13,7 @@ import base64
 from dataclasses import dataclass
 
 from rlfleet.config import InferencePool, RLRun
+from rlfleet.config.tracking import WANDB_API_KEY_KEY
 from rlfleet.operator import names
 from rlfleet.operator.kube import Forbidden, Kube, NotFound
 
@@ -41,6 +42,12 @@ def run_secrets(run: RLRun) -> list[SecretNeed]:
         needs.append(SecretNeed(spec.shardcast.signing_key_secret, "spec.shardcast.signingKeySecret", keys))
     if spec.store.credentials_secret:
         needs.append(SecretNeed(spec.store.credentials_secret, "spec.store.credentialsSecret", ()))
+    if spec.tracking.wandb and spec.tracking.wandb.api_key_secret:
+        needs.append(
+            SecretNeed(spec.tracking.wandb.api_key_secret, "spec.tracking.wandb.apiKeySecret", (WANDB_API_KEY_KEY,))
+        )
+    if spec.tracking.mlflow and spec.tracking.mlflow.credentials_secret:
+        needs.append(SecretNeed(spec.tracking.mlflow.credentials_secret, "spec.tracking.mlflow.credentialsSecret", ()))
     if spec.ingest.tokens:
         needs.append(SecretNeed(spec.ingest.tokens, "spec.ingest.tokens", (names.INGEST_TOKENS_KEY,)))
     return needs

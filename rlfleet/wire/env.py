@@ -33,6 +33,10 @@ RANK = "RANK"  # the rank in the whole world (default 0)
 WORLD_SIZE = "WORLD_SIZE"  # replicas x ranks per replica (default 1)
 MASTER_ADDR = "MASTER_ADDR"  # where rank 0 listens for the process group's rendezvous
 MASTER_PORT = "MASTER_PORT"
+# Experiment trackers' credentials (spec.tracking): only the trainer gets them (`rlfleet run` takes them out of the
+# other processes' environment; the operator puts its Secrets in the trainer pod only).
+WANDB_API_KEY = "WANDB_API_KEY"
+TRACKER_CREDENTIALS = (WANDB_API_KEY, "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 # Engine liveness on /healthz (rlfleet/wire/health.py): a rollout worker's engine, the verifier's prefill model.
 HEALTH_DEADLINE_S = "RLFLEET_HEALTH_DEADLINE_S"  # a forward step (busy) or an idle probe must complete within it
 HEALTH_PROBE_INTERVAL_S = "RLFLEET_HEALTH_PROBE_INTERVAL_S"  # idle: a tiny forward once this long without one

@@ -133,7 +133,10 @@ _GENERATORS = (*_POLICY, *_TRAINER_OTHERS, *_VERIFIER, *_REDIS, *_STORE, *_SHARD
 VIEWS: dict[str, View] = {
     v.component: v
     for v in (
-        View(components.TRAINER, (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST)),
+        # spec.tracking: the trainer alone logs to the run's trackers.
+        View(
+            components.TRAINER, (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST, "tracking")
+        ),
         View(components.VERIFIER, _GENERATORS),
         View(
             components.ROLLOUT,

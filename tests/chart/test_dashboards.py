@@ -21,6 +21,7 @@ SERVICE_MODULES = [
     "rlfleet.services.trainer.metrics",
     "rlfleet.services.rollout.main",
     "rlfleet.services.toploc.gate",
+    "rlfleet.services.toploc.metrics",
     "rlfleet.services.shardcast.assemble",
     "rlfleet.services.shardcast.relay",
     "rlfleet.services.shardcast.relay_cache",

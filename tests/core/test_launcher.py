@@ -6,6 +6,7 @@ import sys
 
 from rlfleet.cli import build_parser
 from rlfleet.config import load_bundle
+from rlfleet.local.launcher import take_tracker_credentials
 from rlfleet.local.plan import Process, endpoints, plan
 from rlfleet.wire.components import TRAINER
 from tests.support import REPO
@@ -80,14 +81,33 @@ def test_each_process_s_command_line_is_built_from_its_record(tmp_path):
             str(cache / worker_id),
         ]
 
+    def metrics(name: str) -> list[str]:  # every process serves /metrics on a port of its own
+        return ["--metrics-port", str(by_name[name].metrics_port)]
+
     assert argv == {
-        "origin": ["origin", *common, "--port", str(origin.port)],
-        "relay/arithmetic-tier0-0": ["relay", *common, *relay_args, "--keep-versions", "3"],
-        "verifier/0": ["verifier", *common, *verifier_args, "--api-port", str(verifier.api_port)],
-        "rollout/arithmetic-cpu-0": ["rollout", *common, *worker(0)],
-        "rollout/arithmetic-cpu-1": ["rollout", *common, *worker(1)],
-        "trainer": ["trainer", *common, "--output-dir", str(tmp_path), "--steps", "7"],
+        "origin": ["origin", *common, "--port", str(origin.port), *metrics("origin")],
+        "relay/arithmetic-tier0-0": [
+            "relay",
+            *common,
+            *relay_args,
+            "--keep-versions",
+            "3",
+            *metrics("relay/arithmetic-tier0-0"),
+        ],
+        "verifier/0": [
+            "verifier",
+            *common,
+            *verifier_args,
+            "--api-port",
+            str(verifier.api_port),
+            *metrics("verifier/0"),
+        ],
+        "rollout/arithmetic-cpu-0": ["rollout", *common, *worker(0), *metrics("rollout/arithmetic-cpu-0")],
+        "rollout/arithmetic-cpu-1": ["rollout", *common, *worker(1), *metrics("rollout/arithmetic-cpu-1")],
+        "trainer": ["trainer", *common, "--output-dir", str(tmp_path), "--steps", "7", *metrics("trainer")],
     }
+    ports = [port for p in procs for port in (*p.http_ports, p.metrics_port)]
+    assert len(set(ports)) == len(ports), "two processes on one port"
     assert all(p.argv[:3] == head for p in procs)
     assert [p.log.name for p in procs] == [
         "origin.log",
@@ -101,7 +121,7 @@ def test_each_process_s_command_line_is_built_from_its_record(tmp_path):
     for p in procs:  # the CLI reads back what the record says
         args = parser.parse_args(p.argv[3:])
         assert args.command == p.kind
-        for option in ("port", "upstream", "pool", "relay_urls", "cache_dir", "api_port", "steps"):
+        for option in ("port", "upstream", "pool", "relay_urls", "cache_dir", "api_port", "steps", "metrics_port"):
             if getattr(p, option) not in (None, []):
                 assert getattr(args, option) == getattr(p, option), (p.name, option)
     assert [c.done_on_success for c in map(Process.component, procs)] == [False] * 5 + [True]
@@ -118,7 +138,9 @@ def test_endpoints_are_the_http_ports_the_registry_names(tmp_path):
             "relay/arithmetic-tier0-0": f"http://127.0.0.1:{by_name['relay/arithmetic-tier0-0'].port}",
             "verifier/0": f"http://127.0.0.1:{by_name['verifier/0'].api_port}",
         },
+        "metrics": {name: f"http://127.0.0.1:{p.metrics_port}/metrics" for name, p in by_name.items()},
     }
+    assert len(endpoints("redis://r", procs)["metrics"]) == len(procs) == 6
 
 
 def test_a_local_run_counts_every_trainer_rank_against_the_machine(tmp_path):
@@ -134,3 +156,9 @@ def test_a_local_run_counts_every_trainer_rank_against_the_machine(tmp_path):
     assert len(processes) < 64
     with pytest.raises(ConfigError, match=r"start 69 processes .* or trainer.ranksPerReplica"):
         check_local_size(processes, str(config))
+
+
+def test_only_the_trainer_gets_the_trackers_credentials():
+    environ = {"WANDB_API_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t", "HOME": "/root"}
+    assert take_tracker_credentials(environ) == {"WANDB_API_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t"}
+    assert environ == {"HOME": "/root"}  # what every other process starts with

@@ -182,9 +182,11 @@ class Worker:
             with self.liveness.working():
                 self.loaded.load_weights(path, version)
             LOAD_SECONDS.set(time.monotonic() - t0)
-            SWAP_SECONDS.set(time.monotonic() - announced_at)
+            swap = time.monotonic() - announced_at
+            SWAP_SECONDS.set(swap)
             VERSION.set(version)
-            log.info("now generating with version %d", version)
+            # `rlfleet report` reads these lines for its broadcast times (rlfleet/local/run_report.py).
+            log.info("%.3fs after its announcement, now generating with version %d", swap, version)
 
     @property
     def in_flight(self) -> int:

@@ -42,7 +42,6 @@ from functools import partial
 from pathlib import Path
 
 import redis
-from prometheus_client import Counter
 
 from rlfleet.models.adapter import load_version
 from rlfleet.models.builtin import resolve_model_path
@@ -53,6 +52,16 @@ from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.health import prefill_liveness, watch
+from rlfleet.services.toploc.metrics import (
+    BANS,
+    DEAD_LETTERS,
+    DUPLICATES,
+    FAILURES,
+    REWARD_MISMATCH,
+    TOKENS,
+    UNCHECKED,
+    VERDICTS,
+)
 from rlfleet.services.toploc.reputation import ban_plan, field, replay_plan
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
@@ -65,27 +74,6 @@ __all__ = ["REASONS", "Gate", "Rejection", "main"]
 log = logging.getLogger("rlfleet.verifier")
 
 READ_BATCH = 8  # inbox entries read (and prefilled) together
-
-VERDICTS = Counter("rlfleet_verifier_groups_total", "Groups verified", ["verdict", "reason"])
-REWARD_MISMATCH = Counter(
-    "rlfleet_verifier_reward_mismatch_total", "Samples whose claimed reward differed from the trusted one"
-)
-UNCHECKED = Counter(
-    "rlfleet_verifier_unchecked_groups_total", "Accepted groups that skipped the prefill checks (spot-checking)"
-)
-TOKENS = Counter("rlfleet_verifier_tokens_total", "Completion tokens of handled groups", ["prefill"])
-BANS = Counter("rlfleet_verifier_bans_total", "Workers banned by this replica", ["reason"])
-DUPLICATES = Counter(
-    "rlfleet_verifier_already_committed_total", "Verdicts dropped because another replica committed the entry first"
-)
-FAILURES = Counter(
-    "rlfleet_verifier_handle_failures_total",
-    "Inbox entries whose handling raised (retried, then dead-lettered)",
-    ["error"],
-)
-DEAD_LETTERS = Counter(
-    "rlfleet_verifier_dead_letters_total", "Inbox entries moved to the dead-letter stream after verifier.maxAttempts"
-)
 
 # KEYS: inbox, out stream, stats, workers, banned, attempts.
 # ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?}, then the out fields.

@@ -45,6 +45,7 @@ from rlfleet.services.trainer.state import (
     save_checkpoint,
     save_state,
 )
+from rlfleet.services.trainer.tracking import open_trackers
 from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
 from rlfleet.versions.checkpoint import prune_versions, save_model_dir
 from rlfleet.versions.publish import PolicyPublisher
@@ -81,7 +82,8 @@ class Trainer:
         self.rank, self.world = init_distributed()  # only rank 0 reads streams, publishes and commits
         if self.rank != 0:
             withdraw()  # its series would read 0 and halve every average over the trainer pods
-        self.records = MetricsLog(output_dir / "metrics.jsonl" if output_dir else None)
+        trackers = open_trackers(ctx.bundle, self.store, output_dir) if self.rank == 0 else None
+        self.records = MetricsLog(output_dir / "metrics.jsonl" if output_dir else None, trackers)
         from rlfleet.models.builtin import resolve_model_path
 
         base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
@@ -379,7 +381,11 @@ def main(options: TrainerOptions) -> int:
     if options.output_dir:
         options.output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        Trainer(ctx, options.output_dir).run(options.steps or ctx.bundle.run.spec.trainer.steps)
+        trainer = Trainer(ctx, options.output_dir)
+        try:
+            trainer.run(options.steps or ctx.bundle.run.spec.trainer.steps)
+        finally:
+            trainer.records.close()  # the trackers get the summary and reward.png, and their runs end
         if options.hold_when_done and not ctx.stop.is_set():
             # A StatefulSet restarts a container that exits, even with 0; the operator scales it down instead.
             log.info("every step is done; holding until stopped")

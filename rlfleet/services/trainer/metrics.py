@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import get_args
+from typing import Protocol, get_args
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
@@ -115,12 +115,21 @@ def withdraw() -> None:
         REGISTRY.unregister(metric)
 
 
+class StepTrackers(Protocol):
+    """Where records go besides metrics.jsonl: the run's experiment trackers (tracking.py `Trackers`)."""
+
+    def log(self, record: dict) -> None: ...
+    def finish(self, metrics_file: Path | None) -> None: ...
+
+
 class MetricsLog:
     """metrics.jsonl (None: not kept): one record per step, appended once the step is done and exported on
-    /metrics; on resume, records of steps trained again are removed (state.py)."""
+    /metrics and to the run's trackers (tracking.py; rank 0 only); on resume, records of steps trained again are
+    removed (state.py)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, trackers: StepTrackers | None = None):
         self.path = path
+        self.trackers = trackers
 
     def _lines(self) -> list[str]:
         return self.path.read_text().splitlines(keepends=True) if self.path and self.path.exists() else []
@@ -130,6 +139,14 @@ class MetricsLog:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.trackers:
+            self.trackers.log(record)
+
+    def close(self) -> None:
+        """End the trackers' runs, with the summary and reward.png of the records."""
+        if self.trackers:
+            self.trackers.finish(self.path)
+            self.trackers = None
 
     def last_step(self) -> int:
         """The step of the last record (0 without one)."""
