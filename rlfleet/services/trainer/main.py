@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
+from rlfleet.services.trainer.evaluation import Evaluator
 from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, withdraw
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
@@ -51,6 +52,7 @@ from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
+from rlfleet.wire.prompt_filter import OutcomeRecorder
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest, stream_reply
 
@@ -122,8 +124,11 @@ class Trainer:
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
         ensure_group(ctx.client, ctx.keys.verified, ctx.keys.trainer_group)
+        f = self.spec.sampling.online_filter  # the trainer records outcomes; workers skip what it retires
+        self.outcomes = OutcomeRecorder(f, ctx.client, ctx.keys) if f and self.rank == 0 else None
+        self.evaluator = Evaluator(self.spec, base) if self.spec.eval and self.rank == 0 else None  # spec.eval
 
-    def publish(self, model_state: dict) -> None:
+    def publish(self, model_state: dict, final: bool = False) -> None:
         """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
         delta against the previous version; with LoRA the adapter alone, lora.py), then announce it."""
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
@@ -144,6 +149,8 @@ class Trainer:
                 self.store, self.ctx.run_name, shardcast.deltas, run_signer(shardcast), shardcast.shard_size_bytes
             )
             self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
+            if self.evaluator:  # evaluates the version when due, on a copy, in its own thread
+                self.evaluator.offer(self.version, Path(tmp), final)
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)
@@ -187,6 +194,8 @@ class Trainer:
                         drops["malformed"] += 1
                         continue
                     self.read_rewards += [s.reward for s in group.samples]
+                    if self.outcomes:
+                        self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])
                     digest = group_digest(group)
                     if (
                         r.zscore(keys.trained, digest) is not None
@@ -343,13 +352,15 @@ class Trainer:
                 "wall_seconds": time.monotonic() - self.started,
                 "rollout_ids": rollout_ids,
                 "dropped_rollout_ids": self.dropped_ids,
+                **({f"prompts_retired_{k}": v for k, v in self.outcomes.retired.items()} if self.outcomes else {}),
             }
             self.pending.add(rollout_ids, digests, self.version, ack)
             self.last_record = record
             if step % every == 0 or step == steps:
                 self.save(step)  # before the version is published: a restart never finds it newer than the state
-            self.publish(model_state)
+            self.publish(model_state, final=step == steps)
             record.update(publish_seconds=time.monotonic() - t2, wall_seconds=time.monotonic() - self.started)
+            record.update(self.evaluator.take(wait=step == steps, stop=self.ctx.stop) if self.evaluator else {})
             self.records.append(record)
             log.info(
                 "step %d version %d reward %.3f staleness %.2f",
