@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlfleet.config import Bundle, load_bundle
+from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.local.plan import Process, check_local_size, endpoints, plan, redis_env
 from rlfleet.local.progress import BuildProgress, Progress, startup_status
 from rlfleet.local.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
@@ -66,6 +66,10 @@ def run_keys(environ: dict, key_dir: Path) -> dict:
 def run_local(file: str, run_dir: str | None = None, steps: int | None = None, progress: bool = True) -> int:
     bundle = load_bundle(file)
     bundle_graph(bundle, file)  # a relay tree that cannot be built fails before anything starts
+    from rlfleet.tasks.held_out import held_out_problems
+
+    if problems := held_out_problems(bundle.run.spec):  # a missing eval.dataset fails before the run starts
+        raise ConfigError(file, problems)
     name = bundle.run.metadata.name
     run_path = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_path / "logs").mkdir(parents=True, exist_ok=True)

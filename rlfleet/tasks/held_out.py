@@ -22,6 +22,18 @@ def held_out_task(run_spec) -> TaskSource:
         raise DatasetError(str(exc).replace("task.dataset", "eval.dataset", 1)) from None
 
 
+def held_out_problems(run_spec) -> list[str]:
+    """What keeps `run_spec.eval`'s problems from loading (a missing or unreadable eval.dataset, a row
+    without the task's fields), as `spec.eval.…: message` lines; [] when they load or there is no eval."""
+    if run_spec.eval is None:
+        return []
+    try:
+        held_out_task(run_spec)
+    except DatasetError as exc:
+        return [f"spec.{exc}"]
+    return []
+
+
 def held_out_ids(task: TaskSource, count: int) -> list[str]:
     """The ids an evaluation scores, the same at every version: a dataset's first `count` rows, else the
     first `count` distinct ids of a fixed draw (an arithmetic seed's)."""

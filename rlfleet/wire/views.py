@@ -133,7 +133,8 @@ _GENERATORS = (*_POLICY, *_TRAINER_OTHERS, *_VERIFIER, *_REDIS, *_STORE, *_SHARD
 VIEWS: dict[str, View] = {
     v.component: v
     for v in (
-        View(components.TRAINER, (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST)),
+        # eval: the held-out evaluation runs in the trainer (rlfleet/services/trainer/evaluation.py)
+        View(components.TRAINER, (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST, "eval")),
         View(components.VERIFIER, _GENERATORS),
         View(
             components.ROLLOUT,

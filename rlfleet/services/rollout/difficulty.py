@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfleet.config import ConfigError, DatasetTaskFields, load_bundle
-from rlfleet.services.rollout.engines.solve import score_problems
 from rlfleet.tasks import make_task
 from rlfleet.tasks.datasets import DatasetError, DatasetTask, load_rows
 from rlfleet.wire.streams import SamplingParams
@@ -85,9 +84,12 @@ def rate_rows(o: FilterOptions, progress=None) -> dict:
         raise ConfigError(o.file, [f"spec.{exc}"]) from None
     assert isinstance(task, DatasetTask)  # a task with a dataset; without a band every row is kept, in file order
     rows = rows[: o.max_rows] if o.max_rows else rows
-    from rlfleet.models.builtin import resolve_model_path
+    from rlfleet.models.builtin import resolve_model_path  # torch: imported once the input is known good
+    from rlfleet.models.policy import configure_torch_threads
     from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.services.rollout.engines.solve import score_problems
 
+    configure_torch_threads()  # env RLFLEET_TORCH_THREADS, as the components
     model_dir = resolve_model_path(spec.model, spec.task, seed=spec.trainer.seed)
     pool = bundle.pools[0].spec.vllm if bundle.pools else None
     engine = make_engine(o.engine, model_dir, 0, spec.model.dtype, pool)

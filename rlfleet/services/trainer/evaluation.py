@@ -9,7 +9,7 @@ task's reward (rlfleet/services/rollout/engines/solve.py). One evaluation runs a
 version offered while one runs waits in a single slot, where a newer one replaces it (the newest
 weights are what matters), so evaluations never queue up behind training.
 
-The trainer puts the newest finished evaluation into the next step record it writes (`take`):
+The trainer puts each finished evaluation into the next step record it writes (`take`, oldest first):
 eval/score (pass@k: share of problems with a passing completion), eval/reward_mean, eval/version
 (the version evaluated), eval/problems, eval/k, eval/seconds. At the last step it waits for the last
 version's evaluation, so a run's records end with its final score. An evaluation that fails is
@@ -71,13 +71,15 @@ class Evaluator:
             self.cond.notify_all()
 
     def take(self, wait: bool = False, stop: threading.Event | None = None) -> dict:
-        """The newest evaluation finished since the last take, as eval/* fields ({} if none). `wait`: first
-        wait until every offered version is evaluated (unless `stop` is set meanwhile)."""
+        """The oldest evaluation finished and not yet taken, as eval/* fields ({} if none), so each lands in
+        one step record. `wait` (the last step): first wait until every offered version is evaluated
+        (unless `stop` is set meanwhile), then the newest, the others dropped."""
         with self.cond:
             while wait and (self.waiting is not None or self.busy) and not (stop and stop.is_set()):
                 self.cond.wait(0.5)
-            finished, self.finished = self.finished, []
-        return finished[-1] if finished else {}
+            if wait:
+                self.finished = self.finished[-1:]
+            return self.finished.pop(0) if self.finished else {}
 
     def _loop(self) -> None:
         while True:

@@ -148,9 +148,9 @@ class Trainer:
             self._publisher = self._publisher or PolicyPublisher(
                 self.store, self.ctx.run_name, shardcast.deltas, run_signer(shardcast), shardcast.shard_size_bytes
             )
-            self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
-            if self.evaluator:  # evaluates the version when due, on a copy, in its own thread
+            if self.evaluator:  # evaluates the version when due, on a copy (publishing moves the files), in a thread
                 self.evaluator.offer(self.version, Path(tmp), final)
+            self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
         prune_versions(self.store, self.ctx.run_name, keep)
