@@ -1,4 +1,5 @@
-"""`rlfleet` command line: one subcommand per process, plus `run`, `validate`, `render`, `crds` and `toploc`.
+"""`rlfleet` command line: one subcommand per process, plus `run`, `validate`, `filter`, `render`, `crds` and
+`toploc`.
 
 Each subcommand parses its arguments and hands off to one function; a component's `main` takes
 its typed options (a dataclass whose fields are the argument names), and heavy imports (torch)
@@ -122,6 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write RUN_DIR/report/index.html (and its PNGs) from a run directory")
     p.add_argument("run_dir", type=Path, help="a run directory of `rlfleet run` (metrics.jsonl, workers.json, logs/)")
 
+    p = sub.add_parser(
+        "filter", help="sample the base model on the run's dataset and write the rows with their solve rates"
+    )
+    p.add_argument("file", help="RLRun YAML with a math or code task (its model, dataset and sampling)")
+    p.add_argument("--out", required=True, type=Path, help="JSONL file the rated rows are written to")
+    p.add_argument("-k", type=int, default=8, help="completions per row (default 8)")
+    p.add_argument("--max-rows", type=int, default=None, help="rate only the first N rows (and write only them)")
+    p.add_argument("--engine", choices=["torch", "vllm", "auto"], default="torch", help="rollout engine")
+    p.add_argument("--temperature", type=float, default=None, help="default: spec.sampling.temperature")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: spec.sampling.maxTokens")
+    p.add_argument("--pass-reward", type=float, default=1.0, help="a completion passes at this reward or more")
+    p.add_argument("--seed", type=int, default=0, help="seed of row 0's completions (row i: seed + i)")
+
     p = sub.add_parser("validate", help="check a config file and print every error with its field path")
     p.add_argument("file")
 
@@ -209,6 +223,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 2
         print(write_html_report(args.run_dir))
         return 0
+    if args.command == "filter":
+        from rlfleet.services.rollout.difficulty import FilterOptions
+        from rlfleet.services.rollout.difficulty import main as filter_main
+
+        fields = [f.name for f in dataclasses.fields(FilterOptions)]
+        return filter_main(FilterOptions(**{name: getattr(args, name) for name in fields}))
     if args.command == "operator":
         from rlfleet.operator.handlers import run_operator
         from rlfleet.operator.options import OperatorOptions

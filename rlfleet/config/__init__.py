@@ -18,6 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, Metadata, Spec
+from rlfleet.config.evaluation import EvalSpec
 from rlfleet.config.infra import DeltaSpec, IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
 from rlfleet.config.resources import (
     KINDS,
@@ -42,7 +43,7 @@ from rlfleet.config.tasks import (
     TaskSpec,
 )
 from rlfleet.config.tracking import MlflowSpec, TrackingSpec, WandbSpec
-from rlfleet.config.training import SamplingSpec, TrainerSpec
+from rlfleet.config.training import OnlineFilterSpec, SamplingSpec, TrainerSpec
 from rlfleet.config.verifier import BanPolicySpec, RejectionReason, ToplocSpec, VerifierSpec
 
 __all__ = [
@@ -59,12 +60,14 @@ __all__ = [
     "DatasetSpec",
     "DatasetTaskFields",
     "DeltaSpec",
+    "EvalSpec",
     "InferencePool",
     "InferencePoolSpec",
     "IngestSpec",
     "LengthPenaltySpec",
     "MathTaskSpec",
     "MlflowSpec",
+    "OnlineFilterSpec",
     "Metadata",
     "ModelSpec",
     "RLRun",

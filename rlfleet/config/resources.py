@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, ApiVersion, Metadata, Spec
+from rlfleet.config.evaluation import EvalSpec, eval_problems
 from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
 from rlfleet.config.tasks import LengthPenaltySpec, ModelSpec, TaskSpec
 from rlfleet.config.tracking import TrackingSpec
@@ -34,6 +35,11 @@ class RLRunSpec(Spec):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How workers sample completions.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="GRPO trainer.")
     verifier: VerifierSpec = Field(default_factory=VerifierSpec, description="TOPLOC verification gate.")
+    eval: EvalSpec | None = Field(
+        default=None,
+        description="Held-out evaluation by the trainer every few versions (eval/* in metrics.jsonl and on /metrics); "
+        "absent: none.",
+    )
     redis: RedisSpec = Field(default_factory=RedisSpec, description="Redis holding the run's streams.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Checkpoint store.")
     shardcast: ShardcastSpec = Field(default_factory=ShardcastSpec, description="Checkpoint broadcast.")
@@ -79,6 +85,13 @@ class RLRunSpec(Spec):
                 f"({self.redis.stream_max_len}): the inbox would outgrow the streams' bound; lower maxBacklog or "
                 f"raise streamMaxLen"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_fits_task(self) -> RLRunSpec:
+        problems = eval_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 

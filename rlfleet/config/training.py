@@ -12,6 +12,47 @@ from rlfleet.config.workload import ResourcesSpec, gpu_resource, pod_template, r
 MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
+class OnlineFilterSpec(Spec):
+    """Online prompt filter (rlfleet/wire/prompt_filter.py): the trainer records each prompt's recent groups and
+    retires a prompt once its last `window` groups were all solved or all failed; workers stop drawing it."""
+
+    window: int = Field(
+        default=2,
+        ge=1,
+        le=1000,
+        description="Consecutive groups of one prompt (same prompt tokens) that must all be solved, or all failed, "
+        "before the prompt is retired for the rest of the run.",
+    )
+    solved_at: float | None = Field(
+        default=1.0,
+        description="A group counts as solved when its mean reward is at least this (1.0: every completion right, "
+        "with the binary rewards; lower it with a length penalty). Empty: solved prompts are never retired.",
+    )
+    failed_at: float | None = Field(
+        default=0.0,
+        description="A group counts as failed when its mean reward is at most this. Empty: failed prompts are never "
+        "retired.",
+    )
+    max_redraws: int = Field(
+        default=32,
+        ge=1,
+        le=100_000,
+        description="Draws a worker makes for one group before it takes a retired prompt anyway (so a run whose "
+        "every prompt is retired keeps going; the trainer then drops repeats as before).",
+    )
+
+    @model_validator(mode="after")
+    def _thresholds(self) -> OnlineFilterSpec:
+        if self.solved_at is None and self.failed_at is None:
+            raise ValueError("solvedAt and failedAt are both empty, so nothing is ever retired; set one or remove "
+                             "sampling.onlineFilter")  # fmt: skip
+        if self.solved_at is not None and self.failed_at is not None and self.solved_at <= self.failed_at:
+            raise ValueError(
+                f"solvedAt ({self.solved_at}) must be above failedAt ({self.failed_at}): a group cannot count as both"
+            )
+        return self
+
+
 class SamplingSpec(Spec):
     group_size: int = Field(
         default=8,
@@ -34,6 +75,12 @@ class SamplingSpec(Spec):
         "the run for a work ticket (Redis, or the ingest's tickets endpoint) and the ticket fixes task and seed "
         "(rlfleet/wire/assignment.py); the gate accepts each ticket once and only from the worker it was issued to, so "
         "a worker cannot grind seeds or tasks, and tickets it drops are counted.",
+    )
+    online_filter: OnlineFilterSpec | None = Field(
+        default=None,
+        description="Stop sampling prompts whose recent groups were all solved or all failed (they teach nothing: "
+        "zero advantage); absent: every drawn prompt is sampled. Workers that submit through an ingest are not "
+        "filtered (they read no Redis).",
     )
 
 

@@ -81,6 +81,10 @@ def run_local(
     tracking_problems = missing_packages(bundle.run.spec.tracking)
     if tracking_problems:
         raise ConfigError(file, tracking_problems)
+    from rlfleet.tasks.held_out import held_out_problems
+
+    if problems := held_out_problems(bundle.run.spec):  # a missing eval.dataset fails before the run starts
+        raise ConfigError(file, problems)
     name = bundle.run.metadata.name
     run_path = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_path / "logs").mkdir(parents=True, exist_ok=True)

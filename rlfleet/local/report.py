@@ -31,6 +31,7 @@ def summarize(records: list[dict], wall_seconds: float) -> dict:
         return sum(values) / len(values) if values else None
 
     first, last = records[:tenth], records[-tenth:]
+    evals = [r for r in records if "eval/score" in r]  # held-out evaluations (spec.eval), where they finished
     return {
         "steps": len(records),
         "policy_version": records[-1]["policy_version"],
@@ -45,6 +46,10 @@ def summarize(records: list[dict], wall_seconds: float) -> dict:
         "rejected": records[-1]["rejected"],
         "rejected_by_reason": records[-1].get("rejected_by_reason", {}),
         "staleness_mean": mean(records, "staleness_mean"),
+        "eval_score_first": evals[0]["eval/score"] if evals else None,  # of the first version evaluated (0)
+        "eval_version_first": evals[0]["eval/version"] if evals else None,
+        "eval_score_last": evals[-1]["eval/score"] if evals else None,
+        "eval_version_last": evals[-1]["eval/version"] if evals else None,
         "wall_seconds": wall_seconds,
     }
 
@@ -55,12 +60,15 @@ def reward_trend(summary: dict) -> str:
     trend = f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}"
     if summary.get("sampled_reward_last") is not None:
         trend += f" (as sampled {summary['sampled_reward_first']:.3f} -> {summary['sampled_reward_last']:.3f})"
+    if summary.get("eval_score_last") is not None:
+        trend += f", held-out {summary['eval_score_first']:.3f} -> {summary['eval_score_last']:.3f}"
     return trend
 
 
 def plot(records: list[dict], dest: Path, title: str) -> None:
-    """PNG of reward and accuracy per step, with a 10-step moving average of the reward, and the reward
-    of everything the trainer read (sampled_reward_mean) where the records have it."""
+    """PNG of reward and accuracy per step, with a 10-step moving average of the reward, the reward
+    of everything the trainer read (sampled_reward_mean) where the records have it, and the held-out
+    score (eval/score, spec.eval) at the step each evaluation finished, marked by the version evaluated."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +88,9 @@ def plot(records: list[dict], dest: Path, title: str) -> None:
     sampled = [(r["step"], r["sampled_reward_mean"]) for r in records if "sampled_reward_mean" in r]
     if sampled:
         ax.plot(*zip(*sampled), color="tab:orange", alpha=0.8, label="reward as sampled (dropped groups too)")
+    evals = [(r["eval/version"], r["eval/score"]) for r in records if "eval/score" in r]
+    if evals:  # version v is the weights after step v: plotted at its step
+        ax.plot(*zip(*evals), color="tab:red", marker="o", label="held-out score (eval)")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1.02)

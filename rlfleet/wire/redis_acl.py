@@ -5,15 +5,15 @@ announce a policy version, touch the trainer's state or another run. The worker 
 whatever the worker wrote: only the ingest binds worker ids to tokens.
 
   worker    XADD / XLEN the inbox: the only key a rollout worker writes
-  reader    read the policy stream and the trainer's demand, XLEN the inbox and the verified stream: a
-            worker's reads (a second client, env RLFLEET_REDIS_READ_URL), the origin, relays
+  reader    read the policy stream, the trainer's demand and the retired prompts, XLEN the inbox and the
+            verified stream: a worker's reads (a second client, env RLFLEET_REDIS_READ_URL), the origin, relays
   tickets   HINCRBY the work-ticket counters (spec.sampling.assignment: run; env RLFLEET_REDIS_TICKETS_URL)
   ingest    the inbox (its admission script: XLEN, XADD, GET/SET of its submission records), ban
             lookups, work tickets
   verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected / dead
             letter, its attempt counts, run stats, reputation and bans, its one-time guards, work tickets (read)
   trainer   the verified stream's consumer group, the trained set, run stats (read), XADD policy, HSET
-            its demand
+            its demand, RPUSH the retired prompts
   admin     everything on the run's keys (the local launcher; on a cluster the operator keeps the
             urlSecret's `url`)
 A worker has three users rather than one because Redis 6.2 (the embedded one) grants commands per
@@ -49,7 +49,10 @@ SCRIPTS = ["evalsha", "eval", "script|load"]  # redis-py's registered scripts; t
 # Per role: the RunKeys attributes (or per-item key patterns, `RunKeys.patterns`) and the commands.
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     WORKER: (["rollouts"], ["xadd", "xlen"]),
-    READER: (["policy", "rollouts", "verified", "demand"], ["xread", "xrevrange", "xlen", "hmget"]),
+    READER: (
+        ["policy", "rollouts", "verified", "demand", "retired_prompts"],
+        ["xread", "xrevrange", "xlen", "hmget", "lrange"],
+    ),
     TICKETS: (["tickets"], ["hincrby"]),
     INGEST: (
         ["rollouts", "banned", "tickets", "submitted"],
@@ -98,9 +101,11 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     TRAINER: (
-        ["verified", "policy", "trained", "stats", "demand"],
+        ["verified", "policy", "trained", "stats", "demand", "retired_prompts"],
         [
             "hset",
+            "rpush",
+            "lrange",
             "xgroup|create",
             "xreadgroup",
             "xack",

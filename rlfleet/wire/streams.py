@@ -63,6 +63,8 @@ class RunKeys:
         self.seen = f"{prefix}:seen"
         self.seen_versions = f"{prefix}:seen-versions"
         self.tickets_used = f"{prefix}:tickets-used"
+        # list of prompt keys the online filter retired, append-only (rlfleet/wire/prompt_filter.py)
+        self.retired_prompts = f"{prefix}:retired-prompts"
         self._submitted_prefix = f"{prefix}:submitted:"
         self.verifier_group = "verifiers"
         self.trainer_group = TRAINER
@@ -93,6 +95,7 @@ class RunKeys:
             self.seen,
             self.seen_versions,
             self.tickets_used,
+            self.retired_prompts,
         ]
 
 

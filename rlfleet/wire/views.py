@@ -133,9 +133,11 @@ _GENERATORS = (*_POLICY, *_TRAINER_OTHERS, *_VERIFIER, *_REDIS, *_STORE, *_SHARD
 VIEWS: dict[str, View] = {
     v.component: v
     for v in (
-        # spec.tracking: the trainer alone logs to the run's trackers.
+        # spec.tracking: the trainer alone logs to the run's trackers; eval: the held-out evaluation runs in the
+        # trainer (rlfleet/services/trainer/evaluation.py)
         View(
-            components.TRAINER, (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST, "tracking")
+            components.TRAINER,
+            (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST, "tracking", "eval"),
         ),
         View(components.VERIFIER, _GENERATORS),
         View(

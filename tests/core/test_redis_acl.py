@@ -36,6 +36,16 @@ def denied(call) -> bool:
     return False
 
 
+def test_only_the_trainer_retires_prompts_and_a_worker_reads_them(served):
+    _, c = served
+    keys = RunKeys("r")
+    assert c["trainer"].rpush(keys.retired_prompts, "k1") == 1
+    assert c["reader"].lrange(keys.retired_prompts, 0, -1) == [b"k1"]
+    for role in ("worker", "reader", "tickets", "verifier", "ingest"):
+        assert denied(lambda: c[role].rpush(keys.retired_prompts, "forged")), role
+    assert denied(lambda: c["reader"].lrange(RunKeys("other").retired_prompts, 0, -1))
+
+
 def test_a_worker_can_add_to_its_inbox_and_read_the_policy_stream_only(served):
     server, c = served
     keys, other = RunKeys("r"), RunKeys("other")

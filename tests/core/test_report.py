@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rlfleet.local.report import reward_trend, summarize
+import json
+
+from rlfleet.local.report import reward_trend, summarize, write_reports
 
 
 def record(step: int, reward: float, sampled: float | None) -> dict:
@@ -25,3 +27,18 @@ def test_records_of_a_trainer_without_the_sampled_reward_still_summarize():
     summary = summarize([record(s, 0.5, None) for s in range(1, 11)], 1.0)
     assert summary["sampled_reward_last"] is None
     assert reward_trend(summary) == "reward 0.500 -> 0.500"
+
+
+def test_the_summary_and_the_picture_carry_the_first_and_last_held_out_score(tmp_path):
+    records = [record(s, 0.5, 0.5) for s in range(1, 21)]
+    records[0].update({"eval/version": 0, "eval/score": 0.25})
+    records[10].update({"eval/version": 10, "eval/score": 0.5})
+    records[19].update({"eval/version": 20, "eval/score": 0.75})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = write_reports(tmp_path, 3.0, "eval")
+    assert (summary["eval_score_first"], summary["eval_version_first"]) == (0.25, 0)
+    assert (summary["eval_score_last"], summary["eval_version_last"]) == (0.75, 20)
+    assert reward_trend(summary).endswith(", held-out 0.250 -> 0.750")
+    assert (tmp_path / "reward.png").stat().st_size > 0
+    no_eval = summarize([record(s, 0.5, 0.5) for s in range(1, 11)], 1.0)
+    assert no_eval["eval_score_first"] is None and "held-out" not in reward_trend(no_eval)

@@ -11,8 +11,8 @@ import torch
 
 from rlfleet.config import parse_bundle
 from rlfleet.services.trainer.loss import grpo_loss
-from rlfleet.services.trainer.main import Trainer, lr_factor
-from rlfleet.services.trainer.update import grpo_update
+from rlfleet.services.trainer.main import Trainer
+from rlfleet.services.trainer.update import grpo_update, lr_factor
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams
 from rlfleet.wire.views import VIEWS, view_bundle

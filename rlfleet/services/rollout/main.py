@@ -51,6 +51,7 @@ from rlfleet.tasks import make_run_task
 from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.wire import components, env
 from rlfleet.wire.assignment import assigned_work, issue_ticket
+from rlfleet.wire.prompt_filter import RetiredPrompts, draw_unretired, prompt_key
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
 from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams
 
@@ -64,6 +65,7 @@ PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by back
 IN_FLIGHT = Gauge("rlfleet_rollout_requests_in_flight", "Completions the engine is generating now")
 GROUPS_IN_FLIGHT = Gauge("rlfleet_rollout_groups_in_flight", "Groups the engine is generating now (one batch)")
 LOAD_SECONDS = Gauge("rlfleet_rollout_weight_load_seconds", "In-place load of the last swapped version into the engine")
+FILTERED = Counter("rlfleet_rollout_filtered_draws_total", "Draws skipped: the online filter retired their prompt")
 SWAP_SECONDS = Gauge(
     "rlfleet_rollout_weight_swap_seconds", "Last swap from seeing the version announced to generating with it"
 )
@@ -125,6 +127,10 @@ class Worker:
             read_url, tickets_url_ = env.get(env.REDIS_READ_URL), env.get(env.REDIS_TICKETS_URL)
             self.reader = connect_redis(read_url) if read_url else ctx.redis
             self.tickets = connect_redis(tickets_url_) if tickets_url_ else ctx.redis
+        # The online filter's retired prompts (prompt_filter.py); a worker of an ingest reads no Redis.
+        online_filter = self.spec.sampling.online_filter
+        self.retired = RetiredPrompts(self.reader, ctx.keys) if self.reader and online_filter else None
+        self.max_redraws = online_filter.max_redraws if online_filter else 1
         self.follower = VersionFollower(
             ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, reader=self.reader
         )
@@ -264,7 +270,7 @@ class Worker:
         call, so every group records the one version that produced all of them."""
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
         problems = [self.task.problem(task_id) for task_id, _, _ in work]
-        prompts = [self.loaded.tokenizer(p.prompt)["input_ids"] for p in problems]
+        prompts = [self.prompt_ids(task_id) for task_id, _, _ in work]
         params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=seed) for _, seed, _ in work]
         IN_FLIGHT.set(s.group_size * len(work))
         GROUPS_IN_FLIGHT.set(len(work))
@@ -306,11 +312,26 @@ class Worker:
             )
         return groups
 
+    def prompt_ids(self, task_id: str) -> list[int]:
+        """The prompt tokens of `task_id`'s problem, as the group carries them."""
+        return self.loaded.tokenizer(self.task.problem(task_id).prompt)["input_ids"]
+
+    def work_prompt_key(self, piece: tuple[str, int, int | None] | None) -> str:
+        assert piece is not None  # draw_unretired asks only for the key of a draw
+        return prompt_key(self.prompt_ids(piece[0]))
+
     def take_work(self, room: int) -> list[tuple[str, int, int | None]] | None:
-        """Up to `room` pieces of work (next_work's); None if stopped meanwhile (a ticket held back)."""
+        """Up to `room` pieces of work (next_work's), redrawing prompts the online filter retired; None if
+        stopped meanwhile (a ticket held back)."""
+        if self.retired is not None:
+            self.retired.refresh()
         work = []
         for _ in range(room):
-            piece = self.next_work()
+            if self.retired is None:
+                piece = self.next_work()
+            else:
+                piece, skipped = draw_unretired(self.next_work, self.work_prompt_key, self.retired, self.max_redraws)
+                FILTERED.inc(skipped)
             if piece is None:
                 return None
             work.append(piece)

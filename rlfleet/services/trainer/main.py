@@ -21,7 +21,6 @@ reads the streams, publishes and commits.
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
+from rlfleet.services.trainer.evaluation import Evaluator
 from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, withdraw
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
@@ -46,31 +46,25 @@ from rlfleet.services.trainer.state import (
     save_state,
 )
 from rlfleet.services.trainer.tracking import open_trackers
-from rlfleet.services.trainer.update import broadcast, grpo_update, init_distributed, leave_distributed, training_device
+from rlfleet.services.trainer.update import (
+    broadcast,
+    grpo_update,
+    init_distributed,
+    leave_distributed,
+    lr_factor,
+    training_device,
+)
 from rlfleet.versions.checkpoint import prune_versions, save_model_dir
 from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
+from rlfleet.wire.prompt_filter import OutcomeRecorder
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
 from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest, stream_reply
 
 log = logging.getLogger("rlfleet.trainer")
 TRAINED_DIGESTS_KEPT = 200_000
-
-
-def lr_factor(warmup: int, schedule: str, total: int):
-    """Multiplier of the base learning rate at step s (0-based): linear warmup, then the schedule."""
-
-    def factor(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (s - warmup) / max(1, total - warmup))
-        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
 
 
 class Trainer:
@@ -124,8 +118,11 @@ class Trainer:
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
         ensure_group(ctx.client, ctx.keys.verified, ctx.keys.trainer_group)
+        f = self.spec.sampling.online_filter  # the trainer records outcomes; workers skip what it retires
+        self.outcomes = OutcomeRecorder(f, ctx.client, ctx.keys) if f and self.rank == 0 else None
+        self.evaluator = Evaluator(self.spec, base) if self.spec.eval and self.rank == 0 else None  # spec.eval
 
-    def publish(self, model_state: dict) -> None:
+    def publish(self, model_state: dict, final: bool = False) -> None:
         """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
         delta against the previous version; with LoRA the adapter alone, lora.py), then announce it."""
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
@@ -145,6 +142,8 @@ class Trainer:
             self._publisher = self._publisher or PolicyPublisher(
                 self.store, self.ctx.run_name, shardcast.deltas, run_signer(shardcast), shardcast.shard_size_bytes
             )
+            if self.evaluator:  # evaluates the version when due, on a copy (publishing moves the files), in a thread
+                self.evaluator.offer(self.version, Path(tmp), final)
             self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
@@ -189,6 +188,8 @@ class Trainer:
                         drops["malformed"] += 1
                         continue
                     self.read_rewards += [s.reward for s in group.samples]
+                    if self.outcomes:
+                        self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])
                     digest = group_digest(group)
                     if (
                         r.zscore(keys.trained, digest) is not None
@@ -345,13 +346,15 @@ class Trainer:
                 "wall_seconds": time.monotonic() - self.started,
                 "rollout_ids": rollout_ids,
                 "dropped_rollout_ids": self.dropped_ids,
+                **({f"prompts_retired_{k}": v for k, v in self.outcomes.retired.items()} if self.outcomes else {}),
             }
             self.pending.add(rollout_ids, digests, self.version, ack)
             self.last_record = record
             if step % every == 0 or step == steps:
                 self.save(step)  # before the version is published: a restart never finds it newer than the state
-            self.publish(model_state)
+            self.publish(model_state, final=step == steps)
             record.update(publish_seconds=time.monotonic() - t2, wall_seconds=time.monotonic() - self.started)
+            record.update(self.evaluator.take(wait=step == steps, stop=self.ctx.stop) if self.evaluator else {})
             self.records.append(record)
             log.info(
                 "step %d version %d reward %.3f staleness %.2f",

@@ -54,6 +54,18 @@ GROUPS = Gauge(
     "Groups the verifier accepted / rejected so far, by reason",
     ["verdict", "reason"],
 )
+RETIRED = Gauge(
+    "rlfleet_trainer_prompts_retired",
+    "Prompts the online filter retired so far in this trainer's life, by outcome (spec.sampling.onlineFilter)",
+    ["outcome"],
+)
+EVAL = Gauge(
+    "rlfleet_trainer_eval",
+    "Held-out evaluation (spec.eval) of the newest evaluated version: score (pass@k), reward_mean, version, "
+    "problems, k, seconds",
+    ["stat"],
+)
+EVAL_STATS = ("score", "reward_mean", "version", "problems", "k", "seconds")
 DROP_REASONS = ("stale", "duplicate", "malformed", "zero_advantage")
 PHASES = ("wait", "compute", "publish")
 # Every labelled series exists from the start (at 0), so a scrape shows it before its first event.
@@ -74,6 +86,8 @@ EXPORTED = (
     STEP_SECONDS,
     STAT,
     GROUPS,
+    RETIRED,
+    EVAL,
 )
 NOT_EXPORTED = {
     "rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement",
@@ -87,7 +101,9 @@ def export_step(record: dict) -> None:
     statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; dropped_* ->
     the dropped counter by reason; wait/compute/publish_seconds -> the step-time histogram by phase;
     wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
-    (rejected is their sum over reasons, every known reason present)."""
+    (rejected is their sum over reasons, every known reason present); prompts_retired_* (online filter) ->
+    rlfleet_trainer_prompts_retired{outcome}; eval/* (held-out evaluation, in the record of the step it finished
+    in) -> rlfleet_trainer_eval{stat}."""
     STEP.set(record["step"])
     VERSION.set(record["policy_version"])
     REWARD.set(record["reward_mean"])
@@ -104,6 +120,12 @@ def export_step(record: dict) -> None:
             DROPPED.labels(reason).inc(record[f"dropped_{reason}"])
     for phase in PHASES:
         STEP_SECONDS.labels(phase).observe(record[f"{phase}_seconds"])
+    for outcome in ("solved", "failed"):
+        if f"prompts_retired_{outcome}" in record:
+            RETIRED.labels(outcome).set(record[f"prompts_retired_{outcome}"])
+    for stat in EVAL_STATS:
+        if f"eval/{stat}" in record:
+            EVAL.labels(stat).set(record[f"eval/{stat}"])
     GROUPS.labels("accepted", "").set(record["accepted"])
     for reason in {*get_args(RejectionReason), *record["rejected_by_reason"]}:
         GROUPS.labels("rejected", reason).set(record["rejected_by_reason"].get(reason, 0))

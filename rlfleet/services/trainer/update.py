@@ -29,6 +29,7 @@ which ranks.py gives every rank it starts.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -277,3 +278,17 @@ def whole_batch_means(sums: dict[str, float], tokens: int, t, world: int, device
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     means = {k: float(v) for k, v in zip(keys, totals[:-1] / totals[-1].clamp(min=1.0))}
     return {**means, **{k: float(v) for k, v in zip(maxima, peaks[:-1])}}
+
+
+def lr_factor(warmup: int, schedule: str, total: int):
+    """Multiplier of the base learning rate at step s (0-based): linear warmup, then the schedule."""
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
