@@ -1,6 +1,7 @@
 """The gate's acceptance thresholds for a group: what the run sets (`spec.verifier`), else the
 calibration of (the group's engine, the run's worker device class `spec.verifier.workerDevice`, the
-run's dtype). The claimed engine and the device class only pick tolerances: every check runs on
+run's worker dtype `spec.verifier.workerDtype`, else `spec.model.dtype`; the verifier itself always
+prefills in `spec.model.dtype`). The claimed engine and the device class only pick tolerances: every check runs on
 every spot-checked group whatever it claims (checks.py), so a label can loosen a bound to at most
 the loosest calibrated one of the engines the run admits, never skip a check.
 
@@ -101,7 +102,7 @@ DEFAULTS: dict[tuple[str, str, str], Calibration] = {
 
 def calibration(v: VerifierSpec, engine: str, dtype: str) -> Calibration:
     """The thresholds for a group drawn by `engine` on the run's worker device class (`v.worker_device`) in
-    `dtype`; fields set in `v` win."""
+    `dtype` (the run's worker dtype, config.worker_dtype); fields set in `v` win."""
     base, t = DEFAULTS[(engine, v.worker_device, dtype)], v.toploc
 
     def pick(given, default):
