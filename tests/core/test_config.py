@@ -248,7 +248,7 @@ def test_runaway_nesting_gets_a_clear_error_not_a_traceback(tmp_path):
 
 
 def test_a_worker_picks_its_pool_by_name_and_an_unknown_name_lists_the_pools():
-    admits_vllm = RUN + "  verifier: {engines: [torch, vllm]}\n"  # a vllm pool needs it (its groups are not replayed)
+    admits_vllm = RUN + "  verifier: {engines: [torch, vllm]}\n"  # a vllm pool needs the run to admit vllm
     two = parse_bundle(_doc(admits_vllm, POOL, POOL.replace("demo-pool", "gpu-pool") + "  engine: vllm\n"))
     assert two.pool("gpu-pool")[1].engine == "vllm"
     with pytest.raises(
