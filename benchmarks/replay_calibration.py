@@ -6,9 +6,10 @@ share thresholds of calibration.py can be read off: honest worst vs tampered bes
 Model: a random Qwen2 of head size 32 (vLLM's CPU attention has no smaller) with the arithmetic task's
 tokenizer; groupSize 8, maxTokens 16, temperature 1, topP 0.95. Tampered groups are the classic
 near-miss a threshold must see: the same seeds drawn at temperature 0.8 (a mild temperature lie),
-and at topP 1 (tokens outside the nucleus), logprobs recomputed. The replay tolerance used is the
-calibrated fp32 one (1e-3) and the bf16 one (0.02), both reported. Mismatch share = positions whose
-claimed token is not the seed's draw beyond the tolerance / positions; surprise = mean over positions
+and at topP 1 (tokens outside the nucleus), logprobs recomputed. The replay tolerances used are the
+calibrated one (1e-3, every row's) and 0.02 (the old bf16 value, which let topP-ignored groups replay
+clean), both reported. Mismatch share = positions whose claimed token is not the seed's draw beyond
+the tolerance / positions; surprise = mean over positions
 of -log q(token) - H(q) (0 for honest sampling on average).
 Usage: .venv/bin/python benchmarks/replay_calibration.py [--groups 48] [--json out.json]
 """
@@ -33,7 +34,7 @@ from tests.runs import bundle_yaml, rlrun
 from tests.support import tiny_policy_dir
 from tests.toploc import attacks
 
-TOLERANCES = (1e-3, 0.02)  # the calibrated fp32 and bf16 replay tolerances (calibration.py)
+TOLERANCES = (1e-3, 0.02)  # the calibrated replay tolerance (calibration.py) and the old bf16 one
 
 
 def replay_of(group, model, tokenizer, tolerance: float):

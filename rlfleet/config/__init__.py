@@ -30,6 +30,7 @@ from rlfleet.config.resources import (
     RLRun,
     RLRunSpec,
     VLLMSpec,
+    worker_dtype,
 )
 from rlfleet.config.tasks import (
     TASK_TYPES,
@@ -90,6 +91,7 @@ __all__ = [
     "load_bundle",
     "parse_bundle",
     "validation_problems",
+    "worker_dtype",
 ]
 
 
@@ -204,7 +206,7 @@ def parse_bundle(text: str, source: str = "<config>") -> Bundle:
 
 
 def _pool_problems(run: RLRun, pools: list[InferencePool]) -> list[str]:
-    """What a pool asks of its run that the run does not give: room in the inbox, an admitted engine."""
+    """What a pool asks of its run that the run does not give: room in the inbox, an admitted engine and dtype."""
     problems, spec = [], run.spec
     for pool in pools:
         where = f"InferencePool {pool.metadata.name}"
@@ -217,6 +219,15 @@ def _pool_problems(run: RLRun, pools: list[InferencePool]) -> list[str]:
             problems.append(
                 f"{where}: spec.engine: {pool.spec.engine} may draw with vLLM, whose groups the gate "
                 f"refuses unless the run admits them: add vllm to RLRun spec.verifier.engines (or use engine: torch)"
+            )
+        if pool.spec.dtype is not None and pool.spec.dtype != worker_dtype(spec):
+            declared = (
+                "spec.verifier.workerDtype" if spec.verifier.worker_dtype else "spec.model.dtype (no workerDtype)"
+            )
+            problems.append(
+                f"{where}: spec.dtype: {pool.spec.dtype} is not the dtype the run admits for its workers: RLRun "
+                f"{declared} is {worker_dtype(spec)}; set RLRun spec.verifier.workerDtype: {pool.spec.dtype} or drop "
+                f"the pool's dtype"
             )
     return problems
 

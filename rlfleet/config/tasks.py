@@ -16,7 +16,9 @@ class ModelSpec(Spec):
         "directory, or `s3://bucket/prefix`."
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        default="float32", description="Compute dtype of trainer, workers and verifier."
+        default="float32",
+        description="Compute dtype of trainer and verifier, and of the workers unless spec.verifier.workerDtype "
+        "declares theirs.",
     )
     warm_start_steps: int = Field(
         default=0,

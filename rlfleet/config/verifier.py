@@ -19,7 +19,7 @@ class ToplocSpec(Spec):
         default=None,
         ge=0,
         description="Reject a chunk with more exponent mismatches than this among its top-k. Empty: calibrated for "
-        "the group's engine, verifier.workerDevice and the run's dtype (rlfleet/services/toploc/calibration.py): "
+        "the group's engine, verifier.workerDevice and verifier.workerDtype (rlfleet/services/toploc/calibration.py): "
         "38 = 128 - TEXP on gpu (TEXP = 90 matches; Ong et al., arXiv:2501.16007; toploc-experiments "
         "`vllm_validate_poly.py`, bf16 GPU non-determinism), tight values measured on honest runs on cpu.",
     )
@@ -95,20 +95,27 @@ class VerifierSpec(Spec):
         description="Engines whose groups the gate admits (a group records the engine that drew it). Both draw by "
         "rlfleet's seeded rule (rlfleet/models/sampling.py), so every spot-checked group is replayed from its seeds "
         "whatever engine it claims; the claimed engine only picks calibrated tolerances (with workerDevice and "
-        "spec.model.dtype), it never skips a check.",
+        "workerDtype), it never skips a check.",
     )
     worker_device: Literal["cpu", "gpu"] = Field(
         default="cpu",
-        description="Device class the run's workers compute on; with the group's engine and spec.model.dtype it "
+        description="Device class the run's workers compute on; with the group's engine and workerDtype it "
         "picks the calibrated tolerances (rlfleet/services/toploc/calibration.py). cpu: tight (exact seed replay; "
         "vLLM on CPU in fp32 as tight as torch). gpu: loose, the TOPLOC authors' values and a small share of "
         "replay mismatches per group, not yet calibrated on a GPU. Set by the run, never by a worker.",
+    )
+    worker_dtype: Literal["float32", "bfloat16"] | None = Field(
+        default=None,
+        description="Dtype the run's workers compute in; with the group's engine and workerDevice it picks the "
+        "calibrated tolerances, and every InferencePool's spec.dtype must be it. The verifier still prefills in "
+        "spec.model.dtype, so bfloat16 workers beside a float32 model get the bf16 rows against an fp32 verifier. "
+        "Empty: spec.model.dtype. Set by the run, never by a worker.",
     )
     logprob_tolerance: float | None = Field(
         default=None,
         gt=0.0,
         description="Largest accepted |claimed - recomputed| token logprob; also the logit slack of the top-k "
-        "possibility check. Empty: calibrated for the group's engine, workerDevice and the run's dtype.",
+        "possibility check. Empty: calibrated for the group's engine, workerDevice and workerDtype.",
     )
     top_p_tolerance: float | None = Field(
         default=None,
@@ -121,7 +128,7 @@ class VerifierSpec(Spec):
         ge=0.0,
         description="Slack, in probability mass and in logits at the top-k/top-p boundaries, within which a replayed "
         "draw may differ from the worker's (float noise of another batch shape, thread count, engine or device). "
-        "Empty: calibrated for the engine, workerDevice and dtype.",
+        "Empty: calibrated for the engine, workerDevice and workerDtype.",
     )
     max_replay_mismatch_share: float | None = Field(
         default=None,

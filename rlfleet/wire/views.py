@@ -117,8 +117,8 @@ _TRAINER = _fields(
 # starts its engine from the builtin build of seed; everyone bounds staleness by maxAsyncLevel.
 _TRAINER_OTHERS = _fields("trainer: maxAsyncLevel batchSize seed")
 _VERIFIER = _fields(
-    "verifier: toploc engines workerDevice logprobTolerance topPTolerance replayTolerance maxReplayMismatchShare"
-    " maxRunningMismatchShare spotCheckFraction claimIdleMs"
+    "verifier: toploc engines workerDevice workerDtype logprobTolerance topPTolerance replayTolerance"
+    " maxReplayMismatchShare maxRunningMismatchShare spotCheckFraction claimIdleMs"
     " maxAttempts maxMessageBytes ban"
 )
 _REDIS = _fields("redis: url streamMaxLen roleUrls")
@@ -143,7 +143,7 @@ VIEWS: dict[str, View] = {
         View(
             components.ROLLOUT,
             _GENERATORS,
-            pool=("run", "engine", "maxPending", "maxGroupsInFlight", "ingestUrl", "vllm"),
+            pool=("run", "engine", "dtype", "maxPending", "maxGroupsInFlight", "ingestUrl", "vllm"),
         ),
         # Relays, the origin and the ingest move bytes: sampling, the task or the model never roll them.
         View(components.RELAY, (*_REDIS, *_SHARDCAST)),

@@ -5,6 +5,7 @@ an auditor that follows the run's `verified` stream through a port forward to it
 from __future__ import annotations
 
 import base64
+import collections
 import functools
 import json
 import secrets
@@ -117,11 +118,12 @@ def complete(k: Kubectl, run: str) -> dict | None:
 # ---- the run ---------------------------------------------------------------------------------------
 
 
-def prebuilt_model() -> Path:
-    """The example's builtin model, built on this machine once (the node's model cache)."""
+def prebuilt_model(example: Path = EXAMPLE) -> Path:
+    """The builtin model of `example` (default: the arithmetic one), built on this machine once (the node's
+    model cache)."""
     from rlfleet.models.builtin import resolve_model_path
 
-    spec = load_bundle(EXAMPLE).run.spec
+    spec = load_bundle(example).run.spec
     return resolve_model_path(spec.model, spec.task, seed=spec.trainer.seed)
 
 
@@ -201,12 +203,13 @@ def run_redis(cluster: Cluster, password: str, service: str = "rlfleet-redis") -
 
 class Auditor(threading.Thread):
     """Follows the run's `verified` stream from its start (plain XREAD: it takes nothing from the trainer)
-    and records every accepted group: rollout id -> worker id."""
+    and records every accepted group: rollout id -> worker id, and how many groups each engine drew."""
 
     def __init__(self, client: redis.Redis, run: str):
         super().__init__(daemon=True, name="auditor")
         self.client, self.keys = client, RunKeys(run)
         self.accepted: dict[str, str] = {}
+        self.engines: collections.Counter[str] = collections.Counter()  # the engine each accepted group records
         self.errors: list[str] = []
         self._halt = threading.Event()
 
@@ -219,6 +222,7 @@ class Auditor(threading.Thread):
                         last = msg_id
                         group = RolloutGroup.decode(fields)
                         self.accepted[group.rollout_id] = group.worker_id
+                        self.engines[group.engine] += 1
             except redis.RedisError as exc:
                 self.errors.append(repr(exc))
                 self._halt.wait(0.5)

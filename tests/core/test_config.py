@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.config import ConfigError, load_bundle, parse_bundle
+from rlfleet.config import ConfigError, load_bundle, parse_bundle, worker_dtype
 from tests.support import REPO
 
 ROOT = REPO
@@ -248,7 +248,7 @@ def test_runaway_nesting_gets_a_clear_error_not_a_traceback(tmp_path):
 
 
 def test_a_worker_picks_its_pool_by_name_and_an_unknown_name_lists_the_pools():
-    admits_vllm = RUN + "  verifier: {engines: [torch, vllm]}\n"  # a vllm pool needs it (its groups are not replayed)
+    admits_vllm = RUN + "  verifier: {engines: [torch, vllm]}\n"  # a vllm pool needs the run to admit vllm
     two = parse_bundle(_doc(admits_vllm, POOL, POOL.replace("demo-pool", "gpu-pool") + "  engine: vllm\n"))
     assert two.pool("gpu-pool")[1].engine == "vllm"
     with pytest.raises(
@@ -283,3 +283,20 @@ def test_lora_is_off_by_default_and_parses_camel_case():
 def test_lora_errors_name_the_field(spec, field):
     problems = _problems(RUN + spec)
     assert len(problems) == 1 and problems[0].startswith(f"document 0 (RLRun demo): {field}"), problems
+
+
+def test_a_pool_dtype_the_run_does_not_admit_is_an_error_naming_both_fields():
+    bf16_pool = POOL + "  dtype: bfloat16\n"
+    with pytest.raises(ConfigError) as info:
+        parse_bundle(_doc(RUN, bf16_pool))
+    [problem] = info.value.problems
+    assert problem.startswith("InferencePool demo-pool: spec.dtype: bfloat16 is not the dtype the run admits"), problem
+    assert "RLRun spec.model.dtype (no workerDtype) is float32" in problem
+    assert "set RLRun spec.verifier.workerDtype: bfloat16" in problem
+    declared = parse_bundle(_doc(RUN + "  verifier: {workerDtype: bfloat16}\n", bf16_pool))
+    assert worker_dtype(declared.run.spec) == "bfloat16" and declared.run.spec.model.dtype == "float32"
+    assert declared.pool(None)[1].dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="RLRun spec.verifier.workerDtype is bfloat16"):
+        parse_bundle(_doc(RUN + "  verifier: {workerDtype: bfloat16}\n", POOL + "  dtype: float32\n"))
+    plain = parse_bundle(_doc(RUN, POOL))
+    assert plain.pool(None)[1].dtype is None and worker_dtype(plain.run.spec) == "float32", "empty: the model's"

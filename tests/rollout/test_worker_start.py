@@ -25,10 +25,12 @@ from tests.runs import rlrun, write_rlrun
 from tests.support import serving, tiny_policy_dir, wait_for
 
 
-@pytest.mark.parametrize("base_is_local", [True, False])
+@pytest.mark.parametrize("base_is_local, worker_dtype", [(True, None), (False, None), (True, "bfloat16")])
 def test_the_engine_starts_before_version_0_and_generates_with_its_weights(
-    tmp_path, redis_client, redis_url, monkeypatch, base_is_local
+    tmp_path, redis_client, redis_url, monkeypatch, base_is_local, worker_dtype
 ):
+    """`worker_dtype`: the run declares its workers' dtype (spec.verifier.workerDtype) apart from the fp32 model's;
+    the engine then computes in it, with each version's weights cast to it."""
     base = tiny_policy_dir(tmp_path / "base", seed=0)
     v0 = tiny_policy_dir(tmp_path / "v0", seed=1)  # other weights than the base, so the test sees which generate
     model_path = base if base_is_local else tmp_path / "not-on-this-machine"
@@ -40,6 +42,7 @@ def test_the_engine_starts_before_version_0_and_generates_with_its_weights(
             task={"maxOperand": 20},
             sampling={"groupSize": 2, "maxTokens": 4},
             store=tmp_path / "store",
+            **({"verifier": {"workerDtype": worker_dtype}} if worker_dtype else {}),
         ),
     )
     bundle = load_bundle(config)
@@ -71,6 +74,8 @@ def test_the_engine_starts_before_version_0_and_generates_with_its_weights(
         assert started == [True]
         assert worker.engine.version == 0
         live = worker.engine.model.state_dict()
+        dtype = getattr(torch, worker_dtype or "float32")
         for name, tensor in load_file(str(v0 / "model.safetensors")).items():
-            torch.testing.assert_close(live[name], tensor, rtol=0, atol=0)
+            assert tensor.dtype == torch.float32, "published in the model's dtype"
+            torch.testing.assert_close(live[name], tensor.to(dtype), rtol=0, atol=0)
         worker.engine.close()

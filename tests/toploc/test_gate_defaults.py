@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from rlfleet.config import parse_bundle
+from rlfleet.config import parse_bundle, worker_dtype
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.checks import possible_tokens
 from rlfleet.versions.checkpoint import publish_version
@@ -104,3 +104,46 @@ def test_top_p_has_its_own_tolerance():
     logp, tokens = probs.log(), torch.tensor([2])
     assert possible_tokens(logp, tokens, 0.9, 0, 0.05, top_p_slack=0.05).tolist() == [True]
     assert possible_tokens(logp, tokens, 0.9, 0, 0.05, top_p_slack=0.01).tolist() == [False]
+
+
+def test_a_run_declaring_bf16_workers_accepts_their_groups_beside_an_fp32_verifier(tmp_path, redis_url):
+    """spec.verifier.workerDtype picks the calibration row: bf16 groups the gate (an fp32 model) would reject as
+    bf16 compute in an fp32 run pass once the run declares bf16 workers; the row is the workers' dtype's."""
+    import redis
+
+    from rlfleet.services.toploc.calibration import DEFAULTS
+    from rlfleet.services.toploc.checks import Checker, Rejection
+    from rlfleet.wire.streams import RunKeys
+    from tests.support import tiny_policy_dir
+
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    sampling = yaml.safe_load(SAMPLING)
+
+    def spec_of(verifier: dict):
+        return parse_bundle(bundle_yaml(rlrun("bf", model=policy, sampling=sampling, verifier=verifier))).run.spec
+
+    fp32_workers, bf16_workers = spec_of({}), spec_of({"workerDtype": "bfloat16"})
+    assert (worker_dtype(fp32_workers), worker_dtype(bf16_workers)) == ("float32", "bfloat16")
+    assert bf16_workers.model.dtype == "float32", "the verifier still prefills in the model's dtype"
+    engine = TorchEngine(policy, 0, dtype="bfloat16")
+    groups = [attacks.honest(engine, bf16_workers, i) for i in range(4)]
+    client = redis.Redis.from_url(redis_url)
+    verifier = TorchEngine(policy, 0)  # its fp32 model and tokenizer are the gate's
+
+    def verdicts(spec, stream: str) -> list:  # each run its own streams: the groups are new to it
+        keys = RunKeys(stream)
+        client.xadd(keys.policy, encode_json({"version": 0}))
+        checker = Checker(spec, client, keys, policy=lambda v: (verifier.model, verifier.tokenizer))
+        assert checker.calibration(groups[0]) == DEFAULTS[("torch", "cpu", worker_dtype(spec))]
+        out = []
+        for n, g in enumerate(groups):
+            try:
+                out.append(checker.check(g, f"{n + 1}-0".encode(), prefill=True))
+            except Rejection as exc:
+                out.append(exc.reason)
+        return out
+
+    undeclared = verdicts(fp32_workers, "undeclared")
+    assert {o for o in undeclared if isinstance(o, str)} & {"toploc", "logprob_mismatch"}, undeclared
+    declared = verdicts(bf16_workers, "declared")
+    assert all(not isinstance(o, str) for o in declared), declared

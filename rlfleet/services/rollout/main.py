@@ -38,6 +38,7 @@ import numpy as np
 import requests
 from prometheus_client import Counter, Gauge
 
+from rlfleet.config import worker_dtype
 from rlfleet.models.builtin import local_model_path, resolve_model_path
 from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
@@ -105,6 +106,7 @@ class Worker:
         self.spec = ctx.bundle.run.spec
         pool_name, pool = ctx.bundle.pool(options.pool, str(options.config))
         self.engine_kind, self.vllm = pool.engine, pool.vllm  # make_engine's kind and vLLM settings
+        self.dtype = pool.dtype or worker_dtype(self.spec)  # the run admits no other (config._pool_problems)
         self.max_pending = pool.max_pending
         self.max_in_flight = pool.max_groups_in_flight  # None: the engine's default_groups_in_flight
         self.ingest_url = rollouts_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
@@ -146,7 +148,7 @@ class Worker:
         spec = self.spec
         base = local_model_path(spec.model, spec.task, spec.trainer.seed)
         if base is not None:
-            self.engine = make_engine(self.engine_kind, base, -1, spec.model.dtype, self.vllm)
+            self.engine = make_engine(self.engine_kind, base, -1, self.dtype, self.vllm)
         while not self.ctx.stop.is_set():
             self._raise_follower_error()
             ready = self.follower.take(-1)
@@ -154,9 +156,9 @@ class Worker:
                 version, path, _ = ready
                 if self.engine is None and is_adapter_dir(path):  # an adapter (LoRA) applies to the run's base
                     base = resolve_model_path(spec.model, spec.task, spec.trainer.seed)
-                    self.engine = make_engine(self.engine_kind, base, -1, spec.model.dtype, self.vllm)
+                    self.engine = make_engine(self.engine_kind, base, -1, self.dtype, self.vllm)
                 if self.engine is None:
-                    self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype, self.vllm)
+                    self.engine = make_engine(self.engine_kind, path, version, self.dtype, self.vllm)
                 else:
                     try:
                         self.engine.load_weights(path, version)
@@ -164,7 +166,7 @@ class Worker:
                         if is_adapter_dir(path):
                             raise  # an adapter needs the base it was made over (its message names it)
                         self.engine.close()
-                        self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype, self.vllm)
+                        self.engine = make_engine(self.engine_kind, path, version, self.dtype, self.vllm)
                 VERSION.set(version)
                 self.liveness.ready()
                 return True

@@ -1,6 +1,7 @@
 """The gate's acceptance thresholds for a group: what the run sets (`spec.verifier`), else the
 calibration of (the group's engine, the run's worker device class `spec.verifier.workerDevice`, the
-run's dtype). The claimed engine and the device class only pick tolerances: every check runs on
+run's worker dtype `spec.verifier.workerDtype`, else `spec.model.dtype`; the verifier itself always
+prefills in `spec.model.dtype`). The claimed engine and the device class only pick tolerances: every check runs on
 every spot-checked group whatever it claims (checks.py), so a label can loosen a bound to at most
 the loosest calibrated one of the engines the run admits, never skip a check.
 
@@ -40,8 +41,10 @@ noise is absorbed by a share of mismatched positions instead. fp32 on CPU: hones
 exactly (0 mismatches in 1,324 honest vLLM-CPU groups of a whole run and in every torch
 measurement), so the share is 0: one token its seed does not draw rejects the group. bf16: a group
 may have 5 % mismatched positions and a worker 2 % over its running total; measured with vLLM-CPU
-bf16 workers and an fp32 verifier (24 groups of 8 x 16 tokens): honest share at most 0.011 (mean
-0.0013), a temperature 0.8 lie at least 0.117, topP ignored at least 0.128 (margin 0.105).
+bf16 workers and an fp32 verifier (48 groups of 8 x 16 tokens): honest share at most 0.011 (mean
+0.0006), a temperature 0.8 lie at least 0.078, topP ignored at least 0.128 (margin 0.067); a whole run
+of that pair (workerDtype bfloat16, benchmarks/honest_vllm_run.py): 1,371 groups, 0 rejected, running
+share 0.0010; honest |logprob diff| 0.0049, TOPLOC exp 6, mean 2.75, median 1 under the fp32 verifier.
 vLLM-CPU bf16 against a bf16 verifier: |logprob diff| up to 0.007 on a random Qwen2 and 0.057 on the
 trained tiny-math (whole runs were banned at 0.05, then at 0.2 after 179 groups with 0.202: bf16
 logits of a peaked model differ by their rounding quantum between two kernels), TOPLOC exp 4, mean
@@ -101,7 +104,7 @@ DEFAULTS: dict[tuple[str, str, str], Calibration] = {
 
 def calibration(v: VerifierSpec, engine: str, dtype: str) -> Calibration:
     """The thresholds for a group drawn by `engine` on the run's worker device class (`v.worker_device`) in
-    `dtype`; fields set in `v` win."""
+    `dtype` (the run's worker dtype, config.worker_dtype); fields set in `v` win."""
     base, t = DEFAULTS[(engine, v.worker_device, dtype)], v.toploc
 
     def pick(given, default):

