@@ -34,12 +34,14 @@ class ApplyBackoff:
         failure = self._failures.get(key)
         return failure.message if failure and now < failure.retry_at else None
 
-    def failed(self, key: ChildKey, now: datetime.datetime, message: str) -> float:
-        """Record a refusal; the seconds until the next try."""
-        tries = self._failures[key].tries + 1 if key in self._failures else 1
+    def failed(self, key: ChildKey, now: datetime.datetime, message: str) -> tuple[float, bool]:
+        """Record a refusal: the seconds until the next try, and whether it is news (the first refusal of
+        this child since it last applied, or a different message), which is worth an Event."""
+        old = self._failures.get(key)
+        tries = old.tries + 1 if old else 1
         delay = min(self.base_s * 2 ** (tries - 1), self.max_s)
         self._failures[key] = _Failure(tries, now + datetime.timedelta(seconds=delay), message)
-        return delay
+        return delay, old is None or old.message != message
 
     def succeeded(self, key: ChildKey) -> None:
         self._failures.pop(key, None)

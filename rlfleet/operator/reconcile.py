@@ -41,7 +41,6 @@ PROBLEMS = {
     "SecretForbidden",
     "DeadlineExceeded",
     "StartupDeadlineExceeded",
-    "ApplyFailed",
 }
 MAX_POD_EVENTS = 5  # Warning Events for new pod problems per reconcile (a pool of 100 crashing pods: not 100)
 
@@ -121,9 +120,10 @@ async def apply_children(ctx: Ctx, body: dict, children: list[dict]) -> tuple[di
             if exc.status in (0, 403) or exc.status >= 500:  # the API, not the child: kopf retries the reconcile
                 raise
             message = f"{kind} {meta['name']}: the API refused it: HTTP {exc.status} {exc.message}"
-            delay = ctx.backoff.failed(key, ctx.now, message)
+            delay, news = ctx.backoff.failed(key, ctx.now, message)
             log.warning(f"{message} (next try in {delay:.0f} s)")
-            await post(ctx, body, "Warning", "ApplyFailed", message)
+            if news:  # once per refusal, not per retry (and whatever Ready says meanwhile)
+                await post(ctx, body, "Warning", "ApplyFailed", message)
             refused.append(message)
             continue
         ctx.backoff.succeeded(key)

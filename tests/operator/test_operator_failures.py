@@ -204,6 +204,8 @@ def test_a_refused_child_is_named_in_status_and_its_siblings_still_apply(api, em
         wait_for(f"{kind} {name}", lambda: get(api, kind, ns, name))
     event = wait_for("Warning", lambda: events(api, ns, "ApplyFailed"))[0]
     assert event["type"] == "Warning" and denial in event["message"]
+    time.sleep(3)  # retries with back-off meanwhile
+    assert len(events(api, ns, "ApplyFailed")) == 1, "one Event per refusal, not one per retry"
     del emulator.cluster.refused[("statefulsets", ns, "arithmetic-trainer")]
     wait_for("retried after back-off", lambda: get(api, "StatefulSet", ns, "arithmetic-trainer"), timeout=30)
     wait_for(
