@@ -27,7 +27,7 @@ import kopf
 from rlfleet.config import RLRun
 from rlfleet.operator import builders, names, reconcile, secrets
 from rlfleet.operator.applying import ApplyBackoff
-from rlfleet.operator.kube import Kube, connect
+from rlfleet.operator.kube import ApiError, Kube, connect
 from rlfleet.operator.options import OperatorOptions
 from rlfleet.operator.progress import REDIS_TIMEOUT_S, delete_run_keys
 
@@ -81,10 +81,17 @@ async def run_changed(body, patch, memo, **_) -> None:
     _write(outcome, patch)
 
 
-async def run_resync(body, patch, memo, **_) -> None:
-    """Re-apply and observe the run, then its pools and tiers; delete it when its TTL is up."""
+async def run_resync(body, patch, memo, logger, **_) -> None:
+    """Re-apply and observe the run, then its pools and tiers; delete it when its TTL is up. An API error
+    on the run is logged, not raised: the timer comes back within one interval anyway (raised, kopf
+    would wait 60 s), and the run's pools and tiers are reconciled all the same."""
     ctx = _ctx(memo)
-    outcome = await reconcile.reconcile_run(ctx, dict(body))
+    try:
+        outcome = await reconcile.reconcile_run(ctx, dict(body))
+    except ApiError as exc:
+        logger.warning(f"run {body['metadata']['name']} not reconciled, its pools and tiers are: {exc}")
+        await reconcile.reconcile_run_members(ctx, dict(body))
+        return
     if outcome.delete:
         await ctx.kube.delete("RLRun", body["metadata"]["namespace"], body["metadata"]["name"])
         return

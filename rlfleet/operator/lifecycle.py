@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from rlfleet.config import RLRun
 from rlfleet.operator import conditions
 from rlfleet.operator.health import PodProblem, summary
+from rlfleet.wire.components import TRAINER
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 DEFAULT_STARTUP_DEADLINE_S = 1200  # image pulls of the GPU image and model downloads fit; a stuck pod does not
@@ -106,7 +107,7 @@ def _final_failure(seen: Observation, run: RLRun, complete: bool) -> tuple[str, 
         default=None,
     )
     if since and (seen.now - since).total_seconds() >= limit:
-        why = summary([p for p in seen.problems if p.component == "trainer"] or list(seen.problems))
+        why = summary([p for p in seen.problems if p.component == TRAINER] or list(seen.problems))
         return "StartupDeadlineExceeded", (
             f"the trainer did not start within spec.startupDeadlineSeconds ({limit} s): "
             f"{why or f'{seen.trainer_ready} of {spec.trainer.replicas} trainer pods ready'}"
@@ -161,7 +162,7 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
     expired = bool(finished and ttl is not None and (seen.now - finished).total_seconds() >= ttl)
     step = seen.step if seen.step is not None and not (complete or failed) else seen.status.get("step", seen.step)
     done = f"{step if step is not None else '?'} of {steps} steps committed"
-    trainer_problems = [p for p in seen.problems if p.component == "trainer"]
+    trainer_problems = [p for p in seen.problems if p.component == TRAINER]
     started = spec.remote or _started(run, seen)
     lost, lost_message = _state_lost(seen, complete or failed)
 

@@ -236,3 +236,20 @@ def test_one_refused_member_leaves_the_others_current(api, emulator, redis_url):
         and "Deployment arithmetic-tier0-relay" in condition(tier)["message"]
     )
     del emulator.cluster.refused[("deployments", ns, "arithmetic-tier0-relay")]
+
+
+def test_a_run_the_api_fails_for_still_keeps_its_members_current(api, emulator, redis_url):
+    """A 403 on the run's own child (RBAC, not the child: kopf retries the run) must not keep the run's
+    timer from its pools and tiers."""
+    ns, url = "t-run-error", redis_db(redis_url, 2)
+    emulator.cluster.forbidden.add(("statefulsets", ns, "arithmetic-trainer"))
+    try:
+        apply_example(api, ns, url)
+        wait_for("pool", lambda: get(api, "Deployment", ns, "arithmetic-cpu-rollout"))
+        patch(api, "RLRun", ns, "arithmetic", {"spec": {"suspend": True}})
+        wait_for(
+            "pool Suspended",
+            lambda: (get(api, "InferencePool", ns, "arithmetic-cpu").get("status") or {}).get("phase") == "Suspended",
+        )
+    finally:
+        emulator.cluster.forbidden.discard(("statefulsets", ns, "arithmetic-trainer"))
