@@ -8,22 +8,39 @@ the config documents pods read, so changing them rolls the pods through their te
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema
 
 from rlfleet.config.base import Spec
 
+# Kubernetes' own grammar of a quantity (resource.Quantity): a number, then a binary or decimal suffix or an
+# exponent. The CRD carries it as a pattern, so `kubectl apply` refuses what the API server would refuse
+# later in the pod template (a 422 for the operator's StatefulSet instead of for the user's run).
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
 
 def _quantity(value: object) -> object:
-    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    text = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if isinstance(text, str) and not re.match(QUANTITY_PATTERN, text):
+        raise ValueError(f"{text!r} is not a Kubernetes quantity: write e.g. 2, 0.5, 500m, 4Gi")
+    return text
 
 
 # A Kubernetes quantity: 2, 0.5, "500m", "4Gi" (a number or a string, as in a pod spec).
 Quantity = Annotated[
     str,
     BeforeValidator(_quantity),
-    WithJsonSchema({"x-kubernetes-int-or-string": True, "description": "A quantity: 2, 0.5, 500m, 4Gi."}),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "pattern": QUANTITY_PATTERN,
+            "description": "A quantity: 2, 0.5, 500m, 4Gi.",
+        }
+    ),
 ]
 
 

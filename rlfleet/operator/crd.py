@@ -18,13 +18,18 @@ from rlfleet.operator import names
 from rlfleet.operator.schema import structural_schema
 
 # CEL rules for what one field's schema cannot say.
+# The operator refuses file:// stores (check_cluster_run: pods on different nodes cannot share a directory),
+# so a cluster's CRD takes only s3:// (StoreSpec._scheme also takes file:// for `rlfleet run`).
 STORE_RULES = [
     {
-        "rule": "!has(self.uri) || self.uri.startsWith('s3://') || self.uri.startsWith('file://')",
-        "message": "uri must start with file:// or s3://",
+        "rule": "!has(self.uri) || self.uri == '' || self.uri.startsWith('s3://')",
+        "message": "uri must start with s3:// on a cluster (file:// is a directory pods on other nodes cannot read)",
         "fieldPath": ".uri",
     }
-]  # = StoreSpec._scheme
+]
+# A pool's or tier's run is what its children are built from and tied to: moving it would leave them with
+# the old run's owner reference and labels. Delete and re-create it instead.
+RUN_REF_RULES = [{"rule": "self == oldSelf", "message": "spec.run is immutable: delete and re-create the object"}]
 MAX_RUN_NAME = names.MAX_STATEFULSET_NAME - len(names.trainer(""))
 RUN_RULES = [
     {
@@ -43,7 +48,8 @@ def _status_schema(scalable: bool) -> dict:
         "properties": {
             "type": {
                 "type": "string",
-                "description": "Condition type: Ready, Suspended, Complete, Failed (pools and tiers: Ready, Failed).",
+                "description": "Condition type: Ready, Suspended, Complete, Failed, TrainerStarted, PodsHealthy, "
+                "StateLost (pools and tiers: Ready, Failed).",
             },
             "status": {
                 "type": "string",
@@ -53,7 +59,8 @@ def _status_schema(scalable: bool) -> dict:
             "reason": {
                 "type": "string",
                 "description": "CamelCase reason, e.g. Running, Pending, StepsDone, InvalidSpec, SecretKeyMissing, "
-                "DeadlineExceeded, RunNotFound.",
+                "DeadlineExceeded, StartupDeadlineExceeded, ApplyFailed, ImagePullBackOff, CrashLoopBackOff, "
+                "OOMKilled, Unschedulable, RedisStateLost, RunNotFound.",
             },
             "message": {
                 "type": "string",
@@ -212,6 +219,8 @@ def build_crd(kind: names.KindInfo) -> dict:
     spec = {"type": "object", "description": description, **structural_schema(spec_model)}
     if kind is names.RLRUN:
         spec["properties"]["store"]["x-kubernetes-validations"] = STORE_RULES
+    else:
+        spec["properties"]["run"]["x-kubernetes-validations"] = RUN_REF_RULES
     scalable = kind is not names.RLRUN
     subresources: dict[str, Any] = {"status": {}}
     if scalable:

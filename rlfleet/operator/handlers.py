@@ -26,7 +26,8 @@ import kopf
 
 from rlfleet.config import RLRun
 from rlfleet.operator import builders, names, reconcile, secrets
-from rlfleet.operator.kube import Kube, connect
+from rlfleet.operator.applying import ApplyBackoff
+from rlfleet.operator.kube import ApiError, Kube, connect
 from rlfleet.operator.options import OperatorOptions
 from rlfleet.operator.progress import REDIS_TIMEOUT_S, delete_run_keys
 
@@ -42,7 +43,7 @@ TIMER_EXIT_S = 2.0
 
 
 def _ctx(memo) -> reconcile.Ctx:
-    return reconcile.Ctx(memo.kube, memo.options.defaults, datetime.datetime.now(datetime.UTC))
+    return reconcile.Ctx(memo.kube, memo.options.defaults, datetime.datetime.now(datetime.UTC), memo.backoff)
 
 
 def _write(outcome: reconcile.Outcome, patch) -> None:
@@ -57,6 +58,7 @@ def _write(outcome: reconcile.Outcome, patch) -> None:
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> None:
     """Connect the API adapter (the client's own config, as kopf's login) and set kopf's persistence."""
     memo.kube = Kube(connect())
+    memo.backoff = ApplyBackoff()  # children the API refused, retried with back-off (applying.py)
     # Keep kopf's bookkeeping in annotations: the CRDs' status schema has no `kopf` field to store it in.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=G)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=G, key="last-handled-configuration")
@@ -79,10 +81,17 @@ async def run_changed(body, patch, memo, **_) -> None:
     _write(outcome, patch)
 
 
-async def run_resync(body, patch, memo, **_) -> None:
-    """Re-apply and observe the run, then its pools and tiers; delete it when its TTL is up."""
+async def run_resync(body, patch, memo, logger, **_) -> None:
+    """Re-apply and observe the run, then its pools and tiers; delete it when its TTL is up. An API error
+    on the run is logged, not raised: the timer comes back within one interval anyway (raised, kopf
+    would wait 60 s), and the run's pools and tiers are reconciled all the same."""
     ctx = _ctx(memo)
-    outcome = await reconcile.reconcile_run(ctx, dict(body))
+    try:
+        outcome = await reconcile.reconcile_run(ctx, dict(body))
+    except ApiError as exc:
+        logger.warning(f"run {body['metadata']['name']} not reconciled, its pools and tiers are: {exc}")
+        await reconcile.reconcile_run_members(ctx, dict(body))
+        return
     if outcome.delete:
         await ctx.kube.delete("RLRun", body["metadata"]["namespace"], body["metadata"]["name"])
         return

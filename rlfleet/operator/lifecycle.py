@@ -1,14 +1,26 @@
 """A run's state from what the operator observes, as a pure function: phase, conditions, whether its
 workloads run, when it finished, whether its TTL is up.
 
-    Complete   True once the policy stream reached spec.trainer.steps (reason StepsDone); while Redis
-               cannot be read, the last known value holds. Raising trainer.steps makes it False again.
+    Complete   True once the policy stream reached spec.trainer.steps (reason StepsDone). Final: read from
+               the status, never recomputed from Redis (a Redis that came back empty leaves it Complete);
+               only raising trainer.steps while Redis still holds the completed step makes it False again.
     Failed     True when spec.activeDeadlineSeconds passed (from creation) before completion (reason
-               DeadlineExceeded), or the spec is invalid (reason InvalidSpec, set by the reconciler).
+               DeadlineExceeded); when the trainer did not start within spec.startupDeadlineSeconds
+               (default DEFAULT_STARTUP_DEADLINE_S, from creation or the last resume; reason
+               StartupDeadlineExceeded, the message naming what kept its pods from starting); when a
+               component reported a failure (Observation.failure, its own reason); or the spec is invalid
+               (reason InvalidSpec, set by the reconciler; the only one that a fixed spec clears). Final.
     Suspended  spec.suspend.
     Ready      True while the run trains: active, not suspended, every trainer pod ready, nothing
-               blocking (a Secret the pods need); otherwise False with the reason. A remote run
-               (trained in another cluster) is Ready with reason Remote.
+               blocking (a Secret the pods need, a child the API refused); otherwise False with the reason,
+               a trainer pod's problem (health.py) when it has one. A remote run (trained in another
+               cluster) is Ready with reason Remote.
+    TrainerStarted  True once every trainer pod was ready (or a step was committed); stays True.
+    PodsHealthy     False while any pod of the run has a problem (health.py): reason the first one's,
+               message every one, each naming the pod and the container.
+    StateLost  True once Redis held fewer steps than the status recorded while the run was active: Redis
+               lost the run's state (an emptyDir Redis restarted) and the trainer starts over from
+               what is left. Stays True.
     phase      Failed > Succeeded > Suspended > Running (Ready) > Pending.
 A run is `active` (its workloads run) unless it is complete or failed; a finished run keeps its objects
 until spec.ttlSecondsAfterFinished after status.completionTime, then the operator deletes it.
@@ -22,8 +34,11 @@ from dataclasses import dataclass, field
 
 from rlfleet.config import RLRun
 from rlfleet.operator import conditions
+from rlfleet.operator.health import PodProblem, summary
+from rlfleet.wire.components import TRAINER
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+DEFAULT_STARTUP_DEADLINE_S = 1200  # image pulls of the GPU image and model downloads fit; a stuck pod does not
 
 
 def timestamp(when: datetime.datetime) -> str:
@@ -46,6 +61,8 @@ class Observation:
     trainer_ready: int = 0  # ready trainer pods
     blocked: tuple[str, str] | None = None  # (reason, message): something the pods need is missing
     status: dict = field(default_factory=dict)  # the status as it is
+    problems: tuple[PodProblem, ...] = ()  # what is wrong with the run's pods (health.pod_problems)
+    failure: tuple[str, str] | None = None  # (reason, message): a component reported the run cannot go on
 
 
 @dataclass(frozen=True)
@@ -57,29 +74,102 @@ class RunState:
     expired: bool  # ttlSecondsAfterFinished is up: delete the run
 
 
+def condition(status: dict, type_: str) -> dict:
+    """The status's condition of this type ({} when it has none)."""
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), {})
+
+
 def _previous(status: dict, type_: str) -> bool:
-    return any(c.get("type") == type_ and c.get("status") == "True" for c in status.get("conditions") or [])
+    return condition(status, type_).get("status") == "True"
+
+
+def _final_failure(seen: Observation, run: RLRun, complete: bool) -> tuple[str, str] | None:
+    """(reason, message) of the run's failure, or None: a recorded one holds (InvalidSpec aside, which the
+    reconciler clears when the spec is fixed); else a reported failure, a passed deadline, a trainer that
+    did not start in time."""
+    old = condition(seen.status, "Failed")
+    if old.get("status") == "True" and old.get("reason") != "InvalidSpec":
+        return old.get("reason") or "Failed", old.get("message") or ""
+    if complete:
+        return None
+    if seen.failure:
+        return seen.failure
+    spec = run.spec
+    deadline = spec.active_deadline_seconds
+    if deadline and seen.created and (seen.now - seen.created).total_seconds() >= deadline:
+        return "DeadlineExceeded", f"spec.activeDeadlineSeconds {deadline} passed before completion"
+    if spec.remote or spec.suspend or _started(run, seen):
+        return None
+    limit = spec.startup_deadline_seconds or DEFAULT_STARTUP_DEADLINE_S
+    resumed = condition(seen.status, "Suspended")
+    since = max(
+        (t for t in (seen.created, parse_time(resumed.get("lastTransitionTime")) if resumed else None) if t),
+        default=None,
+    )
+    if since and (seen.now - since).total_seconds() >= limit:
+        why = summary([p for p in seen.problems if p.component == TRAINER] or list(seen.problems))
+        return "StartupDeadlineExceeded", (
+            f"the trainer did not start within spec.startupDeadlineSeconds ({limit} s): "
+            f"{why or f'{seen.trainer_ready} of {spec.trainer.replicas} trainer pods ready'}"
+        )
+    return None
+
+
+def _started(run: RLRun, seen: Observation) -> bool:
+    return (
+        _previous(seen.status, "TrainerStarted")
+        or seen.trainer_ready >= run.spec.trainer.replicas
+        or (seen.step or 0) > 0
+        or int(seen.status.get("step") or 0) > 0
+    )
+
+
+def _complete(run: RLRun, seen: Observation) -> bool:
+    """Complete is final; raising trainer.steps reopens it only while Redis still holds the completed step
+    (an emptied Redis must not restart a finished run)."""
+    steps, recorded = run.spec.trainer.steps, int(seen.status.get("step") or 0)
+    if _previous(seen.status, "Complete"):
+        return not (seen.step is not None and recorded <= seen.step < steps)
+    return seen.step is not None and seen.step >= steps
+
+
+def _state_lost(seen: Observation, finished: bool) -> tuple[bool, str]:
+    old = condition(seen.status, "StateLost")
+    if old.get("status") == "True":
+        return True, old.get("message") or ""
+    recorded = int(seen.status.get("step") or 0)
+    if not finished and seen.step is not None and seen.step < recorded:
+        return True, (
+            f"Redis holds step {seen.step} of this run where its status recorded step {recorded}: Redis lost the "
+            "run's state while it was active (a Redis without persistence restarted?); training goes on from what "
+            "Redis and the store still hold"
+        )
+    return False, ""
 
 
 def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState:
     spec, now = run.spec, timestamp(seen.now)
     steps = spec.trainer.steps
-    complete = seen.step >= steps if seen.step is not None else _previous(seen.status, "Complete")
-    deadline = spec.active_deadline_seconds
-    late = bool(deadline and seen.created and (seen.now - seen.created).total_seconds() >= deadline)
-    failed = late and not complete
+    complete = _complete(run, seen)
+    failure = _final_failure(seen, run, complete)
+    failed = failure is not None
+    complete = complete and not failed  # a failure recorded before completion stays the outcome
     finished_at = seen.status.get("completionTime") if (complete or failed) else None
     if (complete or failed) and not finished_at:
         finished_at = now
     ttl = spec.ttl_seconds_after_finished
     finished = parse_time(finished_at)
     expired = bool(finished and ttl is not None and (seen.now - finished).total_seconds() >= ttl)
-    done = f"{seen.step if seen.step is not None else '?'} of {steps} steps committed"
+    step = seen.step if seen.step is not None and not (complete or failed) else seen.status.get("step", seen.step)
+    done = f"{step if step is not None else '?'} of {steps} steps committed"
+    trainer_problems = [p for p in seen.problems if p.component == TRAINER]
+    started = spec.remote or _started(run, seen)
+    lost, lost_message = _state_lost(seen, complete or failed)
 
     if spec.remote:
         ready = (True, "Remote", "trained in another cluster: this one hosts its pools and relay tiers")
-    elif failed:
-        ready = (False, "DeadlineExceeded", f"not complete {deadline} s after creation; workloads scaled to 0")
+    elif failure:
+        ready = (False, failure[0], f"{failure[1]}; workloads scaled to 0")
     elif complete:
         ready = (False, "Complete", f"{done}; workloads scaled to 0")
     elif spec.suspend:
@@ -88,6 +178,8 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
         ready = (False, *seen.blocked)
     elif seen.trainer_ready >= spec.trainer.replicas:
         ready = (True, "Running", f"{seen.trainer_ready} trainer pods ready; {done}")
+    elif trainer_problems:
+        ready = (False, trainer_problems[0].reason, summary(trainer_problems))
     else:
         ready = (False, "Pending", f"{seen.trainer_ready} of {spec.trainer.replicas} trainer pods ready")
 
@@ -104,21 +196,25 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
     def cond(type_: str, ok: bool, reason: str, message: str) -> dict:
         return conditions.build_condition(type_, ok, reason, message, generation, now, previous)
 
+    problems = list(seen.problems)
     new = [
         cond("Ready", *ready),
         cond("Complete", complete, "StepsDone" if complete else "Training", done),
-        cond(
-            "Failed",
-            failed,
-            "DeadlineExceeded" if failed else "NoFailure",
-            f"spec.activeDeadlineSeconds {deadline} passed before completion" if failed else "",
-        ),
+        cond("Failed", failed, *(failure or ("NoFailure", ""))),
         cond(
             "Suspended",
             spec.suspend,
             "Suspended" if spec.suspend else "NotSuspended",
             "spec.suspend is true" if spec.suspend else "",
         ),
+        cond(
+            "TrainerStarted",
+            started,
+            ("Remote" if spec.remote else "TrainerReady") if started else "NotStarted",
+            "" if started else f"{seen.trainer_ready} of {spec.trainer.replicas} trainer pods ready so far",
+        ),
+        cond("PodsHealthy", not problems, problems[0].reason if problems else "Healthy", summary(problems)),
+        cond("StateLost", lost, "RedisStateLost" if lost else "StateKept", lost_message),
     ]
     return RunState(
         phase=phase,
@@ -129,14 +225,21 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
     )
 
 
-def invalid_conditions(status: dict, generation: int | None, now: datetime.datetime, message: str) -> list[dict]:
-    """Conditions of a spec the operator cannot reconcile: Ready False and Failed True, reason InvalidSpec."""
+def failed_conditions(
+    status: dict, generation: int | None, now: datetime.datetime, reason: str, message: str
+) -> list[dict]:
+    """Conditions of a failed object: Ready False and Failed True with `reason` and `message`, the others kept."""
     previous, at = list(status.get("conditions") or []), timestamp(now)
     return conditions.merge_conditions(
         previous,
-        conditions.build_condition("Ready", False, "InvalidSpec", message, generation, at, previous),
-        conditions.build_condition("Failed", True, "InvalidSpec", message, generation, at, previous),
+        conditions.build_condition("Ready", False, reason, message, generation, at, previous),
+        conditions.build_condition("Failed", True, reason, message, generation, at, previous),
     )
+
+
+def invalid_conditions(status: dict, generation: int | None, now: datetime.datetime, message: str) -> list[dict]:
+    """Conditions of a spec the operator cannot reconcile: Ready False and Failed True, reason InvalidSpec."""
+    return failed_conditions(status, generation, now, "InvalidSpec", message)
 
 
 def scalable_conditions(

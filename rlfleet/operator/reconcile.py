@@ -18,12 +18,14 @@ pool's Deployment after it became a StatefulSet) are deleted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 from dataclasses import dataclass, field
 
 from rlfleet.config import InferencePool, RelayTier, RLRun
-from rlfleet.operator import builders, conditions, lifecycle, names, secrets
+from rlfleet.operator import builders, conditions, health, lifecycle, names, secrets
+from rlfleet.operator.applying import ApplyBackoff
 from rlfleet.operator.events import build_event
 from rlfleet.operator.kube import ApiError, Kube
 from rlfleet.operator.pods import ClusterDefaults, Owner
@@ -31,7 +33,16 @@ from rlfleet.operator.progress import REDIS_TIMEOUT_S, read_progress
 
 log = logging.getLogger("rlfleet.operator")
 CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget")
-PROBLEMS = {"InvalidSpec", "SecretNotFound", "SecretKeyMissing", "SecretForbidden", "DeadlineExceeded"}
+# Ready reasons that ask the user to act: a Warning Event when one appears (or its message changes).
+PROBLEMS = {
+    "InvalidSpec",
+    "SecretNotFound",
+    "SecretKeyMissing",
+    "SecretForbidden",
+    "DeadlineExceeded",
+    "StartupDeadlineExceeded",
+}
+MAX_POD_EVENTS = 5  # Warning Events for new pod problems per reconcile (a pool of 100 crashing pods: not 100)
 
 
 class MissingRun(Exception):
@@ -54,6 +65,7 @@ class Ctx:
     kube: Kube
     defaults: ClusterDefaults
     now: datetime.datetime
+    backoff: ApplyBackoff = field(default_factory=ApplyBackoff)  # the operator's one, across reconciles
 
 
 def owner_of(body: dict) -> Owner:
@@ -79,17 +91,46 @@ async def announce_changes(ctx: Ctx, body: dict, old: dict, new: dict) -> None:
     reason = new_ready.get("reason")
     if reason in PROBLEMS and (reason, new_ready.get("message")) != (old_ready.get("reason"), old_ready.get("message")):
         await post(ctx, body, "Warning", reason, new_ready.get("message", ""))
+    for type_ in ("Failed", "StateLost"):  # turned True for a reason the Ready Event above did not already name
+        was, now = lifecycle.condition(old, type_), lifecycle.condition(new, type_)
+        if now.get("status") == "True" and was.get("status") != "True" and now.get("reason") not in PROBLEMS:
+            await post(ctx, body, "Warning", now.get("reason") or type_, now.get("message") or "")
+    said = set(health.described(lifecycle.condition(old, "PodsHealthy")))
+    fresh = [p for p in health.described(lifecycle.condition(new, "PodsHealthy")) if p not in said]
+    for reason, message in fresh[:MAX_POD_EVENTS]:
+        await post(ctx, body, "Warning", reason, message)
 
 
-async def apply_children(ctx: Ctx, body: dict, children: list[dict]) -> dict[tuple[str, str], dict]:
-    """Server-side apply each child in order; (kind, name) -> live object. A Normal Event per created child."""
-    live = {}
+async def apply_children(ctx: Ctx, body: dict, children: list[dict]) -> tuple[dict[tuple[str, str], dict], list[str]]:
+    """Server-side apply each child in order: (kind, name) -> live object, and a message per child the API
+    refused (kind, name and the API's message). A refusal never stops the siblings; the refused child
+    backs off (applying.py). A Normal Event per created child, a Warning per refusal."""
+    live, refused = {}, []
+    uid = body["metadata"].get("uid", "")
     for child in children:
-        obj, created = await ctx.kube.apply(child)
-        live[(child["kind"], child["metadata"]["name"])] = obj
+        kind, meta = child["kind"], child["metadata"]
+        key = (uid, kind, meta["namespace"], meta["name"])
+        waiting = ctx.backoff.waiting(key, ctx.now)
+        if waiting:
+            refused.append(waiting)
+            continue
+        try:
+            obj, created = await ctx.kube.apply(child)
+        except ApiError as exc:
+            if exc.status in (0, 403) or exc.status >= 500:  # the API, not the child: kopf retries the reconcile
+                raise
+            message = f"{kind} {meta['name']}: the API refused it: HTTP {exc.status} {exc.message}"
+            delay, news = ctx.backoff.failed(key, ctx.now, message)
+            log.warning(f"{message} (next try in {delay:.0f} s)")
+            if news:  # once per refusal, not per retry (and whatever Ready says meanwhile)
+                await post(ctx, body, "Warning", "ApplyFailed", message)
+            refused.append(message)
+            continue
+        ctx.backoff.succeeded(key)
+        live[(kind, meta["name"])] = obj
         if created:
-            await post(ctx, body, "Normal", "Created", f"created {child['kind']} {child['metadata']['name']}")
-    return live
+            await post(ctx, body, "Normal", "Created", f"created {kind} {meta['name']}")
+    return live, refused
 
 
 async def prune(ctx: Ctx, body: dict, children: list[dict]) -> None:
@@ -147,9 +188,12 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
     namespace, generation = body["metadata"]["namespace"], body["metadata"].get("generation")
     blocked, secret_data = await secrets.check_secrets(ctx.kube, namespace, secrets.run_secrets(run))
     progress = None if run.spec.remote else await _progress(secrets.redis_url(run, secret_data), run.metadata.name)
-    trainer = {}
+    trainer, pods = {}, []
     if not run.spec.remote:
         trainer = await ctx.kube.find("StatefulSet", namespace, names.trainer(run.metadata.name)) or {}
+        pods = await ctx.kube.list("Pod", namespace, label_selector=_run_pods(run.metadata.name))
+    if spec_changed:
+        ctx.backoff.forget(body["metadata"].get("uid", ""))
     seen = lifecycle.Observation(
         now=ctx.now,
         created=lifecycle.parse_time(body["metadata"].get("creationTimestamp")),
@@ -157,14 +201,19 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
         trainer_ready=_ready(trainer),
         blocked=blocked,
         status=old,
+        problems=tuple(health.pod_problems(pods)),
     )
     state = lifecycle.run_state(run, generation, seen)
     children = builders.build_run_children(run, namespace, owner_of(body), ctx.defaults, state.active)
-    await apply_children(ctx, body, children)
+    _live, refused = await apply_children(ctx, body, children)
+    if refused and not (seen.blocked or not state.active):  # a child refused: say so where Ready says why
+        seen = dataclasses.replace(seen, blocked=("ApplyFailed", "; ".join(refused)))
+        state = lifecycle.run_state(run, generation, seen)
     if spec_changed:
         await prune(ctx, body, children)
     status = {"phase": state.phase, "conditions": state.conditions, "readyReplicas": _ready(trainer)}
-    status.update(progress or {})
+    if progress and (state.active or progress.get("step", 0) >= int(old.get("step") or 0)):
+        status.update(progress)  # a finished run keeps its recorded progress when Redis comes back with less
     if state.finished_at:
         status["completionTime"] = state.finished_at
     if generation is not None:
@@ -184,11 +233,16 @@ async def stop_run_pods(kube: Kube, namespace: str, run: str) -> int:
     return len(await kube.list("Pod", namespace, label_selector=f"{names.RUN_LABEL}={run}"))
 
 
+def _run_pods(run: str) -> str:
+    return f"{names.RUN_LABEL}={run},app.kubernetes.io/managed-by={names.FIELD_MANAGER}"
+
+
 def run_is_active(run_body: dict) -> bool:
-    """Whether a run's workloads run, from its status (neither Complete nor Failed past its deadline)."""
+    """Whether a run's workloads run, from its status: neither Complete nor Failed (InvalidSpec aside: an
+    invalid run's members wait for it to be fixed)."""
     for c in (run_body.get("status") or {}).get("conditions") or []:
         if c.get("status") == "True" and (
-            c.get("type") == "Complete" or (c.get("type") == "Failed" and c.get("reason") == "DeadlineExceeded")
+            c.get("type") == "Complete" or (c.get("type") == "Failed" and c.get("reason") != "InvalidSpec")
         ):
             return False
     return True
@@ -279,13 +333,18 @@ async def reconcile_scalable(
         status = _invalid_status(ctx, body, exc.problems)
         await announce_changes(ctx, body, old, status)
         return Outcome(status=status, metadata=tie_to_run(body, run_body))
-    live = await apply_children(ctx, body, children)
+    if spec_changed:
+        ctx.backoff.forget(body["metadata"].get("uid", ""))
+    live, refused = await apply_children(ctx, body, children)
     if spec_changed:
         await prune(ctx, body, children)
     desired = next(c for c in children if c["kind"] in ("Deployment", "StatefulSet"))
-    workload = live[(desired["kind"], desired["metadata"]["name"])]
+    key = (desired["kind"], desired["metadata"]["name"])
+    workload = live.get(key) or await ctx.kube.find(key[0], namespace, key[1]) or {}  # {}: refused, not made yet
     ready = _ready(workload)
-    if run.spec.suspend:
+    if refused:
+        phase, reason, message = "Pending", "ApplyFailed", "; ".join(refused)
+    elif run.spec.suspend:
         phase, reason, message = "Suspended", "Suspended", f"RLRun {run.metadata.name} is suspended"
     elif not active:
         phase, reason, message = "Complete", "RunFinished", f"RLRun {run.metadata.name} has finished"
@@ -322,7 +381,10 @@ async def reconcile_run_members(ctx: Ctx, run_body: dict) -> None:
         for body in await ctx.kube.list(kind, namespace):
             if (body.get("spec") or {}).get("run") != run_name:
                 continue
-            outcome = await reconcile_scalable(ctx, body, (run_body, run), tiers)
-            await ctx.kube.patch_status(kind, namespace, body["metadata"]["name"], outcome.status)
-            if outcome.metadata:
-                await ctx.kube.patch(kind, namespace, body["metadata"]["name"], {"metadata": outcome.metadata})
+            try:  # one member's error (the API down for it, a conflict) never keeps the others stale
+                outcome = await reconcile_scalable(ctx, body, (run_body, run), tiers)
+                await ctx.kube.patch_status(kind, namespace, body["metadata"]["name"], outcome.status)
+                if outcome.metadata:
+                    await ctx.kube.patch(kind, namespace, body["metadata"]["name"], {"metadata": outcome.metadata})
+            except ApiError as exc:
+                log.warning(f"{kind} {body['metadata']['name']} of run {run_name} not reconciled: {exc}")

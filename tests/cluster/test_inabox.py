@@ -271,8 +271,8 @@ def test_a_pod_runs_in_the_runtime_its_mode_names(cluster):
 
 def test_a_pod_that_cannot_start_waits_with_the_reason(cluster):
     """As a kubelet: container mode refuses a container with runAsNonRoot whose image's user is root (the
-    base image's); process mode refuses an image it has no entry for. Either way the pod waits in
-    CreateContainerConfigError, with the reason, and never starts."""
+    base image's): the pod waits in CreateContainerConfigError; process mode has no entry for that image:
+    the pod waits in ErrImagePull, then ImagePullBackOff, the image named. Either way it never starts."""
     base = "localhost/rlfleet-base:bookworm"  # `make images` builds it first; its user is root
     rooted = workload("Deployment", "rooted", 1, base)
     rooted["spec"]["template"]["spec"]["securityContext"] = {"runAsNonRoot": True}
@@ -281,7 +281,13 @@ def test_a_pod_that_cannot_start_waits_with_the_reason(cluster):
     client.close()
     [pod] = wait_for("the refused pod", lambda: pods(cluster, "rooted") or None)
     found = cluster.runner.find(NS, pod["name"])
-    wait_for("its reason", lambda: found.waiting == "CreateContainerConfigError")
-    reason = "runAsNonRoot" if cluster.runner.mode == "containers" else "image table"
+    containers = cluster.runner.mode == "containers"
+    if containers:
+        wait_for("its reason", lambda: found.waiting == "CreateContainerConfigError")
+    else:
+        wait_for("its reason", lambda: found.waiting == "ImagePullBackOff")  # after ErrImagePull
+    reason = "runAsNonRoot" if containers else f'Failed to pull image "{base}"'
+    status = kubelet.status(found)["containerStatuses"][0]
+    assert status["state"]["waiting"]["reason"] == found.waiting and status["image"] == base
     assert reason in found.message and found.proc is None and found.restarts == 0, found.message
     cluster.runner.api.delete("Deployment", NS, "rooted")

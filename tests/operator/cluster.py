@@ -14,8 +14,10 @@ kmock keeps objects as plain JSON and merge-patches them. `Cluster` adds:
   which kopf would retry with its error backoff, ~50 s, before the deleted object could go);
 - label selectors on list requests;
 - a record of every request (`calls`) for the RBAC replay, `forbidden` to answer chosen
-  requests with 403 as an RBAC-limited server would, and `late` to answer chosen deletes late (the
-  object's watch events go out at once, as a loaded API server's may overtake its response).
+  requests with 403 as an RBAC-limited server would, `refused` to answer chosen applies with 422
+  as a validating admission webhook (or the server's own validation) would, and `late` to answer
+  chosen deletes late (the object's watch events go out at once, as a loaded API server's may
+  overtake its response).
 It does not validate bodies against schemas (test_crds.py and kubernetes-validate do).
 
 `EmulatedCluster` runs it in a thread with its own event loop and writes a kubeconfig for it, so
@@ -299,11 +301,12 @@ class Cluster(kmock.KubernetesEmulator):
 
     calls: list[ApiCall]
     forbidden: set[tuple[str, str | None, str | None]]  # (resource, namespace, name) answered 403
+    refused: dict[tuple[str, str | None, str | None], str]  # (resource, namespace, name) -> 422 message on apply
     late: dict[tuple[str, str | None, str | None], float]  # (resource, namespace, name) -> seconds a DELETE waits
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.calls, self.forbidden, self.late = [], set(), {}
+        self.calls, self.forbidden, self.late, self.refused = [], set(), {}, {}
         for res, (kind, namespaced, subresources) in RESOURCES.items():
             self.resources[res] = kmock.ResourceInfo(
                 kind=kind, namespaced=namespaced, subresources=subresources, verbs=VERBS
@@ -321,6 +324,9 @@ class Cluster(kmock.KubernetesEmulator):
         if call.resource and (call.resource.split("/")[0], call.namespace, call.name) in self.forbidden:
             raise kmock.KubernetesError(403, "Forbidden", f"{call.verb} {call.resource} {call.name} is forbidden")
         if request.method.value.upper() == "PATCH" and request.headers.get("Content-Type", "").startswith(APPLY):
+            refusal = self.refused.get((call.resource or "", call.namespace, call.name))
+            if refusal:  # what an admission webhook or the API server's own validation answers
+                raise kmock.KubernetesError(422, "Invalid", refusal)
             return await self._apply(request)
         key = (request.resource, request.namespace, request.name) if request.resource is not None else None
         existing = (

@@ -139,15 +139,41 @@ def test_crd_schema_and_config_models_agree(path, value):
     assert model_ok == (not schema_errors and not unknown_field), (model_ok, [e.message for e in schema_errors])
 
 
-def test_store_uri_rule_mirrors_the_model_validator():
-    rules = crd.build_crd(names.RLRUN)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
-        "properties"
-    ]["store"]["x-kubernetes-validations"]
-    assert "s3://" in rules[0]["rule"] and "file://" in rules[0]["rule"]
+def _spec_schema(kind) -> dict:
+    return crd.build_crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def test_store_uri_rule_takes_only_what_the_operator_takes():
+    """Bug: the CRD took file:// stores, which the operator then refused (pods on other nodes cannot read a
+    directory): `kubectl apply` succeeded and the run went Failed. The model still takes file:// (for
+    `rlfleet run`) and refuses other schemes."""
+    [rule] = _spec_schema(names.RLRUN)["properties"]["store"]["x-kubernetes-validations"]
+    assert "s3://" in rule["rule"] and "file://" not in rule["rule"] and "s3://" in rule["message"]
     with pytest.raises(ConfigError, match="file:// or s3://"):
         docs = _docs(EXAMPLE.read_text())
         docs[0]["spec"]["store"] = {"uri": "gs://bucket"}
         parse_bundle(yaml.safe_dump_all(docs))
+
+
+@pytest.mark.parametrize("kind", [names.INFERENCE_POOL, names.RELAY_TIER], ids=lambda k: k.kind)
+def test_a_members_run_is_immutable(kind):
+    [rule] = _spec_schema(kind)["properties"]["run"]["x-kubernetes-validations"]
+    assert rule["rule"] == "self == oldSelf" and "spec.run is immutable" in rule["message"]
+
+
+@pytest.mark.parametrize("quantity,ok", [("500m", True), ("4Gi", True), (2, True), ("1e3", True), ("lots", False)])
+def test_quantities_are_checked_at_apply_time(quantity, ok):
+    """Bug: `trainer.resources.requests.cpu: lots` passed the CRD and `rlfleet validate`; the API server
+    refused the trainer's StatefulSet later (a 422 the run's status never showed)."""
+    docs = _docs(EXAMPLE.read_text())
+    docs[0]["spec"]["trainer"]["resources"] = {"requests": {"cpu": quantity}}
+    errors = [e.message for e in _validator("RLRun").iter_errors(docs[0])]
+    assert (errors == []) == ok, errors
+    if ok:
+        parse_bundle(yaml.safe_dump_all(docs))
+    else:
+        with pytest.raises(ConfigError, match=r"trainer\.resources\.requests\.cpu.*not a Kubernetes quantity"):
+            parse_bundle(yaml.safe_dump_all(docs))
 
 
 def test_task_union_keeps_each_variant_apart():

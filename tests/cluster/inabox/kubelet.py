@@ -38,7 +38,7 @@ from pathlib import Path
 from testbed import Host
 
 from . import netns, oci
-from .container_config import ConfigError, expand
+from .container_config import ConfigError, ImageMissing, expand
 from .images import process_image
 
 PODEXEC = Path(__file__).with_name("podexec.py")
@@ -288,7 +288,7 @@ def start(pod: Pod, cluster, now: float) -> None:
     as_container = cluster.mode == "containers" and oci.is_local(name)
     image = None if as_container else process_image(name)
     if image is None and not as_container:
-        raise ConfigError(f"image {name!r} is neither built here nor in the box's image table (ErrImagePull)")
+        raise ImageMissing(f'Failed to pull image "{name}": neither built here nor in the box\'s image table')
     if not pod.volumes_made:
         make_volumes(pod, cluster)
     env = environment(pod, cluster, image.env if image else {})

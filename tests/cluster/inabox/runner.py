@@ -274,7 +274,9 @@ class PodRunner:
                     pod.killing_since = None
                     self._event(pod, "started", restarts=pod.restarts)
                 except ConfigError as exc:
-                    pod.waiting, pod.message, pod.next_start = "CreateContainerConfigError", str(exc), now + 2
+                    pulled_before = pod.waiting in ("ErrImagePull", "ImagePullBackOff")
+                    reason = "ImagePullBackOff" if exc.reason == "ErrImagePull" and pulled_before else exc.reason
+                    pod.waiting, pod.message, pod.next_start = reason, str(exc), now + 2
             return
         for kind, probe in pod.probes.items():
             gated = (kind == "startupProbe") == pod.startup_done
