@@ -178,9 +178,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "run":
         from rlfleet.local.launcher import run_local
+        from rlfleet.models.sources import ModelSourceError
 
         try:
             return run_local(args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress)
+        except ModelSourceError as exc:  # before any component started: nothing to stop, nothing lost
+            print(f"{args.file}: {exc}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:  # before any component started (e.g. while the builtin model is built)
             print("rlfleet: interrupted before the run started", file=sys.stderr)
             return 130

@@ -4,7 +4,9 @@ workloads run, when it finished, whether its TTL is up.
     Complete   True once the policy stream reached spec.trainer.steps (reason StepsDone); while Redis
                cannot be read, the last known value holds. Raising trainer.steps makes it False again.
     Failed     True when spec.activeDeadlineSeconds passed (from creation) before completion (reason
-               DeadlineExceeded), or the spec is invalid (reason InvalidSpec, set by the reconciler).
+               DeadlineExceeded), when a component recorded a fatal config error in the run's Redis (its
+               reason, e.g. ModelUnavailable: spec.model.path cannot be fetched; read by progress.py), or the
+               spec is invalid (reason InvalidSpec, set by the reconciler).
     Suspended  spec.suspend.
     Ready      True while the run trains: active, not suspended, every trainer pod ready, nothing
                blocking (a Secret the pods need); otherwise False with the reason. A remote run
@@ -45,6 +47,7 @@ class Observation:
     step: int | None  # steps committed (the policy stream); None: Redis not readable now
     trainer_ready: int = 0  # ready trainer pods
     blocked: tuple[str, str] | None = None  # (reason, message): something the pods need is missing
+    failure: tuple[str, str] | None = None  # (reason, message): a fatal config error a component recorded in Redis
     status: dict = field(default_factory=dict)  # the status as it is
 
 
@@ -67,7 +70,11 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
     complete = seen.step >= steps if seen.step is not None else _previous(seen.status, "Complete")
     deadline = spec.active_deadline_seconds
     late = bool(deadline and seen.created and (seen.now - seen.created).total_seconds() >= deadline)
-    failed = late and not complete
+    # Once Failed, a run stays failed while Redis is unreadable (as Complete holds its last known value).
+    fault = seen.failure if not complete else None
+    if fault is None and not complete and seen.step is None:
+        fault = _previous_failure(seen.status)
+    failed = (late or fault is not None) and not complete
     finished_at = seen.status.get("completionTime") if (complete or failed) else None
     if (complete or failed) and not finished_at:
         finished_at = now
@@ -78,6 +85,8 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
 
     if spec.remote:
         ready = (True, "Remote", "trained in another cluster: this one hosts its pools and relay tiers")
+    elif failed and fault is not None:
+        ready = (False, fault[0], f"{fault[1]}; workloads scaled to 0")
     elif failed:
         ready = (False, "DeadlineExceeded", f"not complete {deadline} s after creation; workloads scaled to 0")
     elif complete:
@@ -107,12 +116,7 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
     new = [
         cond("Ready", *ready),
         cond("Complete", complete, "StepsDone" if complete else "Training", done),
-        cond(
-            "Failed",
-            failed,
-            "DeadlineExceeded" if failed else "NoFailure",
-            f"spec.activeDeadlineSeconds {deadline} passed before completion" if failed else "",
-        ),
+        cond("Failed", failed, *_failed_reason(failed, fault, deadline)),
         cond(
             "Suspended",
             spec.suspend,
@@ -127,6 +131,27 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
         finished_at=finished_at,
         expired=expired,
     )
+
+
+def _failed_reason(failed: bool, fault: tuple[str, str] | None, deadline: int | None) -> tuple[str, str]:
+    if not failed:
+        return "NoFailure", ""
+    if fault is not None:
+        return fault
+    return "DeadlineExceeded", f"spec.activeDeadlineSeconds {deadline} passed before completion"
+
+
+def _previous_failure(status: dict) -> tuple[str, str] | None:
+    """The recorded fault of a run already Failed for one (not the deadline, which is recomputed, nor InvalidSpec,
+    which the reconciler sets)."""
+    for c in status.get("conditions") or []:
+        if (
+            c.get("type") == "Failed"
+            and c.get("status") == "True"
+            and c.get("reason") not in ("DeadlineExceeded", "InvalidSpec")
+        ):
+            return c.get("reason", "Failed"), c.get("message", "")
+    return None
 
 
 def invalid_conditions(status: dict, generation: int | None, now: datetime.datetime, message: str) -> list[dict]:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rlfleet.config import API_VERSION, RLRun
+from rlfleet.config import API_VERSION, InferencePool, RLRun
 from rlfleet.config.workload import ResourcesSpec
-from rlfleet.operator import names
+from rlfleet.operator import credentials, names
 from rlfleet.operator.overrides import merge_pod_template
 from rlfleet.wire import env, redis_acl
 from rlfleet.wire.views import VIEWS, View
@@ -178,7 +178,7 @@ def build_container(
     *,
     gpus: int = 0,
     gpu_resource: str = "nvidia.com/gpu",
-    store_access: bool = False,
+    pool: InferencePool | None = None,
     ports: list[dict] | None = None,
     extra_env: list[dict] | None = None,
     mounts: list[dict] | None = None,
@@ -190,7 +190,11 @@ def build_container(
         "image": image,
         "command": ["rlfleet", component],
         "args": ["--config", names.CONFIG_PATH, "--metrics-port", str(names.METRICS_PORT), *args],
-        "env": pod_env(run, redis, component) + torch_env(component) + signing_env(run, component) + (extra_env or []),
+        "env": pod_env(run, redis, component)
+        + torch_env(component)
+        + signing_env(run, component)
+        + credentials.hub_env(run, component)
+        + (extra_env or []),
         "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
         "resources": resource_requirements(resources, gpus, gpu_resource),
         "volumeMounts": [
@@ -203,8 +207,9 @@ def build_container(
     }
     if defaults.pull_policy:
         c["imagePullPolicy"] = defaults.pull_policy
-    if store_access and run.spec.store.credentials_secret:
-        c["envFrom"] = [{"secretRef": {"name": run.spec.store.credentials_secret}}]
+    secrets = credentials.secrets_from(run, component, pool)  # the store's and the data's (credentials.py)
+    if secrets:
+        c["envFrom"] = [{"secretRef": {"name": s}} for s in secrets]
     return c
 
 

@@ -156,6 +156,7 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
         step=None if progress is None else progress.get("step", 0),
         trainer_ready=_ready(trainer),
         blocked=blocked,
+        failure=None if progress is None else progress.pop("failure", None),
         status=old,
     )
     state = lifecycle.run_state(run, generation, seen)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
+from rlfleet.models.sources import ModelSourceError, resolve_model_path
 from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, withdraw
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
@@ -51,7 +52,7 @@ from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
-from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
+from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, fail_run
 from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest, stream_reply
 
 log = logging.getLogger("rlfleet.trainer")
@@ -82,9 +83,13 @@ class Trainer:
         if self.rank != 0:
             withdraw()  # its series would read 0 and halve every average over the trainer pods
         self.records = MetricsLog(output_dir / "metrics.jsonl" if output_dir else None)
-        from rlfleet.models.builtin import resolve_model_path
-
-        base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
+        base = resolve_model_path(
+            self.spec.model,
+            self.spec.task,
+            seed=self.spec.trainer.seed,
+            store_endpoint=self.spec.store.endpoint_url,
+            caller=components.TRAINER,
+        )
         t = self.spec.trainer
         self.precision = precision_for(self.spec.model.dtype, t)  # fp32 master weights for bf16 (precision.py)
         self.model, self.tokenizer = load_policy(base, self.precision.load_dtype)
@@ -379,7 +384,11 @@ def main(options: TrainerOptions) -> int:
     if options.output_dir:
         options.output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        Trainer(ctx, options.output_dir).run(options.steps or ctx.bundle.run.spec.trainer.steps)
+        try:
+            trainer = Trainer(ctx, options.output_dir)
+        except ModelSourceError as exc:  # the config names a model that cannot be had: no restart fixes it
+            return fail_run(ctx, "ModelUnavailable", str(exc), hold=options.hold_when_done)
+        trainer.run(options.steps or ctx.bundle.run.spec.trainer.steps)
         if options.hold_when_done and not ctx.stop.is_set():
             # A StatefulSet restarts a container that exits, even with 0; the operator scales it down instead.
             log.info("every step is done; holding until stopped")
