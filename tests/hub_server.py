@@ -53,7 +53,7 @@ class Hub:
     def app(self) -> web.Application:
         app = web.Application()
         app.middlewares.append(self._record)
-        app.router.add_get("/healthz", lambda _: web.Response(text="ok"))
+        app.router.add_get("/healthz", _healthz)
         app.router.add_get("/api/models/{org}/{name}/revision/{rev}", self._info)
         app.router.add_get("/api/models/{org}/{name}/tree/{rev}", self._tree)
         app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{file:.+}", self._file)
@@ -97,6 +97,10 @@ class Hub:
         if request.method == "HEAD":
             return web.Response(headers=headers)
         return web.Response(body=data, headers=headers)
+
+
+async def _healthz(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
 
 
 def _error(code: str, message: str) -> web.HTTPException:
