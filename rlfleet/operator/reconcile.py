@@ -186,10 +186,11 @@ async def stop_run_pods(kube: Kube, namespace: str, run: str) -> int:
 
 
 def run_is_active(run_body: dict) -> bool:
-    """Whether a run's workloads run, from its status (neither Complete nor Failed past its deadline)."""
+    """Whether a run's workloads run, from its status: neither Complete nor Failed (past its deadline, or for a
+    fatal error a component recorded); an invalid spec (InvalidSpec) stops nothing until it is fixed."""
     for c in (run_body.get("status") or {}).get("conditions") or []:
         if c.get("status") == "True" and (
-            c.get("type") == "Complete" or (c.get("type") == "Failed" and c.get("reason") == "DeadlineExceeded")
+            c.get("type") == "Complete" or (c.get("type") == "Failed" and c.get("reason") != "InvalidSpec")
         ):
             return False
     return True

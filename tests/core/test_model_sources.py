@@ -5,8 +5,10 @@ every way each can fail as one clear error naming spec.model.path and the fix.""
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import boto3
@@ -205,3 +207,33 @@ def test_rlfleet_run_of_a_model_that_cannot_be_had_stops_before_anything_starts(
     assert f"{config}: spec.model.path: 'hf://acme/nope': no repository acme/nope" in done.stderr
     assert (run_dir / "rlrun.yaml").read_text() == config.read_text(), "the run's config is kept"
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [], "no component was started"
+
+
+def test_the_trainer_records_a_model_it_cannot_have_for_the_operator_and_holds(hub, tmp_path, redis_url):
+    """`rlfleet trainer` (as in a pod: --hold-when-done) with a model that does not exist: the error, no traceback,
+    the run's failure record (which the operator turns into Failed, reason ModelUnavailable), and it waits to be
+    stopped instead of exiting into a StatefulSet restart; without --hold-when-done it exits with status 2."""
+    from rlfleet.wire.runtime import read_failure
+    from rlfleet.wire.streams import RunKeys
+    from tests.support import redis_from_url, start_trainer, trainer_run_config, wait_for
+
+    config = tmp_path / "run.yaml"
+    config.write_text(trainer_run_config("hf://acme/nope", tmp_path / "store", "{steps: 2}"))
+    client = redis_from_url(redis_url)
+    proc = start_trainer(config, redis_url, tmp_path, "--hold-when-done")
+    try:
+        failure = wait_for("the failure record", lambda: read_failure(client, RunKeys("tr")), timeout=120)
+        assert failure[0] == "ModelUnavailable"
+        assert failure[1].startswith("spec.model.path: 'hf://acme/nope': no repository acme/nope at http://127.0.0.1")
+        time.sleep(1)
+        assert proc.poll() is None, "held, not exited"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 2
+    log = (tmp_path / "trainer.log").read_text()
+    assert "no repository acme/nope" in log and "Traceback" not in log, log
+    client.delete(RunKeys("tr").failure)
+    once = start_trainer(config, redis_url, tmp_path, log="once.log")
+    assert once.wait(120) == 2, (tmp_path / "once.log").read_text()
+    assert read_failure(client, RunKeys("tr"))[0] == "ModelUnavailable"
+    client.close()
