@@ -174,6 +174,8 @@ class LocalRun:
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            # An hf:// model was downloaded by the launcher before anything started (run_local): the trainer reads
+            # that cache, and no component contacts the hub (workers never resolve an hf:// model at all).
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }

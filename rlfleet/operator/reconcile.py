@@ -31,7 +31,14 @@ from rlfleet.operator.progress import REDIS_TIMEOUT_S, read_progress
 
 log = logging.getLogger("rlfleet.operator")
 CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "StatefulSet", "PodDisruptionBudget")
-PROBLEMS = {"InvalidSpec", "SecretNotFound", "SecretKeyMissing", "SecretForbidden", "DeadlineExceeded"}
+PROBLEMS = {
+    "InvalidSpec",
+    "SecretNotFound",
+    "SecretKeyMissing",
+    "SecretForbidden",
+    "DeadlineExceeded",
+    "ModelUnavailable",
+}
 
 
 class MissingRun(Exception):

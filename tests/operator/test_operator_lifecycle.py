@@ -161,3 +161,5 @@ def test_a_run_whose_model_cannot_be_had_fails_with_the_trainers_reason(api, red
     assert run["status"].get("completionTime") and not unknown_status_fields(run)
     for kind, name in WORKLOADS:
         wait_for(f"{kind} {name} released", lambda: get(api, kind, ns, name)["spec"]["replicas"] == 0)
+    warnings = events(api, ns, "ModelUnavailable")
+    assert [e["type"] for e in warnings] == ["Warning"] and warnings[0]["message"].startswith(message)
