@@ -8,13 +8,19 @@
 Errors carry the hub's X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFound), from which
 huggingface_hub raises its typed errors. A revision is a branch name (each repository has `main`) or
 the commit itself, a sha1 of the repository's files. Every file is served as a plain git blob (ETag =
-its git blob sha1), never through LFS. `requests` records each request's method, path and User-Agent,
-so a test can tell who fetched what.
+its git blob sha1), never through LFS. `requests` records each request's method, path, User-Agent and
+client address, so a test can tell who fetched what.
+
+As a process of its own (the cluster in a box runs it on a host of a cluster's network):
+    python -m tests.hub_server --repo ORG/NAME=DIR [--repo ...] --port 8000 --log requests.jsonl
+serves until killed, writing each request as a JSON line to the log.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +47,7 @@ class Repo:
 class Hub:
     repos: dict[str, Repo] = field(default_factory=dict)
     requests: list[dict] = field(default_factory=list)
+    log: Path | None = None  # where each request is also appended as a JSON line
 
     def add(self, repo_id: str, directory: Path) -> Repo:
         self.repos[repo_id] = Repo.of(directory)
@@ -61,9 +68,16 @@ class Hub:
 
     @web.middleware
     async def _record(self, request: web.Request, handler):
-        self.requests.append(
-            {"method": request.method, "path": request.path, "agent": request.headers.get("User-Agent", "")}
-        )
+        record = {
+            "method": request.method,
+            "path": request.path,
+            "agent": request.headers.get("User-Agent", ""),
+            "client": request.remote,
+        }
+        self.requests.append(record)
+        if self.log is not None:
+            with open(self.log, "a") as out:
+                out.write(json.dumps(record) + "\n")
         return await handler(request)
 
     def _lookup(self, request: web.Request) -> tuple[str, Repo]:
@@ -105,3 +119,21 @@ async def _healthz(_: web.Request) -> web.Response:
 
 def _error(code: str, message: str) -> web.HTTPException:
     return web.HTTPNotFound(headers={"X-Error-Code": code, "X-Error-Message": message}, text=message)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", action="append", default=[], help="ORG/NAME=DIR (repeatable)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--log", type=Path, default=None)
+    args = parser.parse_args()
+    hub = Hub(log=args.log)
+    for spec in args.repo:
+        repo_id, _, directory = spec.partition("=")
+        hub.add(repo_id, Path(directory))
+    web.run_app(hub.app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -89,7 +89,7 @@ def resolve_model_path(
             raise ModelSourceError(f"{FIELD}: unknown builtin model {path!r}; known: {sorted(BUILTINS)}")
         return resolve_builtin(model_spec, task_spec, seed, progress)
     if path.startswith(S3_PREFIX):
-        endpoint = getattr(model_spec, "endpoint_url", None) or store_endpoint or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = model_spec.endpoint_url or store_endpoint or os.environ.get("AWS_ENDPOINT_URL")
         return check_model_dir(path, _from_s3(path, endpoint or None, caller))
     if path.startswith(HUB_PREFIX):
         return check_model_dir(path, _from_hub(path, caller))
