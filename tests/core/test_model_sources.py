@@ -4,6 +4,7 @@ every way each can fail as one clear error naming spec.model.path and the fix.""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import uuid
 
 import boto3
 import pytest
+import requests
 
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.config.tasks import ArithmeticTaskSpec, ModelSpec
@@ -20,7 +22,7 @@ from rlfleet.local.redis_server import free_port
 from rlfleet.models.sources import ModelSourceError, local_model_path, resolve_model_path
 from tests.hub_server import Hub
 from tests.runs import bundle_yaml, pool, rlrun, write_rlrun
-from tests.support import serving, tiny_policy_dir
+from tests.support import serving, tiny_policy_dir, wait_for
 
 TASK = ArithmeticTaskSpec(type="arithmetic")
 
@@ -215,7 +217,7 @@ def test_the_trainer_records_a_model_it_cannot_have_for_the_operator_and_holds(h
     stopped instead of exiting into a StatefulSet restart; without --hold-when-done it exits with status 2."""
     from rlfleet.wire.runtime import read_failure
     from rlfleet.wire.streams import RunKeys
-    from tests.support import redis_from_url, start_trainer, trainer_run_config, wait_for
+    from tests.support import redis_from_url, start_trainer, trainer_run_config
 
     config = tmp_path / "run.yaml"
     config.write_text(trainer_run_config("hf://acme/nope", tmp_path / "store", "{steps: 2}"))
@@ -237,3 +239,36 @@ def test_the_trainer_records_a_model_it_cannot_have_for_the_operator_and_holds(h
     assert once.wait(120) == 2, (tmp_path / "once.log").read_text()
     assert read_failure(client, RunKeys("tr"))[0] == "ModelUnavailable"
     client.close()
+
+
+def test_s3_credentials_the_endpoint_refuses_are_one_clear_error(tmp_path, monkeypatch):
+    """moto's server with its IAM checks on (INITIAL_NO_AUTH_ACTION_COUNT=0): it knows no access key, as S3
+    refuses a wrong one."""
+    port = free_port()
+    log = open(tmp_path / "moto.log", "wb")
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log, env=env
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for("moto with IAM checks", lambda: _answers(url), timeout=60)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-a-key")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        with pytest.raises(
+            ModelSourceError, match=r"cannot read 's3://models/tiny' at http.*\(InvalidAccessKeyId\); fix"
+        ):
+            resolve("s3://models/tiny", store_endpoint=url)
+    finally:
+        server.terminate()
+        server.wait(10)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        requests.get(url, timeout=2)
+        return True
+    except requests.RequestException:
+        return False
