@@ -64,12 +64,16 @@ def secrets_from(run: RLRun, component: str, pool: InferencePool | None = None) 
 
 
 def hub_env(run: RLRun, component: str) -> list[dict]:
-    """HF_HOME (the pod's cache volume, so a restarted trainer finds its download) and HF_TOKEN for the trainer
-    of an hf:// model; nothing for any other pod."""
+    """HF_HOME (the pod's cache volume, so a restarted trainer finds its download; the project's images set the
+    same, an image of the user's may not), no progress bars, and HF_TOKEN for the trainer of an hf:// model;
+    nothing for any other pod."""
     model = run.spec.model
     if component != names.TRAINER or not model.path.startswith("hf://"):
         return []
-    out: list[dict] = [{"name": env.HF_HOME, "value": f"{names.CACHE_DIR}/hf"}]
+    out: list[dict] = [
+        {"name": env.HF_HOME, "value": f"{names.CACHE_DIR}/hf"},
+        {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"},  # a pod's log is no terminal
+    ]
     if model.token_secret:
         ref = {"secretKeyRef": {"name": model.token_secret, "key": HUB_TOKEN_KEY}}
         out.append({"name": env.HF_TOKEN, "valueFrom": ref})
