@@ -44,8 +44,9 @@ class ModelSpec(Spec):
         "absolute path in the image or a podTemplate volume); `s3://bucket/prefix` (every object under the prefix, "
         "with the run's S3 endpoint and credentials); `hf://ORG/NAME` or `hf://ORG/NAME@REVISION` (a hub "
         "repository at a branch, tag or commit; HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply). Fetched "
-        "once and cached by content, by the trainer (and a LoRA run's verifier) only: workers get the model as "
-        "policy version 0 through the relays and never contact the source."
+        "once and cached by content, by the trainer only (`rlfleet run`: by the launcher, before anything starts): "
+        "workers get the model as policy version 0 through the relays and never contact the source; so with "
+        "trainer.lora, whose workers need the base itself, only a builtin or a local directory."
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="Compute dtype of trainer, workers and verifier."

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -131,8 +132,6 @@ def latest_announced_version(client: redis.Redis, keys: RunKeys) -> int | None:
 def record_failure(client: redis.Redis, keys: RunKeys, reason: str, message: str) -> None:
     """Record a fatal error of the run's config (reason: a CamelCase word, message: the field and the fix) where the
     operator reads it (`read_failure`) to set the run's Failed condition instead of restarting the pod forever."""
-    import time
-
     client.hset(keys.failure, mapping={"reason": reason, "message": message, "time": str(time.time())})
 
 
