@@ -42,9 +42,9 @@ import torch
 
 from rlfleet.config import parse_bundle
 from rlfleet.local.redis_server import EmbeddedRedis
-from rlfleet.models.builtin import resolve_model_path
 from rlfleet.models.policy import load_policy, score
 from rlfleet.models.sampling import keep_mask, sample_seed, sample_uniforms
+from rlfleet.models.sources import resolve_model_path
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.calibration import DEFAULTS
 from rlfleet.services.toploc.checks import Checker, Rejection

@@ -200,6 +200,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "run":
         from rlfleet.local.launcher import run_local
+        from rlfleet.models.sources import ModelSourceError
 
         try:
             return run_local(
@@ -209,6 +210,9 @@ def _dispatch(args: argparse.Namespace) -> int:
                 progress=not args.no_progress,
                 prometheus=args.prometheus,
             )
+        except ModelSourceError as exc:  # before any component started: nothing to stop, nothing lost
+            print(f"{args.file}: {exc}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:  # before any component started (e.g. while the builtin model is built)
             print("rlfleet: interrupted before the run started", file=sys.stderr)
             return 130

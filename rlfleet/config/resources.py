@@ -85,6 +85,19 @@ class RLRunSpec(Spec):
     )
 
     @model_validator(mode="after")
+    def _lora_base_on_workers(self) -> RLRunSpec:
+        # A LoRA version is an adapter that each worker applies to the base it holds, and workers never fetch
+        # from s3:// or hf:// (only the trusted side does; rlfleet/models/sources.py).
+        if self.trainer.lora is not None and self.model.path.startswith(("s3://", "hf://")):
+            raise ValueError(
+                f"model.path: {self.model.path!r} with trainer.lora: workers apply each adapter to the base model "
+                "themselves and never fetch it from s3:// or hf://; give the base as a local directory in the "
+                "workers' image or on a podTemplate volume, or train without trainer.lora (whole versions reach "
+                "workers through the relays)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _inbox_below_max_len(self) -> RLRunSpec:
         if self.ingest.max_backlog >= self.redis.stream_max_len:
             raise ValueError(
@@ -195,6 +208,15 @@ class InferencePoolSpec(Spec):
         "tokens.yaml maps the same names to the same tokens. Each pod reads the file named after it (the "
         "Secret is mounted whole: a pool's pods share one trust domain; tokens tell its workers apart for "
         "reputation and bans).",
+    )
+    data_credentials_secret: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: a Secret whose keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...) become the "
+        "workers' environment when the run's dataset is on s3:// (best a key that can only read it). Empty: a pool "
+        "without ingestUrl gets the run's spec.store.credentialsSecret, a pool with ingestUrl none (its workers are "
+        "not trusted with the store's). Workers never get credentials for the model: it reaches them through the "
+        "relays.",
     )
     vllm: VLLMSpec = Field(
         default_factory=VLLMSpec,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -9,11 +10,43 @@ from pydantic import Field, model_validator
 
 from rlfleet.config.base import NAME_PATTERN, Spec
 
+# A hub repository id as the hub allows it: ORG/NAME of letters, digits, `-`, `_`, `.`; an optional @revision.
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?$")
+
+
+def model_path_problem(path: str) -> str | None:
+    """What is wrong with the syntax of spec.model.path, or None; the resolver (rlfleet/models/sources.py) asks
+    the same, and checks a builtin's name. Touches nothing."""
+    if path.startswith("builtin://"):
+        return None if path[len("builtin://") :] else "builtin:// needs a name (e.g. builtin://tiny-arithmetic)"
+    if path.startswith("s3://"):
+        bucket, _, prefix = path[len("s3://") :].partition("/")
+        if not bucket or not prefix.strip("/"):
+            return f"{path!r} must be s3://bucket/prefix (the prefix holding config.json and the weights)"
+        return None
+    if path.startswith("hf://"):
+        if not HUB_ID.match(path[len("hf://") :]):
+            return f"{path!r} must be hf://ORG/NAME or hf://ORG/NAME@REVISION (e.g. hf://Qwen/Qwen2.5-0.5B-Instruct)"
+        return None
+    scheme = re.match(r"^([a-z][a-z0-9+.-]*)://", path)
+    if scheme:
+        return (
+            f"{path!r}: unknown scheme {scheme.group(1)}://; use builtin://NAME, s3://bucket/prefix, hf://ORG/NAME or "
+            f"a local directory"
+        )
+    return None
+
 
 class ModelSpec(Spec):
     path: str = Field(
-        description="HF-format model: `builtin://tiny-arithmetic` (built and warm-started in code, cached), a local "
-        "directory, or `s3://bucket/prefix`."
+        description="The base model, an HF-format directory, from one of: `builtin://NAME` (built and warm-started "
+        "in code, cached: `builtin://tiny-arithmetic`, `builtin://tiny-math`); a local directory (on a cluster an "
+        "absolute path in the image or a podTemplate volume); `s3://bucket/prefix` (every object under the prefix, "
+        "with the run's S3 endpoint and credentials); `hf://ORG/NAME` or `hf://ORG/NAME@REVISION` (a hub "
+        "repository at a branch, tag or commit; HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply). Fetched "
+        "once and cached by content, by the trainer only (`rlfleet run`: by the launcher, before anything starts): "
+        "workers get the model as policy version 0 through the relays and never contact the source; so with "
+        "trainer.lora, whose workers need the base itself, only a builtin or a local directory."
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32",
@@ -25,6 +58,24 @@ class ModelSpec(Spec):
         ge=0,
         description="Builtin models only: supervised steps on the task before RL (0 = the model's own default).",
     )
+    endpoint_url: str | None = Field(
+        default=None,
+        description="S3 API endpoint for an s3:// path (MinIO, Ceph); empty = spec.store.endpointUrl, else env "
+        "AWS_ENDPOINT_URL, else AWS.",
+    )
+    token_secret: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: a Secret whose key `token` is the hub token for a private or gated hf:// model; "
+        "given (as HF_TOKEN) to the trainer only, never to workers.",
+    )
+
+    @model_validator(mode="after")
+    def _path_syntax(self) -> ModelSpec:
+        problem = model_path_problem(self.path)
+        if problem:
+            raise ValueError(f"path: {problem}")
+        return self
 
 
 class ArithmeticTaskSpec(Spec):

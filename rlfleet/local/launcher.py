@@ -94,13 +94,19 @@ def run_local(
     print(f"rlfleet: run {name} in {run_path}", file=sys.stderr)
     # Until components run (LocalRun.supervise takes over), SIGTERM interrupts like Ctrl-C: nothing to stop yet.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    from rlfleet.models.builtin import resolve_model_path
+    from rlfleet.models.sources import resolve_model_path
 
     t0 = time.monotonic()
     build = BuildProgress(bundle.run.spec.model.path, progress and sys.stderr.isatty())
     try:
+        spec = bundle.run.spec
         model_dir = resolve_model_path(
-            bundle.run.spec.model, bundle.run.spec.task, seed=bundle.run.spec.trainer.seed, progress=build
+            spec.model,
+            spec.task,
+            seed=spec.trainer.seed,
+            progress=build,
+            store_endpoint=spec.store.endpoint_url,
+            caller="launcher",
         )
     finally:
         build.close()
@@ -197,6 +203,8 @@ class LocalRun:
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            # An hf:// model was downloaded by the launcher before anything started (run_local): the trainer reads
+            # that cache, and no component contacts the hub (workers never resolve an hf:// model at all).
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }

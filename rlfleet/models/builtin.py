@@ -129,13 +129,9 @@ def builtin_dir_name(model_spec, task_spec, seed: int = 0) -> str:
     return f"{name}-{_spec_key(name, task_spec, steps, seed)}"
 
 
-def local_model_path(model_spec, task_spec, seed: int = 0) -> Path | None:
-    """The HF directory of `model.path` if it is on this machine already (a local directory, a cached or
-    shipped builtin build), else None; never builds. A worker starts its engine from it while version 0
-    is being published (rollout/main.py)."""
-    if not model_spec.path.startswith(BUILTIN_PREFIX):
-        local = Path(model_spec.path)
-        return local if (local / "config.json").exists() else None
+def cached_builtin(model_spec, task_spec, seed: int = 0) -> Path | None:
+    """The HF directory of a builtin `model.path` if it is on this machine already (a cached or shipped
+    build), else None; never builds."""
     dir_name = builtin_dir_name(model_spec, task_spec, seed)
     for candidate in (cache_root() / "builtin" / dir_name, SHIPPED / dir_name):
         if (candidate / "config.json").exists():
@@ -143,22 +139,12 @@ def local_model_path(model_spec, task_spec, seed: int = 0) -> Path | None:
     return None
 
 
-def resolve_model_path(
-    model_spec, task_spec, seed: int = 0, progress: Callable[[int, int], None] | None = None
-) -> Path:
-    """A local HF directory for `model.path`: a local directory as it is; a builtin from the cache, else
-    from the shipped builds, else built and cached. `progress(done, total)` follows a build's warm-start
-    steps (first called with done = 0, so a caller learns that a build starts)."""
+def resolve_builtin(model_spec, task_spec, seed: int = 0, progress: Callable[[int, int], None] | None = None) -> Path:
+    """The HF directory of a builtin `model.path`: from the cache, else from the shipped builds, else built and
+    cached (rlfleet/models/sources.py resolves every other source). `progress(done, total)` follows a build's
+    warm-start steps (first called with done = 0, so a caller learns that a build starts)."""
     path = model_spec.path
-    if not path.startswith(BUILTIN_PREFIX):
-        local = Path(path)
-        if not (local / "config.json").exists():
-            raise FileNotFoundError(
-                f"spec.model.path: {path!r} is not an HF model directory (no config.json); "
-                f"use a local HF directory or one of {[BUILTIN_PREFIX + n for n in BUILTINS]}"
-            )
-        return local
-    found = local_model_path(model_spec, task_spec, seed)
+    found = cached_builtin(model_spec, task_spec, seed)
     if found:
         return found
     name = path[len(BUILTIN_PREFIX) :]

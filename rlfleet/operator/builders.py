@@ -131,7 +131,6 @@ def build_trainer_statefulset(
         t.resources,
         gpus=t.gpus,
         gpu_resource=t.gpu_resource,
-        store_access=True,
         extra_env=dist,
         mounts=mounts or None,
     )
@@ -169,7 +168,6 @@ def _server_deployment(
     defaults: ClusterDefaults,
     active: bool,
     spec,
-    store_access: bool = False,
     mounts: list[dict] | None = None,
     volumes: list[dict] | None = None,
 ) -> dict:
@@ -178,15 +176,7 @@ def _server_deployment(
     port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
     args = ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT), *extra_args]
     main = build_container(
-        run,
-        component,
-        args,
-        defaults.image_for(run, 0),
-        defaults,
-        spec.resources,
-        store_access=store_access,
-        ports=[port],
-        mounts=mounts,
+        run, component, args, defaults.image_for(run, 0), defaults, spec.resources, ports=[port], mounts=mounts
     )
     return deployment(
         name,
@@ -216,11 +206,9 @@ def _run_service(run: RLRun, component: str, name: str, namespace: str, owner, h
 def build_origin_deployment(
     run: RLRun, namespace: str, owner: Owner | None = None, defaults: ClusterDefaults = DEFAULTS, active: bool = True
 ) -> dict:
-    """The origin serves the store: the only pod besides the trainer with store credentials."""
+    """The origin serves the store: with the trainer, the pods that always get its credentials (credentials.py)."""
     name = names.origin(run.metadata.name)
-    return _server_deployment(
-        run, names.ORIGIN, name, [], namespace, owner, defaults, active, run.spec.origin, store_access=True
-    )
+    return _server_deployment(run, names.ORIGIN, name, [], namespace, owner, defaults, active, run.spec.origin)
 
 
 def build_origin_service(run: RLRun, namespace: str, owner: Owner | None = None) -> dict:

@@ -8,8 +8,10 @@ workloads run, when it finished, whether its TTL is up.
                DeadlineExceeded); when the trainer did not start within spec.startupDeadlineSeconds
                (default DEFAULT_STARTUP_DEADLINE_S, from creation or the last resume; reason
                StartupDeadlineExceeded, the message naming what kept its pods from starting); when a
-               component reported a failure (Observation.failure, its own reason); or the spec is invalid
-               (reason InvalidSpec, set by the reconciler; the only one that a fixed spec clears). Final.
+               component reported a failure (Observation.failure, its own reason, e.g. ModelUnavailable: the
+               trainer recorded in the run's Redis that spec.model.path cannot be fetched; progress.py reads
+               it); or the spec is invalid (reason InvalidSpec, set by the reconciler; the only one that a
+               fixed spec clears). Final.
     Suspended  spec.suspend.
     Ready      True while the run trains: active, not suspended, every trainer pod ready, nothing
                blocking (a Secret the pods need, a child the API refused); otherwise False with the reason,

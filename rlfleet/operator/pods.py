@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rlfleet.config import API_VERSION, RLRun
+from rlfleet.config import API_VERSION, InferencePool, RLRun
 from rlfleet.config.tracking import WANDB_API_KEY_KEY
 from rlfleet.config.workload import ResourcesSpec
-from rlfleet.operator import names
+from rlfleet.operator import credentials, names
 from rlfleet.operator.overrides import merge_pod_template
 from rlfleet.wire import env, redis_acl
 from rlfleet.wire.views import VIEWS, View
@@ -188,7 +188,7 @@ def build_container(
     *,
     gpus: int = 0,
     gpu_resource: str = "nvidia.com/gpu",
-    store_access: bool = False,
+    pool: InferencePool | None = None,
     ports: list[dict] | None = None,
     extra_env: list[dict] | None = None,
     mounts: list[dict] | None = None,
@@ -204,6 +204,7 @@ def build_container(
         + torch_env(component)
         + signing_env(run, component)
         + tracking_env(run, component)
+        + credentials.hub_env(run, component)
         + (extra_env or []),
         "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
         "resources": resource_requirements(resources, gpus, gpu_resource),
@@ -217,11 +218,12 @@ def build_container(
     }
     if defaults.pull_policy:
         c["imagePullPolicy"] = defaults.pull_policy
-    env_from = [run.spec.store.credentials_secret] if store_access else []
+    secrets = credentials.secrets_from(run, component, pool)  # the store's and the data's (credentials.py)
     if component == names.TRAINER and run.spec.tracking.mlflow:  # MLflow's credentials: the trainer's only
-        env_from.append(run.spec.tracking.mlflow.credentials_secret)
-    if any(env_from):
-        c["envFrom"] = [{"secretRef": {"name": secret}} for secret in env_from if secret]
+        secrets = [*secrets, run.spec.tracking.mlflow.credentials_secret]
+    secrets = [s for s in secrets if s]
+    if secrets:
+        c["envFrom"] = [{"secretRef": {"name": s}} for s in secrets]
     return c
 
 

@@ -87,6 +87,7 @@ def build_rollout_workload(
         spec.resources,
         gpus=spec.gpus,
         gpu_resource=spec.gpu_resource,
+        pool=pool,
         extra_env=token_env,
         mounts=mounts,
         redis=not spec.ingest_url,

@@ -15,8 +15,9 @@ def _client(url: str):
 
 
 def read_progress(url: str, run_name: str) -> dict:
-    """step / policyVersion / reward from the policy stream, accepted / rejected from the stats hash."""
-    from rlfleet.wire.runtime import latest_announced_version
+    """step / policyVersion / reward from the policy stream, accepted / rejected from the stats hash, and
+    `failure` (reason, message) when a component recorded a fatal config error (wire/runtime.py record_failure)."""
+    from rlfleet.wire.runtime import latest_announced_version, read_failure
     from rlfleet.wire.streams import decode_json
 
     keys = RunKeys(run_name)
@@ -31,6 +32,9 @@ def read_progress(url: str, run_name: str) -> dict:
             out.update(step=step if isinstance(step, int) else version, policyVersion=version)
             if isinstance(newest.get("reward"), (int, float)):
                 out["reward"] = float(newest["reward"])
+        failure = read_failure(client, keys)
+        if failure:  # not status: Observation.failure (lifecycle.py) turns it into the Failed condition
+            out["failure"] = failure
         stats = {k.decode(): int(v) for k, v in client.hgetall(keys.stats).items()}
         out.update(accepted=stats.get("accepted", 0), rejected=stats.get("rejected", 0))
         return out

@@ -41,6 +41,7 @@ PROBLEMS = {
     "SecretForbidden",
     "DeadlineExceeded",
     "StartupDeadlineExceeded",
+    "ModelUnavailable",
 }
 MAX_POD_EVENTS = 5  # Warning Events for new pod problems per reconcile (a pool of 100 crashing pods: not 100)
 
@@ -200,6 +201,7 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
         step=None if progress is None else progress.get("step", 0),
         trainer_ready=_ready(trainer),
         blocked=blocked,
+        failure=None if progress is None else progress.pop("failure", None),
         status=old,
         problems=tuple(health.pod_problems(pods)),
     )
@@ -238,8 +240,8 @@ def _run_pods(run: str) -> str:
 
 
 def run_is_active(run_body: dict) -> bool:
-    """Whether a run's workloads run, from its status: neither Complete nor Failed (InvalidSpec aside: an
-    invalid run's members wait for it to be fixed)."""
+    """Whether a run's workloads run, from its status: neither Complete nor Failed (past a deadline, or for a
+    failure a component reported); an invalid spec (InvalidSpec) stops nothing: its members wait for it to be fixed."""
     for c in (run_body.get("status") or {}).get("conditions") or []:
         if c.get("status") == "True" and (
             c.get("type") == "Complete" or (c.get("type") == "Failed" and c.get("reason") != "InvalidSpec")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from rlfleet.config import InferencePool, RLRun
 from rlfleet.config.tracking import WANDB_API_KEY_KEY
 from rlfleet.operator import names
+from rlfleet.operator.credentials import HUB_TOKEN_KEY
 from rlfleet.operator.kube import Forbidden, Kube, NotFound
 
 
@@ -50,14 +51,19 @@ def run_secrets(run: RLRun) -> list[SecretNeed]:
         needs.append(SecretNeed(spec.tracking.mlflow.credentials_secret, "spec.tracking.mlflow.credentialsSecret", ()))
     if spec.ingest.tokens:
         needs.append(SecretNeed(spec.ingest.tokens, "spec.ingest.tokens", (names.INGEST_TOKENS_KEY,)))
+    if spec.model.token_secret and spec.model.path.startswith("hf://"):
+        needs.append(SecretNeed(spec.model.token_secret, "spec.model.tokenSecret", (HUB_TOKEN_KEY,)))
     return needs
 
 
 def pool_secrets(pool: InferencePool) -> list[SecretNeed]:
-    if not pool.spec.worker_tokens:
-        return []
-    pods = tuple(f"{names.rollout(pool.metadata.name)}-{i}" for i in range(pool.spec.replicas))
-    return [SecretNeed(pool.spec.worker_tokens, "spec.workerTokens", pods)]
+    needs = []
+    if pool.spec.worker_tokens:
+        pods = tuple(f"{names.rollout(pool.metadata.name)}-{i}" for i in range(pool.spec.replicas))
+        needs.append(SecretNeed(pool.spec.worker_tokens, "spec.workerTokens", pods))
+    if pool.spec.data_credentials_secret:
+        needs.append(SecretNeed(pool.spec.data_credentials_secret, "spec.dataCredentialsSecret", ()))
+    return needs
 
 
 async def check_secrets(kube: Kube, namespace: str, needs: list[SecretNeed]) -> tuple[tuple[str, str] | None, dict]:

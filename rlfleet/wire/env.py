@@ -24,6 +24,12 @@ LOCAL = "RLFLEET_LOCAL"  # set by `rlfleet run`: bind /metrics to 127.0.0.1 only
 LOG_LEVEL = "RLFLEET_LOG_LEVEL"
 CACHE = "RLFLEET_CACHE"  # builtin model cache (default ~/.cache/rlfleet)
 VLLM_KV_CACHE_BYTES = "RLFLEET_VLLM_KV_CACHE_BYTES"  # vLLM's KV cache on CPU
+# The hub's own variables (huggingface_hub), read when an hf:// model is resolved (rlfleet/models/sources.py)
+HF_ENDPOINT = "HF_ENDPOINT"  # the hub's URL (default https://huggingface.co)
+HF_HOME = "HF_HOME"  # its cache is HF_HOME/hub (default ~/.cache/huggingface)
+HF_HUB_CACHE = "HF_HUB_CACHE"  # ... or this directory
+HF_HUB_OFFLINE = "HF_HUB_OFFLINE"  # 1: only the cache is read
+HF_TOKEN = "HF_TOKEN"  # a private or gated repository's token (on a cluster from spec.model.tokenSecret)
 DEVICE = "RLFLEET_DEVICE"  # cpu, cuda, cuda:N or auto (unset): where the process computes (rlfleet/models/device.py)
 # torchrun's names, set on trainer ranks (rlfleet/services/trainer/ranks.py starts a replica's ranks).
 LOCAL_RANK = "LOCAL_RANK"  # a trainer rank's index in its replica = its GPU index in its pod (default 0)

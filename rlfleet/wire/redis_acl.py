@@ -13,7 +13,7 @@ whatever the worker wrote: only the ingest binds worker ids to tokens.
   verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected / dead
             letter, its attempt counts, run stats, reputation and bans, its one-time guards, work tickets (read)
   trainer   the verified stream's consumer group, the trained set, run stats (read), XADD policy, HSET
-            its demand, RPUSH the retired prompts
+            its demand, RPUSH the retired prompts, SET the run's failure record
   admin     everything on the run's keys (the local launcher; on a cluster the operator keeps the
             urlSecret's `url`)
 A worker has three users rather than one because Redis 6.2 (the embedded one) grants commands per
@@ -101,7 +101,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     TRAINER: (
-        ["verified", "policy", "trained", "stats", "demand", "retired_prompts"],
+        ["verified", "policy", "trained", "stats", "demand", "retired_prompts", "failure"],
         [
             "hset",
             "rpush",

@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import redis
 from redis import Redis
@@ -125,3 +127,31 @@ def latest_announced_version(client: redis.Redis, keys: RunKeys) -> int | None:
 
     entries = stream_entries(client.xrevrange(keys.policy, count=1))
     return int(decode_json(entries[0][1])["version"]) if entries else None
+
+
+def record_failure(client: redis.Redis, keys: RunKeys, reason: str, message: str) -> None:
+    """Record a fatal error of the run's config (reason: a CamelCase word, message: the field and the fix) where the
+    operator reads it (`read_failure`) to set the run's Failed condition instead of restarting the pod forever."""
+    client.hset(keys.failure, mapping={"reason": reason, "message": message, "time": str(time.time())})
+
+
+def read_failure(client: redis.Redis, keys: RunKeys) -> tuple[str, str] | None:
+    """(reason, message) of the run's recorded fatal error, or None."""
+    raw = cast(dict, client.hgetall(keys.failure))
+    record = {_text(k): _text(v) for k, v in raw.items()}
+    return (record["reason"], record.get("message", "")) if record.get("reason") else None
+
+
+def fail_run(ctx: Context, reason: str, message: str, hold: bool) -> int:
+    """A fatal config error found by a component (the trainer): logged, recorded for the operator (which sets the
+    run's Failed condition with `reason` and scales the workloads to 0), and exit status 2. In a pod (`hold`) the
+    process waits to be stopped instead: a StatefulSet restarts a container that exits, repeating the error."""
+    logging.getLogger("rlfleet").error("%s", message)
+    record_failure(ctx.client, ctx.keys, reason, message)
+    if hold:
+        ctx.stop.wait()
+    return 2
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -48,6 +48,9 @@ class RunKeys:
         self.rejected = f"{prefix}:rejected"
         self.policy = f"{prefix}:policy"
         self.stats = f"{prefix}:stats"
+        # hash reason/message/time: a fatal error of the run's config that the trainer found (e.g. its model cannot
+        # be fetched); the operator sets the run's Failed condition from it (rlfleet/wire/runtime.py record_failure)
+        self.failure = f"{prefix}:failure"
         self.trained = f"{prefix}:trained"  # sorted set: content digest -> policy version it trained
         # hash: what the trainer still wants (oldest: the oldest policy version it will still train; need:
         # the groups its current step lacks; held: verified entries it holds); trainer/main.py set_demand
@@ -85,6 +88,7 @@ class RunKeys:
             self.rejected,
             self.policy,
             self.stats,
+            self.failure,
             self.trained,
             self.demand,
             self.workers,

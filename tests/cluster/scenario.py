@@ -121,7 +121,7 @@ def complete(k: Kubectl, run: str) -> dict | None:
 def prebuilt_model(example: Path = EXAMPLE) -> Path:
     """The builtin model of `example` (default: the arithmetic one), built on this machine once (the node's
     model cache)."""
-    from rlfleet.models.builtin import resolve_model_path
+    from rlfleet.models.sources import resolve_model_path
 
     spec = load_bundle(example).run.spec
     return resolve_model_path(spec.model, spec.task, seed=spec.trainer.seed)

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from rlfleet.config import ArithmeticTaskSpec, DatasetSpec, MathTaskSpec, ModelSpec, load_bundle
-from rlfleet.models.builtin import BUILTINS, SHIPPED, build_tokenizer, resolve_model_path
+from rlfleet.models.builtin import BUILTINS, SHIPPED, build_tokenizer
 from rlfleet.models.policy import load_policy
+from rlfleet.models.sources import ModelSourceError, resolve_model_path
 from rlfleet.models.warm_start import noisy_answer
 from rlfleet.tasks import make_task
 from rlfleet.tasks.math import answers_match
@@ -67,9 +68,9 @@ def test_a_changed_architecture_gets_a_new_build_and_leaves_the_other_builtins_c
 
 
 def test_unknown_builtin_and_missing_directory_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="unknown builtin model 'nope'"):
+    with pytest.raises(ModelSourceError, match=r"spec.model.path: unknown builtin model 'builtin://nope'"):
         resolve_model_path(ModelSpec(path="builtin://nope"), TASK)
-    with pytest.raises(FileNotFoundError, match="spec.model.path"):
+    with pytest.raises(ModelSourceError, match=r"spec.model.path: .* is not an HF model: no config.json"):
         resolve_model_path(ModelSpec(path=str(tmp_path)), TASK)
 
 

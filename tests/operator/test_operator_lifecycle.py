@@ -137,3 +137,29 @@ def test_pools_and_tiers_belong_to_their_run(api, redis_url):
         [ref] = obj["metadata"]["ownerReferences"]
         assert ref["uid"] == run["metadata"]["uid"] and ref["kind"] == "RLRun" and not ref.get("controller")
         assert obj["metadata"]["labels"][f"{names.GROUP}/run"] == "arithmetic"
+
+
+def test_a_run_whose_model_cannot_be_had_fails_with_the_trainers_reason(api, redis_url):
+    """The trainer records a fatal model error in the run's Redis (wire/runtime.py record_failure, what
+    `rlfleet trainer` does when spec.model.path cannot be fetched); the operator sets Failed with its reason
+    and message and releases the workloads, instead of the run sitting Pending while the trainer restarts."""
+    from rlfleet.wire.runtime import record_failure
+
+    ns, url = "t-model-failed", redis_db(redis_url, 13)
+    apply_example(api, ns, url)
+    wait_for("trainer", lambda: get(api, "StatefulSet", ns, "arithmetic-trainer"))
+    message = "spec.model.path: 'hf://acme/nope': no repository acme/nope at http://hub (fix the id)"
+    client = redis_from_url(url)
+    record_failure(client, RunKeys("arithmetic"), "ModelUnavailable", message)
+    client.close()
+    run = wait_for(
+        "Failed", lambda: has_condition(api, "RLRun", ns, "arithmetic", "Failed", "True", "ModelUnavailable")
+    )
+    assert run["status"]["phase"] == "Failed"
+    assert condition(run, "Failed")["message"] == message
+    assert condition(run, "Ready")["reason"] == "ModelUnavailable" and message in condition(run, "Ready")["message"]
+    assert run["status"].get("completionTime") and not unknown_status_fields(run)
+    for kind, name in WORKLOADS:
+        wait_for(f"{kind} {name} released", lambda: get(api, kind, ns, name)["spec"]["replicas"] == 0)
+    warnings = events(api, ns, "ModelUnavailable")
+    assert [e["type"] for e in warnings] == ["Warning"] and warnings[0]["message"].startswith(message)

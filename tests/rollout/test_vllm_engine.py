@@ -356,7 +356,7 @@ def test_an_unsupported_head_size_is_refused_with_the_fix(tmp_path):
 def test_the_builtin_tiny_math_passes_the_head_size_check(tmp_path, monkeypatch):
 
     from rlfleet.config import load_bundle
-    from rlfleet.models.builtin import resolve_model_path
+    from rlfleet.models.sources import resolve_model_path
     from rlfleet.services.rollout.engines.vllm_engine import check_supported
 
     root = REPO

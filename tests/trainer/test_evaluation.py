@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rlfleet.config import ArithmeticTaskSpec, ConfigError, ModelSpec, parse_bundle
-from rlfleet.models.builtin import resolve_model_path
+from rlfleet.models.sources import resolve_model_path
 from rlfleet.services.trainer.evaluation import Evaluator
 from rlfleet.tasks.held_out import held_out_problems
 from tests.runs import bundle_yaml, rlrun, write_rlrun

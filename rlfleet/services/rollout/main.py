@@ -39,9 +39,9 @@ import requests
 from prometheus_client import Counter, Gauge
 
 from rlfleet.config import worker_dtype
-from rlfleet.models.builtin import local_model_path, resolve_model_path
 from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
+from rlfleet.models.sources import local_model_path, resolve_model_path
 from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.rollout.engines.base import GroupRequest
@@ -143,7 +143,8 @@ class Worker:
         """Start the engine and load the first announced version. The engine starts from the run's base
         model when this machine has it (a shipped or cached builtin, a local directory), while the
         first version is being published and downloaded (vLLM takes most of a minute to start on a
-        few CPU cores); it generates nothing before that version's weights are loaded in."""
+        few CPU cores); it generates nothing before that version's weights are loaded in. A model on s3://
+        or hf:// is never fetched here: the engine starts from version 0 as the relays serve it."""
         self.follower.start()
         spec = self.spec
         base = local_model_path(spec.model, spec.task, spec.trainer.seed)
@@ -155,7 +156,8 @@ class Worker:
             if ready:
                 version, path, _ = ready
                 if self.engine is None and is_adapter_dir(path):  # an adapter (LoRA) applies to the run's base
-                    base = resolve_model_path(spec.model, spec.task, spec.trainer.seed)
+                    # a builtin or a local directory: the config refuses lora over s3:// or hf:// (workers never fetch)
+                    base = resolve_model_path(spec.model, spec.task, spec.trainer.seed, caller=components.ROLLOUT)
                     self.engine = make_engine(self.engine_kind, base, -1, self.dtype, self.vllm)
                 if self.engine is None:
                     self.engine = make_engine(self.engine_kind, path, version, self.dtype, self.vllm)

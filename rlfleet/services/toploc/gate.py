@@ -44,9 +44,9 @@ from pathlib import Path
 import redis
 
 from rlfleet.models.adapter import load_version
-from rlfleet.models.builtin import resolve_model_path
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import configure_torch_threads
+from rlfleet.models.sources import resolve_model_path
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.toploc.batch import handle_batch
@@ -164,7 +164,7 @@ class Gate:
                 # whole, or rebuilt from a version held here and deltas; a LoRA adapter merged into this base
                 path = fetch_policy(self.fetch, version, self.cache_dir)
                 spec = self.spec
-                base = partial(resolve_model_path, spec.model, spec.task, spec.trainer.seed)
+                base = partial(resolve_model_path, spec.model, spec.task, spec.trainer.seed, caller=components.VERIFIER)
                 self.models[version] = load_version(path, spec.model.dtype, self.device, base)
                 watch(self.liveness, self.models[version][0])
                 while len(self.models) > self.spec.trainer.max_async_level + 2:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
+from rlfleet.models.sources import ModelSourceError, resolve_model_path
 from rlfleet.services.trainer.evaluation import Evaluator
 from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, withdraw
@@ -60,7 +61,7 @@ from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
 from rlfleet.wire.prompt_filter import OutcomeRecorder
-from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
+from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, fail_run
 from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest, stream_reply
 
 log = logging.getLogger("rlfleet.trainer")
@@ -78,9 +79,13 @@ class Trainer:
             withdraw()  # its series would read 0 and halve every average over the trainer pods
         trackers = open_trackers(ctx.bundle, self.store, output_dir) if self.rank == 0 else None
         self.records = MetricsLog(output_dir / "metrics.jsonl" if output_dir else None, trackers)
-        from rlfleet.models.builtin import resolve_model_path
-
-        base = resolve_model_path(self.spec.model, self.spec.task, seed=self.spec.trainer.seed)
+        base = resolve_model_path(
+            self.spec.model,
+            self.spec.task,
+            seed=self.spec.trainer.seed,
+            store_endpoint=self.spec.store.endpoint_url,
+            caller=components.TRAINER,
+        )
         t = self.spec.trainer
         self.precision = precision_for(self.spec.model.dtype, t)  # fp32 master weights for bf16 (precision.py)
         self.model, self.tokenizer = load_policy(base, self.precision.load_dtype)
@@ -384,7 +389,10 @@ def main(options: TrainerOptions) -> int:
     if options.output_dir:
         options.output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        trainer = Trainer(ctx, options.output_dir)
+        try:
+            trainer = Trainer(ctx, options.output_dir)
+        except ModelSourceError as exc:  # the config names a model that cannot be had: no restart fixes it
+            return fail_run(ctx, "ModelUnavailable", str(exc), hold=options.hold_when_done)
         try:
             trainer.run(options.steps or ctx.bundle.run.spec.trainer.steps)
         finally:

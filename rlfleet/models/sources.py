@@ -1,0 +1,280 @@
+"""Where a run's base model comes from (`spec.model.path`), resolved to a local HF directory.
+
+One resolver for every component that loads the base model:
+    builtin://NAME         built in code and cached (rlfleet/models/builtin.py)
+    /a/local/dir           an HF directory as it is (relative paths: the working directory)
+    s3://bucket/prefix     every object under the prefix, through boto3 with the run's S3 endpoint
+                           (spec.model.endpointUrl, else spec.store.endpointUrl, else AWS_ENDPOINT_URL) and
+                           the environment's credentials (on a cluster: spec.store.credentialsSecret)
+    hf://ORG/NAME[@REV]    a hub repository at a branch, tag or commit (default main), with huggingface_hub's
+                           `snapshot_download`; HF_ENDPOINT, HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN
+                           are read when the model is resolved (not when huggingface_hub was imported)
+
+Cached by content: an S3 prefix's copy lives in `$RLFLEET_CACHE/s3/KEY`, KEY = sha256 of the endpoint,
+the prefix and every object's (key, size, ETag), so a changed object gets a new copy and an unchanged
+prefix is downloaded once; it is written to a temporary directory and renamed into place, so
+concurrent resolvers never see half a model. A hub model is cached by huggingface_hub (blobs by ETag,
+snapshots by commit); offline (HF_HUB_OFFLINE=1) only the cache is read.
+
+Who resolves: only the trusted side (the launcher of `rlfleet run`, the trainer, and the verifier for a
+LoRA run's base). The trainer publishes the base as version 0 through the signed relay tree; a rollout
+worker of an s3:// or hf:// model never touches the source (`local_model_path` is None for it) and
+waits for that version. Every failure is a `ModelSourceError` whose message names spec.model.path and
+the fix; `caller` names the resolving component in the hub's User-Agent and the S3 client's, so a
+server's logs say who fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from rlfleet.config.tasks import HUB_ID, model_path_problem
+from rlfleet.models.builtin import BUILTIN_PREFIX, BUILTINS, cache_root, cached_builtin, resolve_builtin
+from rlfleet.wire import env
+
+FIELD = "spec.model.path"
+S3_PREFIX = "s3://"
+HUB_PREFIX = "hf://"
+REMOTE_PREFIXES = (S3_PREFIX, HUB_PREFIX)
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+# Hub files a transformers model never needs from a repository that ships several formats.
+HUB_IGNORE = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "*.gguf", "*.tflite"]
+HUB_IGNORE_KEEP_BIN = [p for p in HUB_IGNORE if p != "*.bin"]
+
+
+class ModelSourceError(ValueError):
+    """The base model cannot be resolved; the message starts with spec.model.path and says the fix."""
+
+
+def is_remote(path: str) -> bool:
+    """Whether `path` names a source only the trusted side may fetch from (s3:// or hf://)."""
+    return path.startswith(REMOTE_PREFIXES)
+
+
+def local_model_path(model_spec, task_spec, seed: int = 0) -> Path | None:
+    """The base model's HF directory if this machine has it without fetching or building anything (a local
+    directory, a cached or shipped builtin build), else None. Always None for s3:// and hf://: a rollout worker
+    starts its engine from it while version 0 is published (rollout/main.py) and never contacts the source."""
+    path = model_spec.path
+    if path.startswith(BUILTIN_PREFIX):
+        return cached_builtin(model_spec, task_spec, seed)
+    if is_remote(path):
+        return None
+    local = Path(path)
+    return local if (local / "config.json").exists() else None
+
+
+def resolve_model_path(
+    model_spec,
+    task_spec,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    store_endpoint: str | None = None,
+    caller: str = "rlfleet",
+) -> Path:
+    """A local HF directory for spec.model (module docstring); raises ModelSourceError with the fix.
+    `progress(done, total)` follows a builtin's warm start; `store_endpoint` is spec.store.endpointUrl."""
+    path = model_spec.path
+    problem = model_path_problem(path)
+    if problem:
+        raise ModelSourceError(f"{FIELD}: {problem}")
+    if path.startswith(BUILTIN_PREFIX):
+        if path[len(BUILTIN_PREFIX) :] not in BUILTINS:
+            raise ModelSourceError(f"{FIELD}: unknown builtin model {path!r}; known: {sorted(BUILTINS)}")
+        return resolve_builtin(model_spec, task_spec, seed, progress)
+    if path.startswith(S3_PREFIX):
+        endpoint = model_spec.endpoint_url or store_endpoint or os.environ.get("AWS_ENDPOINT_URL")
+        return check_model_dir(path, _from_s3(path, endpoint or None, caller))
+    if path.startswith(HUB_PREFIX):
+        return check_model_dir(path, _from_hub(path, caller))
+    local = Path(path)
+    if not local.is_dir():
+        hint = ""
+        if HUB_ID.match(path) and not path.startswith(("/", ".")):
+            hint = f"; for the hub model {path!r} write hf://{path}"
+        raise ModelSourceError(
+            f"{FIELD}: {path!r} is no directory (relative paths start at {os.getcwd()!r}){hint}; use a local HF "
+            f"directory, s3://bucket/prefix, hf://ORG/NAME[@REVISION] or one of "
+            f"{[BUILTIN_PREFIX + n for n in BUILTINS]}"
+        )
+    return check_model_dir(path, local)
+
+
+def check_model_dir(path: str, model_dir: Path) -> Path:
+    """`model_dir` when it holds config.json and weights; else a ModelSourceError naming what is missing."""
+    missing = []
+    if not (model_dir / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(model_dir.glob(p)) for p in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if missing:
+        raise ModelSourceError(
+            f"{FIELD}: {path!r} is not an HF model: no {' and no '.join(missing)} in it; point it at the "
+            f"directory (prefix, repository) that `save_pretrained` wrote"
+        )
+    return model_dir
+
+
+# ---- S3 ------------------------------------------------------------------------------------------
+
+
+def _from_s3(path: str, endpoint: str | None, caller: str) -> Path:
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, prefix = path[len(S3_PREFIX) :].partition("/")
+    prefix = prefix.rstrip("/") + "/"
+    where = endpoint or "the AWS default endpoint"
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, config=Config(retries={"mode": "standard"}, user_agent_extra=f"rlfleet/{caller}")
+    )
+    try:
+        objects = [
+            (obj["Key"], obj["Size"], obj.get("ETag", ""))
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for obj in page.get("Contents", [])
+            if not obj["Key"].endswith("/")
+        ]
+    except ClientError as exc:
+        raise ModelSourceError(_s3_message(path, exc, where)) from None
+    except BotoCoreError as exc:
+        raise ModelSourceError(
+            f"{FIELD}: cannot list {path!r} at {where}: {exc}; check spec.model.endpointUrl (or "
+            f"spec.store.endpointUrl, AWS_ENDPOINT_URL) and the credentials (on a cluster spec.store.credentialsSecret)"
+        ) from None
+    if not objects:
+        raise ModelSourceError(
+            f"{FIELD}: no objects under {path!r} at {where}; upload the model directory there "
+            f"(e.g. `aws s3 sync ./my-model {path}`) or fix the prefix"
+        )
+    blob = "\n".join([endpoint or "", bucket, prefix, *(f"{k} {s} {e}" for k, s, e in sorted(objects))])
+    dest = cache_root() / "s3" / hashlib.sha256(blob.encode()).hexdigest()[:24]
+    if (dest / "config.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".fetch-"))
+    try:
+        for key, _, _ in objects:
+            target = tmp / key[len(prefix) :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                client.download_file(bucket, key, str(target))
+            except ClientError as exc:
+                raise ModelSourceError(_s3_message(f"s3://{bucket}/{key}", exc, where)) from None
+        _share(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another resolver finished first; its copy has the same content
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _s3_message(path: str, exc, where: str) -> str:
+    code = exc.response.get("Error", {}).get("Code", "?")
+    credentials = (
+        "fix the credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; on a cluster spec.store.credentialsSecret)"
+    )
+    access = "grant the credentials read access (s3:ListBucket, s3:GetObject) to it"
+    fixes = {
+        "NoSuchBucket": "create the bucket or fix its name",
+        "InvalidAccessKeyId": credentials,
+        "SignatureDoesNotMatch": credentials,
+        "AccessDenied": access,
+        "403": access,
+    }
+    fix = fixes.get(code, "check the bucket, prefix and credentials")
+    return f"{FIELD}: cannot read {path!r} at {where} ({code}); {fix}"
+
+
+def _share(model_dir: Path) -> None:
+    """A node's model cache is shared by every pod's user; mkdtemp makes an owner-only directory."""
+    for p in [model_dir, *model_dir.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+# ---- the hub -------------------------------------------------------------------------------------
+
+
+def _hub_settings() -> tuple[str | None, Path, bool, str | None]:
+    """(endpoint, cache dir, offline, token) from the environment now: huggingface_hub reads HF_ENDPOINT,
+    HF_HOME and HF_HUB_OFFLINE once, at import, which may precede the settings of the process that resolves."""
+    home = env.get(env.HF_HOME)
+    cache = env.get(env.HF_HUB_CACHE) or (Path(home) / "hub" if home else Path.home() / ".cache/huggingface/hub")
+    offline = (env.get(env.HF_HUB_OFFLINE) or "").strip().lower() in ("1", "true", "yes", "on")
+    return env.get(env.HF_ENDPOINT) or None, Path(cache), offline, env.get(env.HF_TOKEN) or None
+
+
+def _from_hub(path: str, caller: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    match = HUB_ID.match(path[len(HUB_PREFIX) :])
+    assert match is not None  # model_path_problem checked it
+    repo, revision = match.group("repo"), match.group("rev") or "main"
+    endpoint, cache, offline, token = _hub_settings()
+    where = endpoint or "huggingface.co"
+
+    def download(ignore: list[str]) -> Path:
+        return Path(
+            snapshot_download(
+                repo,
+                revision=revision,
+                endpoint=endpoint,
+                cache_dir=cache,
+                local_files_only=offline,
+                token=token,
+                ignore_patterns=ignore,
+                user_agent=f"rlfleet/{caller}",
+            )
+        )
+
+    try:
+        snapshot = download(HUB_IGNORE)
+        if not any(snapshot.glob("*.safetensors")):  # an older repository with PyTorch weights only
+            snapshot = download(HUB_IGNORE_KEEP_BIN)
+        return snapshot
+    except RevisionNotFoundError:
+        raise ModelSourceError(
+            f"{FIELD}: {path!r}: {repo} has no revision {revision!r} at {where}; use an existing branch, tag or "
+            f"commit after @ (or none for main)"
+        ) from None
+    except GatedRepoError:
+        raise ModelSourceError(
+            f"{FIELD}: {path!r}: {repo} is gated at {where}; accept its terms with your account and give a token "
+            f"(HF_TOKEN; on a cluster spec.model.tokenSecret)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelSourceError(
+            f"{FIELD}: {path!r}: no repository {repo} at {where} (or it is private and no valid token was given); "
+            f"fix the id, or give a token (HF_TOKEN; on a cluster spec.model.tokenSecret)"
+        ) from None
+    except LocalEntryNotFoundError:
+        if offline:
+            raise ModelSourceError(
+                f"{FIELD}: {path!r}: HF_HUB_OFFLINE is set and {repo}@{revision} is not in the cache {str(cache)!r}; "
+                f"download it once with the network on (or unset HF_HUB_OFFLINE), or set HF_HOME to a cache that "
+                f"has it"
+            ) from None
+        raise ModelSourceError(
+            f"{FIELD}: {path!r}: cannot reach the hub at {where} and {repo}@{revision} is not in the cache "
+            f"{str(cache)!r}; check the network and HF_ENDPOINT"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelSourceError(
+            f"{FIELD}: {path!r}: downloading from {where} failed: {exc}; check the network, HF_ENDPOINT and HF_TOKEN"
+        ) from None
