@@ -38,8 +38,14 @@ from rlfleet.config.tasks import (
     DatasetTaskFields,
     LengthPenaltySpec,
     MathTaskSpec,
+    MixtureSourceSpec,
+    MixtureTaskSpec,
     ModelSpec,
+    PythonTaskSpec,
+    SingleTaskSpec,
     TaskSpec,
+    task_datasets,
+    task_sources,
 )
 from rlfleet.config.training import SamplingSpec, TrainerSpec
 from rlfleet.config.verifier import BanPolicySpec, RejectionReason, ToplocSpec, VerifierSpec
@@ -63,6 +69,10 @@ __all__ = [
     "IngestSpec",
     "LengthPenaltySpec",
     "MathTaskSpec",
+    "MixtureSourceSpec",
+    "MixtureTaskSpec",
+    "PythonTaskSpec",
+    "SingleTaskSpec",
     "Metadata",
     "ModelSpec",
     "RLRun",
@@ -81,6 +91,8 @@ __all__ = [
     "VLLMSpec",
     "VerifierSpec",
     "load_bundle",
+    "task_datasets",
+    "task_sources",
     "parse_bundle",
     "validation_problems",
 ]

@@ -1,7 +1,9 @@
 """Task sources, keyed by `spec.task.type` (base.py holds the seam every source implements).
 
 A task source names problems by id, rebuilds any problem from its id, and scores a completion
-with a trusted verifier. Each source module is imported only when a run asks for it.
+with a trusted verifier. Each source module is imported only when a run asks for it. A mixture
+(mixture.py) holds several sources; each source, and a single task, is wrapped for its chat template
+(chat.py) and its length targets (length.py) as its spec asks.
 """
 
 from __future__ import annotations
@@ -13,17 +15,41 @@ __all__ = ["Problem", "TaskSource", "make_run_task", "make_task"]
 
 def make_run_task(run_spec) -> TaskSource:
     """The run's task source: `spec.task`, wrapped with length targets when `spec.lengthPenalty` is set."""
-    task = make_task(run_spec.task)
-    lp = run_spec.length_penalty
-    if lp is not None:
-        from rlfleet.tasks.length import LengthTargetTask
+    return _with_length(make_task(run_spec.task), run_spec.length_penalty)
 
-        task = LengthTargetTask(task, lp.targets, lp.coef, lp.prompt_template)
+
+def _with_length(task: TaskSource, lp) -> TaskSource:
+    if lp is None:
+        return task
+    from rlfleet.tasks.length import LengthTargetTask
+
+    return LengthTargetTask(task, lp.targets, lp.coef, lp.prompt_template)
+
+
+def make_task(spec, field: str = "spec.task") -> TaskSource:
+    """Factory keyed by `spec.type`; `field` is where the spec sits (named in errors)."""
+    if spec.type == "mixture":
+        from rlfleet.tasks.mixture import MixtureTask
+
+        return MixtureTask(
+            [
+                (
+                    s.source_name,
+                    s.weight,
+                    _with_length(make_task(s.task, f"{field}.mixture[{i}].task"), s.length_penalty),
+                )
+                for i, s in enumerate(spec.mixture)
+            ]
+        )
+    task = _make_single(spec, field)
+    if spec.chat_template:
+        from rlfleet.tasks.chat import ChatPromptTask
+
+        task = ChatPromptTask(task, spec.system_prompt)
     return task
 
 
-def make_task(spec) -> TaskSource:
-    """Factory keyed by `spec.type`."""
+def _make_single(spec, field: str) -> TaskSource:
     if spec.type == "arithmetic":
         from rlfleet.tasks.arithmetic import ArithmeticTask
 
@@ -36,4 +62,8 @@ def make_task(spec) -> TaskSource:
         from rlfleet.tasks.code import from_spec as code_task
 
         return code_task(spec)
-    raise ValueError(f"task.type: unknown task type {spec.type!r}")
+    if spec.type == "python":
+        from rlfleet.tasks.python_env import from_spec as python_task
+
+        return python_task(spec, field)
+    raise ValueError(f"{field}.type: unknown task type {spec.type!r}")

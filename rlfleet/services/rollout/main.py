@@ -48,6 +48,8 @@ from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
 from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
+from rlfleet.tasks.chat import check_chat_templates, encode_prompt
+from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.wire import components, env
 from rlfleet.wire.assignment import assigned_work, issue_ticket
@@ -160,6 +162,8 @@ class Worker:
                         self.engine.close()
                         self.engine = make_engine(self.engine_kind, path, version, spec.model.dtype, self.vllm)
                 VERSION.set(version)
+                # a run asking for a chat template the model lacks: refused here, before any group
+                check_chat_templates(spec.task, bool(getattr(self.engine.tokenizer, "chat_template", None)), str(path))
                 self.liveness.ready()
                 return True
             time.sleep(0.05)
@@ -261,8 +265,16 @@ class Worker:
         """The groups of `work` ((task id, group seed, ticket) each, next_work's), sampled in ONE engine
         call, so every group records the one version that produced all of them."""
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
-        problems = [self.task.problem(task_id) for task_id, _, _ in work]
-        prompts = [self.loaded.tokenizer(p.prompt)["input_ids"] for p in problems]
+        problems = []
+        for task_id, _, _ in list(work):
+            try:
+                problems.append(self.task.problem(task_id))
+            except EnvironmentFailure as exc:  # a user environment's fault: the group is skipped, the worker goes on
+                log.warning("task %s: the environment failed to make the problem: %s", task_id, exc)
+                work = [w for w in work if w[0] != task_id]
+        if not work:
+            return []
+        prompts = [encode_prompt(self.loaded.tokenizer, p) for p in problems]
         params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=seed) for _, seed, _ in work]
         IN_FLIGHT.set(s.group_size * len(work))
         GROUPS_IN_FLIGHT.set(len(work))
@@ -283,13 +295,19 @@ class Worker:
         )
         groups, at = [], 0
         for (_, _, ticket), problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
+            group_proofs = proofs[at : at + len(gens)]
+            at += len(gens)
+            texts = [completion_text(self.loaded.tokenizer, g.completion_ids, self.loaded.stop_ids) for g in gens]
+            try:
+                rewards = self.task.scores(problem, texts, [len(g.completion_ids) for g in gens])
+            except EnvironmentFailure as exc:
+                log.warning("task %s: the environment failed to score the group, which is dropped: %s",
+                            problem.task_id, exc)  # fmt: skip
+                continue
             samples = []
-            for gen, sample_proofs in zip(gens, proofs[at : at + len(gens)]):
-                text = completion_text(self.loaded.tokenizer, gen.completion_ids, self.loaded.stop_ids)
-                reward = self.task.score(problem, text, len(gen.completion_ids))
+            for gen, sample_proofs, reward in zip(gens, group_proofs, rewards):
                 samples.append(Sample(gen.completion_ids, gen.logprobs, sample_proofs, reward, gen.finish_reason))
                 TOKENS.inc(len(gen.completion_ids))
-            at += len(gens)
             groups.append(
                 RolloutGroup(
                     task_id=problem.task_id,

@@ -33,7 +33,7 @@ import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.services.trainer.lora import attach
-from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, withdraw
+from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, source_record, withdraw
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
 from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
@@ -117,7 +117,9 @@ class Trainer:
         self.last_record: dict | None = None
         self.started = time.monotonic()
         self.dropped_ids: dict[str, list[str]] = {}
-        self.read_rewards: list[float] = []  # every sample's reward in the groups a step read, dropped ones too
+        self.read_groups: list[
+            tuple[str, list[float]]
+        ] = []  # (task id, rewards) of the groups a step read, dropped too
         self._pending_cursor: bytes | str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
@@ -163,7 +165,7 @@ class Trainer:
         ack: list[bytes] = []
         drops = {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
         self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
-        self.read_rewards = []
+        self.read_groups = []
         while len(batch) < want and not self.ctx.stop.is_set():
             self.set_demand(oldest, want - len(batch), len(ack) + len(self.pending.message_ids))
             # After a restart, first the messages this consumer read but never acknowledged, walked
@@ -186,7 +188,7 @@ class Trainer:
                         log.error("undecodable verified message %s: %s", msg_id, exc)
                         drops["malformed"] += 1
                         continue
-                    self.read_rewards += [s.reward for s in group.samples]
+                    self.read_groups.append((group.task_id, [s.reward for s in group.samples]))
                     digest = group_digest(group)
                     if (
                         r.zscore(keys.trained, digest) is not None
@@ -330,7 +332,8 @@ class Trainer:
                 **stats,
                 # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
                 # dropped, and late in a run most drops are repeats of solved prompts (all correct).
-                "sampled_reward_mean": float(np.mean(self.read_rewards)),
+                "sampled_reward_mean": float(np.mean([r for _, rewards in self.read_groups for r in rewards])),
+                **source_record(self.spec.task.type == "mixture", groups, self.read_groups),
                 "staleness_mean": float(np.mean(lags)),
                 "staleness_max": max(lags),
                 **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},
