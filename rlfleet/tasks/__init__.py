@@ -26,22 +26,18 @@ def _with_length(task: TaskSource, lp) -> TaskSource:
     return LengthTargetTask(task, lp.targets, lp.coef, lp.prompt_template)
 
 
-def make_task(spec, field: str = "spec.task") -> TaskSource:
-    """Factory keyed by `spec.type`; `field` is where the spec sits (named in errors)."""
+def make_task(spec, field: str = "spec.task", isolate: bool = True) -> TaskSource:
+    """Factory keyed by `spec.type`; `field` is where the spec sits (named in errors). `isolate=False` runs a user
+    environment in this process (a builtin model's warm start: thousands of problems, no untrusted input)."""
     if spec.type == "mixture":
         from rlfleet.tasks.mixture import MixtureTask
 
-        return MixtureTask(
-            [
-                (
-                    s.source_name,
-                    s.weight,
-                    _with_length(make_task(s.task, f"{field}.mixture[{i}].task"), s.length_penalty),
-                )
-                for i, s in enumerate(spec.mixture)
-            ]
-        )
-    task = _make_single(spec, field)
+        sources = []
+        for i, source in enumerate(spec.mixture):
+            task = make_task(source.task, f"{field}.mixture[{i}].task", isolate)
+            sources.append((source.source_name, source.weight, _with_length(task, source.length_penalty)))
+        return MixtureTask(sources)
+    task = _make_single(spec, field, isolate)
     if spec.chat_template:
         from rlfleet.tasks.chat import ChatPromptTask
 
@@ -49,7 +45,7 @@ def make_task(spec, field: str = "spec.task") -> TaskSource:
     return task
 
 
-def _make_single(spec, field: str) -> TaskSource:
+def _make_single(spec, field: str, isolate: bool) -> TaskSource:
     if spec.type == "arithmetic":
         from rlfleet.tasks.arithmetic import ArithmeticTask
 
@@ -65,5 +61,5 @@ def _make_single(spec, field: str) -> TaskSource:
     if spec.type == "python":
         from rlfleet.tasks.python_env import from_spec as python_task
 
-        return python_task(spec, field)
+        return python_task(spec, field, isolate)
     raise ValueError(f"{field}.type: unknown task type {spec.type!r}")

@@ -237,5 +237,8 @@ class PythonEnvironment(TaskSource):
         return out
 
 
-def from_spec(spec, field: str = "spec.task") -> PythonEnvironment:
+def from_spec(spec, field: str = "spec.task", isolate: bool = True) -> TaskSource:
+    """The environment of a PythonTaskSpec: behind the process boundary, or (isolate=False) called directly."""
+    if not isolate:
+        return build_environment(spec.entrypoint, spec.config, f"{field}.entrypoint")
     return PythonEnvironment(spec.entrypoint, spec.config, spec.timeout_seconds, field)

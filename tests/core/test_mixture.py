@@ -145,3 +145,14 @@ def test_a_single_task_with_a_template_marks_its_problems():
     problem = make_task(spec.task).problem("arith-0-3")
     assert problem.chat_template and problem.system_prompt == "+"
     assert not make_task(parse_bundle(bundle_yaml(rlrun())).run.spec.task).problem("arith-0-3").chat_template
+
+
+def test_a_cluster_run_names_each_mixture_source_whose_data_set_a_pod_cannot_have():
+    from rlfleet.operator.resources import pod_file_problems
+
+    run = parse_bundle(
+        mixture_run({"weight": 1, "task": MATH},
+                    {"name": "mine", "weight": 1, "task": {**CODE, "dataset": {"path": "data/mine.jsonl"}}})
+    ).run  # fmt: skip
+    problems = pod_file_problems(run)
+    assert len(problems) == 1 and problems[0].startswith("spec.task.mixture[1].task.dataset.path: 'data/mine.jsonl'")
