@@ -18,7 +18,7 @@ build without touching the others' (BUILD_VERSION is for changes to the build co
 result is cached under $RLFLEET_CACHE (default ~/.cache/rlfleet) and written atomically, so
 concurrent builders never see a half-written model.
 
-Shipped builds: the examples' builds (under 2 MB together) ship in the package, `weights/NAME-KEY/`,
+Shipped builds: the examples' builds (about 3.5 MB together) ship in the package, `weights/NAME-KEY/`,
 written by `scripts/ship_builtins.py`; a build whose key is shipped is used from there, so a first
 run starts in seconds instead of minutes of warm start. Any other key is built (with a progress
 callback) and cached as before. tests/core/test_builtin.py fails when an example's key has no

@@ -265,13 +265,14 @@ class Worker:
         """The groups of `work` ((task id, group seed, ticket) each, next_work's), sampled in ONE engine
         call, so every group records the one version that produced all of them."""
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
-        problems = []
-        for task_id, _, _ in list(work):
+        problems, kept = [], []
+        for piece in work:
             try:
-                problems.append(self.task.problem(task_id))
+                problems.append(self.task.problem(piece[0]))
+                kept.append(piece)
             except EnvironmentFailure as exc:  # a user environment's fault: the group is skipped, the worker goes on
-                log.warning("task %s: the environment failed to make the problem: %s", task_id, exc)
-                work = [w for w in work if w[0] != task_id]
+                log.warning("task %s: the environment failed to make the problem: %s", piece[0], exc)
+        work = kept
         if not work:
             return []
         prompts = [encode_prompt(self.loaded.tokenizer, p) for p in problems]
