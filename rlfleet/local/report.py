@@ -107,7 +107,8 @@ def plot(records: list[dict], dest: Path, title: str) -> None:
     sampled = [(r["step"], r["sampled_reward_mean"]) for r in records if "sampled_reward_mean" in r]
     if sampled:
         ax.plot(*zip(*sampled), color="tab:orange", alpha=0.8, label="reward as sampled (dropped groups too)")
-    for name in sorted({name for r in records for name in r.get("sources") or {}}):
+    colors = ("tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "tab:red")
+    for i, name in enumerate(sorted({name for r in records for name in r.get("sources") or {}})):
         points = [
             (r["step"], r["sources"][name]["sampled_reward_mean"])
             for r in records
@@ -116,7 +117,8 @@ def plot(records: list[dict], dest: Path, title: str) -> None:
         values = [v for _, v in points]
         means = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
                  for i in range(len(values))]  # fmt: skip
-        ax.plot([step for step, _ in points], means, linestyle="--", label=f"source {name} ({window}-step mean)")
+        ax.plot([step for step, _ in points], means, color=colors[i % len(colors)], linestyle="--",
+                label=f"source {name} ({window}-step mean)")  # fmt: skip
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1.02)
