@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -78,7 +79,26 @@ class ModelSpec(Spec):
         return self
 
 
-class ArithmeticTaskSpec(Spec):
+class PromptFields(Spec):
+    """How a task's prompt text becomes the model's input (every task type has these)."""
+
+    chat_template: bool = Field(
+        default=False,
+        description="Apply the model tokenizer's chat template (the prompt as the user turn, generation prompt "
+        "added); workers and the verifier encode prompts the same way. The model must have a template.",
+    )
+    system_prompt: str | None = Field(
+        default=None, min_length=1, description="With chatTemplate: a system turn before the prompt."
+    )
+
+    @model_validator(mode="after")
+    def _system_needs_template(self) -> PromptFields:
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("systemPrompt is written through the chat template: set chatTemplate: true")
+        return self
+
+
+class ArithmeticTaskSpec(PromptFields):
     type: Literal["arithmetic"] = Field(description="Synthetic integer arithmetic with a binary exact-match reward.")
     seed: int = Field(
         default=0,
@@ -128,7 +148,7 @@ class DatasetSpec(Spec):
         return self
 
 
-class DatasetTaskFields(Spec):
+class DatasetTaskFields(PromptFields):
     """Fields shared by the dataset-backed task types (math, code)."""
 
     dataset: DatasetSpec = Field(description="Where the task rows are; workers and the verifier load the same file.")
@@ -227,10 +247,6 @@ class CodeTaskSpec(DatasetTaskFields):
     )
 
 
-TaskSpec = Annotated[ArithmeticTaskSpec | MathTaskSpec | CodeTaskSpec, Field(discriminator="type")]
-TASK_TYPES = {"arithmetic", "math", "code"}
-
-
 class LengthPenaltySpec(Spec):
     targets: list[int] = Field(
         min_length=1,
@@ -252,3 +268,104 @@ class LengthPenaltySpec(Spec):
         if any(t < 1 for t in self.targets):
             raise ValueError("targets must be positive token counts")
         return self
+
+
+# A Python entry point: `package.module:Factory` (an attribute path after the colon), or a name in the
+# `rlfleet.environments` entry point group of an installed distribution.
+_IDENTIFIER_PATH = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+ENTRYPOINT_PATTERN = rf"^({_IDENTIFIER_PATH}:{_IDENTIFIER_PATH}|[A-Za-z0-9][-A-Za-z0-9_.]*)$"
+
+
+class PythonTaskSpec(PromptFields):
+    type: Literal["python"] = Field(
+        description="A user environment: a TaskSource written in Python (docs/environments.md), installed in the "
+        "images of the workers and the trusted verifier, which recomputes its reward."
+    )
+    entrypoint: str = Field(
+        pattern=ENTRYPOINT_PATTERN,
+        max_length=200,
+        description="`package.module:Factory` (called with `config` as keyword arguments; returns a TaskSource), "
+        "or the name of an entry point in the `rlfleet.environments` group of an installed package.",
+    )
+    config: dict[str, str] = Field(
+        default_factory=dict, description="Keyword arguments of the factory (strings; the environment parses them)."
+    )
+    seed: int = Field(default=0, description="Seeds each worker's draw of task ids.")
+    timeout_seconds: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description="Wall-clock limit of one call into the environment (a problem, a group's rewards); past it the "
+        "call fails, the environment process is restarted and the verifier rejects the group (reason environment).",
+    )
+
+
+SingleTaskSpec = Annotated[
+    ArithmeticTaskSpec | MathTaskSpec | CodeTaskSpec | PythonTaskSpec, Field(discriminator="type")
+]
+
+
+class MixtureSourceSpec(Spec):
+    name: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        max_length=40,
+        description="The source's name: its task ids are `{name}/{id}` and its metrics `source/{name}/...`; "
+        "default: the task's type. Names must differ.",
+    )
+    weight: float = Field(gt=0.0, description="Relative share of the groups drawn from this source (> 0).")
+    task: SingleTaskSpec = Field(description="The source: any task type, with its own dataset, template and filter.")
+    length_penalty: LengthPenaltySpec | None = Field(
+        default=None, description="Length targets for this source only (spec.lengthPenalty applies to every source)."
+    )
+
+    @property
+    def source_name(self) -> str:
+        return self.name or self.task.type
+
+
+class MixtureTaskSpec(Spec):
+    type: Literal["mixture"] = Field(
+        description="Several task sources in one run; each group's source is drawn by weight, and its task id names "
+        "it, so the verifier scores it with that source's reward."
+    )
+    mixture: list[MixtureSourceSpec] = Field(
+        min_length=1, max_length=32, description="The sources with their weights (at most 32)."
+    )
+    seed: int = Field(default=0, description="Seeds each worker's draw of sources (and each source its own ids).")
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> MixtureTaskSpec:
+        seen: dict[str, int] = {}
+        for i, source in enumerate(self.mixture):
+            if source.source_name in seen:
+                raise ValueError(
+                    f"mixture[{i}].name: {source.source_name!r} is also the name of mixture[{seen[source.source_name]}]"
+                    " (a source without a name is named by its task type); give each source a distinct name"
+                )
+            seen[source.source_name] = i
+        return self
+
+
+TaskSpec = Annotated[
+    ArithmeticTaskSpec | MathTaskSpec | CodeTaskSpec | PythonTaskSpec | MixtureTaskSpec, Field(discriminator="type")
+]
+TASK_TYPES = {"arithmetic", "math", "code", "python", "mixture"}
+
+
+def task_sources(task) -> Iterator[tuple[str, str | None, PromptFields]]:
+    """(field path, source name or None, single task spec) of every source of `spec.task`: the task itself, or
+    each entry of a mixture (e.g. `spec.task.mixture[1].task`)."""
+    if isinstance(task, MixtureTaskSpec):
+        for i, source in enumerate(task.mixture):
+            yield f"spec.task.mixture[{i}].task", source.source_name, source.task
+    else:
+        yield "spec.task", None, task
+
+
+def task_datasets(task) -> Iterator[tuple[str, DatasetSpec]]:
+    """(field path, DatasetSpec) of every dataset `spec.task` reads (mixture sources included)."""
+    for where, _, single in task_sources(task):
+        dataset = getattr(single, "dataset", None)
+        if isinstance(dataset, DatasetSpec):
+            yield f"{where}.dataset", dataset

@@ -54,6 +54,7 @@ RejectionReason = Literal[
     "completion_end",
     "seed_replay",
     "assignment",
+    "environment",  # a user environment (spec.task type python) raised, hung or returned a non-number
 ]
 
 
@@ -71,10 +72,11 @@ class BanPolicySpec(Spec):
         description="Ban a worker once it has this many rejections, not counting the forgiven reasons (0 = never).",
     )
     forgiven: list[RejectionReason] = Field(
-        default_factory=lambda: list[RejectionReason](["stale_version", "replay"]),
+        default_factory=lambda: list[RejectionReason](["stale_version", "replay", "environment"]),
         description="Reasons that never count toward maxRejections (default: stale_version, which an honest worker "
         "behind a slow link hits when its group outlives maxAsyncLevel, and replay, which two honest groups of one "
-        "prompt with the same completions also get). banOn still applies to them.",
+        "prompt with the same completions also get), and environment, a user environment's failure that an honest "
+        "worker gets too. banOn still applies to them.",
     )
     min_replay_positions: int = Field(
         default=4096,

@@ -94,6 +94,7 @@ def run_local(
     print(f"rlfleet: run {name} in {run_path}", file=sys.stderr)
     # Until components run (LocalRun.supervise takes over), SIGTERM interrupts like Ctrl-C: nothing to stop yet.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    check_task(bundle.run.spec)
     from rlfleet.models.sources import resolve_model_path
 
     t0 = time.monotonic()
@@ -123,6 +124,18 @@ def run_local(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def check_task(spec) -> None:
+    """Make the run's task once here (its data sets read, a user environment imported and built), so a bad task
+    stops the run before a model is built or any process starts."""
+    from rlfleet.tasks import make_run_task
+
+    try:
+        task = make_run_task(spec)
+    except ValueError as exc:
+        raise SystemExit(f"rlfleet run: {exc}") from None
+    del task  # a user environment's process ends with it
 
 
 @dataclass
@@ -155,6 +168,13 @@ class LocalRun:
             except (ImportError, ValueError) as exc:
                 raise SystemExit(f"rlfleet run: InferencePool {pool.metadata.name}: {exc}") from None
 
+        from rlfleet.tasks.chat import ChatTemplateMissing, check_chat_templates, has_chat_template
+
+        spec = self.bundle.run.spec
+        try:
+            check_chat_templates(spec.task, has_chat_template(model_dir), spec.model.path)
+        except ChatTemplateMissing as exc:
+            raise SystemExit(f"rlfleet run: {exc}") from None
         self.processes = plan(self.bundle, self.config, self.path, self.steps)
         check_local_size(self.processes, self.source)
         redis_port = free_port()

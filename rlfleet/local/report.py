@@ -51,6 +51,32 @@ def summarize(records: list[dict], wall_seconds: float) -> dict:
         "eval_score_last": evals[-1]["eval/score"] if evals else None,
         "eval_version_last": evals[-1]["eval/version"] if evals else None,
         "wall_seconds": wall_seconds,
+        **source_summary(first, last, records),
+    }
+
+
+def _source_mean(rows: list[dict], name: str, key: str) -> float | None:
+    values = [r["sources"][name][key] for r in rows if (r.get("sources") or {}).get(name, {}).get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def source_summary(first: list[dict], last: list[dict], records: list[dict]) -> dict:
+    """A task mixture's `sources`: per source, the trained and as-sampled reward over the first and last tenth of
+    steps and the groups trained; {} for a single-task run."""
+    names = sorted({name for r in records for name in r.get("sources") or {}})
+    if not names:
+        return {}
+    return {
+        "sources": {
+            name: {
+                "reward_first": _source_mean(first, name, "reward_mean"),
+                "reward_last": _source_mean(last, name, "reward_mean"),
+                "sampled_reward_first": _source_mean(first, name, "sampled_reward_mean"),
+                "sampled_reward_last": _source_mean(last, name, "sampled_reward_mean"),
+                "groups": sum(r["sources"][name]["groups"] for r in records if name in (r.get("sources") or {})),
+            }
+            for name in names
+        }
     }
 
 
@@ -67,8 +93,9 @@ def reward_trend(summary: dict) -> str:
 
 def plot(records: list[dict], dest: Path, title: str) -> None:
     """PNG of reward and accuracy per step, with a 10-step moving average of the reward, the reward
-    of everything the trainer read (sampled_reward_mean) where the records have it, and the held-out
-    score (eval/score, spec.eval) at the step each evaluation finished, marked by the version evaluated."""
+    of everything the trainer read (sampled_reward_mean) where the records have it, the held-out score
+    (eval/score, spec.eval) at the step each evaluation finished, marked by the version evaluated, and for a
+    task mixture one line per source (the 10-step mean of its reward as sampled)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,6 +118,18 @@ def plot(records: list[dict], dest: Path, title: str) -> None:
     evals = [(r["eval/version"], r["eval/score"]) for r in records if "eval/score" in r]
     if evals:  # version v is the weights after step v: plotted at its step
         ax.plot(*zip(*evals), color="tab:red", marker="o", label="held-out score (eval)")
+    colors = ("tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "tab:green")
+    for i, name in enumerate(sorted({name for r in records for name in r.get("sources") or {}})):
+        points = [
+            (r["step"], r["sources"][name]["sampled_reward_mean"])
+            for r in records
+            if (r.get("sources") or {}).get(name, {}).get("sampled_reward_mean") is not None
+        ]
+        values = [v for _, v in points]
+        means = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                 for i in range(len(values))]  # fmt: skip
+        ax.plot([step for step, _ in points], means, color=colors[i % len(colors)], linestyle="--",
+                label=f"source {name} ({window}-step mean)")  # fmt: skip
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(0, 1.02)

@@ -18,7 +18,7 @@ build without touching the others' (BUILD_VERSION is for changes to the build co
 result is cached under $RLFLEET_CACHE (default ~/.cache/rlfleet) and written atomically, so
 concurrent builders never see a half-written model.
 
-Shipped builds: the examples' builds (under 2 MB together) ship in the package, `weights/NAME-KEY/`,
+Shipped builds: the examples' builds (about 3.5 MB together) ship in the package, `weights/NAME-KEY/`,
 written by `scripts/ship_builtins.py`; a build whose key is shipped is used from there, so a first
 run starts in seconds instead of minutes of warm start. Any other key is built (with a progress
 callback) and cached as before. tests/core/test_builtin.py fails when an example's key has no
@@ -44,6 +44,13 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]
 CHARS = "0123456789+-= "  # tiny-arithmetic's
 MATH_CHARS = "0123456789+-*/=?x,\\boed{}"  # tiny-math's: its problems and `\\boxed{...}` answers
 SHIPPED = Path(__file__).parent / "weights"  # prebuilt builds of the examples (scripts/ship_builtins.py)
+# The chat template a builtin tokenizer gets when the run's task asks for one (chatTemplate: true): the turns
+# (system, user) separated by <bos>, and <bos> again as the generation prompt, so a templated prompt is
+# `<bos>SYSTEM<bos>PROMPT<bos>`: only special tokens besides the content, which any builtin alphabet allows.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if not loop.first %}{{ bos_token }}{% endif %}{{ m['content'] }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ bos_token }}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,7 @@ def _spec_key(name: str, task_spec, steps: int, seed: int) -> str:
         {
             "name": name,
             "recipe": asdict(BUILTINS[name]),
-            "task": task_spec.model_dump(mode="json"),
+            "task": _task_key(task_spec),
             "steps": steps,
             "seed": seed,
             "build": BUILD_VERSION,
@@ -118,6 +125,23 @@ def _spec_key(name: str, task_spec, steps: int, seed: int) -> str:
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _task_key(task_spec) -> dict:
+    """The task spec as hashed: its JSON, less the prompt fields at their defaults (chatTemplate false, no
+    systemPrompt), so that adding those fields kept the keys of every build made before them."""
+    dump = task_spec.model_dump(mode="json")
+    if not dump.get("chat_template", True):
+        dump.pop("chat_template")
+        if dump.get("system_prompt", "") is None:
+            dump.pop("system_prompt")
+    return dump
+
+
+def wants_chat_template(task_spec) -> bool:
+    from rlfleet.config import task_sources
+
+    return any(single.chat_template for _, _, single in task_sources(task_spec))
 
 
 def builtin_dir_name(model_spec, task_spec, seed: int = 0) -> str:
@@ -180,7 +204,9 @@ def build_builtin(
 
     builtin = BUILTINS[name]
     tokenizer = build_tokenizer(builtin.chars)
-    task = make_task(task_spec)
+    if wants_chat_template(task_spec):
+        tokenizer.chat_template = CHAT_TEMPLATE
+    task = make_task(task_spec, isolate=False)  # the warm start draws ~10^5 problems: no process boundary per call
     check_coverage(name, builtin, task)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -220,7 +246,8 @@ def check_coverage(name: str, builtin: Builtin, task) -> None:
     known = set(builtin.chars)
     for task_id in task.ids():
         p = task.problem(task_id)
-        missing = sorted(set(p.prompt + builtin.demonstration.format(answer=p.answer)) - known)
+        written = p.reference if p.reference is not None else builtin.demonstration.format(answer=p.answer)
+        missing = sorted(set(p.prompt + (p.system_prompt or "") + written) - known)
         if missing:
             raise ValueError(
                 f"spec.model.path: {BUILTIN_PREFIX}{name} knows only the characters {builtin.chars!r}; "

@@ -1,7 +1,9 @@
 """Supervised warm start on imperfect demonstrations.
 
 Next-token cross-entropy on `prompt + demonstration + <eos>` (the demonstration writes the answer
-the way the task wants it, e.g. `\\boxed{5/6}`), loss on the demonstration tokens only, AdamW,
+the way the task wants it, e.g. `\\boxed{5/6}`, or is the problem's reference completion when its
+source has one, e.g. a code row's `solution`), the prompt encoded as the run encodes it (its chat
+template included: tasks/chat.py), loss on the demonstration tokens only, AdamW,
 fixed seed. A fraction `label_noise` of the demonstrations carry a near-miss answer (the right one
 off by 1..9; for a fraction, its numerator), like SFT data with mistakes in it: the warm-started
 policy puts most of its mass on the right answer but samples plausible wrong ones at temperature
@@ -14,14 +16,17 @@ import re
 import numpy as np
 import torch
 
+from rlfleet.tasks.base import Problem
+from rlfleet.tasks.chat import encode_prompt
+
 _INTEGER = re.compile(r"-?\d+")
 
 
-def encode_pairs(tokenizer, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_pairs(tokenizer, pairs: list[tuple[Problem, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (B, T) input ids, attention mask and labels (-100 outside the answer)."""
     rows, labels = [], []
-    for prompt, answer in pairs:
-        p = tokenizer(prompt)["input_ids"]
+    for problem, answer in pairs:
+        p = encode_prompt(tokenizer, problem)
         a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(p + a)
         labels.append([-100] * len(p) + a)
@@ -46,6 +51,15 @@ def noisy_answer(answer: str, rng: np.random.Generator) -> str:
     return answer[: first.start()] + str(int(first.group(0)) + offset) + answer[first.end() :]
 
 
+def demonstrate(problem: Problem, demonstration: str, rng: np.random.Generator, label_noise: float) -> str:
+    """The completion to imitate: the reference completion if the problem has one, else the answer written
+    by `demonstration`; with probability `label_noise` a near miss of it."""
+    noisy = rng.random() < label_noise
+    if problem.reference is not None:
+        return noisy_answer(problem.reference, rng) if noisy else problem.reference
+    return demonstration.format(answer=noisy_answer(problem.answer, rng) if noisy else problem.answer)
+
+
 def supervised_warm_start(
     model,
     tokenizer,
@@ -67,13 +81,7 @@ def supervised_warm_start(
         progress(0, steps)
     for step in range(steps):
         problems = [task.problem(task.sample_id(rng)) for _ in range(batch_size)]
-        pairs = [
-            (
-                p.prompt,
-                demonstration.format(answer=noisy_answer(p.answer, rng) if rng.random() < label_noise else p.answer),
-            )
-            for p in problems
-        ]
+        pairs = [(p, demonstrate(p, demonstration, rng, label_noise)) for p in problems]
         ids, mask, labels = encode_pairs(tokenizer, pairs)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)

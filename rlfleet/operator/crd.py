@@ -7,6 +7,7 @@ cross-field rules that a JSON schema cannot say are CEL rules (`x-kubernetes-val
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -283,7 +284,9 @@ HEADER = (
 
 
 def render_crd(kind: names.KindInfo) -> str:
-    return HEADER + yaml.safe_dump(build_crd(kind), sort_keys=False, width=120)
+    # Through JSON first: a schema reused in two places (a task type's fields, at spec.task and in each mixture
+    # entry) is written out twice instead of as a YAML anchor and alias.
+    return HEADER + yaml.safe_dump(json.loads(json.dumps(build_crd(kind))), sort_keys=False, width=120)
 
 
 def crd_files() -> dict[str, str]:

@@ -219,9 +219,9 @@ def build_container(
     if defaults.pull_policy:
         c["imagePullPolicy"] = defaults.pull_policy
     secrets = credentials.secrets_from(run, component, pool)  # the store's and the data's (credentials.py)
-    if component == names.TRAINER and run.spec.tracking.mlflow:  # MLflow's credentials: the trainer's only
-        secrets = [*secrets, run.spec.tracking.mlflow.credentials_secret]
-    secrets = [s for s in secrets if s]
+    mlflow = run.spec.tracking.mlflow
+    if component == names.TRAINER and mlflow and mlflow.credentials_secret:  # MLflow's credentials: the trainer's only
+        secrets = [*secrets, mlflow.credentials_secret]
     if secrets:
         c["envFrom"] = [{"secretRef": {"name": s}} for s in secrets]
     return c

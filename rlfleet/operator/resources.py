@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from rlfleet.config import KINDS, InferencePool, RelayTier, RLRun, validation_problems
+from rlfleet.config import KINDS, InferencePool, RelayTier, RLRun, task_datasets, validation_problems
 from rlfleet.operator import names
 
 
@@ -71,11 +71,10 @@ def pod_file_problems(run: RLRun) -> list[str]:
                 "use builtin://NAME, or an absolute path inside the image or on a volume of the pods' podTemplate",
             )
         )
-    dataset = getattr(run.spec.task, "dataset", None)
-    if dataset is not None:
+    for where, dataset in task_datasets(run.spec.task):  # a mixture's sources each have theirs
         problems.append(
             _local_path_problem(
-                "spec.task.dataset.path",
+                f"{where}.path",
                 dataset.path,
                 "use s3://bucket/key (upload the file), builtin://NAME for a sample set shipped in rlfleet "
                 "(builtin://tiny-math), or an absolute path inside the image or on a volume of the pods' podTemplate",

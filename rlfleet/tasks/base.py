@@ -1,6 +1,11 @@
 """The task seam: a task source names problems by id, rebuilds any problem from its id, and scores
 a completion with a trusted verifier. Workers sample ids; the verifier rebuilds the prompt from
 the id (never trusting the worker's) and recomputes the reward.
+
+This is also the contract of a user environment (`spec.task.type: python`, docs/environments.md):
+`problem` and `reward` must be deterministic functions of their arguments (the verifier, another
+process on another machine, recomputes them and rejects a group whose rewards differ), and
+`sample_id` may draw only from the generator it is given.
 """
 
 from __future__ import annotations
@@ -16,10 +21,16 @@ class Problem:
     task_id: str
     prompt: str
     answer: str
+    # Set by the run's task spec (chat.py), never by a source: encode the prompt through the tokenizer's
+    # chat template, with this system turn.
+    chat_template: bool = False
+    system_prompt: str | None = None
+    # A known-good completion, when the source has one (a row's `solution`); builtin models warm-start on it.
+    reference: str | None = None
 
 
 class TaskSource(ABC):
-    """A deterministic family of problems with a binary reward."""
+    """A deterministic family of problems with a reward (binary for the shipped types)."""
 
     @abstractmethod
     def problem(self, task_id: str) -> Problem:
@@ -33,6 +44,14 @@ class TaskSource(ABC):
     def reward(self, problem: Problem, completion: str) -> float:
         """Trusted reward of a completion (decoded text, without the end-of-sequence token)."""
 
+    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
+        """Rewards of a group's completions; a source that scores a group faster at once overrides this."""
+        return [self.reward(problem, c) for c in completions]
+
+    def scores(self, problem: Problem, completions: list[str], completion_tokens: list[int]) -> list[float]:
+        """The rewards trained on: the task rewards, plus whatever depends on the token counts (length.py)."""
+        return self.rewards(problem, completions)
+
     def score(self, problem: Problem, completion: str, completion_tokens: int) -> float:
-        """The reward trained on: the task reward, plus whatever depends on the token count (length.py)."""
-        return self.reward(problem, completion)
+        """`scores` of one completion."""
+        return self.scores(problem, [completion], [completion_tokens])[0]

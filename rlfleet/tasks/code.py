@@ -296,7 +296,10 @@ def passes(
 
 
 class CodeTask(DatasetTask):
-    """Rows with a prompt and tests (field `tests_field`); Problem.answer is the tests as JSON."""
+    """Rows with a prompt and tests (field `tests_field`); Problem.answer is the tests as JSON, Problem.reference
+    a row's `solution` (a program that passes them) when it has one."""
+
+    reference_field = "solution"
 
     def __init__(
         self,

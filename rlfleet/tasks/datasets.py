@@ -153,6 +153,7 @@ class DatasetTask(TaskSource):
     """Rows -> problems; subclasses give `answer(row)` and `reward`."""
 
     required_fields: tuple[str, ...] = ()
+    reference_field: str | None = None  # a row field holding a known-good completion (Problem.reference), if any
 
     def __init__(
         self,
@@ -214,7 +215,13 @@ class DatasetTask(TaskSource):
         if row is None:
             raise KeyError(f"task id {task_id!r} is not a kept row of dataset {self.name!r}")
         prompt = self.prompt_template.format(**{k: ("" if v is None else v) for k, v in row.items()})
-        return Problem(task_id=task_id, prompt=prompt, answer=self.answer(row))
+        reference = row.get(self.reference_field) if self.reference_field else None
+        return Problem(
+            task_id=task_id,
+            prompt=prompt,
+            answer=self.answer(row),
+            reference=reference if isinstance(reference, str) else None,
+        )
 
     def sample_id(self, rng: np.random.Generator) -> str:
         return self._ids[int(rng.integers(0, len(self._ids)))]

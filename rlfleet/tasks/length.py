@@ -9,6 +9,8 @@ the worker saw, and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from rlfleet.tasks.base import Problem, TaskSource
@@ -31,18 +33,19 @@ class LengthTargetTask(TaskSource):
     def problem(self, task_id: str) -> Problem:
         base, target = self.split(task_id)
         inner = self.inner.problem(base)
-        return Problem(
-            task_id=task_id, prompt=self.template.format(prompt=inner.prompt, target=target), answer=inner.answer
-        )
+        return replace(inner, task_id=task_id, prompt=self.template.format(prompt=inner.prompt, target=target))
 
     def sample_id(self, rng: np.random.Generator) -> str:
         return f"{self.inner.sample_id(rng)}{SEPARATOR}{self.targets[int(rng.integers(len(self.targets)))]}"
 
     def reward(self, problem: Problem, completion: str) -> float:
-        base, _ = self.split(problem.task_id)
-        return self.inner.reward(self.inner.problem(base), completion)
+        return self.rewards(problem, [completion])[0]
 
-    def score(self, problem: Problem, completion: str, completion_tokens: int) -> float:
-        _, target = self.split(problem.task_id)
-        miss = min(1.0, abs(completion_tokens - target) / target)
-        return self.reward(problem, completion) - self.coef * miss
+    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
+        base, _ = self.split(problem.task_id)
+        return self.inner.rewards(self.inner.problem(base), completions)
+
+    def scores(self, problem: Problem, completions: list[str], completion_tokens: list[int]) -> list[float]:
+        base, target = self.split(problem.task_id)
+        rewards = self.inner.scores(self.inner.problem(base), completions, completion_tokens)  # the inner's own terms
+        return [r - self.coef * min(1.0, abs(n - target) / target) for r, n in zip(rewards, completion_tokens)]

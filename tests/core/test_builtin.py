@@ -118,11 +118,28 @@ def test_near_misses_of_fractions_and_integers_are_wrong_answers():
             assert not answers_match(noisy_answer(answer, rng), answer)
 
 
-def test_the_sample_set_is_what_its_script_writes():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_tiny_math.py"), "--check"], capture_output=True, text=True
-    )
+@pytest.mark.parametrize("script", ["make_tiny_math.py", "make_tiny_code.py"])
+def test_the_sample_sets_are_what_their_scripts_write(script):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_code_rows_warm_start_on_their_solution_and_the_solution_passes():
+    """builtin://tiny-code is written in tiny-math's characters; a row's `solution` is what a builtin model imitates
+    (Problem.reference) and passes the row's tests."""
+    from rlfleet.config import CodeTaskSpec
+    from rlfleet.models.builtin import BUILTINS, check_coverage
+    from rlfleet.models.warm_start import demonstrate
+
+    task = make_task(CodeTaskSpec(type="code", dataset=DatasetSpec(path="builtin://tiny-code"),
+                                  network_isolation="audit-hook"))  # fmt: skip
+    check_coverage("tiny-math", BUILTINS["tiny-math"], task)
+    rng = np.random.default_rng(0)
+    for task_id in task.ids()[:5]:
+        problem = task.problem(task_id)
+        assert problem.reference and task.reward(problem, problem.reference) == 1.0
+        assert demonstrate(problem, "\\boxed{{{answer}}}", rng, label_noise=0.0) == problem.reference
+        assert task.reward(problem, demonstrate(problem, "", rng, label_noise=1.0)) == 0.0, "a near miss fails"
 
 
 def test_every_example_finds_its_builtin_model_shipped(tmp_path, monkeypatch):

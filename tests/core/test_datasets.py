@@ -49,7 +49,7 @@ def test_builtin_sets_ship_in_the_package_and_need_no_working_directory(tmp_path
     spec = MathTaskSpec(type="math", dataset={"path": "builtin://tiny-math"})
     assert spec.dataset.format == "auto" and make_task(spec).problem("tiny-math-0").prompt
     with pytest.raises(
-        DatasetError, match=r"task.dataset.path: unknown builtin data set 'nope'; known: \['tiny-math'\]"
+        DatasetError, match=r"task.dataset.path: unknown builtin data set 'nope'; known: \['tiny-code', 'tiny-math'\]"
     ):
         read_rows("builtin://nope")
 

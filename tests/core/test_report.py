@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rlfleet.local.report import reward_trend, summarize, write_reports
+from rlfleet.local.report import plot, reward_trend, summarize, write_reports
 
 
 def record(step: int, reward: float, sampled: float | None) -> dict:
@@ -42,3 +42,25 @@ def test_the_summary_and_the_picture_carry_the_first_and_last_held_out_score(tmp
     assert (tmp_path / "reward.png").stat().st_size > 0
     no_eval = summarize([record(s, 0.5, 0.5) for s in range(1, 11)], 1.0)
     assert no_eval["eval_score_first"] is None and "held-out" not in reward_trend(no_eval)
+
+
+def test_a_mixture_s_sources_get_their_first_and_last_reward_and_a_line_on_the_picture(tmp_path):
+    def with_sources(step: int) -> dict:
+        r = record(step, 0.5, 0.5)
+        r["sources"] = {
+            "math": {"reward_mean": 0.2 + step / 100, "groups": 2, "sampled_reward_mean": 0.1 + step / 50,
+                     "sampled_groups": 3},
+            "code": {"reward_mean": None, "groups": 0, "sampled_reward_mean": 0.3, "sampled_groups": 1},
+        }  # fmt: skip
+        return r
+
+    records = [with_sources(s) for s in range(1, 21)]
+    summary = summarize(records, 1.0)
+    math, code = summary["sources"]["math"], summary["sources"]["code"]
+    assert (math["sampled_reward_first"], math["sampled_reward_last"]) == (0.1 + 1.5 / 50, 0.1 + 19.5 / 50)
+    assert math["groups"] == 40 and code["groups"] == 0
+    assert code["reward_first"] is None and code["sampled_reward_last"] == 0.3, "no trained group: no trained mean"
+    assert "sources" not in summarize([record(s, 0.5, 0.5) for s in range(1, 11)], 1.0), "single task: no sources"
+    plot(records, tmp_path / "reward.png", "mixture")
+    plot([record(s, 0.5, 0.5) for s in range(1, 11)], tmp_path / "single.png", "single")
+    assert (tmp_path / "reward.png").stat().st_size > (tmp_path / "single.png").stat().st_size, "the source lines"

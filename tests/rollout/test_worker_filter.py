@@ -10,7 +10,8 @@ import pytest
 
 from rlfleet.config import load_bundle
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
-from rlfleet.services.rollout.main import FILTERED, RolloutOptions, Worker
+from rlfleet.services.rollout.main import RolloutOptions, Worker
+from rlfleet.services.rollout.work import FILTERED
 from rlfleet.wire.assignment import issued_tickets
 from rlfleet.wire.prompt_filter import prompt_key
 from rlfleet.wire.runtime import Context

@@ -84,8 +84,8 @@ def rate_rows(o: FilterOptions, progress=None) -> dict:
         raise ConfigError(o.file, [f"spec.{exc}"]) from None
     assert isinstance(task, DatasetTask)  # a task with a dataset; without a band every row is kept, in file order
     rows = rows[: o.max_rows] if o.max_rows else rows
-    from rlfleet.models.sources import resolve_model_path  # torch: imported once the input is known good
     from rlfleet.models.policy import configure_torch_threads
+    from rlfleet.models.sources import resolve_model_path  # torch: imported once the input is known good
     from rlfleet.services.rollout.engines import make_engine
     from rlfleet.services.rollout.engines.solve import score_problems
 

@@ -42,17 +42,19 @@ from rlfleet.config import worker_dtype
 from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
 from rlfleet.models.sources import local_model_path, resolve_model_path
-from rlfleet.services.ingest.client import post_group, request_ticket, rollouts_url, tickets_url
+from rlfleet.services.ingest.client import post_group, rollouts_url, tickets_url
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
+from rlfleet.services.rollout.work import WorkSource
 from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
+from rlfleet.tasks.chat import check_chat_templates, encode_prompt
+from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.wire import components, env
-from rlfleet.wire.assignment import assigned_work, issue_ticket
-from rlfleet.wire.prompt_filter import RetiredPrompts, draw_unretired, prompt_key
+from rlfleet.wire.prompt_filter import RetiredPrompts
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
 from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams
 
@@ -66,7 +68,6 @@ PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by back
 IN_FLIGHT = Gauge("rlfleet_rollout_requests_in_flight", "Completions the engine is generating now")
 GROUPS_IN_FLIGHT = Gauge("rlfleet_rollout_groups_in_flight", "Groups the engine is generating now (one batch)")
 LOAD_SECONDS = Gauge("rlfleet_rollout_weight_load_seconds", "In-place load of the last swapped version into the engine")
-FILTERED = Counter("rlfleet_rollout_filtered_draws_total", "Draws skipped: the online filter retired their prompt")
 SWAP_SECONDS = Gauge(
     "rlfleet_rollout_weight_swap_seconds", "Last swap from seeing the version announced to generating with it"
 )
@@ -100,7 +101,7 @@ def worker_token(pool: str, worker_id: str) -> str:
     return token
 
 
-class Worker:
+class Worker(WorkSource):
     def __init__(self, ctx: Context, options: RolloutOptions):
         self.ctx = ctx
         self.spec = ctx.bundle.run.spec
@@ -170,6 +171,8 @@ class Worker:
                         self.engine.close()
                         self.engine = make_engine(self.engine_kind, path, version, self.dtype, self.vllm)
                 VERSION.set(version)
+                # a run asking for a chat template the model lacks: refused here, before any group
+                check_chat_templates(spec.task, bool(getattr(self.engine.tokenizer, "chat_template", None)), str(path))
                 self.liveness.ready()
                 return True
             time.sleep(0.05)
@@ -253,28 +256,21 @@ class Worker:
             return "backlog", 0
         return None, min(room, self.max_pending + 1 - queued)
 
-    def next_work(self) -> tuple[str, int, int | None] | None:
-        """(task id, group seed, ticket) of the next group: drawn here, or assigned by the run
-        (spec.sampling.assignment: run; a ticket from Redis or the ingest). None if stopped meanwhile."""
-        if self.spec.sampling.assignment == "worker":
-            return self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31)), None
-        if self.ingest_url:
-            assert self.tickets_url is not None  # made with ingest_url
-            ticket = request_ticket(self.session, self.tickets_url, self.token, self.ctx.stop)
-            if ticket is None:
-                return None
-        else:
-            assert self.tickets is not None  # a worker without an ingest takes tickets from Redis
-            ticket = issue_ticket(self.tickets, self.ctx.keys, self.worker_id)
-        task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
-        return task_id, seed, ticket
-
     def make_groups(self, work: list[tuple[str, int, int | None]]) -> list[RolloutGroup]:
         """The groups of `work` ((task id, group seed, ticket) each, next_work's), sampled in ONE engine
         call, so every group records the one version that produced all of them."""
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
-        problems = [self.task.problem(task_id) for task_id, _, _ in work]
-        prompts = [self.prompt_ids(task_id) for task_id, _, _ in work]
+        problems, kept = [], []
+        for piece in work:
+            try:
+                problems.append(self.task.problem(piece[0]))
+                kept.append(piece)
+            except EnvironmentFailure as exc:  # a user environment's fault: the group is skipped, the worker goes on
+                log.warning("task %s: the environment failed to make the problem: %s", piece[0], exc)
+        work = kept
+        if not work:
+            return []
+        prompts = [encode_prompt(self.loaded.tokenizer, p) for p in problems]
         params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=seed) for _, seed, _ in work]
         IN_FLIGHT.set(s.group_size * len(work))
         GROUPS_IN_FLIGHT.set(len(work))
@@ -295,13 +291,19 @@ class Worker:
         )
         groups, at = [], 0
         for (_, _, ticket), problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
+            group_proofs = proofs[at : at + len(gens)]
+            at += len(gens)
+            texts = [completion_text(self.loaded.tokenizer, g.completion_ids, self.loaded.stop_ids) for g in gens]
+            try:
+                rewards = self.task.scores(problem, texts, [len(g.completion_ids) for g in gens])
+            except EnvironmentFailure as exc:
+                log.warning("task %s: the environment failed to score the group, which is dropped: %s",
+                            problem.task_id, exc)  # fmt: skip
+                continue
             samples = []
-            for gen, sample_proofs in zip(gens, proofs[at : at + len(gens)]):
-                text = completion_text(self.loaded.tokenizer, gen.completion_ids, self.loaded.stop_ids)
-                reward = self.task.score(problem, text, len(gen.completion_ids))
+            for gen, sample_proofs, reward in zip(gens, group_proofs, rewards):
                 samples.append(Sample(gen.completion_ids, gen.logprobs, sample_proofs, reward, gen.finish_reason))
                 TOKENS.inc(len(gen.completion_ids))
-            at += len(gens)
             groups.append(
                 RolloutGroup(
                     task_id=problem.task_id,
@@ -315,31 +317,6 @@ class Worker:
                 )
             )
         return groups
-
-    def prompt_ids(self, task_id: str) -> list[int]:
-        """The prompt tokens of `task_id`'s problem, as the group carries them."""
-        return self.loaded.tokenizer(self.task.problem(task_id).prompt)["input_ids"]
-
-    def work_prompt_key(self, piece: tuple[str, int, int | None] | None) -> str:
-        assert piece is not None  # draw_unretired asks only for the key of a draw
-        return prompt_key(self.prompt_ids(piece[0]))
-
-    def take_work(self, room: int) -> list[tuple[str, int, int | None]] | None:
-        """Up to `room` pieces of work (next_work's), redrawing prompts the online filter retired; None if
-        stopped meanwhile (a ticket held back)."""
-        if self.retired is not None:
-            self.retired.refresh()
-        work = []
-        for _ in range(room):
-            if self.retired is None:
-                piece = self.next_work()
-            else:
-                piece, skipped = draw_unretired(self.next_work, self.work_prompt_key, self.retired, self.max_redraws)
-                FILTERED.inc(skipped)
-            if piece is None:
-                return None
-            work.append(piece)
-        return work
 
     def send(self, group: RolloutGroup) -> bool:
         """XADD `group` to the inbox or POST it to the ingest; False if stopped while the ingest held it back."""

@@ -56,6 +56,8 @@ from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_p
 from rlfleet.services.toploc.replay import ReplayScore, group_score
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.tasks import make_run_task
+from rlfleet.tasks.chat import encode_prompt
+from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.wire.assignment import ticket_problem
 from rlfleet.wire.runtime import latest_announced_version
 from rlfleet.wire.streams import (
@@ -170,8 +172,10 @@ class Checker:
                 problem = self.task.problem(group.task_id)
             except KeyError as exc:
                 raise Rejection("prompt_mismatch", str(exc)) from None
+            except EnvironmentFailure as exc:
+                raise Rejection("environment", f"task {group.task_id}: {exc}") from None
             model, tokenizer = self.policy(group.policy_version)
-            if tokenizer(problem.prompt)["input_ids"] != group.prompt_ids:
+            if encode_prompt(tokenizer, problem) != group.prompt_ids:  # chat template included (tasks/chat.py)
                 raise Rejection("prompt_mismatch", f"prompt tokens differ from those of task {group.task_id}")
             vocab = model.config.vocab_size
             if any(not 0 <= t < vocab for s in group.samples for t in s.completion_ids):
@@ -184,11 +188,12 @@ class Checker:
             logprobs, replay = None, None
             if prefill and not deferred:
                 logprobs, replay = self.prefill_checks(group, model, tokenizer)
-            rewards, mismatches = [], 0
-            for sample in group.samples:
-                text = completion_text(tokenizer, sample.completion_ids, stop_ids)
-                rewards.append(self.task.score(problem, text, len(sample.completion_ids)))
-                mismatches += rewards[-1] != sample.reward
+            texts = [completion_text(tokenizer, s.completion_ids, stop_ids) for s in group.samples]
+            try:
+                rewards = self.task.scores(problem, texts, [len(s.completion_ids) for s in group.samples])
+            except EnvironmentFailure as exc:
+                raise Rejection("environment", f"task {group.task_id}: {exc}") from None
+            mismatches = sum(r != s.reward for r, s in zip(rewards, group.samples))
         except Rejection as exc:
             exc.worker_id = group.worker_id
             raise

@@ -32,9 +32,10 @@ import torch
 
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.models.sources import ModelSourceError, resolve_model_path
+from rlfleet.services.trainer.batches import BatchReader
 from rlfleet.services.trainer.evaluation import Evaluator
 from rlfleet.services.trainer.lora import attach
-from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, withdraw
+from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, source_record, withdraw
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
 from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
@@ -62,13 +63,13 @@ from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
 from rlfleet.wire.prompt_filter import OutcomeRecorder
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, fail_run
-from rlfleet.wire.streams import MessageError, RolloutGroup, encode_json, group_digest, stream_reply
+from rlfleet.wire.streams import RolloutGroup, encode_json, group_digest
 
 log = logging.getLogger("rlfleet.trainer")
 TRAINED_DIGESTS_KEPT = 200_000
 
 
-class Trainer:
+class Trainer(BatchReader):
     def __init__(self, ctx: Context, output_dir: Path | None):
         self.ctx = ctx
         self.spec = ctx.bundle.run.spec
@@ -117,9 +118,9 @@ class Trainer:
         self.pending = Commit()  # what the steps since then trained (rank 0), committed at the next save
         self.last_record: dict | None = None
         self.started = time.monotonic()
-        self.dropped_ids: dict[str, list[str]] = {}
-        self.read_rewards: list[float] = []  # every sample's reward in the groups a step read, dropped ones too
-        self._pending_cursor: bytes | str | None = "0"  # re-read what this consumer holds unacknowledged, then new ones
+        self.dropped_ids = {}
+        self.read_groups = []
+        self._pending_cursor = "0"  # re-read what this consumer holds unacknowledged, then new ones (batches.py)
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
         ensure_group(ctx.client, ctx.keys.verified, ctx.keys.trainer_group)
@@ -159,73 +160,6 @@ class Trainer:
         # redis-py asks for Dict[FieldT, EncodableT], invariant: no narrower dict passes (Mapping would).
         self.ctx.client.xadd(self.ctx.keys.policy, encode_json(announcement), maxlen=1000, approximate=True)  # type: ignore[arg-type]
         VERSION.set(self.version)
-
-    def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
-        """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
-        keys, r = self.ctx.keys, self.ctx.client
-        want, oldest = self.spec.trainer.batch_size, self.oldest_trained(self.version)
-        skip_flat = self.spec.trainer.skip_zero_advantage_groups
-        batch: list[RolloutGroup] = []
-        ack: list[bytes] = []
-        drops = {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
-        self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
-        self.read_rewards = []
-        while len(batch) < want and not self.ctx.stop.is_set():
-            self.set_demand(oldest, want - len(batch), len(ack) + len(self.pending.message_ids))
-            # After a restart, first the messages this consumer read but never acknowledged, walked
-            # once by id (reading pending entries from "0" again would return the same ones forever).
-            start = self._pending_cursor or ">"
-            resp = stream_reply(
-                r.xreadgroup(
-                    keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
-                )
-            )
-            if self._pending_cursor is not None:
-                pending = [msg_id for _, entries in resp or [] for msg_id, _ in entries]
-                self._pending_cursor = pending[-1] if pending else None
-            for _, entries in resp or []:
-                for msg_id, fields in entries:
-                    ack.append(msg_id)
-                    try:
-                        group = RolloutGroup.decode(fields)
-                    except MessageError as exc:
-                        log.error("undecodable verified message %s: %s", msg_id, exc)
-                        drops["malformed"] += 1
-                        continue
-                    self.read_rewards += [s.reward for s in group.samples]
-                    if self.outcomes:
-                        self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])
-                    digest = group_digest(group)
-                    if (
-                        r.zscore(keys.trained, digest) is not None
-                        or digest in self.pending.digests
-                        or any(group_digest(g) == digest for g in batch)
-                    ):
-                        drops["duplicate"] += 1
-                        self.dropped_ids["duplicate"].append(group.rollout_id)
-                    elif group.policy_version < oldest:
-                        drops["stale"] += 1
-                        self.dropped_ids["stale"].append(group.rollout_id)
-                    elif skip_flat and len({s.reward for s in group.samples}) == 1:
-                        drops["zero_advantage"] += 1
-                        self.dropped_ids["zero_advantage"].append(group.rollout_id)
-                    else:
-                        batch.append(group)
-        return batch, ack, drops
-
-    def oldest_trained(self, version: int) -> int:
-        """The oldest policy version a step taken while holding `version` trains (maxAsyncLevel back)."""
-        return version - self.spec.trainer.max_async_level
-
-    def set_demand(self, oldest: int, need: int, held: int) -> None:
-        """Tell the workers what this trainer still wants (`keys.demand`): the oldest policy version it
-        will still train, how many groups its current step lacks, and how many entries of the verified
-        stream it holds uncommitted (so a worker can count the groups queued beyond them). A worker
-        holding an older version, or seeing enough queued for what is wanted, pauses instead of
-        sampling groups that would arrive stale (rollout/main.py `Worker.paused`). Written at every
-        start, so a trainer resumed from an older state never leaves workers waiting for a version it
-        will not publish."""
-        self.ctx.client.hset(self.ctx.keys.demand, mapping={"oldest": oldest, "need": need, "held": held})
 
     def step(self, groups: list[RolloutGroup]) -> dict:
         """One GRPO update on `groups` (on every rank); returns its statistics."""
@@ -338,7 +272,8 @@ class Trainer:
                 **stats,
                 # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
                 # dropped, and late in a run most drops are repeats of solved prompts (all correct).
-                "sampled_reward_mean": float(np.mean(self.read_rewards)),
+                "sampled_reward_mean": float(np.mean([r for _, rewards in self.read_groups for r in rewards])),
+                **source_record(self.spec.task.type == "mixture", groups, self.read_groups),
                 "staleness_mean": float(np.mean(lags)),
                 "staleness_max": max(lags),
                 **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},

@@ -15,6 +15,8 @@ from typing import Protocol, get_args
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from rlfleet.config import RejectionReason
+from rlfleet.tasks.mixture import source_of
+from rlfleet.wire.streams import RolloutGroup
 
 STEP = Gauge("rlfleet_trainer_step", "Optimizer steps taken")
 VERSION = Gauge("rlfleet_trainer_policy_version", "Latest published policy version")
@@ -66,6 +68,15 @@ EVAL = Gauge(
     ["stat"],
 )
 EVAL_STATS = ("score", "reward_mean", "version", "problems", "k", "seconds")
+SOURCE_REWARD = Gauge(
+    "rlfleet_trainer_source_reward_mean",
+    "Mean reward per source of a task mixture: of the last trained batch (batch=trained) and of every group the "
+    "last step read, dropped ones too (batch=sampled)",
+    ["source", "batch"],
+)
+SOURCE_GROUPS = Counter(
+    "rlfleet_trainer_source_groups_total", "Groups per source of a task mixture, trained and read", ["source", "batch"]
+)
 DROP_REASONS = ("stale", "duplicate", "malformed", "zero_advantage")
 PHASES = ("wait", "compute", "publish")
 # Every labelled series exists from the start (at 0), so a scrape shows it before its first event.
@@ -88,6 +99,8 @@ EXPORTED = (
     GROUPS,
     RETIRED,
     EVAL,
+    SOURCE_REWARD,
+    SOURCE_GROUPS,
 )
 NOT_EXPORTED = {
     "rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement",
@@ -103,7 +116,8 @@ def export_step(record: dict) -> None:
     wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
     (rejected is their sum over reasons, every known reason present); prompts_retired_* (online filter) ->
     rlfleet_trainer_prompts_retired{outcome}; eval/* (held-out evaluation, in the record of the step it finished
-    in) -> rlfleet_trainer_eval{stat}."""
+    in) -> rlfleet_trainer_eval{stat}; sources (a task mixture's) -> rlfleet_trainer_source_reward_mean and
+    rlfleet_trainer_source_groups_total by source and batch."""
     STEP.set(record["step"])
     VERSION.set(record["policy_version"])
     REWARD.set(record["reward_mean"])
@@ -129,6 +143,38 @@ def export_step(record: dict) -> None:
     GROUPS.labels("accepted", "").set(record["accepted"])
     for reason in {*get_args(RejectionReason), *record["rejected_by_reason"]}:
         GROUPS.labels("rejected", reason).set(record["rejected_by_reason"].get(reason, 0))
+    for name, source in record.get("sources", {}).items():
+        for batch, prefix in (("trained", ""), ("sampled", "sampled_")):
+            if source[f"{prefix}reward_mean"] is not None:
+                SOURCE_REWARD.labels(name, batch).set(source[f"{prefix}reward_mean"])
+            SOURCE_GROUPS.labels(name, batch).inc(source[f"{prefix}groups"])
+
+
+def source_record(mixture: bool, trained: list[RolloutGroup], read: list[tuple[str, list[float]]]) -> dict:
+    """`{"sources": {name: {reward_mean, groups, sampled_reward_mean, sampled_groups}}}` for a task mixture (the
+    source named by each task id, tasks/mixture.py), else {}: reward_mean and groups of the trained batch (None
+    and 0 when no trained group came from the source), sampled_* of every group the step read."""
+    if not mixture:
+        return {}
+    trained_by: dict[str, list[float]] = {}
+    read_by: dict[str, list[float]] = {}
+    for g in trained:
+        trained_by.setdefault(source_of(g.task_id) or "", []).extend(s.reward for s in g.samples)
+    sampled_groups: dict[str, int] = {}
+    for task_id, rewards in read:
+        name = source_of(task_id) or ""
+        read_by.setdefault(name, []).extend(rewards)
+        sampled_groups[name] = sampled_groups.get(name, 0) + 1
+    sources = {}
+    for name in sorted({*trained_by, *read_by}):
+        t, r = trained_by.get(name, []), read_by.get(name, [])
+        sources[name] = {
+            "reward_mean": sum(t) / len(t) if t else None,
+            "groups": sum(source_of(g.task_id) == name for g in trained),
+            "sampled_reward_mean": sum(r) / len(r) if r else None,
+            "sampled_groups": sampled_groups.get(name, 0),
+        }
+    return {"sources": sources}
 
 
 def withdraw() -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from rlfleet.models.sampling import completion_text
 from rlfleet.services.rollout.engines.base import Engine, GroupRequest
 from rlfleet.tasks.base import TaskSource
+from rlfleet.tasks.chat import encode_prompt
 from rlfleet.wire.streams import SamplingParams
 
 
@@ -66,12 +67,12 @@ def score_problems(
         chunk = task_ids[start : start + per_call]
         problems = [task.problem(t) for t in chunk]
         requests = [
-            GroupRequest(engine.tokenizer(p.prompt)["input_ids"], replace(params, seed=params.seed + start + j), k)
+            GroupRequest(encode_prompt(engine.tokenizer, p), replace(params, seed=params.seed + start + j), k)
             for j, p in enumerate(problems)
         ]
         for problem, gens in zip(problems, engine.generate_groups(requests)):
             texts = [completion_text(engine.tokenizer, g.completion_ids, engine.stop_ids) for g in gens]
-            rewards.append([float(task.reward(problem, text)) for text in texts])
+            rewards.append([float(r) for r in task.rewards(problem, texts)])  # a batch reward where the task has one
             done_ids.append(problem.task_id)
         if on_batch is not None:
             on_batch(len(done_ids), len(task_ids))

@@ -1,0 +1,103 @@
+"""Reading a step's batch from the verified stream: step 1 of the trainer's loop (main.py's docstring).
+
+Rank 0 alone reads. A group read is acknowledged only when the step that holds it is committed (state.py);
+until then it is pending. A group is dropped, and acknowledged with the step, when it is stale (its policy
+version older than maxAsyncLevel behind the version being trained), a repeat of trained work (its content
+digest in the trained set, in the steps not yet committed or in this batch), undecodable, or, with
+skipZeroAdvantageGroups, one whose rewards are all equal. Every dropped rollout id is kept for the step's
+audit trail. The demand the trainer writes (`set_demand`) is what lets workers pause rather than sample
+groups that would arrive stale.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rlfleet.config import RLRunSpec
+from rlfleet.services.trainer.state import Commit
+from rlfleet.wire.prompt_filter import OutcomeRecorder
+from rlfleet.wire.runtime import Context
+from rlfleet.wire.streams import MessageError, RolloutGroup, group_digest, stream_reply
+
+log = logging.getLogger("rlfleet.trainer")
+
+
+class BatchReader:
+    """The verified stream's side of the trainer (a base of main.Trainer, which sets these attributes)."""
+
+    ctx: Context
+    spec: RLRunSpec
+    consumer: str
+    version: int
+    pending: Commit
+    outcomes: OutcomeRecorder | None
+    dropped_ids: dict[str, list[str]]
+    read_groups: list[tuple[str, list[float]]]  # (task id, rewards) of every group the step read, dropped ones too
+    _pending_cursor: bytes | str | None
+
+    def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
+        """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
+        keys, r = self.ctx.keys, self.ctx.client
+        want, oldest = self.spec.trainer.batch_size, self.oldest_trained(self.version)
+        skip_flat = self.spec.trainer.skip_zero_advantage_groups
+        batch: list[RolloutGroup] = []
+        ack: list[bytes] = []
+        drops = {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
+        self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
+        self.read_groups = []
+        while len(batch) < want and not self.ctx.stop.is_set():
+            self.set_demand(oldest, want - len(batch), len(ack) + len(self.pending.message_ids))
+            # After a restart, first the messages this consumer read but never acknowledged, walked
+            # once by id (reading pending entries from "0" again would return the same ones forever).
+            start = self._pending_cursor or ">"
+            resp = stream_reply(
+                r.xreadgroup(
+                    keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
+                )
+            )
+            if self._pending_cursor is not None:
+                pending = [msg_id for _, entries in resp or [] for msg_id, _ in entries]
+                self._pending_cursor = pending[-1] if pending else None
+            for _, entries in resp or []:
+                for msg_id, fields in entries:
+                    ack.append(msg_id)
+                    try:
+                        group = RolloutGroup.decode(fields)
+                    except MessageError as exc:
+                        log.error("undecodable verified message %s: %s", msg_id, exc)
+                        drops["malformed"] += 1
+                        continue
+                    self.read_groups.append((group.task_id, [s.reward for s in group.samples]))
+                    if self.outcomes:
+                        self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])
+                    digest = group_digest(group)
+                    if (
+                        r.zscore(keys.trained, digest) is not None
+                        or digest in self.pending.digests
+                        or any(group_digest(g) == digest for g in batch)
+                    ):
+                        drops["duplicate"] += 1
+                        self.dropped_ids["duplicate"].append(group.rollout_id)
+                    elif group.policy_version < oldest:
+                        drops["stale"] += 1
+                        self.dropped_ids["stale"].append(group.rollout_id)
+                    elif skip_flat and len({s.reward for s in group.samples}) == 1:
+                        drops["zero_advantage"] += 1
+                        self.dropped_ids["zero_advantage"].append(group.rollout_id)
+                    else:
+                        batch.append(group)
+        return batch, ack, drops
+
+    def oldest_trained(self, version: int) -> int:
+        """The oldest policy version a step taken while holding `version` trains (maxAsyncLevel back)."""
+        return version - self.spec.trainer.max_async_level
+
+    def set_demand(self, oldest: int, need: int, held: int) -> None:
+        """Tell the workers what this trainer still wants (`keys.demand`): the oldest policy version it
+        will still train, how many groups its current step lacks, and how many entries of the verified
+        stream it holds uncommitted (so a worker can count the groups queued beyond them). A worker
+        holding an older version, or seeing enough queued for what is wanted, pauses instead of
+        sampling groups that would arrive stale (rollout/main.py `Worker.paused`). Written at every
+        start, so a trainer resumed from an older state never leaves workers waiting for a version it
+        will not publish."""
+        self.ctx.client.hset(self.ctx.keys.demand, mapping={"oldest": oldest, "need": need, "held": held})
