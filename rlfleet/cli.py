@@ -68,6 +68,12 @@ def _ingest_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         help="YAML/JSON {workerId: token} file (overrides spec.ingest.tokensFile)",
     )
+    p.add_argument(
+        "--invites-file",
+        default=None,
+        type=Path,
+        help="YAML/JSON list of invite codes (overrides spec.ingest.admission.invitesFile)",
+    )
 
 
 def _origin_args(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, Metadata, Spec
-from rlfleet.config.infra import DeltaSpec, IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
+from rlfleet.config.infra import AdmissionSpec, DeltaSpec, IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
 from rlfleet.config.resources import (
     KINDS,
     LOCAL_POOL,
@@ -60,6 +60,7 @@ __all__ = [
     "DeltaSpec",
     "InferencePool",
     "InferencePoolSpec",
+    "AdmissionSpec",
     "IngestSpec",
     "LengthPenaltySpec",
     "MathTaskSpec",

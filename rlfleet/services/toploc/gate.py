@@ -53,7 +53,7 @@ from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.toploc.batch import handle_batch
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.health import prefill_liveness, watch
-from rlfleet.services.toploc.reputation import ban_plan, field, replay_plan
+from rlfleet.services.toploc.reputation import ban_plan, field, on_probation, replay_plan
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components
@@ -75,9 +75,7 @@ UNCHECKED = Counter(
 )
 TOKENS = Counter("rlfleet_verifier_tokens_total", "Completion tokens of handled groups", ["prefill"])
 BANS = Counter("rlfleet_verifier_bans_total", "Workers banned by this replica", ["reason"])
-DUPLICATES = Counter(
-    "rlfleet_verifier_already_committed_total", "Verdicts dropped because another replica committed the entry first"
-)
+DUPLICATES = Counter("rlfleet_verifier_already_committed_total", "Verdicts dropped: another replica committed first")
 FAILURES = Counter(
     "rlfleet_verifier_handle_failures_total",
     "Inbox entries whose handling raised (retried, then dead-lettered)",
@@ -200,9 +198,11 @@ class Gate:
         except Rejection as exc:
             return group, exc
 
-    def draw(self) -> float:
-        """Uniform in [0, 1): a group gets the prefill checks when this is below spotCheckFraction."""
-        return self._draw.random()
+    def spot_checked(self, worker_id: str) -> bool:
+        """Whether a group gets the prefill checks: every group of a worker on probation (a joined worker with few
+        accepted groups, reputation.on_probation), else when an unpredictable draw is below spotCheckFraction."""
+        probation = on_probation(self.ctx.client, self.ctx.keys, worker_id, self.spec.ingest.admission.probation_groups)
+        return probation or self._draw.random() < self.spec.verifier.spot_check_fraction
 
     def handle(self, msg_id: bytes, fields: dict) -> int:
         """Check one inbox entry and commit the verdict; the commit script's answer (0 = already committed)."""
@@ -213,7 +213,7 @@ class Gate:
         group = None
         try:
             group = decode_group(fields, self.spec.verifier.max_message_bytes)
-            return group, self.checker.check(group, msg_id, self.draw() < self.spec.verifier.spot_check_fraction)
+            return group, self.checker.check(group, msg_id, self.spot_checked(group.worker_id))
         except Rejection as exc:
             return group, exc
 
