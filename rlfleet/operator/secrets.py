@@ -43,6 +43,10 @@ def run_secrets(run: RLRun) -> list[SecretNeed]:
         needs.append(SecretNeed(spec.store.credentials_secret, "spec.store.credentialsSecret", ()))
     if spec.ingest.tokens:
         needs.append(SecretNeed(spec.ingest.tokens, "spec.ingest.tokens", (names.INGEST_TOKENS_KEY,)))
+    admission = spec.ingest.admission
+    if admission.mode == "invite" and admission.invites:
+        field = "spec.ingest.admission.invites"
+        needs.append(SecretNeed(admission.invites, field, (names.INGEST_INVITES_KEY,)))
     return needs
 
 
