@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.config import parse_bundle
+from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.local.redis_server import free_port
 from rlfleet.services.ingest.app import make_app
 from rlfleet.services.ingest.client import run_document_url
 from rlfleet.services.ingest.door import make_door
-from rlfleet.services.rollout.join import split_url, worker_config
+from rlfleet.services.rollout.join import fetch_document, split_url, worker_config
 from rlfleet.services.shardcast import origin
 from rlfleet.services.toploc.reputation import one_worker_stats
 from rlfleet.versions.checkpoint import publish_version
@@ -156,3 +156,22 @@ def test_a_refused_join_is_a_clear_error_not_a_traceback(tmp_path, redis_url):
         client.close()
     assert result.returncode == 2 and "HTTP 403: unknown invite code" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "w" / "credentials.json").exists()
+
+
+def test_join_names_what_is_wrong_with_a_url_that_serves_no_run_document():
+    from aiohttp import web
+
+    async def healthz(_):
+        return web.json_response({"status": "ok"})
+
+    async def not_a_document(_):
+        return web.json_response({"hello": "world"})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/{run}", not_a_document)
+    with serving(app) as base:
+        with pytest.raises(ConfigError, match="not an rlfleet run document"):
+            fetch_document(run_document_url(base, RUN))
+        with pytest.raises(ConfigError, match="no run document: HTTP 404"):
+            fetch_document(base + "/v2/nothing")

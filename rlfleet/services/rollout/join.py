@@ -65,7 +65,13 @@ def fetch_document(url: str) -> dict:
         raise ConfigError(url, [f"rlfleet join: cannot reach the ingest: {exc}"]) from None
     if resp.status_code != 200:
         raise _fail("rlfleet join: no run document", resp)
-    return resp.json()
+    try:
+        document = resp.json()
+    except ValueError:
+        document = None
+    if not isinstance(document, dict) or not isinstance(document.get("rlrun"), dict):
+        raise ConfigError(url, ["rlfleet join: the answer is not an rlfleet run document (is this an ingest?)"])
+    return document
 
 
 def join_run(base: str, run: str, code: str | None, engine: str) -> dict:
