@@ -246,6 +246,7 @@ def run_phase(tmp: Path, policy: Path, store: FileStore, public: str, honest: in
 
 def summarize(logs: list[WorkerLog], posted: dict, verified: list[RolloutGroup], stats: dict, window: float) -> dict:
     poisoned_samples = honest_groups = 0
+    poisoned_by_attack: dict[str, int] = {}
     honest_ids = {log.worker for log in logs if not log.malicious}
     for g in verified:
         p = posted.get(g.rollout_id)
@@ -253,6 +254,7 @@ def summarize(logs: list[WorkerLog], posted: dict, verified: list[RolloutGroup],
             continue
         if p.poisoned and (p.lied_rewards is None or [s.reward for s in g.samples] == p.lied_rewards):
             poisoned_samples += len(g.samples)
+            poisoned_by_attack[p.kind] = poisoned_by_attack.get(p.kind, 0) + len(g.samples)
         if g.worker_id in honest_ids:
             honest_groups += 1
     bad = [log for log in logs if log.malicious]
@@ -261,6 +263,7 @@ def summarize(logs: list[WorkerLog], posted: dict, verified: list[RolloutGroup],
         "verified_groups": len(verified),
         "verified_samples": sum(len(g.samples) for g in verified),
         "poisoned_samples_verified": poisoned_samples,
+        "poisoned_samples_by_attack": poisoned_by_attack,
         "honest_groups_accepted": honest_groups,
         "honest_goodput_per_min": round(60 * honest_groups / window, 2),
         "honest_banned": sum(1 for log in logs if not log.malicious and stats.get(log.worker, {}).get("banned")),
