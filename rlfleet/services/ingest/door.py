@@ -62,7 +62,7 @@ if earlier then
   for id in string.gmatch(earlier, '%S+') do
     local ban = redis.call('HGET', KEYS[6], id)
     if ban then
-      local left = cjson.decode(ban).at + tonumber(ARGV[8]) - now
+      local left = (tonumber(cjson.decode(ban).at) or now) + tonumber(ARGV[8]) - now  -- no time: as if now
       if left > 0 then return {'banned', id, tostring(math.ceil(left))} end
     end
   end
