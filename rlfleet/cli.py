@@ -1,5 +1,5 @@
-"""`rlfleet` command line: one subcommand per process, plus `run`, `validate`, `filter`, `render`, `crds` and
-`toploc`.
+"""`rlfleet` command line: one subcommand per process, plus `run`, `report`, `validate`, `filter`, `join`, `render`,
+`crds` and `toploc`.
 
 Each subcommand parses its arguments and hands off to one function; a component's `main` takes
 its typed options (a dataclass whose fields are the argument names), and heavy imports (torch)
@@ -68,6 +68,12 @@ def _ingest_args(p: argparse.ArgumentParser) -> None:
         default=None,
         type=Path,
         help="YAML/JSON {workerId: token} file (overrides spec.ingest.tokensFile)",
+    )
+    p.add_argument(
+        "--invites-file",
+        default=None,
+        type=Path,
+        help="YAML/JSON list of invite codes (overrides spec.ingest.admission.invitesFile)",
     )
 
 
@@ -143,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(spec.name, help=spec.help)
         _add_component_args(p)
         COMPONENT_ARGS[spec.name](p)
+
+    p = sub.add_parser("join", help="join a run through its ingest and work for it (from the run document URL alone)")
+    p.add_argument("url", help="the run document: http(s)://INGEST/v1/RUN")
+    p.add_argument("--code", default=None, help="invite code (runs with spec.ingest.admission.mode: invite)")
+    p.add_argument("--engine", default=None, choices=["torch", "vllm"], help="default: the first the run admits")
+    p.add_argument(
+        "--work-dir", default=None, type=Path, help="config, credentials, cache (default ./rlfleet-join-RUN)"
+    )
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics and /healthz port (0 = none)")
 
     p = sub.add_parser("operator", help="Kubernetes operator (kopf): reconciles RLRun, InferencePool and RelayTier")
     p.add_argument(
@@ -233,6 +248,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         fields = [f.name for f in dataclasses.fields(FilterOptions)]
         return filter_main(FilterOptions(**{name: getattr(args, name) for name in fields}))
+    if args.command == "join":
+        from rlfleet.services.rollout.join import JoinOptions
+        from rlfleet.services.rollout.join import main as join_main
+
+        return join_main(JoinOptions(args.url, args.code, args.engine, args.work_dir, args.metrics_port))
     if args.command == "operator":
         from rlfleet.operator.handlers import run_operator
         from rlfleet.operator.options import OperatorOptions

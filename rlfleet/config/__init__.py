@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, Metadata, Spec
 from rlfleet.config.evaluation import EvalSpec
-from rlfleet.config.infra import DeltaSpec, IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
+from rlfleet.config.infra import AdmissionSpec, DeltaSpec, IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
 from rlfleet.config.resources import (
     KINDS,
     LOCAL_POOL,
@@ -70,6 +70,7 @@ __all__ = [
     "EvalSpec",
     "InferencePool",
     "InferencePoolSpec",
+    "AdmissionSpec",
     "IngestSpec",
     "LengthPenaltySpec",
     "MathTaskSpec",

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -151,6 +151,70 @@ class ShardcastSpec(Spec):
     )
 
 
+class AdmissionSpec(Spec):
+    """How a worker gets an ingest token (`POST /v1/{run}/join`, rlfleet/services/ingest/door.py)."""
+
+    mode: Literal["tokens", "open", "invite"] = Field(
+        default="tokens",
+        description="tokens: only the pre-written tokens (tokens / tokensFile), no joining; open: anyone may join "
+        "(rate-limited per address and in total, up to maxActiveWorkers); invite: a join needs a single-use code "
+        "(invites / invitesFile).",
+    )
+    invites: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only, mode invite: name of a Secret whose key `invites.yaml` holds the invite codes "
+        "as a YAML/JSON list of strings.",
+    )
+    invites_file: str | None = Field(
+        default=None, description="Local, mode invite: path of a YAML/JSON list of invite codes (each usable once)."
+    )
+    joins_per_minute_per_address: int = Field(
+        default=6, ge=1, description="Joins one client address may make per minute (per ingest replica); over it 429."
+    )
+    joins_per_minute: int = Field(
+        default=120, ge=1, description="Joins all addresses together may make per minute (per replica); over it 429."
+    )
+    max_active_workers: int = Field(
+        default=256,
+        ge=1,
+        description="Joined workers active at once (joined or submitted within activeSeconds, not banned); a join "
+        "over it gets 503 with Retry-After.",
+    )
+    active_seconds: int = Field(
+        default=900, ge=10, description="A joined worker stops counting as active this long after its last request."
+    )
+    probation_groups: int = Field(
+        default=20,
+        ge=0,
+        description="A joined worker is on probation until this many of its groups were accepted: every one of its "
+        "groups gets the prefill checks (whatever spotCheckFraction) and its rate starts at probationRatePerMinute.",
+    )
+    probation_rate_per_minute: int = Field(
+        default=6,
+        ge=1,
+        description="Groups per minute of a joined worker on probation; the rate doubles with each probationGroups "
+        "accepted groups, up to ratePerMinute.",
+    )
+    rejoin_ban_seconds: int = Field(
+        default=86400,
+        ge=0,
+        description="An address from which a worker that is now banned joined cannot join again for this long after "
+        "the ban (403).",
+    )
+    relay_urls: list[str] = Field(
+        default_factory=list,
+        description="Public relay (or origin) base URLs a joining worker fetches policy versions from (announced in "
+        "the run document `GET /v1/{run}`); required by modes open and invite.",
+    )
+
+    @model_validator(mode="after")
+    def _joining_needs_relays(self) -> AdmissionSpec:
+        if self.mode != "tokens" and not self.relay_urls:
+            raise ValueError(f"admission.relayUrls: mode {self.mode} needs the relay URLs joining workers fetch from")
+        return self
+
+
 class IngestSpec(Spec):
     """The authenticated HTTP front of the inbox for workers outside the cluster (`rlfleet ingest`)."""
 
@@ -206,6 +270,10 @@ class IngestSpec(Spec):
         le=60.0,
         description="Longest wait for Redis on a submission; a Redis that is down or stalled gives 503 with "
         "Retry-After, never an error or a hang.",
+    )
+    admission: AdmissionSpec = Field(
+        default_factory=AdmissionSpec,
+        description="Who may join the run through `POST /v1/{run}/join` (modes tokens, open, invite).",
     )
     resources: ResourcesSpec = resources("250m", "256Mi")
     pod_template: dict[str, Any] | None = pod_template()

@@ -8,7 +8,8 @@ fixed (names.SHARDCAST_PORT, names.METRICS_PORT) and peers are Service DNS names
 
     RLRun          -> ConfigMap (the run's YAML), trainer StatefulSet + headless Service,
                       origin Deployment + Service, verifier Deployment + headless metrics Service,
-                      with spec.ingest.tokens the ingest Deployment + Service; a remote run: the ConfigMap
+                      with spec.ingest.tokens or a joining admission the ingest Deployment + Service; a
+                      remote run: the ConfigMap
     InferencePool  -> pools.py: ConfigMap (run + pool YAML), rollout workload, Service, PodDisruptionBudget
     RelayTier      -> relays.py: relay Deployment + Service + PodDisruptionBudget
 Every workload runs `replicas` pods while the run is `active` (neither finished nor failed) and not
@@ -215,25 +216,43 @@ def build_origin_service(run: RLRun, namespace: str, owner: Owner | None = None)
     return _run_service(run, names.ORIGIN, names.origin(run.metadata.name), namespace, owner)
 
 
+def serves_ingest(run: RLRun) -> bool:
+    """A run has an ingest when it names worker tokens or admits joins (spec.ingest.admission.mode)."""
+    return bool(run.spec.ingest.tokens) or run.spec.ingest.admission.mode != "tokens"
+
+
 def build_ingest_deployment(
     run: RLRun, namespace: str, owner: Owner | None = None, defaults: ClusterDefaults = DEFAULTS, active: bool = True
 ) -> dict:
-    """Only when spec.ingest.tokens names the Secret of worker tokens (mounted into this pod only)."""
-    tokens = run.spec.ingest.tokens
-    if not tokens:
+    """Only when spec.ingest.tokens names the Secret of worker tokens, or spec.ingest.admission admits joins;
+    the tokens Secret and, in mode invite, the invites Secret are mounted into this pod only."""
+    ingest = run.spec.ingest
+    tokens, invites, mode = ingest.tokens, ingest.admission.invites, ingest.admission.mode
+    if not serves_ingest(run):
         raise SpecError(["spec.ingest.tokens: name the Secret of worker tokens the ingest deployment mounts"])
+    if mode == "invite" and not invites:
+        raise SpecError(["spec.ingest.admission.invites: mode invite needs the Secret of invite codes (invites.yaml)"])
+    args, mounts, volumes = [], [], []
+    if tokens:
+        args += ["--tokens-file", f"{names.INGEST_DIR}/{names.INGEST_TOKENS_KEY}"]
+        mounts.append({"name": "ingest-tokens", "mountPath": names.INGEST_DIR, "readOnly": True})
+        volumes.append(secret_volume("ingest-tokens", tokens, [names.INGEST_TOKENS_KEY]))
+    if mode == "invite" and invites:
+        args += ["--invites-file", f"{names.INGEST_INVITES_DIR}/{names.INGEST_INVITES_KEY}"]
+        mounts.append({"name": "ingest-invites", "mountPath": names.INGEST_INVITES_DIR, "readOnly": True})
+        volumes.append(secret_volume("ingest-invites", invites, [names.INGEST_INVITES_KEY]))
     return _server_deployment(
         run,
         names.INGEST,
         names.ingest(run.metadata.name),
-        ["--tokens-file", f"{names.INGEST_DIR}/{names.INGEST_TOKENS_KEY}"],
+        args,
         namespace,
         owner,
         defaults,
         active,
-        run.spec.ingest,
-        mounts=[{"name": "ingest-tokens", "mountPath": names.INGEST_DIR, "readOnly": True}],
-        volumes=[secret_volume("ingest-tokens", tokens, [names.INGEST_TOKENS_KEY])],
+        ingest,
+        mounts=mounts,
+        volumes=volumes,
     )
 
 
@@ -297,7 +316,7 @@ def build_run_children(
         build_verifier_service(run, namespace, owner),
         build_verifier_deployment(run, namespace, owner, defaults, active),
     ]
-    if run.spec.ingest.tokens:
+    if serves_ingest(run):
         children += [
             build_ingest_service(run, namespace, owner),
             build_ingest_deployment(run, namespace, owner, defaults, active),

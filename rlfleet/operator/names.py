@@ -56,6 +56,8 @@ PUBLIC_KEY = "public-key"  # key inside the signing Secret (public; every other 
 REDIS_URL_KEY = "url"  # key inside the Redis URL Secret (per ACL role: redis_role_url_key)
 INGEST_DIR = "/var/run/rlfleet/ingest"
 INGEST_TOKENS_KEY = "tokens.yaml"  # key inside the ingest tokens Secret
+INGEST_INVITES_DIR = "/var/run/rlfleet/ingest-invites"
+INGEST_INVITES_KEY = "invites.yaml"  # key inside the invites Secret (spec.ingest.admission.invites)
 WORKER_TOKENS_DIR = "/var/run/rlfleet/worker-tokens"  # a pool's workerTokens Secret: one file per pod name
 SHM_DIR = "/dev/shm"  # vLLM workers get a memory-backed /dev/shm (the container runtime's default is 64 MiB)
 

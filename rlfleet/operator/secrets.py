@@ -53,6 +53,10 @@ def run_secrets(run: RLRun) -> list[SecretNeed]:
         needs.append(SecretNeed(spec.ingest.tokens, "spec.ingest.tokens", (names.INGEST_TOKENS_KEY,)))
     if spec.model.token_secret and spec.model.path.startswith("hf://"):
         needs.append(SecretNeed(spec.model.token_secret, "spec.model.tokenSecret", (HUB_TOKEN_KEY,)))
+    admission = spec.ingest.admission
+    if admission.mode == "invite" and admission.invites:
+        field = "spec.ingest.admission.invites"
+        needs.append(SecretNeed(admission.invites, field, (names.INGEST_INVITES_KEY,)))
     return needs
 
 

@@ -9,9 +9,11 @@ whatever the worker wrote: only the ingest binds worker ids to tokens.
             verified stream: a worker's reads (a second client, env RLFLEET_REDIS_READ_URL), the origin, relays
   tickets   HINCRBY the work-ticket counters (spec.sampling.assignment: run; env RLFLEET_REDIS_TICKETS_URL)
   ingest    the inbox (its admission script: XLEN, XADD, GET/SET of its submission records), ban
-            lookups, work tickets
+            lookups, work tickets, its door (hashed tokens, joins, used invites, active workers, join
+            addresses; rlfleet/services/ingest/door.py) and a joined worker's standing (its rate)
   verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected / dead
-            letter, its attempt counts, run stats, reputation and bans, its one-time guards, work tickets (read)
+            letter, its attempt counts, run stats, reputation and bans, its one-time guards, work tickets (read),
+            join records (read: a joined worker's probation) and standings (the ingest's copy)
   trainer   the verified stream's consumer group, the trained set, run stats (read), XADD policy, HSET
             its demand, RPUSH the retired prompts, SET the run's failure record
   admin     everything on the run's keys (the local launcher; on a cluster the operator keeps the
@@ -55,8 +57,14 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     ),
     TICKETS: (["tickets"], ["hincrby"]),
     INGEST: (
-        ["rollouts", "banned", "tickets", "submitted"],
-        ["xadd", "xlen", "get", "set", "hexists", "hincrby", *SCRIPTS],
+        [
+            *("rollouts", "banned", "tickets", "submitted"),
+            *("credentials", "joined", "invites_used", "active", "join_addresses", "standing"),
+        ],
+        [
+            *("xadd", "xlen", "get", "set", "hexists", "hincrby", "hget", "hset"),
+            *("zadd", "zcard", "zrem", "zremrangebyscore", "zrange", *SCRIPTS),
+        ],
     ),
     VERIFIER: (
         [
@@ -71,6 +79,8 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             "seen",
             "seen_versions",
             "tickets_used",
+            "joined",
+            "standing",
             "attempts",
             "dead_letter",
         ],

@@ -68,6 +68,17 @@ class RunKeys:
         self.tickets_used = f"{prefix}:tickets-used"
         # list of prompt keys the online filter retired, append-only (rlfleet/wire/prompt_filter.py)
         self.retired_prompts = f"{prefix}:retired-prompts"
+        # The ingest's door (rlfleet/services/ingest/door.py): hash sha256(token) -> worker id (tokens are
+        # never stored), hash worker id -> JSON join record (address, mode, time), hash sha256(invite code)
+        # -> worker id (codes used), zset worker id -> last request time (joined workers active), hash
+        # client address -> worker ids joined from it (space-separated; refuses rejoins after a ban), hash
+        # worker id -> its accepted groups as the gate last saw them (reputation.on_probation; the rate).
+        self.credentials = f"{prefix}:credentials"
+        self.joined = f"{prefix}:joined"
+        self.invites_used = f"{prefix}:invites-used"
+        self.active = f"{prefix}:active"
+        self.join_addresses = f"{prefix}:join-addresses"
+        self.standing = f"{prefix}:standing"
         self._submitted_prefix = f"{prefix}:submitted:"
         self.verifier_group = "verifiers"
         self.trainer_group = TRAINER
@@ -100,6 +111,12 @@ class RunKeys:
             self.seen_versions,
             self.tickets_used,
             self.retired_prompts,
+            self.credentials,
+            self.joined,
+            self.invites_used,
+            self.active,
+            self.join_addresses,
+            self.standing,
         ]
 
 

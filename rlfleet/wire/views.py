@@ -32,7 +32,7 @@ from rlfleet.config import Bundle
 from rlfleet.config.resources import InferencePool, InferencePoolSpec, RLRun, RLRunSpec
 from rlfleet.wire import components
 
-__all__ = ["VIEWS", "View", "ViewError", "project", "union", "view_bundle"]
+__all__ = ["PUBLIC", "VIEWS", "View", "ViewError", "project", "union", "view_bundle"]
 
 
 class ViewError(Exception):
@@ -128,6 +128,8 @@ _INGEST = _fields(
     "ingest: tokensFile maxBodyBytes ratePerMinute maxBacklog maxBufferedBytes requestTimeoutSeconds"
     " maxConnections redisTimeoutSeconds"
 )
+# What the ingest tells a joining worker (the public run document, rlfleet/services/ingest/door.py).
+PUBLIC = (*_POLICY, *_TRAINER_OTHERS, *_VERIFIER, *_SHARDCAST)
 _GENERATORS = (*_POLICY, *_TRAINER_OTHERS, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST)
 
 VIEWS: dict[str, View] = {
@@ -139,16 +141,17 @@ VIEWS: dict[str, View] = {
             components.TRAINER,
             (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST, "tracking", "eval"),
         ),
-        View(components.VERIFIER, _GENERATORS),
+        View(components.VERIFIER, (*_GENERATORS, "ingest.admission.probationGroups")),
         View(
             components.ROLLOUT,
             _GENERATORS,
             pool=("run", "engine", "dtype", "maxPending", "maxGroupsInFlight", "ingestUrl", "vllm"),
         ),
-        # Relays, the origin and the ingest move bytes: sampling, the task or the model never roll them.
+        # Relays and the origin move bytes: sampling, the task or the model never roll them. The ingest serves
+        # the run document, so what a worker must know of the run rolls it.
         View(components.RELAY, (*_REDIS, *_SHARDCAST)),
         View(components.ORIGIN, (*_REDIS, *_STORE)),
-        View(components.INGEST, (*_REDIS, *_INGEST)),
+        View(components.INGEST, (*_REDIS, *_INGEST, "ingest.admission", *PUBLIC)),
     )
 }
 

@@ -37,6 +37,15 @@ EMPTY_ON_A_LOCAL_RUN = {
     ("rlfleet-rollout", "Ingest answers by status"): "no ingest: a local run's workers XADD to the inbox",
     ("rlfleet-rollout", "Ingest accepted bytes"): "no ingest: a local run's workers XADD to the inbox",
     ("rlfleet-verification", "Handling failures by error"): "labelled by the exception's type: none on a healthy run",
+    ("rlfleet-rollout", "Ingest joins by outcome (201 joined; 403/409/422/429/503 refused) and banned refusals"): (
+        "no ingest: a local run's workers XADD to the inbox"
+    ),
+    (
+        "rlfleet-rollout",
+        "Joined workers active (per ingest replica)",
+    ): "no ingest: a local run's workers XADD to the inbox",
+    ("rlfleet-run", "Reward per task source"): "labelled by a mixture's source: the example is one task",
+    ("rlfleet-run", "Groups per task source"): "labelled by a mixture's source: the example is one task",
 }
 
 

@@ -11,6 +11,7 @@ import yaml
 from rlfleet.config import RelayTier, RLRun, parse_bundle
 from rlfleet.operator import builders as b
 from rlfleet.operator import conditions, names, podconfig
+from rlfleet.operator.secrets import SecretNeed, run_secrets
 from rlfleet.wire import env
 from tests.support import REPO
 
@@ -323,3 +324,24 @@ def test_the_ingest_is_deployed_with_its_tokens_only_when_configured():
     assert all("ingest-tokens" not in str(c) for c in others), "only the ingest pod sees the worker tokens"
     for child in (service, deployment):
         kubernetes_validate.validate(child, "1.30", strict=True)
+
+
+def test_an_ingest_that_admits_joins_is_deployed_with_its_invites_and_without_tokens():
+    relays = ["https://relay.example.org"]
+    admission = {"mode": "invite", "invites": "invite-codes", "relayUrls": relays}
+    run = _bundle(ingest={"admission": admission}).run
+    [deployment] = [c for c in b.build_run_children(run, NS) if c["metadata"]["name"] == "arithmetic-ingest"][1:]
+    args = _container(deployment)["args"]
+    assert "--tokens-file" not in args
+    assert args[args.index("--invites-file") + 1] == "/var/run/rlfleet/ingest-invites/invites.yaml"
+    assert {
+        "name": "ingest-invites",
+        "secret": {"secretName": "invite-codes", "items": [{"key": "invites.yaml", "path": "invites.yaml"}]},
+    } in deployment["spec"]["template"]["spec"]["volumes"]
+    kubernetes_validate.validate(deployment, "1.30", strict=True)
+    assert SecretNeed("invite-codes", "spec.ingest.admission.invites", ("invites.yaml",)) in run_secrets(run)
+    opened = _bundle(ingest={"admission": {"mode": "open", "relayUrls": relays}}).run
+    [deployment] = [c for c in b.build_run_children(opened, NS) if c["metadata"]["name"] == "arithmetic-ingest"][1:]
+    assert "ingest-tokens" not in str(deployment) and "ingest-invites" not in str(deployment)
+    with pytest.raises(b.SpecError, match="admission.invites"):
+        b.build_run_children(_bundle(ingest={"admission": {"mode": "invite", "relayUrls": relays}}).run, NS)

@@ -81,10 +81,12 @@ def test_a_sampling_change_rolls_who_reads_it_and_not_the_servers():
     base = _templates(_bundle(ingest={"tokens": "t"}))
     task = {"type": "arithmetic", "seed": 3, "maxOperand": 20, "operations": ["+"]}
     hot = _templates(_bundle(ingest={"tokens": "t"}, sampling={"groupSize": 8, "temperature": 0.7}, task=task))
+    # The ingest serves the public run document (sampling, task, model: what a joining worker reads).
     assert {n for n in base if hot[n] != base[n]} == {
         "arithmetic-trainer",
         "arithmetic-verifier",
         "arithmetic-cpu-rollout",
+        "arithmetic-ingest",
     }
     keep = {"signingKeySecret": "arithmetic-signing", "keepVersions": 5}
     shardcast = _templates(_bundle(ingest={"tokens": "t"}, shardcast=keep))
@@ -93,6 +95,7 @@ def test_a_sampling_change_rolls_who_reads_it_and_not_the_servers():
         "arithmetic-verifier",
         "arithmetic-cpu-rollout",
         "arithmetic-tier0-relay",
+        "arithmetic-ingest",
     }
     ingest = _templates(_bundle(ingest={"tokens": "t", "maxBacklog": 7}))
     assert (
@@ -145,7 +148,7 @@ ADDED = [
     (names.ROLLOUT, "trainer.learningRate", 0.5, {"arithmetic-cpu-rollout"}),
     (names.RELAY, "sampling.groupSize", 4, {"arithmetic-tier0-relay"}),
     (names.ORIGIN, "model.warmStartSteps", 3, {"arithmetic-origin"}),
-    (names.INGEST, "verifier.spotCheckFraction", 0.5, {"arithmetic-ingest"}),
+    (names.INGEST, "trainer.steps", 999, {"arithmetic-ingest"}),
 ]
 
 

@@ -3,12 +3,14 @@
   POST /v1/{run}/rollouts   body: a group message (the JSON RolloutGroup.encode() puts in field `m`),
                             header `Authorization: Bearer <token>`; 202 {"id": stream id} when enqueued
   POST /v1/{run}/tickets    a work ticket for the token's worker (runs with spec.sampling.assignment: run)
+  GET  /v1/{run}            the public run document; POST /v1/{run}/join: a worker joins (door.py)
   GET  /healthz             readiness: 200 while Redis answered in the last seconds, else 503 (from memory)
   GET  /livez               liveness: 200 while the process serves
   GET  /metrics             Prometheus metrics of this process (rlfleet_ingest_*)
 
 A submission passes these checks in order, and only then is XADDed to the inbox unchanged (same bytes):
-  401 token unknown (compared with hmac.compare_digest against every token, no early exit)
+  401 token unknown (compared with hmac.compare_digest against every written token, no early exit; then
+      the hashed tokens of joined workers in Redis, door.py)
   404 the path names another run            413 body over maxBodyBytes (Content-Length, then while reading)
   503 the bodies in flight would pass maxBufferedBytes            408 body not received within requestTimeoutSeconds
   422 RolloutGroup.decode fails             403 body's worker_id is not the token's worker, or it is banned
@@ -20,7 +22,8 @@ first entry's id (`duplicate: true`) and adds nothing, and concurrent submission
 past maxBacklog. A submission that is not stored gets its rate token back. The inbox is never trimmed
 (no MAXLEN): it holds only unverified groups, bounded by maxBacklog here and maxPending for Redis workers.
 The ingest only guards the door: the verifier gate still checks everything (and repeats the ban check).
-The rate limit is a token bucket per worker in this process, so with N replicas a worker gets up to N
+The rate limit is a token bucket per worker in this process (a joined worker's rate widens with its accepted
+groups, door.py), so with N replicas a worker gets up to N
 times the rate. HTTP serving is FastAPI + uvicorn, as the verifier API; slow clients and buffered bytes
 are bounded by limits.py.
 """
@@ -32,6 +35,7 @@ import contextlib
 import hmac
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +48,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from rlfleet.config import ConfigError, IngestSpec
-from rlfleet.services.ingest.client import ROLLOUTS_PATH, TICKETS_PATH
+from rlfleet.services.ingest.client import JOIN_PATH, ROLLOUTS_PATH, RUN_PATH, TICKETS_PATH
+from rlfleet.services.ingest.door import BANNED_REFUSALS, JOIN_BODY_MAX_BYTES, JOINS, Door, Refusal, make_door
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.wire import components
@@ -62,7 +67,8 @@ SUBMITTED_TTL_S = 3600  # how long a stored submission is remembered for resends
 ANSWERS = Counter("rlfleet_ingest_requests_total", "Group submissions answered, by HTTP status code", ["code"])
 ACCEPTED_BYTES = Counter("rlfleet_ingest_accepted_bytes_total", "Bytes of group messages enqueued to the inbox")
 
-# KEYS: inbox, the submission's idempotency record. ARGV: maxBacklog, body, record TTL seconds.
+# KEYS: inbox, the submission's idempotency record, active joined workers (door.py).
+# ARGV: maxBacklog, body, record TTL seconds, now, worker (its last request time, if it joined).
 # Answers {"dup", first id} | {"full", backlog} | {"ok", id}.
 _ADMIT = """
 local prior = redis.call('GET', KEYS[2])
@@ -71,6 +77,7 @@ local backlog = redis.call('XLEN', KEYS[1])
 if backlog >= tonumber(ARGV[1]) then return {'full', tostring(backlog)} end
 local id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[2])
 redis.call('SET', KEYS[2], id, 'EX', ARGV[3])
+redis.call('ZADD', KEYS[3], 'XX', ARGV[4], ARGV[5])
 return {'ok', id}
 """
 
@@ -114,6 +121,10 @@ class TokenBook:
 
 def _refuse(code: int, detail: str, retry_after: float | None = None) -> JSONResponse:
     ANSWERS.labels(str(code)).inc()
+    return _refusal(code, detail, retry_after)
+
+
+def _refusal(code: int, detail: str, retry_after: float | None = None) -> JSONResponse:
     headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
     return JSONResponse({"detail": detail}, status_code=code, headers=headers)
 
@@ -128,9 +139,12 @@ class _Refused(Exception):
         self.response = response
 
 
-def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, str]) -> FastAPI:
+def make_app(
+    run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, str], door: Door | None = None
+) -> FastAPI:
     """The ingest of run `run`: checks each submission, XADDs accepted ones to `RunKeys(run).rollouts`.
-    `client` should have socket timeouts (`ingest_redis`), so a stalled Redis answers 503, not a hang."""
+    `client` should have socket timeouts (`ingest_redis`), so a stalled Redis answers 503, not a hang.
+    `door`: serves the run document and joins (door.py); without it both answer 404."""
     keys, book, limiter = RunKeys(run), TokenBook(tokens), RateLimiter(spec.rate_per_minute)
     budget, admit_script = BodyBudget(spec.max_buffered_bytes), client.register_script(_ADMIT)
     watch = RedisWatch(client, keys.rollouts)
@@ -149,16 +163,28 @@ def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, 
         lifespan=lifespan,
     )
 
-    def authenticate(run_in_path: str, request: Request) -> str:
+    def authenticate(run_in_path: str, request: Request) -> tuple[str, bool]:
+        """(worker, joined through the door); runs in the threadpool (a joined worker's token is in Redis)."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         worker = book.worker_for(token) if scheme.lower() == "bearer" and token else None
+        joined = worker is None and door is not None and scheme.lower() == "bearer" and bool(token)
+        if joined:
+            assert door is not None  # for mypy: `joined` implies it
+            try:
+                worker = door.worker_for(token)
+            except redis.RedisError as exc:
+                raise _Refused(_redis_trouble(exc)) from None
         if worker is None:
             raise _Refused(_refuse(401, "missing or unknown token: send `Authorization: Bearer <token>`"))
         if run_in_path != keys.run:
             raise _Refused(_refuse(404, f"run {run_in_path!r} is not served here (this ingest serves {keys.run!r})"))
-        return worker
+        return worker, joined
 
-    def admit(worker: str, body: bytes) -> JSONResponse:
+    def banned(worker: str) -> JSONResponse:
+        BANNED_REFUSALS.inc()
+        return _refuse(403, f"worker {worker!r} is banned from run {run!r}")
+
+    def admit(worker: str, joined: bool, body: bytes) -> JSONResponse:
         """The checks after the body is read (sync Redis, run in the threadpool)."""
         try:
             group = RolloutGroup.decode({MESSAGE_FIELD: body})
@@ -168,15 +194,17 @@ def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, 
             return _refuse(403, f"worker_id {group.worker_id!r} in the body is not this token's worker {worker!r}")
         try:
             if is_banned(client, keys, worker):
-                return _refuse(403, f"worker {worker!r} is banned from run {run!r}")
+                return banned(worker)
+            rate = door.rate_for(worker) if joined and door is not None else spec.rate_per_minute
         except redis.RedisError as exc:
             return _redis_trouble(exc)
-        wait = limiter.take(worker)
+        wait = limiter.take(worker, rate)
         if wait > 0:
-            return _refuse(429, f"worker {worker!r} is over {spec.rate_per_minute} groups per minute", retry_after=wait)
+            return _refuse(429, f"worker {worker!r} is over {rate} groups per minute", retry_after=wait)
         record = keys.submitted(f"{group_digest(group)}:{worker}")
         try:
-            kind, value = admit_script(keys=[keys.rollouts, record], args=[spec.max_backlog, body, SUBMITTED_TTL_S])
+            args: list[bytes | str | float] = [spec.max_backlog, body, SUBMITTED_TTL_S, time.time(), worker]
+            kind, value = admit_script(keys=[keys.rollouts, record, keys.active], args=args)
         except redis.RedisError as exc:
             limiter.refund(worker)
             return _redis_trouble(exc)
@@ -234,31 +262,61 @@ def make_app(run: str, spec: IngestSpec, client: redis.Redis, tokens: dict[str, 
     @app.post(ROLLOUTS_PATH, status_code=202, summary="Submit one rollout group")
     async def submit(run: str, request: Request) -> Response:  # `run`: the path's run; keys.run is ours
         try:
-            worker = authenticate(run, request)
+            worker, joined = await run_in_threadpool(authenticate, run, request)
             body, reserved = await read_body(request)
         except _Refused as refused:
             return refused.response
         try:
-            return await run_in_threadpool(admit, worker, body)
+            return await run_in_threadpool(admit, worker, joined, body)
         finally:
             budget.release(reserved)
 
     @app.post(TICKETS_PATH, summary="Take a work ticket (runs that assign work)")
     async def ticket(run: str, request: Request) -> Response:
         try:
-            worker = authenticate(run, request)
+            worker, _ = await run_in_threadpool(authenticate, run, request)
         except _Refused as refused:
             return refused.response
 
         def take() -> JSONResponse:
             try:
                 if is_banned(client, keys, worker):
-                    return _refuse(403, f"worker {worker!r} is banned from run {run!r}")
+                    return banned(worker)
                 return JSONResponse({"ticket": issue_ticket(client, keys, worker)}, status_code=200)
             except redis.RedisError as exc:
                 return _redis_trouble(exc)
 
         return await run_in_threadpool(take)
+
+    @app.get(RUN_PATH, summary="The public run document: what a worker needs to configure itself")
+    async def document(run: str) -> JSONResponse:
+        if door is None or run != keys.run:
+            return JSONResponse({"detail": f"run {run!r} is not served here"}, status_code=404)
+        return JSONResponse(door.document)
+
+    @app.post(JOIN_PATH, status_code=201, summary="Join the run: a worker id and its token")
+    async def join(run: str, request: Request) -> Response:
+        if door is None or run != keys.run:
+            JOINS.labels("404").inc()
+            return JSONResponse({"detail": f"run {run!r} is not served here"}, status_code=404)
+        body = b""
+        async for chunk in request.stream():  # parse_join_body refuses a body this long
+            body += chunk
+            if len(body) > JOIN_BODY_MAX_BYTES:
+                break
+        address = request.client.host if request.client else "unknown"
+        try:
+            answer = await run_in_threadpool(door.join, address, body)
+        except Refusal as no:
+            JOINS.labels(str(no.code)).inc()
+            return _refusal(no.code, no.detail, no.retry_after)
+        except redis.RedisError as exc:
+            JOINS.labels("503").inc()
+            log.warning("Redis trouble: %s: %s", type(exc).__name__, exc)
+            return _refusal(503, f"Redis unavailable ({type(exc).__name__}); retry later", REDIS_RETRY_SECONDS)
+        JOINS.labels("201").inc()
+        log.info("worker %s joined run %s from %s", answer["worker_id"], run, address)
+        return JSONResponse(answer, status_code=201)
 
     @app.get("/healthz", summary="Readiness: Redis answered recently")
     async def healthz() -> JSONResponse:
@@ -306,6 +364,7 @@ class IngestOptions(ComponentOptions):
     port: int
     host: str = "127.0.0.1"  # bind address (0.0.0.0 in a pod)
     tokens_file: Path | None = None  # overrides spec.ingest.tokensFile
+    invites_file: Path | None = None  # overrides spec.ingest.admission.invitesFile
 
 
 def main(options: IngestOptions) -> int:
@@ -314,10 +373,13 @@ def main(options: IngestOptions) -> int:
     ctx = component_context(options, components.INGEST)
     spec = ctx.bundle.run.spec
     tokens_file = options.tokens_file or spec.ingest.tokens_file
-    if not tokens_file:
+    if not tokens_file and spec.ingest.admission.mode == "tokens":
         raise ConfigError(str(options.config), ["spec.ingest.tokensFile: required (or pass --tokens-file)"])
     client = ingest_redis(ctx.redis_url, spec.ingest)
-    app = make_app(ctx.run_name, spec.ingest, client, load_tokens(tokens_file))
+    invites = options.invites_file or spec.ingest.admission.invites_file
+    door = make_door(ctx.bundle.run, client, str(invites) if invites else None)
+    tokens = load_tokens(tokens_file) if tokens_file else {}
+    app = make_app(ctx.run_name, spec.ingest, client, tokens, door)
     log.info("serving the inbox of run %s on %s:%d", ctx.run_name, options.host, options.port)
     uvicorn.Server(server_config(app, spec.ingest, options.host, options.port)).run()
     return 0

@@ -1,7 +1,7 @@
 """The ingest's client side: where a worker POSTs a group (or asks for a work ticket), and how it resends
 until the ingest takes it.
 
-The only place the routes are spelled (the app serves ROLLOUTS_PATH and TICKETS_PATH, workers post to
+The only place the routes are spelled (the app serves these paths, workers post to
 rollouts_url and tickets_url). Resending is safe: the ingest stores a group once per content and worker
 and answers a resend with the first entry's id.
 """
@@ -18,6 +18,8 @@ log = logging.getLogger("rlfleet.ingest.client")
 
 ROLLOUTS_PATH = "/v1/{run}/rollouts"
 TICKETS_PATH = "/v1/{run}/tickets"
+RUN_PATH = "/v1/{run}"  # the public run document (door.py)
+JOIN_PATH = "/v1/{run}/join"
 
 
 def rollouts_url(base_url: str, run: str) -> str:
@@ -28,6 +30,14 @@ def rollouts_url(base_url: str, run: str) -> str:
 def tickets_url(base_url: str, run: str) -> str:
     """Where a worker asks for a work ticket (runs with spec.sampling.assignment: run)."""
     return base_url.rstrip("/") + TICKETS_PATH.format(run=run)
+
+
+def run_document_url(base_url: str, run: str) -> str:
+    return base_url.rstrip("/") + RUN_PATH.format(run=run)
+
+
+def join_url(base_url: str, run: str) -> str:
+    return base_url.rstrip("/") + JOIN_PATH.format(run=run)
 
 
 # The ingest's backpressure and transient trouble: wait and resend the same request. 5xx and timeouts

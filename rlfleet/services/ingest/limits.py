@@ -1,7 +1,8 @@
 """What keeps one ingest process bounded and honest under load and faults.
 
-- `RateLimiter`: a token bucket per worker; a submission that is not stored (503, Redis trouble, an
-  idempotent resend) gets its token back (`refund`), so backpressure never spends a worker's rate.
+- `RateLimiter`: a token bucket per worker (and per joining address); a submission that is not stored
+  (503, Redis trouble, an idempotent resend) gets its token back (`refund`), so backpressure never
+  spends a worker's rate.
 - `BodyBudget`: request bytes all submissions in flight hold together (`maxBufferedBytes`); a
   request is refused before its body is read when its share does not fit.
 - `guarded_protocol`: uvicorn's HTTP protocol with a per-request deadline (`requestTimeoutSeconds`):
@@ -22,33 +23,36 @@ import redis
 
 
 class RateLimiter:
-    """Token bucket per worker: `rate` groups per minute, bursts up to `rate`."""
+    """Token bucket per key (a worker, a client address): `rate` per minute, bursts up to `rate`. A call
+    may give a key its own rate (a joined worker on probation); the bucket keeps the last one given."""
 
     def __init__(self, rate_per_minute: int, clock=time.monotonic):
-        self.capacity, self.per_second, self.clock = float(rate_per_minute), rate_per_minute / 60.0, clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # worker -> (tokens, at)
+        self.rate, self.clock = rate_per_minute, clock
+        self._buckets: dict[str, tuple[float, float, int]] = {}  # key -> (tokens, at, rate per minute)
         self._lock = threading.Lock()
 
-    def _level(self, worker: str, now: float) -> float:
-        tokens, at = self._buckets.get(worker, (self.capacity, now))
-        return min(self.capacity, tokens + (now - at) * self.per_second)
+    def _level(self, key: str, now: float, rate: int | None) -> tuple[float, int]:
+        tokens, at, known = self._buckets.get(key, (float(rate or self.rate), now, rate or self.rate))
+        rate = rate or known
+        return min(float(rate), tokens + (now - at) * rate / 60.0), rate
 
-    def take(self, worker: str) -> float:
-        """0 when one submission is allowed now (and counted), else the seconds until it would be."""
+    def take(self, key: str, rate_per_minute: int | None = None) -> float:
+        """0 when one request is allowed now (and counted), else the seconds until it would be."""
         with self._lock:
             now = self.clock()
-            tokens = self._level(worker, now)
+            tokens, rate = self._level(key, now, rate_per_minute)
             if tokens >= 1.0:
-                self._buckets[worker] = (tokens - 1.0, now)
+                self._buckets[key] = (tokens - 1.0, now, rate)
                 return 0.0
-            self._buckets[worker] = (tokens, now)
-            return (1.0 - tokens) / self.per_second
+            self._buckets[key] = (tokens, now, rate)
+            return (1.0 - tokens) * 60.0 / rate
 
-    def refund(self, worker: str) -> None:
-        """Give back the token of a submission that was not stored."""
+    def refund(self, key: str) -> None:
+        """Give back the token of a request that was not served (a submission that was not stored)."""
         with self._lock:
             now = self.clock()
-            self._buckets[worker] = (min(self.capacity, self._level(worker, now) + 1.0), now)
+            tokens, rate = self._level(key, now, None)
+            self._buckets[key] = (min(float(rate), tokens + 1.0), now, rate)
 
 
 class BodyBudget:

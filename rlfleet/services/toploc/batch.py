@@ -110,7 +110,7 @@ def handle_batch(gate, entries: list[tuple[bytes, dict]]) -> list[int]:
         group = None
         try:
             group = decode_group(fields, v.max_message_bytes)
-            prefill = gate.draw() < v.spot_check_fraction
+            prefill = gate.spot_checked(group.worker_id)
             verdicts.append((group, gate.checker.check(group, msg_id, prefill, deferred=True)))
             if prefill:
                 drawn[group.policy_version].append(n)

@@ -62,7 +62,7 @@ from rlfleet.services.toploc.metrics import (
     UNCHECKED,
     VERDICTS,
 )
-from rlfleet.services.toploc.reputation import ban_plan, field, replay_plan
+from rlfleet.services.toploc.reputation import ban_plan, field, on_probation, replay_plan
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components
@@ -188,9 +188,11 @@ class Gate:
         except Rejection as exc:
             return group, exc
 
-    def draw(self) -> float:
-        """Uniform in [0, 1): a group gets the prefill checks when this is below spotCheckFraction."""
-        return self._draw.random()
+    def spot_checked(self, worker_id: str) -> bool:
+        """Whether a group gets the prefill checks: every group of a worker on probation (a joined worker with few
+        accepted groups, reputation.on_probation), else when an unpredictable draw is below spotCheckFraction."""
+        probation = on_probation(self.ctx.client, self.ctx.keys, worker_id, self.spec.ingest.admission.probation_groups)
+        return probation or self._draw.random() < self.spec.verifier.spot_check_fraction
 
     def handle(self, msg_id: bytes, fields: dict) -> int:
         """Check one inbox entry and commit the verdict; the commit script's answer (0 = already committed)."""
@@ -201,7 +203,7 @@ class Gate:
         group = None
         try:
             group = decode_group(fields, self.spec.verifier.max_message_bytes)
-            return group, self.checker.check(group, msg_id, self.draw() < self.spec.verifier.spot_check_fraction)
+            return group, self.checker.check(group, msg_id, self.spot_checked(group.worker_id))
         except Rejection as exc:
             return group, exc
 

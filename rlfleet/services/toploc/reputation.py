@@ -112,3 +112,21 @@ def replay_plan(
         "record": json.dumps(record),
     }
     return workers, share_ban
+
+
+def on_probation(client: redis.Redis, keys: RunKeys, worker_id: str, probation_groups: int) -> bool:
+    """Whether `worker_id` joined through the ingest's door (`RunKeys.joined`) and has fewer than
+    `probation_groups` accepted groups: the gate then gives every one of its groups the prefill checks.
+    Workers with operator-written tokens (or direct Redis access) never are. For a joined worker it also
+    copies the accepted count to `RunKeys.standing`, where the ingest reads it to widen the worker's rate
+    (the ingest may not read the reputation hash: its Redis user would then be able to write it too)."""
+    if probation_groups <= 0:
+        return False
+    pipe = client.pipeline(transaction=False)
+    pipe.hexists(keys.joined, worker_id)
+    pipe.hget(keys.workers, field(worker_id, "accepted"))
+    joined, accepted = pipe.execute()
+    if not joined:
+        return False
+    client.hset(keys.standing, worker_id, int(accepted or 0))
+    return int(accepted or 0) < probation_groups
