@@ -66,9 +66,13 @@ class WorkSource:
         then skips."""
         assert piece is not None  # draw_unretired asks only for the key of a draw
         try:
-            return prompt_key(encode_prompt(self.loaded.tokenizer, self.task.problem(piece[0])))
+            return prompt_key(self.prompt_ids(piece[0]))
         except EnvironmentFailure:
             return ""
+
+    def prompt_ids(self, task_id: str) -> list[int]:
+        """The prompt tokens of `task_id`'s problem, as the group carries them (chat template included)."""
+        return encode_prompt(self.loaded.tokenizer, self.task.problem(task_id))
 
     def take_work(self, room: int) -> list[tuple[str, int, int | None]] | None:
         """Up to `room` pieces of work (next_work's), redrawing prompts the online filter retired; None if
