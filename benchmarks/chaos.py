@@ -40,7 +40,7 @@ from _paths import ROOT
 
 from rlfleet.config import load_bundle
 from rlfleet.local.redis_server import EmbeddedRedis
-from rlfleet.local.report import read_metrics, summarize
+from rlfleet.services.trainer.summary import read_metrics, summarize
 from rlfleet.wire import streams
 from rlfleet.wire.streams import RolloutGroup, RunKeys
 

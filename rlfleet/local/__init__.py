@@ -5,7 +5,6 @@ plan.py          the run's processes as typed records (component, ports, pool...
 supervisor.py    processes under a restart policy with back-off, as kubelet runs a pod's containers
 redis_server.py  the embedded `redis-server` (a free loopback port, its own data directory)
 progress.py      what the terminal shows while a run starts and trains
-report.py        `summary.json` and `reward.png` from the trainer's `metrics.jsonl`
 run_report.py    `rlfleet report`: RUN_DIR/report/index.html and its PNGs from the run directory
 prometheus.py    the run's scrape targets (Prometheus file_sd) and `rlfleet run --prometheus`
 Nothing outside this package imports it except the command line: the components never know

@@ -39,9 +39,9 @@ from rlfleet.local.progress import BuildProgress, Progress, startup_status
 from rlfleet.local.prometheus import LocalPrometheus, write_targets
 from rlfleet.local.prometheus import start as start_prometheus
 from rlfleet.local.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
-from rlfleet.local.report import read_metrics, reward_trend, write_reports
 from rlfleet.local.run_report import write_html_report
 from rlfleet.local.supervisor import Component, Supervisor
+from rlfleet.services.trainer.summary import read_metrics, reward_trend, write_reports
 from rlfleet.services.trainer.tracking import missing_packages
 from rlfleet.wire import env
 from rlfleet.wire.components import TRAINER

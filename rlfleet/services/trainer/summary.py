@@ -1,5 +1,7 @@
-"""Run reports: `summary.json` and a picture of reward and accuracy against step, both computed
-from the trainer's `metrics.jsonl` (never written in by hand), and the progress shown while a run goes."""
+"""A run's summary: `summary.json` and `reward.png` (reward and accuracy against step), both computed from the
+trainer's `metrics.jsonl` records (never written in by hand). Pure functions of the records, so the trainer's
+trackers log the same figures on a cluster (tracking.py) that `rlfleet run` writes into the run directory
+(rlfleet/local/launcher.py) and `rlfleet report` reads (rlfleet/local/run_report.py)."""
 
 from __future__ import annotations
 
