@@ -44,6 +44,7 @@ from pathlib import Path
 
 import _paths  # noqa: F401  (the checkout's rlfleet and tests, without PYTHONPATH)
 import torch
+from replay_calibration import replay_of
 
 from rlfleet.config import parse_bundle
 from rlfleet.models.builtin import build_tokenizer
@@ -184,11 +185,28 @@ def verification_rows(spec, model_dir: Path, dtype: str, device, groups, gen_tps
         "groups": len(groups),
         "honest_rejected": sum(r is not None for r in honest),
         "honest_reasons": sorted({r for r in honest if r}),
+        "replay_match": {
+            "honest": match_rates(checker, model, tok, groups),
+            "changed token": match_rates(checker, model, tok, changed),
+        },
         "tokens_per_s": verify_tps,
         "verify_over_generate": verify_tps / gen_tps,
         "worker_gpus_per_verifier_gpu": verify_tps / gen_tps,
         "tampered_rejected": {k: [sum(r is not None for r in v), len(v)] for k, v in tampered.items()},
     }
+
+
+def match_rates(checker: Checker, model, tok, groups: list[RolloutGroup]) -> dict:
+    """The seed replay's match rate (rlfleet/services/toploc/replay.py): the share of completion positions whose
+    claimed token is the one the sample's seed draws from the verifier's logits, within the replay tolerance the
+    gate uses for the group's (engine, device, dtype); over all groups and for the worst group."""
+    positions = mismatches = 0
+    worst = 1.0
+    for group in groups:
+        score = replay_of(group, model, tok, checker.calibration(group).replay_tolerance)
+        positions, mismatches = positions + score.positions, mismatches + score.mismatches
+        worst = min(worst, 1.0 - score.mismatches / max(1, score.positions))
+    return {"positions": positions, "match_share": 1.0 - mismatches / max(1, positions), "worst_group": worst}
 
 
 def swap_rows(engine, spec, work: Path, device, swaps: int = 3) -> dict:
@@ -419,8 +437,21 @@ def print_table(r: dict) -> None:
         lambda s: f"{s['worker_gpus_per_verifier_gpu']:.1f}",
     )
     row("honest groups rejected", "verification", lambda s: f"{s['honest_rejected']} of {s['groups']}")
-    for name, (bad, of) in r.get("verification_torch", {}).get("tampered_rejected", {}).items():
-        print(f"| tampered groups rejected: {name} | {bad} of {of} | - |")
+    for name in r.get("verification_torch", {}).get("tampered_rejected", {}):
+        row(
+            f"tampered groups rejected: {name}",
+            "verification",
+            lambda s, name=name: "{} of {}".format(*s["tampered_rejected"][name]) if name in s["tampered_rejected"]
+            else "-",
+        )  # fmt: skip
+    for kind in ("honest", "changed token"):
+        row(
+            f"seed replay match share, {kind} groups (worst group)",
+            "verification",
+            lambda s, kind=kind: (
+                f"{s['replay_match'][kind]['match_share']:.4f} ({s['replay_match'][kind]['worst_group']:.4f})"
+            ),
+        )
     if "weight_swap" in r:
         s = r["weight_swap"]
         print(

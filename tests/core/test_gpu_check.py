@@ -36,6 +36,10 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert verification["groups"] == 16
     assert verification["honest_rejected"] == 0, verification["honest_reasons"]
     assert verification["tampered_rejected"] == {"changed token": [16, 16], "another model's groups": [4, 4]}
+    # fp32 on the CPU: the seed replay is exact for honest groups; each changed group misses at its changed token
+    honest, changed = verification["replay_match"]["honest"], verification["replay_match"]["changed token"]
+    assert honest["match_share"] == honest["worst_group"] == 1.0 and honest["positions"] > 0
+    assert changed["worst_group"] < 1.0 and changed["match_share"] < 1.0
     assert report["weight_swap"]["checkpoint_mib"] > 0
     assert {step["groups"] for step in report["trainer"]["steps"].values()} == {1, 4, 16}
     assert "no GPU" in report["vllm_skipped"]
