@@ -24,12 +24,27 @@ import redis
 
 class RateLimiter:
     """Token bucket per key (a worker, a client address): `rate` per minute, bursts up to `rate`. A call
-    may give a key its own rate (a joined worker on probation); the bucket keeps the last one given."""
+    may give a key its own rate (a joined worker on probation); the bucket keeps the last one given.
 
-    def __init__(self, rate_per_minute: int, clock=time.monotonic):
+    Memory: a bucket that has refilled is the same as no bucket (a missing key starts full), so when the
+    table reaches `prune_at` keys the full ones are dropped and the mark moves to twice what is left. The
+    table then holds about the keys seen in the last minute (a bucket refills within 60 s), not every
+    address or worker ever seen, at an amortized O(1) cost per call."""
+
+    def __init__(self, rate_per_minute: int, clock=time.monotonic, prune_at: int = 4096):
         self.rate, self.clock = rate_per_minute, clock
         self._buckets: dict[str, tuple[float, float, int]] = {}  # key -> (tokens, at, rate per minute)
         self._lock = threading.Lock()
+        self._min_prune_at = self._prune_at = prune_at
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _prune(self, now: float) -> None:
+        full = [k for k, (tokens, at, rate) in self._buckets.items() if tokens + (now - at) * rate / 60.0 >= rate]
+        for key in full:
+            del self._buckets[key]
+        self._prune_at = max(self._min_prune_at, 2 * len(self._buckets))
 
     def _level(self, key: str, now: float, rate: int | None) -> tuple[float, int]:
         tokens, at, known = self._buckets.get(key, (float(rate or self.rate), now, rate or self.rate))
@@ -40,6 +55,8 @@ class RateLimiter:
         """0 when one request is allowed now (and counted), else the seconds until it would be."""
         with self._lock:
             now = self.clock()
+            if len(self._buckets) >= self._prune_at:
+                self._prune(now)
             tokens, rate = self._level(key, now, rate_per_minute)
             if tokens >= 1.0:
                 self._buckets[key] = (tokens - 1.0, now, rate)
