@@ -44,6 +44,7 @@ EMPTY_ON_A_LOCAL_RUN = {
         "rlfleet-rollout",
         "Joined workers active (per ingest replica)",
     ): "no ingest: a local run's workers XADD to the inbox",
+    ("rlfleet-run", "Held-out score (eval)"): "the example sets no spec.eval: the series start with a first evaluation",
     ("rlfleet-run", "Reward per task source"): "labelled by a mixture's source: the example is one task",
     ("rlfleet-run", "Groups per task source"): "labelled by a mixture's source: the example is one task",
 }
