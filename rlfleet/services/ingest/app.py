@@ -41,7 +41,6 @@ from pathlib import Path
 
 import redis
 import uvicorn
-import yaml
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
@@ -49,7 +48,15 @@ from starlette.concurrency import run_in_threadpool
 
 from rlfleet.config import ConfigError, IngestSpec
 from rlfleet.services.ingest.client import JOIN_PATH, ROLLOUTS_PATH, RUN_PATH, TICKETS_PATH
-from rlfleet.services.ingest.door import BANNED_REFUSALS, JOIN_BODY_MAX_BYTES, JOINS, Door, Refusal, make_door
+from rlfleet.services.ingest.door import (
+    BANNED_REFUSALS,
+    JOIN_BODY_MAX_BYTES,
+    JOINS,
+    Door,
+    Refusal,
+    make_door,
+    read_secret_file,
+)
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.wire import components
@@ -85,12 +92,7 @@ return {'ok', id}
 def load_tokens(path: str | Path) -> dict[str, str]:
     """Read a YAML/JSON `{worker_id: token}` file; raise ConfigError naming what is wrong."""
     source = str(path)
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(source, [f"cannot read tokens file: {exc.strerror}"]) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, [f"tokens file is not valid YAML/JSON: {exc}"]) from None
+    data = read_secret_file(path, "tokens")
     if not isinstance(data, dict) or not data:
         raise ConfigError(source, ["tokens file must be a non-empty mapping {workerId: token}"])
     problems = [

@@ -87,15 +87,21 @@ def secret_digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+def read_secret_file(path: str | Path, what: str) -> object:
+    """The YAML/JSON content of a mounted secrets file (`what`: "tokens", "invites"); ConfigError naming the file
+    when it cannot be read or parsed."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read {what} file: {exc.strerror}"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [f"{what} file is not valid YAML/JSON: {exc}"]) from None
+
+
 def load_invites(path: str | Path) -> set[str]:
     """Digests of the invite codes in a YAML/JSON list file; ConfigError naming what is wrong."""
     source = str(path)
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(source, [f"cannot read invites file: {exc.strerror}"]) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, [f"invites file is not valid YAML/JSON: {exc}"]) from None
+    data = read_secret_file(path, "invites")
     if not isinstance(data, list) or not data or not all(isinstance(c, str) and c for c in data):
         raise ConfigError(source, ["invites file must be a non-empty list of invite codes (non-empty strings)"])
     return {secret_digest(code) for code in data}
