@@ -59,6 +59,10 @@ log = logging.getLogger("rlfleet.shardcast.client")
 __all__ = ["DELTAS", "fetch_policy"]
 
 DELTAS = Counter("rlfleet_client_delta_versions", "Delta versions this process handled", ["result"])
+# Both results are exported from the start (at 0): a run whose workers fetched only whole versions still has the
+# series, so its dashboard panel shows "none rebuilt" rather than no data.
+for _result in ("rebuilt", "rejected"):
+    DELTAS.labels(_result)
 REBUILT = ".rebuilt"  # inside a partial dir: resulting files while they are being written and checked
 
 
