@@ -65,6 +65,10 @@ TOKENS = Counter("rlfleet_rollout_tokens_total", "Completion tokens generated")
 VERSION = Gauge("rlfleet_rollout_policy_version", "Policy version of the loaded weights")
 LAG = Gauge("rlfleet_rollout_version_lag", "Newest announced version minus loaded version")
 PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by backpressure", ["reason"])
+# Every reason (Worker.room's, and the ingest's holding back) is exported at 0 from the start: the series
+# exist before the first pause, and a dashboard shows "never paused" rather than no data.
+for _reason in ("version_lag", "batch_full", "enough_queued", "backlog", components.INGEST):
+    PAUSED.labels(_reason)
 IN_FLIGHT = Gauge("rlfleet_rollout_requests_in_flight", "Completions the engine is generating now")
 GROUPS_IN_FLIGHT = Gauge("rlfleet_rollout_groups_in_flight", "Groups the engine is generating now (one batch)")
 LOAD_SECONDS = Gauge("rlfleet_rollout_weight_load_seconds", "In-place load of the last swapped version into the engine")
