@@ -8,8 +8,9 @@ run, from its metrics.jsonl:
 - reward over the last tenth of the steps: the trained batches' (reward_mean) and everything read
   (sampled_reward_mean); neither is the policy's reward on the task as a whole once the filter
   changes which prompts are sampled (it skips solved ones), so both runs also evaluate the policy
-  on held-out problems (spec.eval: seed 1, sampled pass@1 at the run's temperature, every 10
-  versions) and the comparison uses the mean held-out score over the last third of the steps;
+  (spec.eval, sampled pass@1 at the run's temperature, every 10 versions: arithmetic on the held-out
+  problems of seed 1, a dataset task on its own rows) and the comparison uses the mean score over the
+  last third of the steps;
 - wall seconds and the prompts the filter retired.
 Then the ratio of the dropped shares (with / without; the goal is at most 0.5) and whether the reward
 is no worse (the filtered run's held-out score at least the other's less --tolerance).
@@ -17,6 +18,7 @@ is no worse (the filtered run's held-out score at least the other's less --toler
     python benchmarks/online_filter.py            # a table
     python benchmarks/online_filter.py --json     # one JSON object
     python benchmarks/online_filter.py --steps 60
+    python benchmarks/online_filter.py --config examples/math/rlrun.yaml   # prompts of varied difficulty
 
 Both runs start from the repository root with the same seeds; each takes a few minutes on 2 cores.
 """
@@ -50,6 +52,20 @@ def variant(docs: list[dict], online_filter: dict | None, eval_spec: dict) -> st
             doc["spec"]["eval"] = eval_spec
         out.append(doc)
     return yaml.safe_dump_all(out, sort_keys=False)
+
+
+def copy_of_rows(path: str, workdir: Path) -> Path:
+    """A copy of a JSONL dataset's rows (a builtin:// set or a local file) to evaluate on.
+
+    A dataset task is scored on its own rows: the policy's reward on the task as a whole, which the
+    filter (it skips solved rows) does not bias. spec.eval refuses the training path itself (it is meant
+    for held-out rows), hence the copy."""
+    source = ROOT / "rlfleet" / "tasks" / "samples" / f"{path[len('builtin://') :]}.jsonl"
+    if not path.startswith("builtin://"):
+        source = (ROOT / path).resolve()
+    target = workdir / "eval-rows.jsonl"
+    target.write_bytes(source.read_bytes())
+    return target
 
 
 def mean(values: list[float]) -> float | None:
@@ -89,23 +105,30 @@ def run(config_text: str, workdir: Path, name: str, steps: int | None) -> list[d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, default=EXAMPLE, help="the RLRun file (default: the arithmetic example)")
     parser.add_argument("--steps", type=int, default=None, help="override spec.trainer.steps (default: the example's)")
     parser.add_argument("--window", type=int, default=None, help="onlineFilter.window (default: the field's default)")
     parser.add_argument("--eval-problems", type=int, default=256, help="held-out problems per evaluation")
     parser.add_argument("--tolerance", type=float, default=0.02, help="reward difference still counted as no worse")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
+    config = args.config.resolve()
+    docs = list(yaml.safe_load_all(config.read_text()))
     online_filter = {} if args.window is None else {"window": args.window}
-    eval_spec = {"every": 10, "seed": 1, "maxProblems": args.eval_problems, "mode": "sampled", "k": 1}
     with tempfile.TemporaryDirectory(prefix="rlfleet-online-filter-") as tmp:
+        eval_spec = {"every": 10, "maxProblems": args.eval_problems, "mode": "sampled", "k": 1}
+        task = next(doc for doc in docs if doc["kind"] == "RLRun")["spec"]["task"]
+        if "dataset" in task:
+            eval_spec["dataset"] = {"path": str(copy_of_rows(task["dataset"]["path"], Path(tmp)))}
+        else:
+            eval_spec["seed"] = 1
         without = measure(run(variant(docs, None, eval_spec), Path(tmp), "without", args.steps))
         with_filter = measure(run(variant(docs, online_filter, eval_spec), Path(tmp), "with", args.steps))
     ratio = with_filter["dropped_share_last_third"] / max(without["dropped_share_last_third"], 1e-9)
     key = "eval_score_last_third"
     no_worse = (with_filter[key] or 0.0) >= (without[key] or 0.0) - args.tolerance
     result = {
-        "config": str(EXAMPLE.relative_to(ROOT)),
+        "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
         "online_filter": online_filter,
         "without_filter": without,
         "with_filter": with_filter,
