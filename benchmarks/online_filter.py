@@ -11,7 +11,8 @@ run, from its metrics.jsonl:
   (spec.eval, sampled pass@1 at the run's temperature, every 10 versions: arithmetic on the held-out
   problems of seed 1, a dataset task on its own rows) and the comparison uses the mean score over the
   last third of the steps;
-- wall seconds and the prompts the filter retired.
+- wall seconds, the prompts the filter retired, and the gate's rejections by reason (a run's directory
+  is deleted at the end; this keeps why anything of the honest workers was rejected).
 Then the ratio of the dropped shares (with / without; the goal is at most 0.5) and whether the reward
 is no worse (the filtered run's held-out score at least the other's less --tolerance).
 
@@ -89,6 +90,7 @@ def measure(records: list[dict]) -> dict:
         "sampled_reward_last_tenth": mean([r["sampled_reward_mean"] for r in tenth]),
         "eval_score_last_third": mean(evals),
         "prompts_retired": records[-1].get("prompts_retired_solved", 0) + records[-1].get("prompts_retired_failed", 0),
+        "rejected_by_reason": records[-1]["rejected_by_reason"],  # honest workers: only load (stale_version)
     }
 
 
