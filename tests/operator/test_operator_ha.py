@@ -172,9 +172,19 @@ def test_a_stopped_leader_leaves_the_peering_and_the_standby_resumes_at_once(ha_
     leader = operators("operator-a")
     operators("operator-b")
     wait_for("both peers", lambda: len(peers(api)) == 2, timeout=20)
+    calls = ha_emulator.cluster.calls
+    assert not [c for c in calls if c.token == "operator-b" and c.group == "rlfleet.io"], "the standby acted"
     leader.stop()
     assert leader.process.returncode == 0, leader.tail()
     assert list(peers(api)) == ["operator-b"], "the stopped leader's entry is still there"
+    wait_for(
+        "the standby watching the rlfleet kinds",
+        lambda: (
+            {c.resource for c in calls if c.token == "operator-b" and c.verb == "watch" and c.group == "rlfleet.io"}
+            >= {"rlruns", "inferencepools", "relaytiers"}
+        ),
+        timeout=20,
+    )
 
 
 def test_peering_options_are_checked(ha_emulator, tmp_path):
