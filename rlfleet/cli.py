@@ -165,6 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="run as one of several replicas: kopf peering through ClusterKopfPeering NAME, the oldest acts",
+    )
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="with --peering: a replica silent this long counts as dead and a standby takes over (default 20)",
+    )
 
     p = sub.add_parser(
         "render", help="print every Kubernetes object the operator would create for a config file (like helm template)"
@@ -257,7 +270,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlfleet.operator.handlers import run_operator
         from rlfleet.operator.options import OperatorOptions
 
-        return run_operator(OperatorOptions.from_env(args.namespace, args.liveness, args.verbose))
+        options = OperatorOptions.from_env(
+            args.namespace, args.liveness, args.verbose, args.peering, args.peering_lifetime
+        )
+        return run_operator(options)
     if args.command == "render":
         from rlfleet.config import load_bundle
         from rlfleet.operator import names

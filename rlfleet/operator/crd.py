@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel
 
 from rlfleet.config import InferencePoolSpec, RelayTierSpec, RLRunSpec
-from rlfleet.operator import names
+from rlfleet.operator import names, peering
 from rlfleet.operator.schema import structural_schema
 
 # CEL rules for what one field's schema cannot say.
@@ -290,8 +290,11 @@ def render_crd(kind: names.KindInfo) -> str:
 
 
 def crd_files() -> dict[str, str]:
-    """File name -> YAML text of every CRD."""
-    return {f"{k.crd_name}.yaml": render_crd(k) for k in names.KINDS.values()}
+    """File name -> YAML text of every CRD: the rlfleet kinds, and kopf's ClusterKopfPeering, which
+    `rlfleet operator --peering` needs (Helm installs a chart's CRDs only where they are missing)."""
+    files = {f"{k.crd_name}.yaml": render_crd(k) for k in names.KINDS.values()}
+    files[peering.CRD_FILE] = HEADER + yaml.safe_dump(peering.peering_crd(), sort_keys=False, width=120)
+    return files
 
 
 def write_crds(out: str | Path) -> list[Path]:

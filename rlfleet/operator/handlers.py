@@ -25,7 +25,7 @@ import logging
 import kopf
 
 from rlfleet.config import RLRun
-from rlfleet.operator import builders, names, reconcile, secrets
+from rlfleet.operator import builders, names, peering, reconcile, secrets
 from rlfleet.operator.applying import ApplyBackoff
 from rlfleet.operator.kube import ApiError, Kube, connect
 from rlfleet.operator.options import OperatorOptions
@@ -66,6 +66,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
     settings.persistence.finalizer = f"{G}/cleanup"
     settings.background.instant_exit_timeout = TIMER_EXIT_S
     settings.background.cancellation_polling = TIMER_EXIT_S
+    # kopf takes its peering scope from the operator's (KopfPeering per watched namespace); one
+    # ClusterKopfPeering instead, in every mode: one object for the operator to make (peering.py).
+    settings.peering.clusterwide = True
+    settings.peering.lifetime = memo.options.peering_lifetime_s
     logger.info(f"rlfleet operator: {memo.options.defaults}, resync every {memo.options.resync_interval_s} s")
 
 
@@ -168,13 +172,22 @@ def run_operator(options: OperatorOptions) -> int:
     """`rlfleet operator`: run kopf with these handlers until SIGTERM."""
     kopf.configure(verbose=options.verbose)
     registry = register(kopf.OperatorRegistry(), options)
-    # standalone: one operator replica (the chart runs one); no KopfPeering CRD needed.
+    # Without --peering: standalone, one replica, no kopf.dev CRD needed. With it: mandatory peering (kopf
+    # pauses until it has seen the peers), the oldest replica acting (peering.py).
+    if options.peering_name:
+        client = connect()
+        try:
+            peering.ensure_peering_object(client, options.peering_name)
+        finally:
+            client.close()
     kopf.run(
         registry=registry,
         memo=kopf.Memo(options=options),
         clusterwide=not options.namespaces,
         namespaces=options.namespaces,
         liveness_endpoint=options.liveness,
-        standalone=True,
+        standalone=not options.peering_name,
+        peering_name=options.peering_name,
+        priority=peering.priority() if options.peering_name else None,
     )
     return 0

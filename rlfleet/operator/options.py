@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.operator import names
+from rlfleet.operator import names, peering
 from rlfleet.operator.pods import ClusterDefaults
 from rlfleet.wire import env
 
@@ -20,10 +20,24 @@ class OperatorOptions:
     verbose: bool = False
     defaults: ClusterDefaults = ClusterDefaults()  # images and pull settings of the workloads
     resync_interval_s: float = env.DEFAULT_RESYNC_INTERVAL_S  # seconds between re-applies and status reads
+    peering_name: str | None = None  # kopf peering group (ClusterKopfPeering name); None: standalone, one replica
+    peering_lifetime_s: int = peering.DEFAULT_LIFETIME_S  # a silent peer counts as dead after this long
 
     @classmethod
-    def from_env(cls, namespaces=(), liveness: str | None = None, verbose: bool = False) -> OperatorOptions:
+    def from_env(
+        cls,
+        namespaces=(),
+        liveness: str | None = None,
+        verbose: bool = False,
+        peering_name: str | None = None,
+        peering_lifetime_s: int | None = None,
+    ) -> OperatorOptions:
         """Options from the command line plus the RLFLEET_* variables the Helm chart sets."""
+        if peering_lifetime_s is None:
+            peering_lifetime_s = peering.DEFAULT_LIFETIME_S
+        elif peering_lifetime_s < peering.MIN_LIFETIME_S:
+            least = peering.MIN_LIFETIME_S
+            raise SystemExit(f"--peering-lifetime={peering_lifetime_s} must be at least {least} seconds")
         interval = env.get_float(env.RESYNC_INTERVAL, env.DEFAULT_RESYNC_INTERVAL_S)
         if interval <= 0:
             raise SystemExit(f"environment variable {env.RESYNC_INTERVAL}={interval} must be a positive number")
@@ -43,4 +57,6 @@ class OperatorOptions:
             verbose=verbose,
             defaults=defaults,
             resync_interval_s=interval,
+            peering_name=peering_name or None,
+            peering_lifetime_s=peering_lifetime_s,
         )

@@ -36,8 +36,7 @@ VALUE_SETS = {
         "monitoring": {"serviceMonitor": {"enabled": True}},
         "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}],
         "exposeIngests": [{"run": "arithmetic", "type": "NodePort"}],
-        "operator": {"watchNamespaces": ["team-a", "team-b"], "verbose": True},
-        "rbac": {"kopfPeering": True},
+        "operator": {"watchNamespaces": ["team-a", "team-b"], "verbose": True, "replicas": 2},
     },
     "cluster-a": EXAMPLES / "cluster-a-values.yaml",
     "cluster-b": EXAMPLES / "cluster-b-values.yaml",
@@ -90,7 +89,12 @@ def test_chart_crds_are_the_generated_ones():
 
 def test_helm_loads_the_crds(chart):
     loaded = {yaml.safe_load(c["data"])["metadata"]["name"] for c in chart.crds}
-    assert loaded == {"rlruns.rlfleet.io", "inferencepools.rlfleet.io", "relaytiers.rlfleet.io"}
+    assert loaded == {
+        "rlruns.rlfleet.io",
+        "inferencepools.rlfleet.io",
+        "relaytiers.rlfleet.io",
+        "clusterkopfpeerings.kopf.dev",
+    }
 
 
 # ---- lint, render, validate ----------------------------------------------------------------------
@@ -172,7 +176,8 @@ def test_rendered_objects_are_valid(chart, key):
     "bad, where",
     [
         ({"operator": {"replicas": "two"}}, "/operator/replicas"),
-        ({"operator": {"replicas": 2}}, "/operator/replicas"),
+        ({"operator": {"replicas": -1}}, "/operator/replicas"),
+        ({"operator": {"replicas": 2, "peering": {"lifetime": 1}}}, "/operator/peering/lifetime"),
         ({"operater": {"replicas": 1}}, "operater"),
         ({"redis": {"service": {"type": "Ingress"}}}, "/redis/service/type"),
         ({"runs": [{"name": "Bad_Name", "spec": {}}]}, "/runs/0/name"),
@@ -218,6 +223,29 @@ def test_operator_deployment(chart):
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert set(spec["selector"]["matchLabels"].items()) <= set(spec["template"]["metadata"]["labels"].items())
+    assert not by_kind(objects, "PodDisruptionBudget"), "one replica: nothing to keep up during a drain"
+
+
+def test_operator_replicas_over_one_run_with_peering(chart):
+    """operator.replicas: 3 -> kopf peering named after the release, the pod's name as its peer id, rolling
+    updates (a new pod starts as a standby), a PDB keeping one up, and RBAC for the peering object."""
+    objects = render(chart, {"operator": {"replicas": 3, "peering": {"lifetime": 30}}})
+    [deploy] = by_kind(objects, "Deployment")
+    spec = deploy["spec"]
+    assert spec["replicas"] == 3 and spec["strategy"]["type"] == "RollingUpdate"
+    assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    [container] = spec["template"]["spec"]["containers"]
+    assert container["args"][1:] == [f"--peering={deploy['metadata']['name']}", "--peering-lifetime=30"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    [pdb] = by_kind(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    granted = set().union(*(_rules(r) for r in by_kind(objects, "ClusterRole")))
+    for verb in ("get", "list", "watch", "patch", "create"):
+        assert ("kopf.dev", "clusterkopfpeerings", verb) in granted
+    assert not any(r == "kopfpeerings" for _, r, _ in granted), "one cluster-wide peering object, never per namespace"
+    assert "clusterkopfpeerings.kopf.dev" in {yaml.safe_load(c["data"])["metadata"]["name"] for c in chart.crds}
 
 
 def test_default_images_are_the_dockerfiles_images(chart):
@@ -259,6 +287,8 @@ def test_rbac_is_least_privilege_and_matches_the_crds(chart):
     assert {v for _, r, v in granted if r == "secrets"} == {"get"}, "Secrets: read by name, never listed or watched"
     crds = crd_docs()
     for kind, crd in crds.items():
+        if crd["spec"]["group"] != "rlfleet.io":
+            continue  # kopf's peering CRD: its rules come with operator.replicas > 1
         plural = crd["spec"]["names"]["plural"]
         subresources = crd["spec"]["versions"][0].get("subresources", {})
         for verb in ("get", "list", "watch", "patch"):
@@ -271,7 +301,7 @@ def test_rbac_is_least_privilege_and_matches_the_crds(chart):
     assert ("", "events", "create") in granted
     assert ("apiextensions.k8s.io", "customresourcedefinitions", "watch") in granted
     assert ("", "namespaces", "watch") in granted
-    assert not any(g == "kopf.dev" for g, _, _ in granted), "peering rules only when rbac.kopfPeering"
+    assert not any(g == "kopf.dev" for g, _, _ in granted), "peering rules only when operator.replicas > 1"
     [binding] = [b for b in by_kind(objects, "ClusterRoleBinding") if b["roleRef"]["name"].endswith("-operator")]
     assert binding["subjects"][0]["name"] == by_kind(objects, "ServiceAccount")[0]["metadata"]["name"]
 
@@ -283,7 +313,7 @@ def test_watch_namespaces_gives_roles_not_a_cluster_role(chart):
     assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")) == ["team-a", "team-b"]
     cluster_rules = set().union(*(_rules(r) for r in by_kind(objects, "ClusterRole")))
     assert not any(g == "rlfleet.io" or r in ("configmaps", "deployments") for g, r, _ in cluster_rules)
-    assert ("kopf.dev", "kopfpeerings", "patch") in _rules(roles[0])
+    assert ("kopf.dev", "clusterkopfpeerings", "patch") in cluster_rules, "peering is cluster-wide in every mode"
     args = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:2] == ["--namespace=team-a", "--namespace=team-b"] and "--verbose" in args
 

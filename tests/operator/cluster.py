@@ -42,7 +42,7 @@ import yaml
 from kmock._internal import dicts as kmock_dicts
 from kmock._internal.enums import action
 
-from rlfleet.operator import names
+from rlfleet.operator import names, peering
 
 APPLY = "application/apply-patch+yaml"
 
@@ -62,6 +62,8 @@ RESOURCES = {
     f"{names.API_VERSION}/{names.RLRUN.plural}": ("RLRun", True, {"status"}),
     f"{names.API_VERSION}/{names.INFERENCE_POOL.plural}": ("InferencePool", True, {"status", "scale"}),
     f"{names.API_VERSION}/{names.RELAY_TIER.plural}": ("RelayTier", True, {"status", "scale"}),
+    # kopf's peering (`rlfleet operator --peering`); no status subresource, as in its CRD
+    f"{peering.GROUP}/{peering.VERSION}/{peering.PLURAL}": (peering.KIND, False, set()),
 }
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
@@ -69,7 +71,8 @@ VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 @dataclass(frozen=True)
 class ApiCall:
     """One request as RBAC sees it: verb, API group, resource (with subresource), namespace, name;
-    `path` for a non-resource URL (discovery); `agent` the client's User-Agent."""
+    `path` for a non-resource URL (discovery); `agent` the client's User-Agent; `token` its bearer
+    token (which of several clients made it, when each logs in with its own)."""
 
     verb: str
     group: str | None
@@ -78,12 +81,15 @@ class ApiCall:
     name: str | None
     path: str
     agent: str
+    token: str = ""
 
 
 def api_call(request) -> ApiCall:
     res = request.resource
     if res is None or res.plural is None:
-        return ApiCall(request.method.value.lower(), None, None, None, None, request.url.path, _agent(request))
+        return ApiCall(
+            request.method.value.lower(), None, None, None, None, request.url.path, _agent(request), _token(request)
+        )
     method = request.method.value.upper()
     verb = {
         "GET": "watch" if request.params.get("watch") == "true" else ("get" if request.name else "list"),
@@ -93,11 +99,17 @@ def api_call(request) -> ApiCall:
         "DELETE": "delete" if request.name else "deletecollection",
     }.get(method, method.lower())
     resource = res.plural + (f"/{request.subresource}" if request.subresource else "")
-    return ApiCall(verb, res.group, resource, request.namespace, request.name, request.url.path, _agent(request))
+    return ApiCall(
+        verb, res.group, resource, request.namespace, request.name, request.url.path, _agent(request), _token(request)
+    )
 
 
 def _agent(request) -> str:
     return request.headers.get("User-Agent") or ""
+
+
+def _token(request) -> str:
+    return (request.headers.get("Authorization") or "").removeprefix("Bearer ")
 
 
 # ---- field ownership (server-side apply) ---------------------------------------------------------
@@ -429,13 +441,13 @@ class Cluster(kmock.KubernetesEmulator):
             await self._collect(o.last.raw["metadata"]["uid"])
 
 
-def write_kubeconfig(path: Path, server: str, namespace: str = "default") -> Path:
+def write_kubeconfig(path: Path, server: str, namespace: str = "default", token: str = "emulator-token") -> Path:
     """A kubeconfig whose current context is `server` (a bearer token, as a service account would use)."""
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "emulator", "cluster": {"server": server}}],
-        "users": [{"name": "rlfleet-operator", "user": {"token": "emulator-token"}}],
+        "users": [{"name": "rlfleet-operator", "user": {"token": token}}],
         "contexts": [
             {"name": "emulator", "context": {"cluster": "emulator", "user": "rlfleet-operator", "namespace": namespace}}
         ],
@@ -471,5 +483,5 @@ class EmulatedCluster:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
 
-    def kubeconfig(self, path: Path) -> Path:
-        return write_kubeconfig(path, self.url)
+    def kubeconfig(self, path: Path, token: str = "emulator-token") -> Path:
+        return write_kubeconfig(path, self.url, token=token)

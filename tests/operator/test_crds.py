@@ -33,7 +33,7 @@ def test_crds_command_writes_the_files(tmp_path, capsys):
         assert (tmp_path / name).read_text() == text
     capsys.readouterr()
     assert cli_main(["crds"]) == 0
-    assert [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)] == ["CustomResourceDefinition"] * 3
+    assert [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)] == ["CustomResourceDefinition"] * 4
 
 
 @pytest.mark.parametrize("kind", list(names.KINDS.values()), ids=list(names.KINDS))

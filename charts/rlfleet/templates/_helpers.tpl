@@ -123,9 +123,4 @@ capabilities:
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
-{{- if .Values.rbac.kopfPeering }}
-- apiGroups: ["kopf.dev"]
-  resources: ["kopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
-{{- end }}
 {{- end }}

@@ -11,8 +11,9 @@ garbage collection and server-side apply) with what the pods of a cluster need f
   stored in the emulator (the chart's, once applied) by tests/operator/rbac.py, and refused with 403
   when none allows it. Every request is recorded with its user and the verdict (`audit`).
 - Kinds: service accounts, RBAC and the Prometheus monitors besides what the operator uses; the
-  rlfleet kinds are served (and discoverable, which is how kopf finds them) only once their
-  CustomResourceDefinitions are applied, from the CRDs' own names, scope and subresources.
+  rlfleet kinds and kopf's ClusterKopfPeering are served (and discoverable, which is how kopf finds
+  them) only once their CustomResourceDefinitions are applied, from the CRDs' own names, scope and
+  subresources.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from rlfleet.operator import names
+from rlfleet.operator import names, peering
 from testbed import Host
 from tests.operator.cluster import RESOURCES, VERBS, ApiCall, Cluster, api_call, write_kubeconfig
 from tests.operator.rbac import allowed, bound_rules
@@ -77,8 +78,8 @@ class BoxCluster(Cluster):
             self.resources[res] = kmock.ResourceInfo(
                 kind=kind, namespaced=namespaced, subresources=subresources, verbs=VERBS
             )
-        for res in [r for r in RESOURCES if r.startswith(names.API_VERSION)]:
-            del self.resources[res]  # served once their CRDs are applied
+        for res in [r for r in RESOURCES if r.startswith((names.API_VERSION, f"{peering.GROUP}/"))]:
+            del self.resources[res]  # served once their CRDs are applied (kopf's peering CRD too)
 
     def _user(self, request) -> str:
         auth = request.headers.get("Authorization") or ""
