@@ -1,0 +1,485 @@
+"""rlfleet and Hugging Face TRL side by side: one RLRun's work by TRL's GRPOTrainer and by `rlfleet run`.
+
+Both systems run back to back in one invocation, each as its own process launched from here, on
+the same work: the run's model bytes (a builtin is resolved exactly as rlfleet's trainer resolves it
+and loaded as a transformers model and tokenizer), prompts from rlfleet's own task generator encoded
+as the workers encode them (checked: TRL's tokenization of each prompt must equal
+rlfleet/tasks/chat.py encode_prompt), the task's reward, and the hyper-parameters mapped one to one
+(the table `mapping` prints; what cannot be matched is listed under it). Per system:
+
+- total wall time from launch (process start) to end;
+- steps/s over the steady part (steps 20..N), completions/s (generated, launch to the last step)
+  and trained completions/s (steady);
+- time from launch to a 10-step mean reward of 0.8 and 0.9 (the mean over the last 10 steps, first
+  reached at that step): TRL's logged reward per step (on-policy: the sampled batch is the trained
+  one); rlfleet's sampled reward (`sampled_reward_mean`: every group the trainer read, repeats
+  included) and trained reward (`reward_mean`: the batch it trained on);
+- reward over the last tenth of the steps; the load average before and after the run;
+- the median step split: rlfleet's `split` parts of metrics.jsonl where its records have them (else
+  wait / compute / publish), TRL's generate-and-score time (timed around GRPOTrainer's own
+  `_generate_and_score_completions`) and the rest of its step (forward, backward, optimizer).
+
+`time_to_0_9_ratio` and `time_to_0_8_ratio` in the JSON: rlfleet's sampled time to the threshold ÷ TRL's.
+
+    python benchmarks/vs_trl.py                              # the arithmetic example: tables
+    python benchmarks/vs_trl.py --json                       # one JSON object (tables on stderr)
+    python benchmarks/vs_trl.py --spot-check-fraction 0.25   # rlfleet verifies a quarter of the groups
+    python benchmarks/vs_trl.py --compute-bound              # the math example: larger model, 16 tokens
+    python benchmarks/vs_trl.py --config my-run.yaml --steps 60
+
+TRL is in the `bench` extra (`pip install -e '.[bench]'`). A few minutes on 2 cores for the arithmetic example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from _paths import ROOT
+
+from rlfleet.config import load_bundle
+
+EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
+COMPUTE_BOUND = ROOT / "examples" / "math" / "rlrun.yaml"  # builtin://tiny-math: 1.9x the widths, 16 tokens
+THRESHOLDS = (0.8, 0.9)
+WINDOW = 10  # steps in the moving mean a threshold is read on
+STEADY_FROM = 20  # steps before this one are start-up (model loads, first versions), left out of steps/s
+
+# TRL GRPOConfig option <- rlfleet RLRun spec field, and how the value converts.
+NORMALIZATION = {"token": "dapo", "sequence": "grpo"}  # DAPO: token mean over the batch; GRPO: mean of sequence means
+MAPPED: list[tuple[str, str, object]] = [
+    ("num_generations", "sampling.groupSize", lambda s: s.sampling.group_size),
+    (
+        "per_device_train_batch_size",
+        "trainer.batchSize x sampling.groupSize",
+        lambda s: s.trainer.batch_size * s.sampling.group_size,
+    ),
+    ("max_completion_length", "sampling.maxTokens", lambda s: s.sampling.max_tokens),
+    ("temperature", "sampling.temperature", lambda s: s.sampling.temperature),
+    ("top_p", "sampling.topP", lambda s: s.sampling.top_p),
+    ("top_k", "sampling.topK", lambda s: s.sampling.top_k),
+    ("learning_rate", "trainer.learningRate", lambda s: s.trainer.learning_rate),
+    ("weight_decay", "trainer.weightDecay", lambda s: s.trainer.weight_decay),
+    ("lr_scheduler_type", "trainer.lrSchedule", lambda s: s.trainer.lr_schedule),
+    ("warmup_steps", "trainer.warmupSteps", lambda s: s.trainer.warmup_steps),
+    ("epsilon", "trainer.epsLow", lambda s: s.trainer.eps_low),
+    ("epsilon_high", "trainer.epsHigh", lambda s: s.trainer.eps_high),
+    ("delta", "trainer.delta", lambda s: s.trainer.delta),
+    ("max_grad_norm", "trainer.maxGradNorm", lambda s: s.trainer.max_grad_norm),
+    ("beta", "trainer.klCoef", lambda s: s.trainer.kl_coef),
+    ("num_iterations", "trainer.epochs", lambda s: s.trainer.epochs),
+    ("loss_type", "trainer.normalization", lambda s: NORMALIZATION[s.trainer.normalization]),
+    ("seed", "trainer.seed", lambda s: s.trainer.seed),
+]
+# Set on the TRL side to what rlfleet does with no field for it.
+FIXED = {
+    "gradient_accumulation_steps": 1,  # one optimizer step per batch of groups
+    "scale_rewards": "group",  # advantages normalised within each group
+    "importance_sampling_level": "token",  # the ratio is per token
+    "mask_truncated_completions": False,  # a completion cut at maxTokens is trained as it is
+    "use_vllm": False,  # rlfleet's torch engine (the examples' pools) against transformers' generate
+}
+NOT_MATCHED = [
+    "asynchrony: rlfleet trains groups sampled by a policy up to trainer.maxAsyncLevel versions old while workers "
+    "keep sampling; TRL samples, then trains, on-policy, in one process",
+    "processes: rlfleet runs workers (InferencePool replicas), a verifier, a relay, the trainer and Redis, each "
+    "with one torch thread; TRL one process (--trl-threads)",
+    "verification: rlfleet builds TOPLOC proofs for every group and the verifier checks spec.verifier."
+    "spotCheckFraction of them with a prefill; TRL verifies nothing",
+    "weights: rlfleet publishes a signed version each step through a relay, and workers and verifier load it; TRL "
+    "generates with the weights it trains",
+    "repeats: rlfleet's trainer drops groups repeating trained content (so it samples more than it trains); TRL "
+    "trains every completion it samples",
+    "prompts: the same task generator and distribution, not the same draws (rlfleet's workers draw from their own "
+    "seeds, in the order their groups finish)",
+    "advantage scale: rlfleet divides by the population std + 1e-6, TRL by the sample std (n-1) + 1e-4",
+]
+
+
+def mapping_rows(run) -> list[tuple[str, object, str]]:
+    """(TRL option, value, rlfleet field) for every mapped option of `run` (an RLRun spec), then the fixed ones."""
+    rows = [(option, convert(run), field) for option, field, convert in MAPPED]  # type: ignore[operator]
+    return rows + [(option, value, "(fixed)") for option, value in FIXED.items()]
+
+
+def trl_options(run, steps: int) -> dict:
+    """GRPOConfig keyword arguments for `run`'s work over `steps` optimizer steps."""
+    return {option: value for option, value, _ in mapping_rows(run)} | {"max_steps": steps}
+
+
+def unmatched(run) -> list[str]:
+    """What of `run` the TRL side does not reproduce: the standing differences and this run's own."""
+    t = run.trainer
+    own = [
+        (t.skip_zero_advantage_groups, "trainer.skipZeroAdvantageGroups: TRL trains zero-advantage groups"),
+        (t.off_policy.mode != "none", f"trainer.offPolicy.mode {t.off_policy.mode}: TRL's correction is vLLM-only"),
+        (t.entropy_coef > 0, "trainer.entropyCoef: not passed to TRL"),
+        (t.kl_coef > 0, "trainer.klCoef: rlfleet clamps the per-token k3 estimate to [0, 10], TRL does not"),
+        (run.sampling.online_filter is not None, "sampling.onlineFilter: TRL samples solved prompts again"),
+        (run.length_penalty is not None, "lengthPenalty: TRL's reward is the task's alone"),
+        (t.lora is not None, "trainer.lora: TRL trains the whole model here"),
+        (run.model.dtype != "float32", f"model.dtype {run.model.dtype}: TRL trains in float32 here"),
+    ]
+    return NOT_MATCHED + [line for applies, line in own if applies]
+
+
+# -- figures from per-step series (pure) ------------------------------------------------------------------------
+
+
+def moving_mean(values: list[float], window: int = WINDOW) -> list[float | None]:
+    """Trailing mean over `window` steps; None until `window` steps exist (a mean of fewer is no 10-step mean)."""
+    return [None if i + 1 < window else sum(values[i + 1 - window : i + 1]) / window for i in range(len(values))]
+
+
+def time_to_threshold(times: list[float], values: list[float], threshold: float, window: int = WINDOW) -> dict:
+    """The first step (1-based) whose trailing `window`-step mean is >= threshold and its time; None if never."""
+    for i, mean in enumerate(moving_mean(values, window)):
+        if mean is not None and mean >= threshold:
+            return {"step": i + 1, "seconds": times[i]}
+    return {"step": None, "seconds": None}
+
+
+def steady_steps_per_s(times: list[float], first: int = STEADY_FROM) -> float | None:
+    """Steps per second from step `first` (1-based) to the last: (last - first) / (t_last - t_first)."""
+    if len(times) <= first or times[-1] <= times[first - 1]:
+        return None
+    return (len(times) - first) / (times[-1] - times[first - 1])
+
+
+def first_tenth(values: list[float]) -> float | None:
+    head = values[: max(1, len(values) // 10)]
+    return sum(head) / len(head) if head else None
+
+
+def last_tenth(values: list[float]) -> float | None:
+    tail = values[-max(1, len(values) // 10) :]
+    return sum(tail) / len(tail) if tail else None
+
+
+def median_split(records: list[dict]) -> dict[str, float]:
+    """Median seconds of each named part of rlfleet's step: the `split` object and `step_seconds` where the
+    records have them, else the trainer's wait / compute / publish seconds."""
+    if any("split" in r for r in records):
+        parts = {name for r in records for name in r.get("split", {})}
+        out = {p: statistics.median(r["split"][p] for r in records if p in r.get("split", {})) for p in sorted(parts)}
+        steps = [r["step_seconds"] for r in records if "step_seconds" in r]
+        return out | ({"step_seconds": statistics.median(steps)} if steps else {})
+    keys = ("wait_seconds", "compute_seconds", "publish_seconds")
+    return {k: statistics.median(r[k] for r in records) for k in keys if all(k in r for r in records)}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(times: list[float], rewards: dict[str, list[float]], wall: float, generated: int, trained: list[int]):
+    """A system's figures: `times` launch-relative per step, `rewards` per kind, `generated` completions over
+    the run, `trained` completions per step."""
+    rate = steady_steps_per_s(times)
+    steady_trained = sum(trained[STEADY_FROM:]) / (times[-1] - times[STEADY_FROM - 1]) if rate else None
+    out = {
+        "steps": len(times),
+        "wall_seconds": wall,
+        "first_step_seconds": times[0] if times else None,
+        "steps_per_s_steady": rate,
+        "completions_per_s": generated / times[-1] if times else None,
+        "trained_completions_per_s_steady": steady_trained,
+        "generated_per_trained": generated / sum(trained) if sum(trained) else None,
+    }
+    for kind, values in rewards.items():
+        out[f"reward_first_tenth_{kind}"] = first_tenth(values)
+        out[f"reward_last_tenth_{kind}"] = last_tenth(values)
+        for threshold in THRESHOLDS:
+            out[f"to_{threshold}_{kind}"] = time_to_threshold(times, values, threshold)
+    return out
+
+
+# -- the two runs ---------------------------------------------------------------------------------------------
+
+
+def run_trl(config: Path, steps: int, threads: int, out: Path) -> dict:
+    load_before = os.getloadavg()
+    launched = time.time()
+    subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--trl-child",
+            str(out),
+            "--config",
+            str(config),
+            "--steps",
+            str(steps),
+            "--trl-threads",
+            str(threads),
+        ],  # fmt: skip
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None,
+    )
+    wall = time.time() - launched
+    child = json.loads(out.read_text())
+    times = [t - launched for t in child["step_times"]]
+    step_walls = [b - a for a, b in zip([child["train_started"], *child["step_times"]], child["step_times"])]
+    generate = child["generate_seconds"]
+    result = summarize(times, {"logged": child["rewards"]}, wall, sum(child["completions"]), child["completions"])
+    result["split"] = {
+        "generate_and_score": statistics.median(generate),
+        "train": statistics.median(w - g for w, g in zip(step_walls, generate)),
+        "step_seconds": statistics.median(step_walls),
+    }
+    return result | {"load_before": load_before, "load_after": os.getloadavg(), "trl_version": child["trl_version"]}
+
+
+def run_rlfleet(config: Path, steps: int, spot_check_fraction: float | None, work: Path) -> dict:
+    if spot_check_fraction is not None:
+        docs = list(yaml.safe_load_all(config.read_text()))
+        for doc in docs:
+            if doc and doc.get("kind") == "RLRun":
+                doc["spec"].setdefault("verifier", {})["spotCheckFraction"] = spot_check_fraction
+        config = work / "rlrun.yaml"
+        config.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    run_dir = work / "run"
+    metrics = run_dir / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
+    load_before = os.getloadavg()
+    launched = time.time()
+    seen: list[float] = []  # launch-relative time each record was first seen
+    with open(work / "rlfleet.log", "w") as log:
+        proc = subprocess.Popen([*cmd, "--steps", str(steps)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while True:  # a record's time on this clock: its first sight here (polled every 50 ms)
+            done = proc.poll() is not None
+            count = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            seen += [time.time() - launched] * (count - len(seen))
+            if done:
+                break
+            time.sleep(0.05)
+    wall = time.time() - launched
+    if proc.returncode:
+        raise SystemExit(f"rlfleet run failed ({proc.returncode}); its output: {work / 'rlfleet.log'}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    # The trainer's start on this clock: a record is seen no earlier than it was written (wall_seconds after the
+    # start), so the smallest difference over all records is the start to within the polling interval.
+    start = min(s - r["wall_seconds"] for s, r in zip(seen, records))
+    times = [start + r["wall_seconds"] for r in records]
+    group_size = load_bundle(config).run.spec.sampling.group_size
+    generated = (records[-1]["accepted"] + records[-1]["rejected"]) * group_size
+    rewards = {"sampled": [r["sampled_reward_mean"] for r in records], "trained": [r["reward_mean"] for r in records]}
+    result = summarize(times, rewards, wall, generated, [r["samples"] for r in records])
+    return result | {"split": median_split(records), "load_before": load_before, "load_after": os.getloadavg()}
+
+
+def trl_child(out: Path, config: Path, steps: int, threads: int) -> None:
+    """The TRL side, in its own process: writes step times (time.time()), rewards and generate seconds to `out`."""
+    import numpy as np
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from rlfleet.models.sources import resolve_model_path
+    from rlfleet.tasks import make_run_task
+    from rlfleet.tasks.chat import encode_prompt
+
+    if threads:
+        torch.set_num_threads(threads)
+    run = load_bundle(config).run.spec
+    model_dir = resolve_model_path(run.model, run.task, run.trainer.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    task = make_run_task(run)
+    seed = int.from_bytes(hashlib.sha256(f"{run.task.seed}:trl".encode()).digest()[:8], "little")
+    rng = np.random.default_rng(seed)  # drawn as a worker draws (rollout/work.py), from a seed of its own
+    ids = [task.sample_id(rng) for _ in range(steps * run.trainer.batch_size)]
+    problems = {i: task.problem(i) for i in ids}
+    for i in ids:
+        if tokenizer(text=problems[i].prompt)["input_ids"] != encode_prompt(tokenizer, problems[i]):
+            raise SystemExit(f"{i}: TRL would encode the prompt {problems[i].prompt!r} unlike rlfleet's workers")
+
+    def task_reward(prompts, completions, task_id, **_):
+        return [task.rewards(problems[i], [c])[0] for i, c in zip(task_id, completions)]
+
+    generate_seconds: list[float] = []
+
+    class TimedGRPOTrainer(trl.GRPOTrainer):
+        def _generate_and_score_completions(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            result = super()._generate_and_score_completions(*args, **kwargs)
+            generate_seconds.append(time.perf_counter() - t0)
+            return result
+
+    record: dict = {"step_times": [], "rewards": [], "completions": [], "trl_version": trl.__version__}
+    per_step = run.trainer.batch_size * run.sampling.group_size
+
+    class Steps(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            record["train_started"] = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            record["step_times"].append(time.time())
+            record["completions"].append(per_step)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                record["rewards"].append(logs["reward"])
+
+    with tempfile.TemporaryDirectory(prefix="rlfleet-vs-trl-") as tmp:
+        args = trl.GRPOConfig(
+            output_dir=tmp,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            **trl_options(run, steps),
+        )
+        trainer = TimedGRPOTrainer(
+            model=model,
+            reward_funcs=task_reward,
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": [problems[i].prompt for i in ids], "task_id": ids}),
+            processing_class=tokenizer,
+            callbacks=[Steps()],
+        )
+        trainer.train()
+    out.write_text(json.dumps(record | {"generate_seconds": generate_seconds}))
+
+
+# -- report ---------------------------------------------------------------------------------------------------
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return "-" if value["seconds"] is None else f"{value['seconds']:.1f} s (step {value['step']})"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    if isinstance(value, tuple | list):
+        return " / ".join(f"{v:.2f}" for v in value)
+    return str(value)
+
+
+def report(result: dict, run, file) -> None:
+    print(f"\n{result['config']}: {result['steps']} steps, rlfleet spotCheckFraction {result['spot_check_fraction']}, "
+          f"TRL torch threads {result['trl_threads'] or 'default'}", file=file)  # fmt: skip
+    print("\n| TRL GRPOConfig | value | rlfleet RLRun field |\n|---|---|---|", file=file)
+    for option, value, field in mapping_rows(run):
+        print(f"| `{option}` | {value} | {field} |", file=file)
+    print("\nNot matched:", file=file)
+    for line in unmatched(run):
+        print(f"- {line}", file=file)
+    trl, fleet = result["trl"], result["rlfleet"]
+    rows = [
+        ("total wall time, launch to end (s)", trl["wall_seconds"], fleet["wall_seconds"]),
+        ("launch to first step (s)", trl["first_step_seconds"], fleet["first_step_seconds"]),
+        (f"steps/s, steps {STEADY_FROM}..{result['steps']}", trl["steps_per_s_steady"], fleet["steps_per_s_steady"]),
+        ("completions/s generated, launch to last step", trl["completions_per_s"], fleet["completions_per_s"]),
+        (
+            "trained completions/s, steady",
+            trl["trained_completions_per_s_steady"],
+            fleet["trained_completions_per_s_steady"],
+        ),  # fmt: skip
+        ("completions generated per trained", trl["generated_per_trained"], fleet["generated_per_trained"]),
+    ]
+    for threshold in THRESHOLDS:
+        rows += [
+            (
+                f"to a 10-step mean reward {threshold}: sampled",
+                trl[f"to_{threshold}_logged"],
+                fleet[f"to_{threshold}_sampled"],
+            ),  # fmt: skip
+            (
+                f"to a 10-step mean reward {threshold}: trained",
+                trl[f"to_{threshold}_logged"],
+                fleet[f"to_{threshold}_trained"],
+            ),  # fmt: skip
+        ]
+    rows += [
+        (
+            "reward, first tenth (sampled / trained)",
+            trl["reward_first_tenth_logged"],
+            f"{fmt(fleet['reward_first_tenth_sampled'])} / {fmt(fleet['reward_first_tenth_trained'])}",
+        ),  # fmt: skip
+        (
+            "reward, last tenth (sampled / trained)",
+            trl["reward_last_tenth_logged"],
+            f"{fmt(fleet['reward_last_tenth_sampled'])} / {fmt(fleet['reward_last_tenth_trained'])}",
+        ),  # fmt: skip
+        ("load average before (1/5/15 min)", trl["load_before"], fleet["load_before"]),
+        ("load average after", trl["load_after"], fleet["load_after"]),
+    ]
+    print(f"\n| | TRL GRPOTrainer {trl['trl_version']} | rlfleet run |\n|---|---|---|", file=file)
+    for name, a, b in rows:
+        print(f"| {name} | {fmt(a)} | {fmt(b)} |", file=file)
+    split = " · ".join(f"{k} {v:.3f}" for k, v in trl["split"].items())
+    print(f"\nmedian step split, TRL (s): {split}", file=file)
+    split = " · ".join(f"{k} {v:.3f}" for k, v in fleet["split"].items())
+    print(f"median step split, rlfleet (s): {split}", file=file)
+    print(f"time_to_0_9_ratio {fmt(result['time_to_0_9_ratio'])}, time_to_0_8_ratio "
+          f"{fmt(result['time_to_0_8_ratio'])} (rlfleet sampled ÷ TRL)", file=file)  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, default=None, help="an RLRun file (default: the arithmetic example)")
+    parser.add_argument("--compute-bound", action="store_true", help="the math example (default config then)")
+    parser.add_argument("--spot-check-fraction", type=float, default=None, help="rlfleet's verifier.spotCheckFraction")
+    parser.add_argument("--steps", type=int, default=None, help="default: the run's trainer.steps")
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=1,
+        help="torch threads of the TRL process (default 1, as `rlfleet run` gives each of its processes; 0: torch's "
+        "default, one per core, which on a loaded machine runs several times slower)",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout (the tables on stderr)")
+    parser.add_argument("--trl-child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    config = (args.config or (COMPUTE_BOUND if args.compute_bound else EXAMPLE)).resolve()
+    if args.spot_check_fraction is not None and not 0.0 <= args.spot_check_fraction <= 1.0:
+        parser.error("--spot-check-fraction: a fraction between 0 and 1 (spec.verifier.spotCheckFraction)")
+    run = load_bundle(config).run.spec
+    steps = args.steps or run.trainer.steps
+    if steps <= STEADY_FROM:
+        parser.error(f"--steps: more than {STEADY_FROM} (the steps before {STEADY_FROM} are start-up)")
+    if args.trl_child:
+        trl_child(args.trl_child, config, steps, args.trl_threads)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="rlfleet-vs-trl-") as tmp:
+        trl = run_trl(config, steps, args.trl_threads, Path(tmp) / "trl.json")
+        time.sleep(5)  # let the TRL process's load fade before rlfleet's launch
+        fleet = run_rlfleet(config, steps, args.spot_check_fraction, Path(tmp))
+    result = {
+        "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
+        "steps": steps,
+        "spot_check_fraction": run.verifier.spot_check_fraction
+        if args.spot_check_fraction is None
+        else args.spot_check_fraction,
+        "trl_threads": args.trl_threads,
+        "trl": trl,
+        "rlfleet": fleet,
+        "time_to_0_9_ratio": ratio(fleet["to_0.9_sampled"]["seconds"], trl["to_0.9_logged"]["seconds"]),
+        "time_to_0_8_ratio": ratio(fleet["to_0.8_sampled"]["seconds"], trl["to_0.8_logged"]["seconds"]),
+        "mapping": [{"trl": o, "value": v, "rlfleet": f} for o, v, f in mapping_rows(run)],
+        "not_matched": unmatched(run),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    report(result, run, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

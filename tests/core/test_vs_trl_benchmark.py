@@ -1,0 +1,122 @@
+"""benchmarks/vs_trl.py's pure parts: the figures it reads from per-step series, and the TRL option mapping.
+
+The runs themselves (TRL's GRPOTrainer and `rlfleet run`, minutes each) are the benchmark, not a test;
+these check what turns their records into the reported figures, on synthetic records."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlfleet.config import parse_bundle
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
+
+
+@pytest.fixture
+def vs_trl(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module("vs_trl")
+
+
+def example_run(**trainer):
+    """The arithmetic example's RLRun spec, with `trainer` fields (camelCase) changed."""
+    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
+    docs[0]["spec"]["trainer"].update(trainer)
+    return parse_bundle(yaml.safe_dump_all(docs)).run.spec
+
+
+def test_moving_mean_counts_only_full_windows(vs_trl):
+    assert vs_trl.moving_mean([1.0, 1.0, 0.0, 0.0], window=3) == [None, None, 2 / 3, 1 / 3]
+
+
+def test_time_to_threshold_is_the_first_step_whose_window_mean_reaches_it(vs_trl):
+    # A single 1.0 early on never lifts a 10-step mean to 0.9; the ramp does, at the step the 10th high value lands.
+    rewards = [1.0] + [0.5] * 19 + [0.95] * 20
+    times = [0.5 * (i + 1) for i in range(len(rewards))]
+    assert vs_trl.time_to_threshold(times, rewards, 0.9) == {"step": 29, "seconds": 14.5}
+    assert vs_trl.time_to_threshold(times, rewards, 0.8)["step"] == 27  # 3 x 0.5 + 7 x 0.95 = 8.15 of 10
+    assert vs_trl.time_to_threshold(times, rewards, 0.99) == {"step": None, "seconds": None}
+
+
+def test_steady_rate_leaves_out_the_start(vs_trl):
+    # 19 slow start-up steps (2 s each), then 0.25 s a step: the steady rate is 4 steps/s whatever the start cost.
+    times = [2.0 * (i + 1) for i in range(19)]
+    times += [times[-1] + 0.25 * (i + 1) for i in range(60)]
+    assert vs_trl.steady_steps_per_s(times) == pytest.approx(4.0)
+    assert vs_trl.steady_steps_per_s(times[:20]) is None  # nothing after the start-up
+
+
+def test_summary_of_a_synthetic_run(vs_trl):
+    steps = 100
+    times = [10.0 + 0.5 * i for i in range(steps)]  # first step at 10 s, then 2 steps/s
+    sampled = [0.5] * 50 + [1.0] * 50
+    trained = [0.5] * 50 + [0.85] * 50
+    out = vs_trl.summarize(times, {"sampled": sampled, "trained": trained}, 70.0, 3 * 128 * steps, [128] * steps)
+    assert out["steps_per_s_steady"] == pytest.approx(2.0)
+    assert out["trained_completions_per_s_steady"] == pytest.approx(256.0)
+    assert out["completions_per_s"] == pytest.approx(3 * 128 * steps / times[-1])
+    assert out["generated_per_trained"] == pytest.approx(3.0)
+    assert out["first_step_seconds"] == 10.0
+    assert out["reward_first_tenth_sampled"] == 0.5 and out["reward_last_tenth_sampled"] == 1.0
+    assert out["to_0.9_sampled"] == {"step": 58, "seconds": times[57]}  # 2 x 0.5 + 8 x 1.0 = 9 of 10
+    assert out["to_0.9_trained"] == {"step": None, "seconds": None}
+    assert out["to_0.8_trained"]["step"] == 59  # 0.5 + 9 x 0.85 = 8.15 of 10 (8 x 0.85: 7.8)
+
+
+def test_split_medians_use_the_split_when_records_have_it(vs_trl):
+    with_split = [
+        {"step_seconds": s, "split": {"wait": s / 2, "publish": 0.1}, "wait_seconds": 9.0} for s in (1.0, 2.0, 4.0)
+    ]
+    assert vs_trl.median_split(with_split) == {"publish": 0.1, "wait": 1.0, "step_seconds": 2.0}
+    older = [{"wait_seconds": w, "compute_seconds": 0.2, "publish_seconds": 0.1} for w in (0.1, 0.3, 0.9)]
+    assert vs_trl.median_split(older) == {"wait_seconds": 0.3, "compute_seconds": 0.2, "publish_seconds": 0.1}
+    # A run resumed by a newer trainer: the parts are the medians over the records that have them.
+    assert vs_trl.median_split(older + with_split[:1])["wait"] == 0.5
+
+
+def test_the_example_maps_one_to_one_onto_grpo_config(vs_trl):
+    options = vs_trl.trl_options(example_run(), steps=150)
+    expected = {
+        "num_generations": 8,
+        "per_device_train_batch_size": 128,  # 16 prompts x 8: TRL counts completions
+        "max_completion_length": 6,
+        "temperature": 1.0,
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
+        "epsilon": 0.2,
+        "epsilon_high": 0.28,
+        "delta": 4.0,
+        "max_grad_norm": 1.0,
+        "beta": 0.0,
+        "num_iterations": 1,
+        "loss_type": "dapo",
+        "gradient_accumulation_steps": 1,
+        "max_steps": 150,
+    }
+    assert {k: options[k] for k in expected} == expected
+    fields = {option: field for option, _, field in vs_trl.mapping_rows(example_run())}
+    assert fields["epsilon_high"] == "trainer.epsHigh" and fields["delta"] == "trainer.delta"
+    not_matched = vs_trl.unmatched(example_run())
+    assert not_matched == vs_trl.NOT_MATCHED  # the example sets nothing beyond the standing differences
+    assert any("maxAsyncLevel" in line for line in not_matched)
+
+
+def test_a_run_s_own_differences_are_listed_and_converted(vs_trl):
+    run = example_run(normalization="sequence", klCoef=0.01, skipZeroAdvantageGroups=True, epochs=2)
+    options = vs_trl.trl_options(run, steps=10)
+    assert (options["loss_type"], options["beta"], options["num_iterations"]) == ("grpo", 0.01, 2)
+    extra = vs_trl.unmatched(run)[len(vs_trl.NOT_MATCHED) :]
+    assert len(extra) == 2
+    assert "skipZeroAdvantageGroups" in extra[0] and "klCoef" in extra[1]
+
+
+def test_grpo_config_takes_every_mapped_option(vs_trl, tmp_path):
+    trl = pytest.importorskip("trl")
+    options = vs_trl.trl_options(example_run(), steps=150)
+    config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **options)
+    assert {k: getattr(config, k) for k in options} == options
