@@ -206,27 +206,27 @@ def summarize(times: list[float], rewards: dict[str, list[float]], wall: float, 
 # -- the two runs ---------------------------------------------------------------------------------------------
 
 
-def run_trl(config: Path, steps: int, threads: int, out: Path) -> dict:
+def failed(name: str, code: int, log: Path) -> SystemExit:
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+    return SystemExit(f"{name} failed (exit status {code}); the end of its output:\n{tail}")
+
+
+def run_trl(config: Path, steps: int, threads: int, work: Path) -> dict:
+    out, log_path = work / "trl.json", work / "trl.log"
+    cmd = [sys.executable, __file__, "--trl-child", str(out), "--config", str(config), "--steps", str(steps)]
     load_before = os.getloadavg()
     launched = time.time()
-    subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--trl-child",
-            str(out),
-            "--config",
-            str(config),
-            "--steps",
-            str(steps),
-            "--trl-threads",
-            str(threads),
-        ],  # fmt: skip
-        check=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None,
-    )
+    with open(log_path, "w") as log:  # TRL prints its logs on stdout, which is this benchmark's JSON
+        code = subprocess.run(
+            [*cmd, "--trl-threads", str(threads)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None,
+        ).returncode
     wall = time.time() - launched
+    if code:
+        raise failed("the TRL side", code, log_path)
     child = json.loads(out.read_text())
     times = [t - launched for t in child["step_times"]]
     step_walls = [b - a for a, b in zip([child["train_started"], *child["step_times"]], child["step_times"])]
@@ -265,7 +265,7 @@ def run_rlfleet(config: Path, steps: int, spot_check_fraction: float | None, wor
             time.sleep(0.05)
     wall = time.time() - launched
     if proc.returncode:
-        raise SystemExit(f"rlfleet run failed ({proc.returncode}); its output: {work / 'rlfleet.log'}")
+        raise failed("rlfleet run", proc.returncode, work / "rlfleet.log")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     # The trainer's start on this clock: a record is seen no earlier than it was written (wall_seconds after the
     # start), so the smallest difference over all records is the start to within the polling interval.
@@ -456,7 +456,7 @@ def main() -> int:
         trl_child(args.trl_child, config, steps, args.trl_threads)
         return 0
     with tempfile.TemporaryDirectory(prefix="rlfleet-vs-trl-") as tmp:
-        trl = run_trl(config, steps, args.trl_threads, Path(tmp) / "trl.json")
+        trl = run_trl(config, steps, args.trl_threads, Path(tmp))
         time.sleep(5)  # let the TRL process's load fade before rlfleet's launch
         fleet = run_rlfleet(config, steps, args.spot_check_fraction, Path(tmp))
     result = {
