@@ -8,8 +8,8 @@ rlfleet/tasks/chat.py encode_prompt), the task's reward, and the hyper-parameter
 (the table `mapping` prints; what cannot be matched is listed under it). Per system:
 
 - total wall time from launch (process start) to end;
-- steps/s over the steady part (steps 20..N), completions/s (generated, launch to the last step)
-  and trained completions/s (steady);
+- steps/s over the steady part (steps 20..N), completions/s (generated, launch to the last step: for
+  rlfleet the groups its verifier judged x groupSize) and trained completions/s (steady);
 - time from launch to a 10-step mean reward of 0.8 and 0.9 (the mean over the last 10 steps, first
   reached at that step): TRL's logged reward per step (on-policy: the sampled batch is the trained
   one); rlfleet's sampled reward (`sampled_reward_mean`: every group the trainer read, repeats
