@@ -65,15 +65,15 @@ class BatchReader:
                 self._pending_cursor = pending[-1] if pending else None
             for _, entries in resp or []:
                 for msg_id, fields in entries:
-                    ack.append(msg_id)
-                    try:
-                        with laps.part("decode"):
+                    with laps.part("decode"):  # and what was read noted
+                        ack.append(msg_id)
+                        try:
                             group = RolloutGroup.decode(fields)
-                    except MessageError as exc:
-                        log.error("undecodable verified message %s: %s", msg_id, exc)
-                        drops["malformed"] += 1
-                        continue
-                    self.read_groups.append((group.task_id, [s.reward for s in group.samples]))
+                        except MessageError as exc:
+                            log.error("undecodable verified message %s: %s", msg_id, exc)
+                            drops["malformed"] += 1
+                            continue
+                        self.read_groups.append((group.task_id, [s.reward for s in group.samples]))
                     if self.outcomes:
                         with laps.part("outcomes"):
                             self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])

@@ -24,7 +24,7 @@ SPLIT_PARTS = {
     "record_write": "writing the previous step's record (metrics.jsonl, /metrics, trackers) and its log line",
     "demand": "writing the trainer's demand for workers (set_demand, a Redis HSET per read)",
     "wait": "blocked in XREADGROUP on the verified stream, waiting for verified groups",
-    "decode": "decoding the messages read into groups",
+    "decode": "decoding the messages read into groups (and noting what was read)",
     "dedup": "the drop checks: content digests, trained-set lookups, stale and zero-advantage checks",
     "outcomes": "recording each group's outcome for the online prompt filter (spec.sampling.onlineFilter)",
     "broadcast": "sending the stop flag and the batch to the other ranks (0 with one rank)",
