@@ -14,6 +14,7 @@ One step:
      XACK their messages; until then they stay pending, so a crash redelivers them and they are trained
      again from the weights saved before them, never on top of their own update (state.py has the
      whole protocol).
+Each step's record (metrics.jsonl) says where its wall time went, part by part (split.py).
 A replica of several ranks is started by ranks.py (`--ranks`); every rank runs this loop, rank 0 alone
 reads the streams, publishes and commits.
 """
