@@ -40,6 +40,7 @@ from rlfleet.versions.manifest import (
     Shard,
 )
 from rlfleet.versions.store import CheckpointStore, check_key
+from rlfleet.wire.timing import Laps, timed
 
 _VERSION_DIR = re.compile(r"^v(0|[1-9][0-9]*)$")
 DEFAULT_SHARD_SIZE = 16 * 1024 * 1024
@@ -127,13 +128,16 @@ def publish_version(
     shard_size: int = DEFAULT_SHARD_SIZE,
     delta: DeltaSection | None = None,
     adapter: AdapterSection | None = None,
+    laps: Laps | None = None,
 ) -> Manifest:
     """Upload every file of `local_dir` to `{run}/policy/v{N}/`, then manifest.json; return the manifest.
-    `delta` is a delta version's section, `adapter` an adapter version's (each signed with the rest)."""
+    `delta` is a delta version's section, `adapter` an adapter version's (each signed with the rest). `laps`
+    (the trainer's step parts) gets the hashing of the files (publish_hash) and the signing (publish_sign)."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     local_dir = Path(local_dir)
-    files = _local_files(local_dir, shard_size)
+    with timed(laps, "publish_hash"):
+        files = _local_files(local_dir, shard_size)
     existing = read_manifest(store, run, version)
     if existing is not None:
         if existing.files == files:
@@ -147,7 +151,8 @@ def publish_version(
     for entry in files:
         store.put_file(version_key(run, version, entry.name), local_dir / entry.name)
     if signer is not None:
-        manifest = dataclasses.replace(manifest, signature=signer(manifest.signing_bytes()))
+        with timed(laps, "publish_sign"):
+            manifest = dataclasses.replace(manifest, signature=signer(manifest.signing_bytes()))
     store.put_bytes(manifest_key(run, version), manifest.encode())  # last: makes it visible
     return manifest
 

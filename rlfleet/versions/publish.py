@@ -48,6 +48,7 @@ from rlfleet.versions.checkpoint import (
 from rlfleet.versions.codec import encode_file
 from rlfleet.versions.manifest import AdapterSection, DeltaSection, FileRef, Manifest, ResultFile
 from rlfleet.versions.store import CheckpointStore
+from rlfleet.wire.timing import Laps, timed
 
 log = logging.getLogger("rlfleet.versions")
 
@@ -92,8 +93,13 @@ class PolicyPublisher:
         spec,
         signer: Callable[[bytes], str] | None = None,
         shard_size: int = DEFAULT_SHARD_SIZE,
+        laps: Laps | None = None,
     ):
         self.store, self.run, self.spec, self.signer, self.shard_size = store, run, spec, signer, shard_size
+        # The trainer's step parts (services/trainer/split.py), when given: each publish counts its seconds as
+        # publish_delta, publish_hash and publish_sign, and the rest of it (store I/O, moving the files) as
+        # publish_store.
+        self.laps = laps
         self._dir = tempfile.TemporaryDirectory(prefix="rlfleet-publish-base-")
         self.base: tuple[int, Path, list[FileRef]] | None = None  # (version, its files, their entries)
         self.chain_bytes = 0.0  # bytes of the deltas since the last whole version
@@ -106,7 +112,10 @@ class PolicyPublisher:
         """Publish `local_dir`'s files as `version` (an adapter over a base when `adapter` is given: whole,
         never a delta); return its manifest. Afterwards the files are moved out of `local_dir` into the
         publisher's base directory."""
-        local_dir = Path(local_dir)
+        with timed(self.laps, "publish_store"):
+            return self._write(version, Path(local_dir), adapter)
+
+    def _write(self, version: int, local_dir: Path, adapter: AdapterSection | None) -> Manifest:
         full_bytes = sum(p.stat().st_size for p in local_dir.rglob("*") if p.is_file())
         self.last = {"version": version, "full_bytes": full_bytes, "ops": {}}
         existing = read_manifest(self.store, self.run, version)
@@ -114,7 +123,8 @@ class PolicyPublisher:
             manifest = self._existing(existing, local_dir, version)
         else:
             with tempfile.TemporaryDirectory(prefix="rlfleet-delta-") as tmp:
-                section = self._delta(local_dir, Path(tmp)) if self._has_base(version) and not adapter else None
+                with timed(self.laps, "publish_delta"):
+                    section = self._delta(local_dir, Path(tmp)) if self._has_base(version) and not adapter else None
                 manifest = self._publish(version, local_dir, Path(tmp), section, full_bytes, adapter)
         self._keep(version, local_dir, result_files(manifest))
         return manifest
@@ -156,6 +166,7 @@ class PolicyPublisher:
             shard_size=self.shard_size,
             delta=delta,
             adapter=adapter,
+            laps=self.laps,
         )
         self.chain_bytes = self.chain_bytes + sent if kind == "delta" else 0.0
         worker = size_of(delta_files(manifest)) if pays else full_bytes  # what a worker holding version - 1 gets

@@ -20,6 +20,7 @@ SERVICE_MODULES = [
     "rlfleet.services.trainer.main",
     "rlfleet.services.trainer.metrics",
     "rlfleet.services.rollout.main",
+    "rlfleet.services.rollout.timing",
     "rlfleet.services.toploc.gate",
     "rlfleet.services.toploc.metrics",
     "rlfleet.services.shardcast.assemble",

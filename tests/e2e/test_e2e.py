@@ -12,8 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 
+from rlfleet.services.rollout import timing as rollout_timing
 from rlfleet.services.shardcast.sources import READ_TIMEOUT
+from rlfleet.services.toploc import metrics as verifier_metrics
+from rlfleet.services.trainer.split import COMPUTE_PARTS, PUBLISH_PARTS, SPLIT_PARTS, WAIT_PARTS
 from tests.runs import extended, pool, relay_tier, rlrun, write_rlrun
 from tests.support import REPO
 
@@ -36,6 +41,39 @@ def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, seconds: f
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, f"no {steps} steps within {seconds}s"
         time.sleep(0.5)
+
+
+def assert_steps_accounted_for(records: list[dict]) -> None:
+    """Every record's split names every part and adds up to its step_seconds within 5%; the coarse fields are sums
+    of its parts; consecutive steps tile the run (from one record's wall_seconds to the next is the next's step)."""
+    for r in records:
+        assert set(r["split"]) == set(SPLIT_PARTS), r["step"]
+        total = sum(r["split"].values())
+        assert r["step_seconds"] > 0 and abs(total - r["step_seconds"]) <= 0.05 * r["step_seconds"], (
+            r["step"],
+            total,
+            r,
+        )
+        for coarse, parts in (("wait", WAIT_PARTS), ("compute", COMPUTE_PARTS), ("publish", PUBLISH_PARTS)):
+            assert r[f"{coarse}_seconds"] == pytest.approx(sum(r["split"][p] for p in parts)), (r["step"], coarse)
+    for before, after in zip(records, records[1:]):
+        between = after["wall_seconds"] - before["wall_seconds"]  # wall_seconds is read just before eval and the end
+        slack = 0.05 * after["step_seconds"] + before["split"]["eval"] + after["split"]["eval"]
+        assert abs(between - after["step_seconds"]) <= slack, (before, after)
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    text = requests.get(url, timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def seconds_by_part(samples: list[dict[tuple[str, frozenset], float]], name: str, parts: tuple[str, ...]) -> dict:
+    """Counter `name`'s seconds per part, summed over the processes scraped (KeyError: a part has no series)."""
+    return {part: sum(s[(name, frozenset({"part": part}.items()))] for s in samples) for part in parts}
 
 
 def component_pids(run_dir: Path, *words: str) -> list[int]:
@@ -61,6 +99,7 @@ def test_example_learns_end_to_end(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == len(records) == 150
+    assert_steps_accounted_for(records)
     for key in ("step", "policy_version", "reward_mean", "samples", "accepted", "rejected", "staleness_mean"):
         assert key in records[0], key
     assert [r["policy_version"] for r in records] == list(range(1, 151))
@@ -87,6 +126,38 @@ def test_example_learns_end_to_end(tmp_path):
         "relay-arithmetic-tier0-0.log",
     } <= set(logs)
     assert component_pids(run_dir) == [], "every component stopped"
+
+
+@pytest.mark.slow
+def test_every_second_of_a_step_is_accounted_for_and_workers_and_the_verifier_export_theirs(tmp_path):
+    """An 8-step run of the example: each trainer step's split adds up to its wall time (split.py), and while it
+    runs every worker and the verifier count their seconds by part on /metrics, each part at work."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--steps", "8")
+    try:
+        wait_for_steps(run_dir, proc, 3, seconds=600)
+        urls = json.loads((run_dir / "endpoints.json").read_text())["metrics"]
+        workers = [scrape(url) for name, url in urls.items() if name.startswith("rollout/")]
+        verifier = [scrape(url) for name, url in urls.items() if name.startswith("verifier/")]
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:  # failed before the end: Ctrl-C stops every component
+            proc.send_signal(signal.SIGINT)
+            proc.wait(120)
+    assert proc.returncode == 0, out
+    assert len(workers) == 2 and len(verifier) == 1
+    # Three steps trained: both workers' parts and the verifier's (every group prefilled: spotCheckFraction 1) ran.
+    by_worker = seconds_by_part(workers, "rlfleet_rollout_seconds_total", rollout_timing.PARTS)
+    assert all(seconds > 0 for seconds in by_worker.values()), by_worker
+    by_verifier = seconds_by_part(verifier, "rlfleet_verifier_seconds_total", verifier_metrics.PARTS)
+    assert all(seconds > 0 for seconds in by_verifier.values()), by_verifier
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert_steps_accounted_for(records)
+    # The parts every step of this run does: the update, the resume state (checkpointEvery 1), the publish.
+    for part in ("forward_backward", "optimizer", "resume_save", "publish_save", "publish_store", "announce"):
+        assert all(r["split"][part] > 0 for r in records[1:]), part
+    assert records[0]["split"]["record_write"] == 0 and all(r["split"]["record_write"] > 0 for r in records[1:])
 
 
 def redis_pids(run_dir: Path) -> list[int]:

@@ -11,6 +11,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.local.redis_server import free_port
+from rlfleet.services.trainer.split import SPLIT_PARTS
 from rlfleet.wire.streams import RunKeys
 from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
 from tests.trainer.test_trainer import group
@@ -50,9 +51,11 @@ SERIES = {
         f"dropped_{r}": ("rlfleet_trainer_dropped_groups_total", {"reason": r})
         for r in ("stale", "duplicate", "malformed", "zero_advantage")
     },
-    # One observation so far: the histogram's sum is the step's time in that phase.
-    **{f"{p}_seconds": ("rlfleet_trainer_step_seconds_sum", {"phase": p}) for p in ("wait", "compute", "publish")},
+    # One observation so far: the histogram's sum is the step's wall time (each split part's: below).
+    "step_seconds": ("rlfleet_trainer_step_wall_seconds_sum", {}),
 }
+# Sums of split parts, which are on /metrics one by one.
+COARSE = {"wait_seconds", "compute_seconds", "publish_seconds"}
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -94,12 +97,22 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
     )
     # p and q are trained (reward 0.5); the sampled reward counts the dropped duplicate and flat group too
     assert record["reward_mean"] == 0.5 and record["sampled_reward_mean"] == 5 / 8
-    unmapped = set(record) - set(SERIES) - {"rejected", "rejected_by_reason", "rollout_ids", "dropped_rollout_ids"}
+    unmapped = (
+        set(record)
+        - set(SERIES)
+        - COARSE
+        - {"rejected", "rejected_by_reason", "rollout_ids", "dropped_rollout_ids", "split"}
+    )
     assert not unmapped, f"metrics.jsonl fields without a Prometheus series in this test: {sorted(unmapped)}"
     for field, (name, labels) in SERIES.items():
         key = (name, frozenset(labels.items()))
         assert key in samples, f"{field}: no series {name}{labels} on /metrics"
         assert samples[key] == pytest.approx(record[field], rel=1e-6, abs=1e-9), field
+    # Every part of the step's split: one observation so far, the histogram's sum is that part's seconds.
+    assert set(record["split"]) == set(SPLIT_PARTS)
+    for part, seconds in record["split"].items():
+        key = ("rlfleet_trainer_step_seconds_sum", frozenset({"phase": part}.items()))
+        assert samples[key] == pytest.approx(seconds, rel=1e-6, abs=1e-9), part
     rejected = {
         dict(labels)["reason"]: v
         for (name, labels), v in samples.items()

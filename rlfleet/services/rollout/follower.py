@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 from prometheus_client import Gauge
 
+from rlfleet.services.rollout.timing import LAPS
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings, wait_for_version
 from rlfleet.versions.checkpoint import prune_cache
@@ -77,7 +78,8 @@ class VersionFollower(threading.Thread):
                 continue
             self.announced, announced_at = newest, time.monotonic()
             # whole, or rebuilt from the version held here and a delta
-            path = fetch_policy(self.fetch, newest, self.cache_dir)
+            with LAPS.part("fetch"):
+                path = fetch_policy(self.fetch, newest, self.cache_dir)
             DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
                 self.ready = (newest, path, announced_at)

@@ -47,6 +47,7 @@ from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
+from rlfleet.services.rollout.timing import LAPS
 from rlfleet.services.rollout.work import WorkSource
 from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
@@ -164,23 +165,28 @@ class Worker(WorkSource):
                     # a builtin or a local directory: the config refuses lora over s3:// or hf:// (workers never fetch)
                     base = resolve_model_path(spec.model, spec.task, spec.trainer.seed, caller=components.ROLLOUT)
                     self.engine = make_engine(self.engine_kind, base, -1, self.dtype, self.vllm)
-                if self.engine is None:
-                    self.engine = make_engine(self.engine_kind, path, version, self.dtype, self.vllm)
-                else:
-                    try:
-                        self.engine.load_weights(path, version)
-                    except ValueError:  # the local base model is another architecture: start from this version
-                        if is_adapter_dir(path):
-                            raise  # an adapter needs the base it was made over (its message names it)
-                        self.engine.close()
-                        self.engine = make_engine(self.engine_kind, path, version, self.dtype, self.vllm)
+                with LAPS.part("load"):
+                    self._load_first(version, path)
                 VERSION.set(version)
                 # a run asking for a chat template the model lacks: refused here, before any group
-                check_chat_templates(spec.task, bool(getattr(self.engine.tokenizer, "chat_template", None)), str(path))
+                check_chat_templates(spec.task, bool(getattr(self.loaded.tokenizer, "chat_template", None)), str(path))
                 self.liveness.ready()
                 return True
             time.sleep(0.05)
         return False
+
+    def _load_first(self, version: int, path: Path) -> None:
+        """Load the first version: into the engine started from the base model, else into a new engine."""
+        if self.engine is None:
+            self.engine = make_engine(self.engine_kind, path, version, self.dtype, self.vllm)
+            return
+        try:
+            self.engine.load_weights(path, version)
+        except ValueError:  # the local base model is another architecture: start from this version
+            if is_adapter_dir(path):
+                raise  # an adapter needs the base it was made over (its message names it)
+            self.engine.close()
+            self.engine = make_engine(self.engine_kind, path, version, self.dtype, self.vllm)
 
     def _raise_follower_error(self) -> None:
         if self.follower.error is not None:
@@ -196,7 +202,7 @@ class Worker(WorkSource):
         if ready:
             version, path, announced_at = ready
             t0 = time.monotonic()
-            with self.liveness.working():
+            with self.liveness.working(), LAPS.part("load"):
                 self.loaded.load_weights(path, version)
             LOAD_SECONDS.set(time.monotonic() - t0)
             swap = time.monotonic() - announced_at
@@ -279,7 +285,7 @@ class Worker(WorkSource):
         IN_FLIGHT.set(s.group_size * len(work))
         GROUPS_IN_FLIGHT.set(len(work))
         try:
-            with self.liveness.working():
+            with self.liveness.working(), LAPS.part("generate"):
                 batch = self.loaded.generate_groups([GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)])
         finally:
             IN_FLIGHT.set(0)
@@ -287,19 +293,21 @@ class Worker(WorkSource):
         versions = {gen.version for gens in batch for gen in gens}
         if len(versions) != 1:  # the engine seam's invariant; a group claiming one version must hold only its tokens
             raise RuntimeError(f"one engine call produced versions {sorted(versions)}: the engine broke its contract")
-        proofs = build_proofs_many(  # every sample of the batch in one vectorised pass
-            [gen.hidden for gens in batch for gen in gens],
-            prompt_len=[len(p) for p, gens in zip(prompts, batch) for _ in gens],
-            decode_batching_size=toploc.decode_batching_size,
-            topk=toploc.topk,
-        )
+        with LAPS.part("proofs"):
+            proofs = build_proofs_many(  # every sample of the batch in one vectorised pass
+                [gen.hidden for gens in batch for gen in gens],
+                prompt_len=[len(p) for p, gens in zip(prompts, batch) for _ in gens],
+                decode_batching_size=toploc.decode_batching_size,
+                topk=toploc.topk,
+            )
         groups, at = [], 0
         for (_, _, ticket), problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
             group_proofs = proofs[at : at + len(gens)]
             at += len(gens)
             texts = [completion_text(self.loaded.tokenizer, g.completion_ids, self.loaded.stop_ids) for g in gens]
             try:
-                rewards = self.task.scores(problem, texts, [len(g.completion_ids) for g in gens])
+                with LAPS.part("reward"):
+                    rewards = self.task.scores(problem, texts, [len(g.completion_ids) for g in gens])
             except EnvironmentFailure as exc:
                 log.warning("task %s: the environment failed to score the group, which is dropped: %s",
                             problem.task_id, exc)  # fmt: skip
@@ -324,6 +332,10 @@ class Worker(WorkSource):
 
     def send(self, group: RolloutGroup) -> bool:
         """XADD `group` to the inbox or POST it to the ingest; False if stopped while the ingest held it back."""
+        with LAPS.part("send"):
+            return self._send(group)
+
+    def _send(self, group: RolloutGroup) -> bool:
         if self.ingest_url:
             fields = group.encode()[MESSAGE_FIELD]
             on_wait = PAUSED.labels(components.INGEST).inc

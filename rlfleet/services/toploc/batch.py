@@ -32,6 +32,7 @@ import torch
 
 from rlfleet.models.policy import Scored, score
 from rlfleet.services.toploc.checks import Checker, Outcome, Rejection, decode_group
+from rlfleet.services.toploc.metrics import LAPS
 from rlfleet.services.toploc.replay import ReplayScore
 from rlfleet.wire.streams import RolloutGroup
 
@@ -72,7 +73,7 @@ def score_groups(model, groups: list[RolloutGroup], temperature: float, pad_id: 
     out = [Scored(hidden=slot, logprobs=list(slot), entropy=[]) for slot in slots]
     for batch in batches:
         ids = [groups[gi].prompt_ids + groups[gi].samples[si].completion_ids for _, gi, si in batch]
-        with torch.inference_mode():
+        with torch.inference_mode(), LAPS.part("prefill"):
             scored = score(model, ids, temperature, pad_id, want_hidden=True)
         for (_, gi, si), hidden, logprobs in zip(batch, scored.hidden, scored.logprobs):
             out[gi].hidden[si], out[gi].logprobs[si] = hidden, logprobs

@@ -52,6 +52,7 @@ from rlfleet.models.sampling import completion_text, context_length, stop_token_
 from rlfleet.services.toploc.calibration import Calibration, calibration
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.guards import ticket_replay, work_replay
+from rlfleet.services.toploc.metrics import LAPS
 from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs_many
 from rlfleet.services.toploc.replay import ReplayScore, group_score
 from rlfleet.services.toploc.reputation import is_banned
@@ -90,6 +91,7 @@ class Outcome:
     replay: ReplayScore | None = None  # the seed replay's score, when the prefill ran
 
 
+@LAPS.part("decode")
 def decode_group(fields: dict, max_bytes: int) -> RolloutGroup:
     """Decode an inbox entry or raise Rejection (size, schema_version or malformed)."""
     size = sum(len(k) + len(v) for k, v in fields.items())
@@ -162,6 +164,7 @@ class Checker:
         """The running replay mismatch share past which `group`'s worker is banned (0 = never)."""
         return self.calibration(group).max_running_share
 
+    @LAPS.part("checks")  # the policy's fetch and load, and a prefill, inside it are counted as their own parts
     def check(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool = True, deferred: bool = False) -> Outcome:
         """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band. `deferred`: the
         caller runs the prefill checks of a `prefill` group itself (batch.py), the others run here."""
@@ -262,6 +265,7 @@ class Checker:
                 if len(proof) != want:
                     raise Rejection("toploc", f"samples[{i}] proof {c} is {len(proof)} bytes, expected {want}")
 
+    @LAPS.part("checks")
     def prefill_checks(
         self, group: RolloutGroup, model, tokenizer, scored: Scored | None = None
     ) -> tuple[list[list[float]], ReplayScore]:
@@ -272,7 +276,7 @@ class Checker:
         prompt_len = len(group.prompt_ids)
         if scored is None:
             rows = [group.prompt_ids + s.completion_ids for s in group.samples]
-            with torch.inference_mode():
+            with torch.inference_mode(), LAPS.part("prefill"):
                 scored = score(model, rows, sp.temperature, tokenizer.pad_token_id, want_hidden=True)
         try:  # every sample's chunks in one vectorised pass; an error names its sample
             per_sample = verify_proofs_many(

@@ -57,6 +57,7 @@ from rlfleet.services.toploc.metrics import (
     DEAD_LETTERS,
     DUPLICATES,
     FAILURES,
+    LAPS,
     REWARD_MISMATCH,
     TOKENS,
     UNCHECKED,
@@ -162,10 +163,12 @@ class Gate:
         with self._models_lock:
             if version not in self.models:
                 # whole, or rebuilt from a version held here and deltas; a LoRA adapter merged into this base
-                path = fetch_policy(self.fetch, version, self.cache_dir)
+                with LAPS.part("fetch"):
+                    path = fetch_policy(self.fetch, version, self.cache_dir)
                 spec = self.spec
                 base = partial(resolve_model_path, spec.model, spec.task, spec.trainer.seed, caller=components.VERIFIER)
-                self.models[version] = load_version(path, spec.model.dtype, self.device, base)
+                with LAPS.part("load"):
+                    self.models[version] = load_version(path, spec.model.dtype, self.device, base)
                 watch(self.liveness, self.models[version][0])
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
@@ -207,6 +210,7 @@ class Gate:
         except Rejection as exc:
             return group, exc
 
+    @LAPS.part("commit")
     def commit(self, msg_id: bytes, fields: dict, group: RolloutGroup | None, result: Outcome | Rejection) -> int:
         """Commit one entry's verdict (module docstring); the script's answer: 0 already committed, 2 banned."""
         keys, v = self.ctx.keys, self.spec.verifier

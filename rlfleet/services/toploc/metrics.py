@@ -13,6 +13,7 @@ from typing import get_args
 from prometheus_client import Counter
 
 from rlfleet.config import RejectionReason
+from rlfleet.wire.timing import Laps, lap_counter
 
 VERDICTS = Counter("rlfleet_verifier_groups_total", "Groups verified", ["verdict", "reason"])
 REWARD_MISMATCH = Counter(
@@ -39,3 +40,14 @@ VERDICTS.labels("accepted", "")
 for _reason in get_args(RejectionReason):
     VERDICTS.labels("rejected", _reason)
     BANS.labels(_reason)
+
+# Where the verifier's seconds go (rlfleet/wire/timing.py `Laps`; nested parts count exclusively): `fetch`
+# (downloading a version from the trusted origin: hashes, signature, delta rebuild), `load` (loading it
+# into a model, an adapter merged), `decode` (inbox messages into groups), `prefill` (the forward passes
+# recomputing hidden states and logprobs), `checks` (every check around them: envelope, prompt, replay
+# guard, TOPLOC and logprob comparisons, seed replay, reward), `commit` (the verdict's Lua script).
+PARTS = ("fetch", "load", "decode", "prefill", "checks", "commit")
+SECONDS = Counter("rlfleet_verifier_seconds_total", "Seconds spent by part of the verifier's work", ["part"])
+for _part in PARTS:
+    SECONDS.labels(_part)
+LAPS = Laps(PARTS, on_lap=lap_counter(SECONDS))

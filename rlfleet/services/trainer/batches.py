@@ -18,6 +18,7 @@ from rlfleet.services.trainer.state import Commit
 from rlfleet.wire.prompt_filter import OutcomeRecorder
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import MessageError, RolloutGroup, group_digest, stream_reply
+from rlfleet.wire.timing import Laps
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -34,6 +35,7 @@ class BatchReader:
     dropped_ids: dict[str, list[str]]
     read_groups: list[tuple[str, list[float]]]  # (task id, rewards) of every group the step read, dropped ones too
     _pending_cursor: bytes | str | None
+    laps: Laps  # the step's parts (split.py): demand, wait, decode, dedup, outcomes
 
     def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
         """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
@@ -45,48 +47,60 @@ class BatchReader:
         drops = {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
         self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
         self.read_groups = []
+        laps = self.laps
         while len(batch) < want and not self.ctx.stop.is_set():
-            self.set_demand(oldest, want - len(batch), len(ack) + len(self.pending.message_ids))
+            with laps.part("demand"):
+                self.set_demand(oldest, want - len(batch), len(ack) + len(self.pending.message_ids))
             # After a restart, first the messages this consumer read but never acknowledged, walked
             # once by id (reading pending entries from "0" again would return the same ones forever).
             start = self._pending_cursor or ">"
-            resp = stream_reply(
-                r.xreadgroup(
-                    keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
+            with laps.part("wait"):
+                resp = stream_reply(
+                    r.xreadgroup(
+                        keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
+                    )
                 )
-            )
             if self._pending_cursor is not None:
                 pending = [msg_id for _, entries in resp or [] for msg_id, _ in entries]
                 self._pending_cursor = pending[-1] if pending else None
             for _, entries in resp or []:
                 for msg_id, fields in entries:
-                    ack.append(msg_id)
-                    try:
-                        group = RolloutGroup.decode(fields)
-                    except MessageError as exc:
-                        log.error("undecodable verified message %s: %s", msg_id, exc)
-                        drops["malformed"] += 1
-                        continue
-                    self.read_groups.append((group.task_id, [s.reward for s in group.samples]))
+                    with laps.part("decode"):  # and what was read noted
+                        ack.append(msg_id)
+                        try:
+                            group = RolloutGroup.decode(fields)
+                        except MessageError as exc:
+                            log.error("undecodable verified message %s: %s", msg_id, exc)
+                            drops["malformed"] += 1
+                            continue
+                        self.read_groups.append((group.task_id, [s.reward for s in group.samples]))
                     if self.outcomes:
-                        self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])
-                    digest = group_digest(group)
-                    if (
-                        r.zscore(keys.trained, digest) is not None
-                        or digest in self.pending.digests
-                        or any(group_digest(g) == digest for g in batch)
-                    ):
-                        drops["duplicate"] += 1
-                        self.dropped_ids["duplicate"].append(group.rollout_id)
-                    elif group.policy_version < oldest:
-                        drops["stale"] += 1
-                        self.dropped_ids["stale"].append(group.rollout_id)
-                    elif skip_flat and len({s.reward for s in group.samples}) == 1:
-                        drops["zero_advantage"] += 1
-                        self.dropped_ids["zero_advantage"].append(group.rollout_id)
-                    else:
-                        batch.append(group)
+                        with laps.part("outcomes"):
+                            self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])
+                    with laps.part("dedup"):
+                        self._admit(group, batch, oldest, skip_flat, drops)
         return batch, ack, drops
+
+    def _admit(
+        self, group: RolloutGroup, batch: list[RolloutGroup], oldest: int, skip_flat: bool, drops: dict[str, int]
+    ) -> None:
+        """Append `group` to `batch`, or count and record why it is dropped (the module docstring's reasons)."""
+        digest = group_digest(group)
+        if (
+            self.ctx.client.zscore(self.ctx.keys.trained, digest) is not None
+            or digest in self.pending.digests
+            or any(group_digest(g) == digest for g in batch)
+        ):
+            drops["duplicate"] += 1
+            self.dropped_ids["duplicate"].append(group.rollout_id)
+        elif group.policy_version < oldest:
+            drops["stale"] += 1
+            self.dropped_ids["stale"].append(group.rollout_id)
+        elif skip_flat and len({s.reward for s in group.samples}) == 1:
+            drops["zero_advantage"] += 1
+            self.dropped_ids["zero_advantage"].append(group.rollout_id)
+        else:
+            batch.append(group)
 
     def oldest_trained(self, version: int) -> int:
         """The oldest policy version a step taken while holding `version` trains (maxAsyncLevel back)."""

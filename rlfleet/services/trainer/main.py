@@ -14,6 +14,7 @@ One step:
      XACK their messages; until then they stay pending, so a crash redelivers them and they are trained
      again from the weights saved before them, never on top of their own update (state.py has the
      whole protocol).
+Each step's record (metrics.jsonl) says where its wall time went, part by part (split.py).
 A replica of several ranks is started by ranks.py (`--ranks`); every rank runs this loop, rank 0 alone
 reads the streams, publishes and commits.
 """
@@ -39,6 +40,7 @@ from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, 
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
 from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
+from rlfleet.services.trainer.split import StepSplit
 from rlfleet.services.trainer.state import (
     Commit,
     load_checkpoint,
@@ -118,6 +120,8 @@ class Trainer(BatchReader):
         self.pending = Commit()  # what the steps since then trained (rank 0), committed at the next save
         self.last_record: dict | None = None
         self.started = time.monotonic()
+        self.split = StepSplit()  # each step's record says where its seconds went (split.py)
+        self.laps = self.split.laps
         self.dropped_ids = {}
         self.read_groups = []
         self._pending_cursor = "0"  # re-read what this consumer holds unacknowledged, then new ones (batches.py)
@@ -131,34 +135,43 @@ class Trainer(BatchReader):
     def publish(self, model_state: dict, final: bool = False) -> None:
         """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
         delta against the previous version; with LoRA the adapter alone, lora.py), then announce it."""
+        laps = self.laps
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
-            if self.lora:
-                self.lora.save(model_state, Path(tmp))
-            else:
-                save_model_dir(
-                    self.model,
-                    self.tokenizer,
-                    Path(tmp),
-                    state_dict={
-                        k: v.to(self.precision.publish_dtype)  # the run's dtype, whatever the masters are
-                        for k, v in publishable_weights(self.model, model_state).items()
-                    },
-                )
+            with laps.part("publish_save"):
+                if self.lora:
+                    self.lora.save(model_state, Path(tmp))
+                else:
+                    save_model_dir(
+                        self.model,
+                        self.tokenizer,
+                        Path(tmp),
+                        state_dict={
+                            k: v.to(self.precision.publish_dtype)  # the run's dtype, whatever the masters are
+                            for k, v in publishable_weights(self.model, model_state).items()
+                        },
+                    )
             shardcast = self.spec.shardcast
             self._publisher = self._publisher or PolicyPublisher(
-                self.store, self.ctx.run_name, shardcast.deltas, run_signer(shardcast), shardcast.shard_size_bytes
+                self.store,
+                self.ctx.run_name,
+                shardcast.deltas,
+                run_signer(shardcast),
+                shardcast.shard_size_bytes,
+                laps=laps,
             )
             if self.evaluator:  # evaluates the version when due, on a copy (publishing moves the files), in a thread
-                self.evaluator.offer(self.version, Path(tmp), final)
+                with laps.part("eval"):
+                    self.evaluator.offer(self.version, Path(tmp), final)
             self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
-        prune_versions(self.store, self.ctx.run_name, keep)
+        with laps.part("prune"):
+            prune_versions(self.store, self.ctx.run_name, keep)
         announcement = {"version": self.version, "time": time.time(), "step": self.step_done}
         if self.last_reward is not None:  # shown by the operator's status and printer columns
             announcement["reward"] = self.last_reward
-        # redis-py asks for Dict[FieldT, EncodableT], invariant: no narrower dict passes (Mapping would).
-        self.ctx.client.xadd(self.ctx.keys.policy, encode_json(announcement), maxlen=1000, approximate=True)  # type: ignore[arg-type]
+        with laps.part("announce"):  # redis-py asks for Dict[FieldT, EncodableT], invariant (Mapping would pass)
+            self.ctx.client.xadd(self.ctx.keys.policy, encode_json(announcement), maxlen=1000, approximate=True)  # type: ignore[arg-type]
         VERSION.set(self.version)
 
     def step(self, groups: list[RolloutGroup]) -> dict:
@@ -174,9 +187,11 @@ class Trainer(BatchReader):
             self.rank,
             self.world,
             None if self.sharded else self.precision.compute_dtype,  # FSDP's own policy casts when sharded
+            self.laps,
         )
-        stats["learning_rate"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with self.laps.part("optimizer"):
+            stats["learning_rate"] = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
         return stats
 
     def commit(self, commit: Commit) -> None:
@@ -193,21 +208,23 @@ class Trainer(BatchReader):
 
     def save(self, step: int) -> None:
         """Save the resume state of `step` (every rank), then commit what the steps since the last save trained."""
-        key = save_checkpoint(self.store, self.ctx.run_name, step, self.model, self.optimizer)
-        self.saved_step = step
-        if self.rank != 0:
-            return
-        save_state(
-            self.store,
-            self.ctx.run_name,
-            step=step,
-            version=self.version,
-            checkpoint=key,
-            scheduler=self.scheduler,
-            commit=self.pending,
-            record=self.last_record,
-        )
-        self.commit(self.pending)
+        with self.laps.part("resume_save"):
+            key = save_checkpoint(self.store, self.ctx.run_name, step, self.model, self.optimizer)
+            self.saved_step = step
+            if self.rank != 0:
+                return
+            save_state(
+                self.store,
+                self.ctx.run_name,
+                step=step,
+                version=self.version,
+                checkpoint=key,
+                scheduler=self.scheduler,
+                commit=self.pending,
+                record=self.last_record,
+            )
+        with self.laps.part("ack"):
+            self.commit(self.pending)
         self.pending = Commit()
 
     def resume(self) -> int:
@@ -235,11 +252,12 @@ class Trainer(BatchReader):
         return state["step"] + 1
 
     def run(self, steps: int) -> None:
-        every = self.spec.trainer.checkpoint_every
+        every, laps = self.spec.trainer.checkpoint_every, self.laps
         for step in range(self.resume(), steps + 1):
-            t0 = time.monotonic()
+            self.split.begin()
             groups, ack, drops = self.collect() if self.rank == 0 else ([], [], {})
-            stopping = broadcast(self.ctx.stop.is_set(), self.rank, self.world)
+            with laps.part("broadcast"):
+                stopping = broadcast(self.ctx.stop.is_set(), self.rank, self.world)
             if stopping:
                 log.info("stopping before step %d; %d unacknowledged groups will be redelivered", step, len(groups))
                 if self.saved_step < step - 1:
@@ -247,62 +265,75 @@ class Trainer(BatchReader):
                 return
             if self.rank == 0:  # the batch is held: the next step trains from one version newer
                 held = len(ack) + len(self.pending.message_ids)
-                self.set_demand(self.oldest_trained(self.version + 1), self.spec.trainer.batch_size, held)
-            groups = broadcast(groups, self.rank, self.world)
-            t1 = time.monotonic()
+                with laps.part("demand"):
+                    self.set_demand(self.oldest_trained(self.version + 1), self.spec.trainer.batch_size, held)
+            with laps.part("broadcast"):
+                groups = broadcast(groups, self.rank, self.world)
             stats = self.step(groups)
-            t2 = time.monotonic()
             lags = [self.version - g.policy_version for g in groups]
             self.version += 1
             self.step_done = step
             self.last_reward = stats["reward_mean"]
             # The whole weights to publish on rank 0; every rank joins (a collective under FSDP).
-            model_state = full_model_state(self.model)
+            with laps.part("gather"):
+                model_state = full_model_state(self.model)
             if self.rank != 0:
                 if step % every == 0 or step == steps:
                     self.save(step)
                 continue
-            rollout_ids = [g.rollout_id for g in groups]
-            digests = [group_digest(g) for g in groups]
-            run_stats = cast(dict[bytes, bytes], self.ctx.client.hgetall(self.ctx.keys.stats))
-            counts = {k.decode(): int(v) for k, v in run_stats.items()}
-            record = {
-                "step": step,
-                "policy_version": self.version,
-                **stats,
-                # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
-                # dropped, and late in a run most drops are repeats of solved prompts (all correct).
-                "sampled_reward_mean": float(np.mean([r for _, rewards in self.read_groups for r in rewards])),
-                **source_record(self.spec.task.type == "mixture", groups, self.read_groups),
-                "staleness_mean": float(np.mean(lags)),
-                "staleness_max": max(lags),
-                **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},
-                "accepted": counts.get("accepted", 0),
-                "rejected": counts.get("rejected", 0),
-                "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
-                "wait_seconds": t1 - t0,
-                "compute_seconds": t2 - t1,
-                "publish_seconds": 0.0,
-                "wall_seconds": time.monotonic() - self.started,
-                "rollout_ids": rollout_ids,
-                "dropped_rollout_ids": self.dropped_ids,
-                **({f"prompts_retired_{k}": v for k, v in self.outcomes.retired.items()} if self.outcomes else {}),
-            }
-            self.pending.add(rollout_ids, digests, self.version, ack)
-            self.last_record = record
+            with laps.part("stats"):
+                run_stats = cast(dict[bytes, bytes], self.ctx.client.hgetall(self.ctx.keys.stats))
+            with laps.part("record"):
+                record = self.step_record(step, stats, groups, lags, drops, run_stats)
+                self.pending.add(record["rollout_ids"], [group_digest(g) for g in groups], self.version, ack)
+                self.last_record = record
             if step % every == 0 or step == steps:
                 self.save(step)  # before the version is published: a restart never finds it newer than the state
             self.publish(model_state, final=step == steps)
-            record.update(publish_seconds=time.monotonic() - t2, wall_seconds=time.monotonic() - self.started)
-            record.update(self.evaluator.take(wait=step == steps, stop=self.ctx.stop) if self.evaluator else {})
-            self.records.append(record)
-            log.info(
-                "step %d version %d reward %.3f staleness %.2f",
-                step,
-                self.version,
-                stats["reward_mean"],
-                record["staleness_mean"],
-            )
+            record.update(wall_seconds=time.monotonic() - self.started)
+            if self.evaluator:
+                with laps.part("eval"):
+                    record.update(self.evaluator.take(wait=step == steps, stop=self.ctx.stop))
+            record.update(self.split.end())  # the step ends here; writing its record is the next one's first part
+            with laps.part("record_write"):
+                self.records.append(record)
+                log.info(
+                    "step %d version %d reward %.3f staleness %.2f",
+                    step,
+                    self.version,
+                    stats["reward_mean"],
+                    record["staleness_mean"],
+                )
+
+    def step_record(
+        self, step: int, stats: dict, groups: list[RolloutGroup], lags: list[int], drops: dict, run_stats: dict
+    ) -> dict:
+        """Step `step`'s record for metrics.jsonl, its timing fields at 0 until the step ends (split.py)."""
+        counts = {k.decode(): int(v) for k, v in run_stats.items()}
+        return {
+            "step": step,
+            "policy_version": self.version,
+            **stats,
+            # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
+            # dropped, and late in a run most drops are repeats of solved prompts (all correct).
+            "sampled_reward_mean": float(np.mean([r for _, rewards in self.read_groups for r in rewards])),
+            **source_record(self.spec.task.type == "mixture", groups, self.read_groups),
+            "staleness_mean": float(np.mean(lags)),
+            "staleness_max": max(lags),
+            **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},
+            "accepted": counts.get("accepted", 0),
+            "rejected": counts.get("rejected", 0),
+            "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
+            "wait_seconds": 0.0,
+            "compute_seconds": 0.0,
+            "publish_seconds": 0.0,
+            "step_seconds": 0.0,
+            "split": {},
+            "wall_seconds": time.monotonic() - self.started,
+            "rollout_ids": [g.rollout_id for g in groups],
+            "dropped_rollout_ids": self.dropped_ids,
+            **({f"prompts_retired_{k}": v for k, v in self.outcomes.retired.items()} if self.outcomes else {}),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from typing import Protocol, get_args
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from rlfleet.config import RejectionReason
+from rlfleet.services.trainer.split import SPLIT_PARTS
 from rlfleet.tasks.mixture import source_of
 from rlfleet.wire.streams import RolloutGroup
 
@@ -30,7 +31,12 @@ STALENESS_MAX = Gauge("rlfleet_trainer_staleness_max", "Largest policy lag of a 
 ELAPSED = Gauge("rlfleet_trainer_elapsed_seconds", "Seconds from the trainer's start to the end of its last step")
 SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
 DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
-STEP_SECONDS = Histogram("rlfleet_trainer_step_seconds", "Step time by phase", ["phase"])
+STEP_SECONDS = Histogram(
+    "rlfleet_trainer_step_seconds", "Step time by phase: the parts of each step's split (split.py)", ["phase"]
+)
+STEP_WALL = Histogram(
+    "rlfleet_trainer_step_wall_seconds", "Wall time of each step (step_seconds; its split adds up to it)"
+)
 # Every per-step statistic of metrics.jsonl, by name (loss, grad_norm, accuracy, learning_rate, ...).
 BATCH_STATS = (
     "loss",
@@ -78,11 +84,10 @@ SOURCE_GROUPS = Counter(
     "rlfleet_trainer_source_groups_total", "Groups per source of a task mixture, trained and read", ["source", "batch"]
 )
 DROP_REASONS = ("stale", "duplicate", "malformed", "zero_advantage")
-PHASES = ("wait", "compute", "publish")
 # Every labelled series exists from the start (at 0), so a scrape shows it before its first event.
 for _reason in DROP_REASONS:
     DROPPED.labels(_reason)
-for _phase in PHASES:
+for _phase in SPLIT_PARTS:
     STEP_SECONDS.labels(_phase)
 EXPORTED = (
     STEP,
@@ -95,6 +100,7 @@ EXPORTED = (
     SAMPLES,
     DROPPED,
     STEP_SECONDS,
+    STEP_WALL,
     STAT,
     GROUPS,
     RETIRED,
@@ -102,18 +108,25 @@ EXPORTED = (
     SOURCE_REWARD,
     SOURCE_GROUPS,
 )
-NOT_EXPORTED = {
+AUDIT_TRAIL = {
     "rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement",
     "dropped_rollout_ids": "the audit trail of dropped rollouts by reason (dropped_* counts them)",
+}
+NOT_EXPORTED = {
+    **AUDIT_TRAIL,
+    **{
+        f"{phase}_seconds": "a sum of split parts (split.py), each on rlfleet_trainer_step_seconds{phase}"
+        for phase in ("wait", "compute", "publish")
+    },
 }
 
 
 def export_step(record: dict) -> None:
     """Put every field of a metrics.jsonl record (except NOT_EXPORTED) on /metrics.
     Mapping: step, policy_version, reward_mean, sampled_reward_mean, staleness_mean/max -> their gauges; the GRPO
-    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; dropped_* ->
-    the dropped counter by reason; wait/compute/publish_seconds -> the step-time histogram by phase;
-    wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
+    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; dropped_* -> the dropped counter
+    by reason; each part of split -> the step-time histogram by phase (the part's name); step_seconds -> the step
+    wall-time histogram; wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
     (rejected is their sum over reasons, every known reason present); prompts_retired_* (online filter) ->
     rlfleet_trainer_prompts_retired{outcome}; eval/* (held-out evaluation, in the record of the step it finished
     in) -> rlfleet_trainer_eval{stat}; sources (a task mixture's) -> rlfleet_trainer_source_reward_mean and
@@ -132,8 +145,11 @@ def export_step(record: dict) -> None:
     for reason in DROP_REASONS:
         if record.get(f"dropped_{reason}"):
             DROPPED.labels(reason).inc(record[f"dropped_{reason}"])
-    for phase in PHASES:
-        STEP_SECONDS.labels(phase).observe(record[f"{phase}_seconds"])
+    # A record saved with the resume state by an older trainer may have no split (appended again on resume).
+    for phase, seconds in record.get("split", {}).items():
+        STEP_SECONDS.labels(phase).observe(seconds)
+    if "step_seconds" in record:
+        STEP_WALL.observe(record["step_seconds"])
     for outcome in ("solved", "failed"):
         if f"prompts_retired_{outcome}" in record:
             RETIRED.labels(outcome).set(record[f"prompts_retired_{outcome}"])

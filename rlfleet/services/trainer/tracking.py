@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from rlfleet.config import Bundle, MlflowSpec, TrackingSpec, WandbSpec
 from rlfleet.config.tracking import TRACKING_EXTRA
-from rlfleet.services.trainer.metrics import NOT_EXPORTED
+from rlfleet.services.trainer.metrics import AUDIT_TRAIL
 from rlfleet.versions.store import CheckpointStore
 
 log = logging.getLogger("rlfleet.trainer.tracking")
@@ -52,7 +52,7 @@ def step_metrics(record: Mapping[str, Any], prefix: str = "") -> dict[str, float
     strings left out."""
     out: dict[str, float] = {}
     for key, value in record.items():
-        if not prefix and (key == "step" or key in NOT_EXPORTED):
+        if not prefix and (key == "step" or key in AUDIT_TRAIL):
             continue
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):

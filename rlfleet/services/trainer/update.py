@@ -43,6 +43,7 @@ from rlfleet.services.trainer.loss import group_advantages, grpo_loss, off_polic
 from rlfleet.services.trainer.sharding import is_sharded
 from rlfleet.wire import env
 from rlfleet.wire.streams import RolloutGroup
+from rlfleet.wire.timing import Laps, timed
 
 
 def training_device() -> torch.device:
@@ -125,10 +126,19 @@ def grpo_update(
     rank: int = 0,
     world: int = 1,
     compute_dtype: torch.dtype | None = None,
+    laps: Laps | None = None,
 ) -> dict:
     """Apply one update for `groups` with TrainerSpec `t`; return batch statistics (same on every rank).
     `model` is a causal LM or the trainer's (possibly sharded) `Prefill` of one. `compute_dtype`:
-    autocast the forward to it (fp32 master weights computing in bf16; precision.py)."""
+    autocast the forward to it (fp32 master weights computing in bf16; precision.py). `laps`: the step's
+    parts (split.py) get `prepare`, `forward_backward` and `optimizer`; on a GPU each part waits for its
+    kernels before it ends, so a part's seconds are its own work and not the queued work of the one before."""
+    with timed(laps, "prepare"):
+        return _update(model, optimizer, groups, t, temperature, pad_id, reference, rank, world, compute_dtype, laps)
+
+
+def _update(model, optimizer, groups, t, temperature, pad_id, reference, rank, world, compute_dtype, laps) -> dict:
+    """grpo_update's body; what is not in a nested part is `prepare` (the batch's rows, tensors, micro-batches)."""
     sharded = is_sharded(model)
     device = next(model.parameters()).device
     rows, sampled, group_adv, starts, rewards = [], [], [], [], []
@@ -179,8 +189,18 @@ def grpo_update(
 
     model.train()
     off_stats: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def synchronized(name: str):
+        """The part `name`, ending only once the device has done its work (asynchronous on a GPU)."""
+        with timed(laps, name):
+            yield
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
     with autocast:
-        with torch.no_grad():  # before any update: the reference's and the trainer's own logprobs
+        # before any update: the reference's and the trainer's own logprobs
+        with torch.no_grad(), synchronized("forward_backward"):
             for i in range(passes):
                 if reference is not None:
                     got, _ = scores(reference, i)
@@ -203,46 +223,48 @@ def grpo_update(
         def one_pass() -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
             """One optimizer update over this rank's rows (every rank joins it): (loss, statistics, grad norm).
             Gradients accumulate over the micro-batches; each one's loss is divided by the whole batch's count."""
-            optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = {}
-            loss = torch.zeros((), device=device)
-            for i in range(passes):
-                got, placeholder = scores(model, i, want_entropy=t.entropy_coef > 0)
-                if got is None:
-                    (placeholder.sum() * 0.0).backward()
-                    continue
-                mb = micro[i][0]
-                mb_loss, stats = grpo_loss(
-                    got[0],
-                    mb.old if mb.old is not None else mb.sampled,
-                    mb.advantages,
-                    mb.mask,
-                    t.eps_low,
-                    t.eps_high,
-                    t.delta,
-                    normalization=t.normalization,
-                    entropy=got[1],
-                    entropy_coef=t.entropy_coef,
-                    ref_logprobs=mb.ref,
-                    kl_coef=t.kl_coef,
-                    denominator=denominator,
-                )
-                mb_loss.backward()
-                loss = loss + mb_loss.detach()
-                for k, v in stats.items():  # per-token means of the micro-batch -> sums over tokens
-                    sums[k] = sums.get(k, 0.0) + v * mb.tokens
-            if world > 1 and not sharded:
-                for p in model.parameters():
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            stats = whole_batch_means({**sums, **off_stats}, sum(mb.tokens for mb, _, _ in micro), t, world, device)
-            if world > 1:
-                total = loss.reshape(1).clone()
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
-                loss = total[0]
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-            optimizer.step()
+            with synchronized("forward_backward"):
+                optimizer.zero_grad(set_to_none=True)
+                sums: dict[str, float] = {}
+                loss = torch.zeros((), device=device)
+                for i in range(passes):
+                    got, placeholder = scores(model, i, want_entropy=t.entropy_coef > 0)
+                    if got is None:
+                        (placeholder.sum() * 0.0).backward()
+                        continue
+                    mb = micro[i][0]
+                    mb_loss, stats = grpo_loss(
+                        got[0],
+                        mb.old if mb.old is not None else mb.sampled,
+                        mb.advantages,
+                        mb.mask,
+                        t.eps_low,
+                        t.eps_high,
+                        t.delta,
+                        normalization=t.normalization,
+                        entropy=got[1],
+                        entropy_coef=t.entropy_coef,
+                        ref_logprobs=mb.ref,
+                        kl_coef=t.kl_coef,
+                        denominator=denominator,
+                    )
+                    mb_loss.backward()
+                    loss = loss + mb_loss.detach()
+                    for k, v in stats.items():  # per-token means of the micro-batch -> sums over tokens
+                        sums[k] = sums.get(k, 0.0) + v * mb.tokens
+                if world > 1 and not sharded:
+                    for p in model.parameters():
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                stats = whole_batch_means({**sums, **off_stats}, sum(mb.tokens for mb, _, _ in micro), t, world, device)
+                if world > 1:
+                    total = loss.reshape(1).clone()
+                    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                    loss = total[0]
+            with synchronized("optimizer"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                optimizer.step()
             return loss, stats, grad_norm
 
         for _ in range(t.epochs):  # GRPO's mu updates; the statistics returned are the last one's
