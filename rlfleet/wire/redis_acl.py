@@ -123,7 +123,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             "xadd",
             "xrevrange",
             "zadd",
-            "zscore",
+            "zmscore",
             "zremrangebyrank",
             "hgetall",
             "multi",
