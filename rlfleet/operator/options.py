@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlfleet.operator import names
+from rlfleet.operator.kube import request_timeout
 from rlfleet.operator.pods import ClusterDefaults
 from rlfleet.wire import env
 
@@ -20,6 +21,7 @@ class OperatorOptions:
     verbose: bool = False
     defaults: ClusterDefaults = ClusterDefaults()  # images and pull settings of the workloads
     resync_interval_s: float = env.DEFAULT_RESYNC_INTERVAL_S  # seconds between re-applies and status reads
+    api_timeout_s: float = env.DEFAULT_API_TIMEOUT_S  # the bound on each API request, ours and kopf's
 
     @classmethod
     def from_env(cls, namespaces=(), liveness: str | None = None, verbose: bool = False) -> OperatorOptions:
@@ -27,6 +29,9 @@ class OperatorOptions:
         interval = env.get_float(env.RESYNC_INTERVAL, env.DEFAULT_RESYNC_INTERVAL_S)
         if interval <= 0:
             raise SystemExit(f"environment variable {env.RESYNC_INTERVAL}={interval} must be a positive number")
+        api_timeout = env.get_float(env.API_TIMEOUT, env.DEFAULT_API_TIMEOUT_S)
+        if api_timeout <= 0:
+            raise SystemExit(f"environment variable {env.API_TIMEOUT}={api_timeout} must be a positive number")
         policy = env.get(env.IMAGE_PULL_POLICY)
         if policy is not None and policy not in PULL_POLICIES:
             raise SystemExit(f"environment variable {env.IMAGE_PULL_POLICY}={policy!r} must be one of {PULL_POLICIES}")
@@ -43,4 +48,14 @@ class OperatorOptions:
             verbose=verbose,
             defaults=defaults,
             resync_interval_s=interval,
+            api_timeout_s=api_timeout,
         )
+
+
+def bound_kopf_requests(settings, options: OperatorOptions) -> None:
+    """kopf's own API requests (its patches, Events, peering, the watch streams' connections) get the same
+    bound as ours (kube.request_timeout): by default kopf waits 5 minutes for an answer and without limit
+    for a connection. A watch stream's total length is not bounded by this (kopf reconnects streams)."""
+    connect, read = request_timeout(options.api_timeout_s)
+    settings.networking.connect_timeout = connect
+    settings.networking.request_timeout = read
