@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.operator import names
+from rlfleet.operator import names, security
 from rlfleet.operator.kube import request_timeout
 from rlfleet.operator.pods import ClusterDefaults
 from rlfleet.wire import env
@@ -19,7 +19,7 @@ class OperatorOptions:
     namespaces: tuple[str, ...] = ()  # watched namespaces; empty: the whole cluster
     liveness: str | None = None  # kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz
     verbose: bool = False
-    defaults: ClusterDefaults = ClusterDefaults()  # images and pull settings of the workloads
+    defaults: ClusterDefaults = ClusterDefaults()  # images, pull settings and security contexts of the workloads
     resync_interval_s: float = env.DEFAULT_RESYNC_INTERVAL_S  # seconds between re-applies and status reads
     api_timeout_s: float = env.DEFAULT_API_TIMEOUT_S  # the bound on each API request, ours and kopf's
 
@@ -41,6 +41,14 @@ class OperatorOptions:
             gpu_image=env.get(env.GPU_IMAGE) or names.DEFAULT_GPU_IMAGE,
             pull_policy=policy,
             pull_secrets=pull_secrets,
+            pod_security=security.context_from_json(
+                env.POD_SECURITY_CONTEXT, env.get(env.POD_SECURITY_CONTEXT), security.POD_SECURITY_CONTEXT
+            ),
+            container_security=security.context_from_json(
+                env.CONTAINER_SECURITY_CONTEXT,
+                env.get(env.CONTAINER_SECURITY_CONTEXT),
+                security.CONTAINER_SECURITY_CONTEXT,
+            ),
         )
         return cls(
             namespaces=tuple(namespaces),

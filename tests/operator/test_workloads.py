@@ -115,6 +115,8 @@ def test_every_long_running_pod_has_probes_security_and_a_disruption_budget_wher
             )
         assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert pod["automountServiceAccountToken"] is False
     rollout = next(c for c in children if c["metadata"]["name"] == "arithmetic-cpu-rollout" and "template" in c["spec"])
     assert _container(rollout)["startupProbe"]["failureThreshold"] * 10 >= 900, "vLLM start-up gets 15 minutes"
     verifier = next(c for c in children if c["metadata"]["name"] == "arithmetic-verifier" and "template" in c["spec"])
@@ -165,7 +167,7 @@ def test_pod_template_overrides_merge_into_the_built_pods():
     trainer, sidecar = spec["containers"]
     assert trainer["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}
     assert trainer["command"] == ["rlfleet", "trainer"] and sidecar["name"] == "sidecar"
-    assert {v["name"] for v in spec["volumes"]} == {"config", "cache", "signing", "scratch"}
+    assert {v["name"] for v in spec["volumes"]} == {"config", "cache", "tmp", "signing", "scratch"}
     for version in KUBE_VERSIONS:
         kubernetes_validate.validate(sts, version, strict=True)
     # scheduling fields are orchestration: the trainer's config (and so its config hash) does not change
@@ -202,3 +204,55 @@ def test_cluster_defaults_set_images_pull_policy_and_pull_secrets():
         assert pod["containers"][0]["image"] == "cpu:1"
     with_image = _bundle(image="mine:2")
     assert _container(b.build_trainer_statefulset(with_image.run, NS, None, defaults))["image"] == "mine:2"
+
+
+def _writable(workload, path: str) -> bool:
+    """Whether `path` is on one of the container's writable volume mounts (not on its root filesystem)."""
+    mounts = [m for m in _container(workload)["volumeMounts"] if not m.get("readOnly")]
+    return any(path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/") for m in mounts)
+
+
+def test_run_pods_are_hardened_and_write_only_to_their_volumes():
+    """Bug: run pods mounted a service account token they never use and wrote to a writable root
+    filesystem. Now: no token, a read-only root, and every place the processes write on a volume."""
+    children = _all_children(_bundle(ingest={"tokens": "worker-tokens"}))
+    components = set()
+    for workload in _workloads(children):
+        container, pod = _container(workload), workload["spec"]["template"]["spec"]
+        components.add(workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"])
+        assert pod["automountServiceAccountToken"] is False, workload["metadata"]["name"]
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        environment = {e["name"]: e.get("value") for e in container["env"]}
+        for path in ("/tmp", environment["HOME"], environment[env.CACHE], f"{names.CACHE_DIR}/xdg"):
+            assert _writable(workload, path), (workload["metadata"]["name"], path)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(workload, version, strict=True)
+    assert components == {"trainer", "origin", "verifier", "ingest", "rollout", "relay"}
+
+
+def test_a_cluster_overrides_the_security_contexts_and_a_pod_template_still_wins(monkeypatch):
+    from rlfleet.operator.options import OperatorOptions
+
+    monkeypatch.setenv(env.POD_SECURITY_CONTEXT, '{"runAsNonRoot": true, "runAsUser": 2000, "fsGroup": 2000}')
+    monkeypatch.setenv(env.CONTAINER_SECURITY_CONTEXT, '{"readOnlyRootFilesystem": false}')
+    defaults = OperatorOptions.from_env().defaults
+    trainer = _bundle().run.spec.trainer.model_dump(mode="json", by_alias=True, exclude_none=True)
+    override = {"spec": {"securityContext": {"runAsUser": 3000}}}
+    bundle = _bundle(trainer={**trainer, "podTemplate": override})
+    for workload in _workloads(b.build_run_children(bundle.run, NS, defaults=defaults)):
+        pod = workload["spec"]["template"]["spec"]
+        expected_user = 3000 if workload["metadata"]["name"].endswith("-trainer") else 2000
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": expected_user, "fsGroup": 2000}
+        assert _container(workload)["securityContext"] == {"readOnlyRootFilesystem": False}
+    assert defaults.pod_security == {"runAsNonRoot": True, "runAsUser": 2000, "fsGroup": 2000}, "merged into a copy"
+    for bad, message in (("[1]", "JSON object"), ("{nope", "JSON object")):
+        monkeypatch.setenv(env.CONTAINER_SECURITY_CONTEXT, bad)
+        with pytest.raises(SystemExit, match=f"{env.CONTAINER_SECURITY_CONTEXT}.*{message}"):
+            OperatorOptions.from_env()
