@@ -132,7 +132,40 @@ def test_every_long_running_pod_has_probes_security_and_a_disruption_budget_wher
             "maxUnavailable": 1,
             "selector": {"matchLabels": names.selector("RelayTier", "arithmetic-tier0", names.RELAY, "arithmetic")},
         },
+        "arithmetic-trainer": {
+            "maxUnavailable": 0,
+            "selector": next(
+                c for c in children if c["kind"] == "StatefulSet" and c["metadata"]["name"] == "arithmetic-trainer"
+            )["spec"]["selector"],
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
+
+
+def test_the_trainer_budget_holds_a_drain_only_while_the_trainer_trains():
+    """Bug: the trainer had no PodDisruptionBudget, so a node drain could evict a rank mid-run (every rank
+    stops, the run goes back to its last checkpoint). Now none may go while it trains; once the run is
+    suspended or over the budget lets every pod go, and an unready trainer pod never holds a drain."""
+
+    def budget(bundle, active=True):
+        [pdb] = [
+            c
+            for c in b.build_run_children(bundle.run, NS, b.Owner("RLRun", "arithmetic", "uid-1"), active=active)
+            if c["kind"] == "PodDisruptionBudget"
+        ]
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(pdb, version, strict=True)
+        return pdb
+
+    training = budget(_bundle())
+    sts = b.build_trainer_statefulset(_bundle().run, NS)
+    assert training["metadata"]["name"] == sts["metadata"]["name"] == names.trainer("arithmetic")
+    assert training["spec"]["selector"] == sts["spec"]["selector"]
+    assert training["metadata"]["ownerReferences"][0]["kind"] == "RLRun"
+    assert training["spec"]["maxUnavailable"] == 0
+    assert training["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert budget(_bundle(suspend=True))["spec"]["maxUnavailable"] == "100%"
+    assert budget(_bundle(), active=False)["spec"]["maxUnavailable"] == "100%", "a finished or failed run"
 
 
 def test_pod_template_overrides_merge_into_the_built_pods():
