@@ -16,6 +16,7 @@ from rlfleet.config.verifier import VerifierSpec
 from rlfleet.config.workload import (
     IntOrPercent,
     OriginSpec,
+    Quantity,
     ResourcesSpec,
     gpu_resource,
     max_unavailable,
@@ -187,6 +188,12 @@ class InferencePoolSpec(Spec):
     )
     gpus: int = Field(default=0, ge=0, le=64, description="GPUs per worker (cluster only).")
     gpu_resource: str = gpu_resource()
+    shm_size: Quantity = Field(
+        default="2Gi",
+        description="Cluster only, engine vllm: the size limit of the workers' memory-backed /dev/shm (vLLM's "
+        "worker processes and NCCL share tensors through it). It counts against the pod's memory limit; a pod "
+        "that fills it past this is evicted.",
+    )
     image: str | None = Field(
         default=None,
         description="Cluster only: container image of this pool's workers, e.g. one with vLLM (default: the run's "

@@ -218,9 +218,30 @@ def test_vllm_pools_get_a_memory_backed_dev_shm_and_gpus_by_their_resource_name(
     workload = b.build_rollout_workload(bundle.run, pool, ["http://r:8080"], NS)
     container = _container(workload)
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in workload["spec"]["template"]["spec"]["volumes"]
+    dshm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}  # vLLM's own example's size
+    assert dshm in workload["spec"]["template"]["spec"]["volumes"]
     assert container["resources"]["limits"] == {"amd.com/gpu": 2}
     assert container["image"] == names.DEFAULT_GPU_IMAGE
+
+
+def test_a_pools_dev_shm_has_a_size_limit_its_spec_sets():
+    """Bug: the vLLM pools' memory-backed /dev/shm had no sizeLimit: a worker could fill the node's memory
+    through it, counted against no bound of its own. Now 2Gi unless the pool's spec.shmSize says otherwise."""
+    bundle = _bundle()
+    body = bundle.pools[0].model_dump(mode="json", by_alias=True, exclude_none=True)
+    body["spec"].update(engine="vllm", shmSize="8Gi")
+    pool = b.parse_resource(body)
+    workload = b.build_rollout_workload(bundle.run, pool, ["http://r:8080"], NS)
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(workload, version, strict=True)
+    body["spec"]["shmSize"] = "lots"
+    with pytest.raises(b.SpecError, match="shmSize.*not a Kubernetes quantity"):
+        b.parse_resource(body)
+    body["spec"].update(engine="torch", shmSize="8Gi")  # torch workers get the runtime's /dev/shm
+    torch_pool = b.build_rollout_workload(bundle.run, b.parse_resource(body), ["http://r:8080"], NS)
+    assert "dshm" not in {v["name"] for v in torch_pool["spec"]["template"]["spec"]["volumes"]}
 
 
 def test_cluster_defaults_set_images_pull_policy_and_pull_secrets():
