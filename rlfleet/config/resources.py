@@ -68,15 +68,17 @@ class RLRunSpec(Spec):
     active_deadline_seconds: int | None = Field(
         default=None,
         ge=1,
-        description="Cluster only: seconds from the run's creation after which an unfinished run fails (condition "
-        "Failed, reason DeadlineExceeded) and its workloads are scaled to 0. Empty: no deadline.",
+        description="Cluster only: seconds from the run's creation, less the time it spent suspended, after which "
+        "an unfinished run fails (condition Failed, reason DeadlineExceeded) and its workloads are scaled to 0; it "
+        "does not run while the run is suspended. Empty: no deadline.",
     )
     startup_deadline_seconds: int | None = Field(
         default=None,
         ge=1,
         description="Cluster only: seconds the trainer gets to start (every trainer pod ready once, or a step "
-        "committed), counted from creation or the last resume; past it the run fails (condition Failed, reason "
-        "StartupDeadlineExceeded, the message naming what kept its pods from starting). Empty: 1200.",
+        "committed), counted from creation or the last resume (never the time suspended); past it the run fails "
+        "(condition Failed, reason StartupDeadlineExceeded, the message naming what kept its pods from starting). "
+        "Empty: 1200.",
     )
     ttl_seconds_after_finished: int | None = Field(
         default=None,
