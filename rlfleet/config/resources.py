@@ -16,6 +16,7 @@ from rlfleet.config.verifier import VerifierSpec
 from rlfleet.config.workload import (
     IntOrPercent,
     OriginSpec,
+    Quantity,
     ResourcesSpec,
     gpu_resource,
     max_unavailable,
@@ -67,15 +68,17 @@ class RLRunSpec(Spec):
     active_deadline_seconds: int | None = Field(
         default=None,
         ge=1,
-        description="Cluster only: seconds from the run's creation after which an unfinished run fails (condition "
-        "Failed, reason DeadlineExceeded) and its workloads are scaled to 0. Empty: no deadline.",
+        description="Cluster only: seconds from the run's creation, less the time it spent suspended, after which "
+        "an unfinished run fails (condition Failed, reason DeadlineExceeded) and its workloads are scaled to 0; it "
+        "does not run while the run is suspended. Empty: no deadline.",
     )
     startup_deadline_seconds: int | None = Field(
         default=None,
         ge=1,
         description="Cluster only: seconds the trainer gets to start (every trainer pod ready once, or a step "
-        "committed), counted from creation or the last resume; past it the run fails (condition Failed, reason "
-        "StartupDeadlineExceeded, the message naming what kept its pods from starting). Empty: 1200.",
+        "committed), counted from creation or the last resume (never the time suspended); past it the run fails "
+        "(condition Failed, reason StartupDeadlineExceeded, the message naming what kept its pods from starting). "
+        "Empty: 1200.",
     )
     ttl_seconds_after_finished: int | None = Field(
         default=None,
@@ -187,6 +190,12 @@ class InferencePoolSpec(Spec):
     )
     gpus: int = Field(default=0, ge=0, le=64, description="GPUs per worker (cluster only).")
     gpu_resource: str = gpu_resource()
+    shm_size: Quantity = Field(
+        default="2Gi",
+        description="Cluster only, engine vllm: the size limit of the workers' memory-backed /dev/shm (vLLM's "
+        "worker processes and NCCL share tensors through it). It counts against the pod's memory limit; a pod "
+        "that fills it past this is evicted.",
+    )
     image: str | None = Field(
         default=None,
         description="Cluster only: container image of this pool's workers, e.g. one with vLLM (default: the run's "

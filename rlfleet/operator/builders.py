@@ -6,7 +6,7 @@ them against the Kubernetes JSON schemas. The processes in the pods are the `rlf
 entrypoints with the local launcher's arguments (rlfleet/local/plan.py `plan()`), except that ports are
 fixed (names.SHARDCAST_PORT, names.METRICS_PORT) and peers are Service DNS names.
 
-    RLRun          -> ConfigMap (the run's YAML), trainer StatefulSet + headless Service,
+    RLRun          -> ConfigMap (the run's YAML), trainer StatefulSet + headless Service + PodDisruptionBudget,
                       origin Deployment + Service, verifier Deployment + headless metrics Service,
                       with spec.ingest.tokens or a joining admission the ingest Deployment + Service; a
                       remote run: the ConfigMap
@@ -26,6 +26,7 @@ from rlfleet.operator.pods import (
     Owner,
     build_container,
     deployment,
+    disruption_budget,
     meta,
     pod_template,
     scale,
@@ -151,6 +152,27 @@ def build_trainer_statefulset(
         owner,
         names.trainer(r),
     )
+
+
+def build_trainer_budget(run: RLRun, namespace: str, owner: Owner | None = None, active: bool = True) -> dict:
+    """The trainer's PodDisruptionBudget. While the trainer runs, no voluntary eviction (a node drain, the
+    cluster autoscaler) may take a trainer pod: `maxUnavailable: 0`, as losing one rank stops every rank and
+    sends the run back to its last checkpoint. Once the run is suspended, finished or failed (0 replicas)
+    the budget is `100%`, so a trainer pod still stopping never holds a drain; and a trainer pod that is not
+    Ready (pending, crash-looping, still starting) is evictable whatever the budget
+    (`unhealthyPodEvictionPolicy: AlwaysAllow`): a drain is only ever held by a trainer that is training."""
+    r = run.metadata.name
+    training = scale(run, run.spec.trainer.replicas, active) > 0
+    budget = disruption_budget(
+        names.trainer(r),
+        namespace,
+        names.labels("RLRun", r, names.TRAINER, r),
+        names.selector("RLRun", r, names.TRAINER, r),
+        0 if training else "100%",
+        owner,
+    )
+    budget["spec"]["unhealthyPodEvictionPolicy"] = "AlwaysAllow"
+    return budget
 
 
 def shm_volume(ranks: int) -> dict:
@@ -313,6 +335,7 @@ def build_run_children(
         build_origin_deployment(run, namespace, owner, defaults, active),
         build_trainer_service(run, namespace, owner),
         build_trainer_statefulset(run, namespace, owner, defaults, active),
+        build_trainer_budget(run, namespace, owner, active),
         build_verifier_service(run, namespace, owner),
         build_verifier_deployment(run, namespace, owner, defaults, active),
     ]

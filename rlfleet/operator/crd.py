@@ -122,6 +122,12 @@ def _status_schema(scalable: bool) -> dict:
                     "type": "number",
                     "description": "Mean reward of the newest step, when the trainer announces it.",
                 },
+                "suspendedSeconds": {
+                    "type": "integer",
+                    "format": "int64",
+                    "description": "Seconds the run spent suspended (ended suspensions); spec.activeDeadlineSeconds "
+                    "does not count them.",
+                },
                 "completionTime": {
                     "type": "string",
                     "format": "date-time",

@@ -28,7 +28,7 @@ from rlfleet.config import RLRun
 from rlfleet.operator import builders, names, peering, reconcile, secrets
 from rlfleet.operator.applying import ApplyBackoff
 from rlfleet.operator.kube import ApiError, Kube, connect
-from rlfleet.operator.options import OperatorOptions
+from rlfleet.operator.options import OperatorOptions, bound_kopf_requests
 from rlfleet.operator.progress import REDIS_TIMEOUT_S, delete_run_keys
 
 G, V = names.GROUP, names.VERSION
@@ -57,7 +57,8 @@ def _write(outcome: reconcile.Outcome, patch) -> None:
 
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -> None:
     """Connect the API adapter (the client's own config, as kopf's login) and set kopf's persistence."""
-    memo.kube = Kube(connect())
+    memo.kube = Kube(connect(), timeout_s=memo.options.api_timeout_s)
+    bound_kopf_requests(settings, memo.options)  # kopf's own requests: the same bound as ours
     memo.backoff = ApplyBackoff()  # children the API refused, retried with back-off (applying.py)
     # Keep kopf's bookkeeping in annotations: the CRDs' status schema has no `kopf` field to store it in.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=G)

@@ -14,6 +14,9 @@ squeezed through the client's typed models and back.
   event loop kopf runs on.
 - API errors become typed exceptions (NotFound, Forbidden, Conflict, Invalid, Unavailable, all
   ApiError): handlers choose by type, never by message text.
+- Every request carries a timeout, (connect, read) seconds (`_request_timeout`): an API server that
+  accepts a connection and never answers fails the call with Unavailable after `read` seconds, so a
+  hung server never wedges a handler (kopf's own requests are bounded the same way: options.py).
 - Login: the client's own configuration, in-cluster service account first, else the kubeconfig
   ($KUBECONFIG or ~/.kube/config); kopf logs in from the same source (kopf.login_via_client).
 """
@@ -29,6 +32,7 @@ import kubernetes
 import urllib3
 
 from rlfleet.operator import names
+from rlfleet.wire import env
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML: the client sends the dict as JSON
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
@@ -113,12 +117,29 @@ def connect(config_file: str | None = None) -> kubernetes.client.ApiClient:
     return kubernetes.client.ApiClient(configuration)
 
 
-class Kube:
-    """Async get / list / apply / patch status / delete / events over one ApiClient (see the module docstring)."""
+# A connection to the API server is made within this long, or the request fails (a read may take longer).
+CONNECT_TIMEOUT_S = 10.0
 
-    def __init__(self, api_client: kubernetes.client.ApiClient, field_manager: str = names.FIELD_MANAGER):
+
+def request_timeout(seconds: float) -> tuple[float, float]:
+    """(connect, read) timeouts of a request bounded by `seconds`: the connection within
+    min(seconds, CONNECT_TIMEOUT_S), then each read of the answer within `seconds`."""
+    return min(seconds, CONNECT_TIMEOUT_S), seconds
+
+
+class Kube:
+    """Async get / list / apply / patch status / delete / events over one ApiClient (see the module docstring);
+    `timeout_s` bounds every request (request_timeout)."""
+
+    def __init__(
+        self,
+        api_client: kubernetes.client.ApiClient,
+        field_manager: str = names.FIELD_MANAGER,
+        timeout_s: float = env.DEFAULT_API_TIMEOUT_S,
+    ):
         self.api_client = api_client
         self.field_manager = field_manager
+        self.timeout = request_timeout(timeout_s)
         self._apis: dict[str, Any] = {}
 
     def _api(self, name: str):
@@ -130,7 +151,7 @@ class Kube:
         """Run one client call in a thread; (parsed JSON body, HTTP status), or a typed ApiError."""
 
         def call():
-            response = fn(*args, _preload_content=False, **kwargs)
+            response = fn(*args, _preload_content=False, _request_timeout=self.timeout, **kwargs)
             return (json.loads(response.data) if response.data else {}), response.status
 
         try:

@@ -4,9 +4,10 @@ workloads run, when it finished, whether its TTL is up.
     Complete   True once the policy stream reached spec.trainer.steps (reason StepsDone). Final: read from
                the status, never recomputed from Redis (a Redis that came back empty leaves it Complete);
                only raising trainer.steps while Redis still holds the completed step makes it False again.
-    Failed     True when spec.activeDeadlineSeconds passed (from creation) before completion (reason
-               DeadlineExceeded); when the trainer did not start within spec.startupDeadlineSeconds
-               (default DEFAULT_STARTUP_DEADLINE_S, from creation or the last resume; reason
+    Failed     True when spec.activeDeadlineSeconds passed before completion, counted from creation less the
+               time spent suspended (status.suspendedSeconds; reason DeadlineExceeded); when the trainer did
+               not start within spec.startupDeadlineSeconds (default DEFAULT_STARTUP_DEADLINE_S, from creation
+               or the last resume; reason
                StartupDeadlineExceeded, the message naming what kept its pods from starting); when a
                component reported a failure (Observation.failure, its own reason, e.g. ModelUnavailable: the
                trainer recorded in the run's Redis that spec.model.path cannot be fetched; progress.py reads
@@ -24,6 +25,7 @@ workloads run, when it finished, whether its TTL is up.
                lost the run's state (an emptyDir Redis restarted) and the trainer starts over from
                what is left. Stays True.
     phase      Failed > Succeeded > Suspended > Running (Ready) > Pending.
+No deadline runs while the run is suspended, and neither counts time it spent suspended.
 A run is `active` (its workloads run) unless it is complete or failed; a finished run keeps its objects
 until spec.ttlSecondsAfterFinished after status.completionTime, then the operator deletes it.
 Every condition carries observedGeneration; lastTransitionTime moves only when its status changes.
@@ -74,6 +76,7 @@ class RunState:
     active: bool  # workloads run (neither complete nor failed)
     finished_at: str | None  # status.completionTime
     expired: bool  # ttlSecondsAfterFinished is up: delete the run
+    suspended_seconds: int = 0  # status.suspendedSeconds: time spent in the suspensions that ended
 
 
 def condition(status: dict, type_: str) -> dict:
@@ -97,17 +100,17 @@ def _final_failure(seen: Observation, run: RLRun, complete: bool) -> tuple[str, 
     if seen.failure:
         return seen.failure
     spec = run.spec
+    if spec.suspend:  # no deadline runs while the run is suspended
+        return None
     deadline = spec.active_deadline_seconds
-    if deadline and seen.created and (seen.now - seen.created).total_seconds() >= deadline:
-        return "DeadlineExceeded", f"spec.activeDeadlineSeconds {deadline} passed before completion"
-    if spec.remote or spec.suspend or _started(run, seen):
+    if deadline and seen.created:
+        unsuspended = (seen.now - seen.created).total_seconds() - suspended_seconds(run, seen)
+        if unsuspended >= deadline:
+            return "DeadlineExceeded", f"spec.activeDeadlineSeconds {deadline} passed before completion"
+    if spec.remote or _started(run, seen):
         return None
     limit = spec.startup_deadline_seconds or DEFAULT_STARTUP_DEADLINE_S
-    resumed = condition(seen.status, "Suspended")
-    since = max(
-        (t for t in (seen.created, parse_time(resumed.get("lastTransitionTime")) if resumed else None) if t),
-        default=None,
-    )
+    since = max((t for t in (seen.created, _last_resume(seen)) if t), default=None)
     if since and (seen.now - since).total_seconds() >= limit:
         why = summary([p for p in seen.problems if p.component == TRAINER] or list(seen.problems))
         return "StartupDeadlineExceeded", (
@@ -115,6 +118,29 @@ def _final_failure(seen: Observation, run: RLRun, complete: bool) -> tuple[str, 
             f"{why or f'{seen.trainer_ready} of {spec.trainer.replicas} trainer pods ready'}"
         )
     return None
+
+
+def _last_resume(seen: Observation) -> datetime.datetime | None:
+    """When the run was last resumed: now when the status still says Suspended (this look is the first since
+    spec.suspend went false), else when the Suspended condition last went False (about the creation for a
+    run never suspended)."""
+    old = condition(seen.status, "Suspended")
+    if old.get("status") == "True":
+        return seen.now
+    return parse_time(old.get("lastTransitionTime"))
+
+
+def suspended_seconds(run: RLRun, seen: Observation) -> int:
+    """Seconds the run spent suspended in the suspensions that ended: status.suspendedSeconds, plus the
+    suspension that ends at this look (the status still says Suspended, since its lastTransitionTime, and
+    spec.suspend is false now). Written back to the status with the Suspended condition, in one patch, so each
+    suspension is counted once. A suspension and resume between two looks (one resync interval) is missed."""
+    total = int(seen.status.get("suspendedSeconds") or 0)
+    old = condition(seen.status, "Suspended")
+    since = parse_time(old.get("lastTransitionTime"))
+    if old.get("status") == "True" and not run.spec.suspend and since:
+        total += max(0, int((seen.now - since).total_seconds()))
+    return total
 
 
 def _started(run: RLRun, seen: Observation) -> bool:
@@ -224,6 +250,7 @@ def run_state(run: RLRun, generation: int | None, seen: Observation) -> RunState
         active=not (complete or failed),
         finished_at=finished_at,
         expired=expired,
+        suspended_seconds=suspended_seconds(run, seen),
     )
 
 

@@ -78,7 +78,7 @@ MAX_STATEFULSET_NAME = 52
 
 
 def trainer(run: str) -> str:
-    """Trainer StatefulSet and its headless Service."""
+    """Trainer StatefulSet, its headless Service and its PodDisruptionBudget."""
     return f"{run}-{TRAINER}"
 
 

@@ -17,12 +17,13 @@ process answers", never "the model is loaded".
 from __future__ import annotations
 
 from collections.abc import Mapping
+from copy import deepcopy
 from dataclasses import dataclass, field
 
 from rlfleet.config import API_VERSION, InferencePool, RLRun
 from rlfleet.config.tracking import WANDB_API_KEY_KEY
 from rlfleet.config.workload import ResourcesSpec
-from rlfleet.operator import credentials, names
+from rlfleet.operator import credentials, names, security
 from rlfleet.operator.overrides import merge_pod_template
 from rlfleet.wire import env, redis_acl
 from rlfleet.wire.views import VIEWS, View
@@ -36,6 +37,9 @@ class ClusterDefaults:
     gpu_image: str = names.DEFAULT_GPU_IMAGE  # components that ask for GPUs and name no image
     pull_policy: str | None = None  # imagePullPolicy of every container (None: the cluster's default)
     pull_secrets: tuple[str, ...] = ()  # imagePullSecrets of every pod
+    # securityContext of every run pod and of its container (security.py; the chart's runPods values)
+    pod_security: Mapping = field(default_factory=lambda: security.POD_SECURITY_CONTEXT)
+    container_security: Mapping = field(default_factory=lambda: security.CONTAINER_SECURITY_CONTEXT)
     # What each component reads (rlfleet/wire/views.py): the configs and config hashes are cut by it.
     views: Mapping[str, View] = field(default_factory=lambda: VIEWS)
 
@@ -205,15 +209,17 @@ def build_container(
         + signing_env(run, component)
         + tracking_env(run, component)
         + credentials.hub_env(run, component)
+        + security.writable_env()
         + (extra_env or []),
         "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
         "resources": resource_requirements(resources, gpus, gpu_resource),
         "volumeMounts": [
             {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
             {"name": "cache", "mountPath": names.CACHE_DIR},
+            security.TMP_MOUNT,
             *(mounts or []),
         ],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": deepcopy(dict(defaults.container_security)),
         **_probes(component, ports[0]["name"] if ports else None),
     }
     if defaults.pull_policy:
@@ -254,18 +260,20 @@ def pod_template(
     volumes: list[dict] | None = None,
     override: dict | None = None,
 ) -> dict:
-    """The pod: the container, its config and cache volumes (and `volumes`), pull secrets, the config hash
-    (a changed config rolls the pods), non-root with the runtime's seccomp profile, then the component's
-    podTemplate override merged in (overrides.py)."""
+    """The pod: the container, its config, cache and /tmp volumes (and `volumes`), pull secrets, the config
+    hash (a changed config rolls the pods), no service account token, the cluster's pod security context
+    (security.py), then the component's podTemplate override merged in (overrides.py)."""
     spec = {
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": config_map}},
             {"name": "cache", "emptyDir": {}},
+            security.TMP_VOLUME,
             *(volumes or []),
         ],
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,  # no run component calls the API (security.py)
+        "securityContext": deepcopy(dict(defaults.pod_security)),
     }
     if defaults.pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in defaults.pull_secrets]

@@ -77,7 +77,7 @@ def build_rollout_workload(
     token_env, mounts, volumes = _worker_identity(pool)
     if spec.engine == "vllm":
         mounts.append({"name": "dshm", "mountPath": names.SHM_DIR})
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}})
     main = build_container(
         run,
         names.ROLLOUT,

@@ -218,6 +218,8 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
         status.update(progress)  # a finished run keeps its recorded progress when Redis comes back with less
     if state.finished_at:
         status["completionTime"] = state.finished_at
+    if state.suspended_seconds:  # with the Suspended condition, in one patch (lifecycle.suspended_seconds)
+        status["suspendedSeconds"] = state.suspended_seconds
     if generation is not None:
         status["observedGeneration"] = generation
     await announce_changes(ctx, body, old, status)

@@ -52,10 +52,14 @@ GPU_IMAGE = "RLFLEET_GPU_IMAGE"  # default image of the components that ask for 
 IMAGE_PULL_POLICY = "RLFLEET_IMAGE_PULL_POLICY"  # imagePullPolicy of every container (Always, IfNotPresent, Never)
 IMAGE_PULL_SECRETS = "RLFLEET_IMAGE_PULL_SECRETS"  # comma-separated Secret names: imagePullSecrets of every pod
 RESYNC_INTERVAL = "RLFLEET_RESYNC_INTERVAL"  # seconds between re-applies and status reads
+POD_SECURITY_CONTEXT = "RLFLEET_POD_SECURITY_CONTEXT"  # JSON: securityContext of every run pod
+CONTAINER_SECURITY_CONTEXT = "RLFLEET_CONTAINER_SECURITY_CONTEXT"  # JSON: securityContext of their containers
+API_TIMEOUT = "RLFLEET_API_TIMEOUT"  # seconds: the bound on each Kubernetes API request (connect: at most 10 of them)
 
 DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_VLLM_KV_CACHE_BYTES = 512 << 20
 DEFAULT_RESYNC_INTERVAL_S = 15.0
+DEFAULT_API_TIMEOUT_S = 30.0
 
 
 def get(name: str) -> str | None:

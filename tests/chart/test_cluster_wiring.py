@@ -142,3 +142,33 @@ def test_the_chart_takes_exactly_the_run_names_the_crd_takes(chart):
     with pytest.raises(helm.HelmValuesError, match="/runs/0/name"):
         chart.validate_schema({"runs": [{"name": "r" * (MAX_RUN_NAME + 1), "spec": {}}]})
     assert len(names.trainer("r" * MAX_RUN_NAME)) == names.MAX_STATEFULSET_NAME
+
+
+def test_run_pod_security_contexts_from_the_values_reach_the_operator(chart, monkeypatch):
+    """The chart's runPods values are what the operator puts on run pods; a cluster's keys merge into the
+    hardened defaults (null drops one)."""
+    from rlfleet.operator import security
+    from rlfleet.operator.options import OperatorOptions
+
+    def operator_options(values):
+        deployments = by_kind(render(chart, values), "Deployment")
+        [deploy] = [d for d in deployments if d["metadata"]["name"].endswith("operator")]
+        container = deploy["spec"]["template"]["spec"]["containers"][0]
+        given = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("RLFLEET_") and "value" in e}
+        monkeypatch.setattr(os, "environ", given)
+        return OperatorOptions.from_env().defaults
+
+    defaults = operator_options({})
+    assert (defaults.pod_security, defaults.container_security) == (
+        security.POD_SECURITY_CONTEXT,
+        security.CONTAINER_SECURITY_CONTEXT,
+    )
+    values = {
+        "runPods": {
+            "podSecurityContext": {"runAsUser": 2000, "seccompProfile": None},
+            "securityContext": {"readOnlyRootFilesystem": False},
+        }
+    }
+    defaults = operator_options(values)
+    assert defaults.pod_security == {"runAsNonRoot": True, "runAsUser": 2000}
+    assert defaults.container_security == {**security.CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": False}

@@ -26,7 +26,7 @@ def test_trainer_pod_gets_its_volumes_env_and_secrets(tmp_path):
     assert env["AWS_SECRET_ACCESS_KEY"] == "secret"  # envFrom the store credentials
     assert env["RLFLEET_TORCH_THREADS"] == "1"  # its CPU request (resourceFieldRef)
     mounts = {v.target: v for v in trainer.volumes}
-    assert set(mounts) == {names.CONFIG_DIR, names.CACHE_DIR, names.SIGNING_DIR}
+    assert set(mounts) == {names.CONFIG_DIR, names.CACHE_DIR, "/tmp", names.SIGNING_DIR}
     config = mounts[names.CONFIG_DIR]
     assert config.read_only and "kind: RLRun" in (config.host / names.CONFIG_FILE).read_text()
     assert (mounts[names.SIGNING_DIR].host / names.SIGNING_KEY).read_text() == SECRETS["signing"][names.SIGNING_KEY]

@@ -115,16 +115,19 @@ def test_cpu_image_runs_the_example_read_only_without_network(tmp_path):
         for m in template["spec"]["containers"][0]["volumeMounts"]
         if any(v["name"] == m["name"] and "emptyDir" in v for v in template["spec"]["volumes"])
     ]
-    assert writable == [names.CACHE_DIR]
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    cache.chmod(0o777)  # an emptyDir
+    assert writable == [names.CACHE_DIR, "/tmp"]
+    cache, tmp = tmp_path / "cache", tmp_path / "tmp"
+    for volume in (cache, tmp):
+        volume.mkdir()
+        volume.chmod(0o777)  # an emptyDir
+    home = next(e["value"] for e in template["spec"]["containers"][0]["env"] if e["name"] == "HOME")
     start = time.monotonic()
     run_dir = f"{names.CACHE_DIR}/run"
     proc = run_container(
         CPU_IMAGE,
         ["run", "examples/arithmetic/rlrun.yaml", "--steps", "5", "--run-dir", run_dir, "--no-progress"],
-        volumes=[Volume(cache, names.CACHE_DIR)],
+        volumes=[Volume(cache, names.CACHE_DIR), Volume(tmp, "/tmp")],
+        env={"HOME": home},
         network="none",
         timeout=900,
     )

@@ -62,7 +62,7 @@ def _env(obj):
 
 def test_every_child_is_a_valid_kubernetes_object_with_labels_and_owner():
     children = _all_children(_bundle())
-    assert len({(c["kind"], c["metadata"]["name"]) for c in children}) == len(children) == 14
+    assert len({(c["kind"], c["metadata"]["name"]) for c in children}) == len(children) == 15
     for child in children:
         for version in KUBE_VERSIONS:
             kubernetes_validate.validate(child, version, strict=True)

@@ -98,3 +98,75 @@ def test_an_unreachable_server_is_unavailable(tmp_path):
     nowhere = k.Kube(k.connect(str(write_kubeconfig(tmp_path / "config", f"http://127.0.0.1:{free_port()}"))))
     with pytest.raises(k.Unavailable):
         run(nowhere.list("ConfigMap", NS))
+
+
+@pytest.fixture
+def silent_server():
+    """An HTTP server on 127.0.0.1 that accepts connections and never answers (a hung API server)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stopped = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stopped.is_set():
+            try:
+                accepted.append(listener.accept()[0])  # read nothing, write nothing
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stopped.set()
+    thread.join()
+    for conn in accepted:  # a client still waiting (the bug) gets its connection closed and returns
+        conn.close()
+    listener.close()
+
+
+def test_a_server_that_never_answers_fails_the_call_instead_of_hanging(silent_server, tmp_path):
+    """Bug: no request timeout; a call to an API server that accepted the connection and never answered
+    waited forever, wedging the handler that made it."""
+    import threading
+
+    from tests.operator.cluster import write_kubeconfig
+
+    hung = k.Kube(k.connect(str(write_kubeconfig(tmp_path / "config", silent_server))), timeout_s=0.5)
+    outcome: list[BaseException | None] = []
+
+    def call():
+        try:
+            run(hung.get("ConfigMap", NS, "any"))
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(60)  # a generous guard: without a timeout the call never returns
+    assert outcome, "the call to a silent API server never returned"
+    assert isinstance(outcome[0], k.Unavailable), outcome[0]
+    assert "timed out" in str(outcome[0]).lower()
+
+
+def test_the_timeout_setting_bounds_kopf_requests_too(monkeypatch):
+    import kopf
+
+    from rlfleet.operator.options import OperatorOptions, bound_kopf_requests
+    from rlfleet.wire import env
+
+    monkeypatch.setenv(env.API_TIMEOUT, "4")
+    options = OperatorOptions.from_env()
+    assert options.api_timeout_s == 4
+    settings = kopf.OperatorSettings()
+    bound_kopf_requests(settings, options)
+    assert (settings.networking.connect_timeout, settings.networking.request_timeout) == (4, 4)
+    bound_kopf_requests(settings, OperatorOptions(api_timeout_s=60))
+    assert (settings.networking.connect_timeout, settings.networking.request_timeout) == (k.CONNECT_TIMEOUT_S, 60)
+    monkeypatch.setenv(env.API_TIMEOUT, "0")
+    with pytest.raises(SystemExit, match=env.API_TIMEOUT):
+        OperatorOptions.from_env()

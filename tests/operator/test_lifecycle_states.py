@@ -92,3 +92,41 @@ def test_pod_problems_read_each_state():
     healthy = _pod(_container(restartCount=health.RESTART_LIMIT - 1, state={"running": {}}))
     going = {**cases["CrashLoopBackOff"], "metadata": {"name": "p-1", "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     assert health.pod_problems([healthy, going]) == []
+
+
+def _status(s: lifecycle.RunState) -> dict:
+    """The status the reconciler writes back (conditions and suspendedSeconds, in one patch)."""
+    return {"phase": s.phase, "conditions": s.conditions, "suspendedSeconds": s.suspended_seconds}
+
+
+def test_the_deadlines_do_not_count_time_spent_suspended():
+    """Bug: spec.activeDeadlineSeconds counted from creation whatever the run spent suspended (a run queued
+    suspended for an hour failed the moment it was resumed), and ran out while the run was suspended; the
+    first look after a resume started the startup deadline at the suspension's start, so a run suspended
+    longer than spec.startupDeadlineSeconds failed with StartupDeadlineExceeded as soon as it resumed."""
+    suspended, resumed = dict(activeDeadlineSeconds=3600, suspend=True), dict(activeDeadlineSeconds=3600)
+    s = state(run(**suspended), 0, at=10)  # created suspended (as a queue such as Kueue creates it)
+    assert s.phase == "Suspended" and s.suspended_seconds == 0
+    s = state(run(**suspended), 0, _status(s), at=10_000)  # past both deadlines, still suspended
+    assert s.phase == "Suspended" and s.active, "no deadline runs while suspended"
+    s = state(run(**resumed), 0, _status(s), at=20_000)  # resumed: the first look since
+    assert s.active and s.phase == "Pending", "neither deadline counts the 19990 s suspended"
+    assert s.suspended_seconds == 19_990
+    s = state(run(**resumed), 0, _status(s), at=20_000 + 1199, trainer_ready=0)
+    assert s.active, "the startup deadline (1200 s) counts from the resume"
+    s = state(run(**resumed), 0, _status(s), at=20_000 + 1200)
+    assert lifecycle.condition({"conditions": s.conditions}, "Failed")["reason"] == "StartupDeadlineExceeded"
+
+
+def test_the_active_deadline_counts_the_time_unsuspended_across_suspensions():
+    spec = dict(activeDeadlineSeconds=3600)
+    s = state(run(**spec), 0, at=10, trainer_ready=1)  # training from the start
+    s = state(run(**spec, suspend=True), 1, _status(s), at=1000, trainer_ready=1)  # suspended after 1000 s
+    s = state(run(**spec, suspend=True), 1, _status(s), at=50_000)
+    s = state(run(**spec), 1, _status(s), at=60_000)  # resumed: 59000 s suspended
+    assert s.active and s.suspended_seconds == 59_000
+    s = state(run(**spec), 1, _status(s), at=60_000 + 2599, trainer_ready=1)  # 3599 s unsuspended
+    assert s.active and s.suspended_seconds == 59_000
+    s = state(run(**spec), 1, _status(s), at=60_000 + 2600, trainer_ready=1)  # 3600 s unsuspended
+    failed = lifecycle.condition({"conditions": s.conditions}, "Failed")
+    assert not s.active and failed["reason"] == "DeadlineExceeded"

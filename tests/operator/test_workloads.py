@@ -115,6 +115,8 @@ def test_every_long_running_pod_has_probes_security_and_a_disruption_budget_wher
             )
         assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert pod["automountServiceAccountToken"] is False
     rollout = next(c for c in children if c["metadata"]["name"] == "arithmetic-cpu-rollout" and "template" in c["spec"])
     assert _container(rollout)["startupProbe"]["failureThreshold"] * 10 >= 900, "vLLM start-up gets 15 minutes"
     verifier = next(c for c in children if c["metadata"]["name"] == "arithmetic-verifier" and "template" in c["spec"])
@@ -130,7 +132,40 @@ def test_every_long_running_pod_has_probes_security_and_a_disruption_budget_wher
             "maxUnavailable": 1,
             "selector": {"matchLabels": names.selector("RelayTier", "arithmetic-tier0", names.RELAY, "arithmetic")},
         },
+        "arithmetic-trainer": {
+            "maxUnavailable": 0,
+            "selector": next(
+                c for c in children if c["kind"] == "StatefulSet" and c["metadata"]["name"] == "arithmetic-trainer"
+            )["spec"]["selector"],
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
+
+
+def test_the_trainer_budget_holds_a_drain_only_while_the_trainer_trains():
+    """Bug: the trainer had no PodDisruptionBudget, so a node drain could evict a rank mid-run (every rank
+    stops, the run goes back to its last checkpoint). Now none may go while it trains; once the run is
+    suspended or over the budget lets every pod go, and an unready trainer pod never holds a drain."""
+
+    def budget(bundle, active=True):
+        [pdb] = [
+            c
+            for c in b.build_run_children(bundle.run, NS, b.Owner("RLRun", "arithmetic", "uid-1"), active=active)
+            if c["kind"] == "PodDisruptionBudget"
+        ]
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(pdb, version, strict=True)
+        return pdb
+
+    training = budget(_bundle())
+    sts = b.build_trainer_statefulset(_bundle().run, NS)
+    assert training["metadata"]["name"] == sts["metadata"]["name"] == names.trainer("arithmetic")
+    assert training["spec"]["selector"] == sts["spec"]["selector"]
+    assert training["metadata"]["ownerReferences"][0]["kind"] == "RLRun"
+    assert training["spec"]["maxUnavailable"] == 0
+    assert training["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert budget(_bundle(suspend=True))["spec"]["maxUnavailable"] == "100%"
+    assert budget(_bundle(), active=False)["spec"]["maxUnavailable"] == "100%", "a finished or failed run"
 
 
 def test_pod_template_overrides_merge_into_the_built_pods():
@@ -165,7 +200,7 @@ def test_pod_template_overrides_merge_into_the_built_pods():
     trainer, sidecar = spec["containers"]
     assert trainer["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}
     assert trainer["command"] == ["rlfleet", "trainer"] and sidecar["name"] == "sidecar"
-    assert {v["name"] for v in spec["volumes"]} == {"config", "cache", "signing", "scratch"}
+    assert {v["name"] for v in spec["volumes"]} == {"config", "cache", "tmp", "signing", "scratch"}
     for version in KUBE_VERSIONS:
         kubernetes_validate.validate(sts, version, strict=True)
     # scheduling fields are orchestration: the trainer's config (and so its config hash) does not change
@@ -183,9 +218,30 @@ def test_vllm_pools_get_a_memory_backed_dev_shm_and_gpus_by_their_resource_name(
     workload = b.build_rollout_workload(bundle.run, pool, ["http://r:8080"], NS)
     container = _container(workload)
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in workload["spec"]["template"]["spec"]["volumes"]
+    dshm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}  # vLLM's own example's size
+    assert dshm in workload["spec"]["template"]["spec"]["volumes"]
     assert container["resources"]["limits"] == {"amd.com/gpu": 2}
     assert container["image"] == names.DEFAULT_GPU_IMAGE
+
+
+def test_a_pools_dev_shm_has_a_size_limit_its_spec_sets():
+    """Bug: the vLLM pools' memory-backed /dev/shm had no sizeLimit: a worker could fill the node's memory
+    through it, counted against no bound of its own. Now 2Gi unless the pool's spec.shmSize says otherwise."""
+    bundle = _bundle()
+    body = bundle.pools[0].model_dump(mode="json", by_alias=True, exclude_none=True)
+    body["spec"].update(engine="vllm", shmSize="8Gi")
+    pool = b.parse_resource(body)
+    workload = b.build_rollout_workload(bundle.run, pool, ["http://r:8080"], NS)
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(workload, version, strict=True)
+    body["spec"]["shmSize"] = "lots"
+    with pytest.raises(b.SpecError, match="shmSize.*not a Kubernetes quantity"):
+        b.parse_resource(body)
+    body["spec"].update(engine="torch", shmSize="8Gi")  # torch workers get the runtime's /dev/shm
+    torch_pool = b.build_rollout_workload(bundle.run, b.parse_resource(body), ["http://r:8080"], NS)
+    assert "dshm" not in {v["name"] for v in torch_pool["spec"]["template"]["spec"]["volumes"]}
 
 
 def test_cluster_defaults_set_images_pull_policy_and_pull_secrets():
@@ -202,3 +258,55 @@ def test_cluster_defaults_set_images_pull_policy_and_pull_secrets():
         assert pod["containers"][0]["image"] == "cpu:1"
     with_image = _bundle(image="mine:2")
     assert _container(b.build_trainer_statefulset(with_image.run, NS, None, defaults))["image"] == "mine:2"
+
+
+def _writable(workload, path: str) -> bool:
+    """Whether `path` is on one of the container's writable volume mounts (not on its root filesystem)."""
+    mounts = [m for m in _container(workload)["volumeMounts"] if not m.get("readOnly")]
+    return any(path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/") for m in mounts)
+
+
+def test_run_pods_are_hardened_and_write_only_to_their_volumes():
+    """Bug: run pods mounted a service account token they never use and wrote to a writable root
+    filesystem. Now: no token, a read-only root, and every place the processes write on a volume."""
+    children = _all_children(_bundle(ingest={"tokens": "worker-tokens"}))
+    components = set()
+    for workload in _workloads(children):
+        container, pod = _container(workload), workload["spec"]["template"]["spec"]
+        components.add(workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"])
+        assert pod["automountServiceAccountToken"] is False, workload["metadata"]["name"]
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        environment = {e["name"]: e.get("value") for e in container["env"]}
+        for path in ("/tmp", environment["HOME"], environment[env.CACHE], f"{names.CACHE_DIR}/xdg"):
+            assert _writable(workload, path), (workload["metadata"]["name"], path)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(workload, version, strict=True)
+    assert components == {"trainer", "origin", "verifier", "ingest", "rollout", "relay"}
+
+
+def test_a_cluster_overrides_the_security_contexts_and_a_pod_template_still_wins(monkeypatch):
+    from rlfleet.operator.options import OperatorOptions
+
+    monkeypatch.setenv(env.POD_SECURITY_CONTEXT, '{"runAsNonRoot": true, "runAsUser": 2000, "fsGroup": 2000}')
+    monkeypatch.setenv(env.CONTAINER_SECURITY_CONTEXT, '{"readOnlyRootFilesystem": false}')
+    defaults = OperatorOptions.from_env().defaults
+    trainer = _bundle().run.spec.trainer.model_dump(mode="json", by_alias=True, exclude_none=True)
+    override = {"spec": {"securityContext": {"runAsUser": 3000}}}
+    bundle = _bundle(trainer={**trainer, "podTemplate": override})
+    for workload in _workloads(b.build_run_children(bundle.run, NS, defaults=defaults)):
+        pod = workload["spec"]["template"]["spec"]
+        expected_user = 3000 if workload["metadata"]["name"].endswith("-trainer") else 2000
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": expected_user, "fsGroup": 2000}
+        assert _container(workload)["securityContext"] == {"readOnlyRootFilesystem": False}
+    assert defaults.pod_security == {"runAsNonRoot": True, "runAsUser": 2000, "fsGroup": 2000}, "merged into a copy"
+    for bad, message in (("[1]", "JSON object"), ("{nope", "JSON object")):
+        monkeypatch.setenv(env.CONTAINER_SECURITY_CONTEXT, bad)
+        with pytest.raises(SystemExit, match=f"{env.CONTAINER_SECURITY_CONTEXT}.*{message}"):
+            OperatorOptions.from_env()
