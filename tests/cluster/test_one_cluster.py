@@ -121,8 +121,11 @@ def test_1_the_chart_installs_and_the_operator_runs_as_its_deployment(a):
     environ = dict(kv.split("=", 1) for kv in variables if "=" in kv)
     argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().rstrip("\0").split("\0")
     assert argv[-len(container["args"]) :] == container["args"], argv  # `rlfleet operator` with the chart's args
+    fields = {"metadata.namespace": NS, "metadata.name": pod["name"]}  # what the kubelet resolves a fieldRef to
     for item in container["env"]:
-        expected = item.get("value", NS if "fieldRef" in item.get("valueFrom", {}) else None)
+        field_path = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        expected = item.get("value", fields.get(field_path))
+        assert expected is not None, item  # a value, or a fieldRef this test knows
         assert environ.get(item["name"]) == expected, item["name"]
     assert environ["KUBERNETES_SERVICE_HOST"] == a.api.host.ip  # in-cluster login, over TLS, as its account
     calls = a.api.calls_of(OPERATOR_SA)
