@@ -44,16 +44,23 @@ def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, seconds: f
 
 
 def assert_steps_accounted_for(records: list[dict]) -> None:
-    """Every record's split names every part and adds up to its step_seconds within 5%; the coarse fields are sums
-    of its parts; consecutive steps tile the run (from one record's wall_seconds to the next is the next's step)."""
+    """Every record's split names every part; the parts add up to the run's step seconds within 5%, and to each
+    step's within 5% but for at most 5% of the steps (at least one); the coarse fields are sums of its parts;
+    consecutive steps tile the run (from one record's wall_seconds to the next is the next's step).
+
+    Why a few steps may miss: a step of 0.2 s on a loaded machine is off by 5% when the process is descheduled
+    for 10 ms between two parts. A part left out of the split misses on every step that runs it."""
+    missed = []
     for r in records:
         assert set(r["split"]) == set(SPLIT_PARTS), r["step"]
+        assert r["step_seconds"] > 0, r
         total = sum(r["split"].values())
-        assert r["step_seconds"] > 0 and abs(total - r["step_seconds"]) <= 0.05 * r["step_seconds"], (
-            r["step"],
-            total,
-            r,
-        )
+        if abs(total - r["step_seconds"]) > 0.05 * r["step_seconds"]:
+            missed.append((r["step"], total, r["step_seconds"]))
+    assert len(missed) <= max(1, len(records) // 20), missed
+    split_total, step_total = sum(sum(r["split"].values()) for r in records), sum(r["step_seconds"] for r in records)
+    assert abs(split_total - step_total) <= 0.05 * step_total, (split_total, step_total)
+    for r in records:
         for coarse, parts in (("wait", WAIT_PARTS), ("compute", COMPUTE_PARTS), ("publish", PUBLISH_PARTS)):
             assert r[f"{coarse}_seconds"] == pytest.approx(sum(r["split"][p] for p in parts)), (r["step"], coarse)
     for before, after in zip(records, records[1:]):
