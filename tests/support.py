@@ -16,6 +16,7 @@ import redis
 import requests
 import yaml
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.local.redis_server import free_port
 from rlfleet.services.shardcast.protocol import serve_until
@@ -237,3 +238,13 @@ def start_rendered_redis(args: list[str], data_dir: Path, **auth) -> tuple[subpr
                 proc.wait(5)
                 raise AssertionError(f"redis-server {args} did not start: {log.read_text()[-2000:]}") from None
             time.sleep(0.05)
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """A Prometheus /metrics page as {(sample name, its labels): value}."""
+    text = requests.get(url, timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

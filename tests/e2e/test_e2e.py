@@ -12,15 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.services.rollout import timing as rollout_timing
 from rlfleet.services.shardcast.sources import READ_TIMEOUT
 from rlfleet.services.toploc import metrics as verifier_metrics
 from rlfleet.services.trainer.split import COMPUTE_PARTS, PUBLISH_PARTS, SPLIT_PARTS, WAIT_PARTS
 from tests.runs import extended, pool, relay_tier, rlrun, write_rlrun
-from tests.support import REPO
+from tests.support import REPO, scrape
 
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
 
@@ -67,15 +65,6 @@ def assert_steps_accounted_for(records: list[dict]) -> None:
         between = after["wall_seconds"] - before["wall_seconds"]  # wall_seconds is read just before eval and the end
         slack = 0.05 * after["step_seconds"] + before["split"]["eval"] + after["split"]["eval"]
         assert abs(between - after["step_seconds"]) <= slack, (before, after)
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    text = requests.get(url, timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def seconds_by_part(samples: list[dict[tuple[str, frozenset], float]], name: str, parts: tuple[str, ...]) -> dict:

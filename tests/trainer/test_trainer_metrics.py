@@ -7,13 +7,11 @@ import json
 import time
 
 import pytest
-import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.local.redis_server import free_port
 from rlfleet.services.trainer.split import SPLIT_PARTS
 from rlfleet.wire.streams import RunKeys
-from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
+from tests.support import scrape, start_trainer, tiny_policy_dir, trainer_run_config
 from tests.trainer.test_trainer import group
 
 TRAINER = (
@@ -56,15 +54,6 @@ SERIES = {
 }
 # Sums of split parts, which are on /metrics one by one.
 COARSE = {"wait_seconds", "compute_seconds", "publish_seconds"}
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    text = requests.get(url, timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path, redis_url, redis_client):
