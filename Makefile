@@ -21,7 +21,7 @@ run: setup
 	$(BIN)/rlfleet run examples/arithmetic/rlrun.yaml
 
 # The whole suite, end-to-end, vLLM and cluster-in-a-box runs included, the 30 slowest tests listed at
-# the end (CI as root: about 30 minutes on 2 cores, images included; the install takes about 4).
+# the end (CI as root: about 50 minutes on 2 cores, images included; the install takes about 4).
 test: setup
 	$(BIN)/python -m pytest -ra --durations=30
 
