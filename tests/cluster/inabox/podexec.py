@@ -14,7 +14,8 @@ starts the container's command, and execs that command (so the pod runner's pid 
    from a descriptor opened before any mount (a volume on /tmp must not hide the others' sources);
    then the image's own files (this checkout and the virtualenv, `keep`) that a volume now hides (a
    checkout under /tmp, where the pods mount an emptyDir) are bound back at their paths, as an
-   image's files outside its volumes stay visible;
+   image's files outside its volumes stay visible; hidden means "not the same file", since a restarted
+   container finds the empty directory its first start made in the emptyDir;
 4. chdir to the working directory and exec the command with exactly the pod's environment.
 Standard library only: it runs before anything of the pod is there.
 """
@@ -96,8 +97,12 @@ def main(spec_path: str) -> None:
         if m["readOnly"]:
             mount(None, m["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY)
     for path, fd in keep.items():
-        if not os.path.exists(path):  # hidden by a volume: made in it, and the image's files bound there
+        # Hidden by a volume: made in it, and the image's files bound there. The path may already be in the
+        # volume, an empty directory left by an earlier start of this container (an emptyDir outlives its
+        # containers), so what is there is compared with the image's file, not only looked for.
+        if not os.path.exists(path):
             os.makedirs(path)
+        if not os.path.samestat(os.stat(path), os.fstat(fd)):
             mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
     os.chdir(spec["workdir"])
     argv = spec["argv"]
