@@ -301,11 +301,10 @@ class Checker:
                     "logprob_mismatch",
                     f"samples[{i}]: max |claimed - recomputed| = {err:.3g} > {cal.logprob_tolerance}",
                 )
-        with torch.inference_mode():
-            logits = [
-                model.lm_head(scored.hidden[i][prompt_len - 1 : -1]).float() / sp.temperature  # (T_i, V)
-                for i in range(len(group.samples))
-            ]
+        with torch.inference_mode():  # one lm_head over every sample's completion rows, then split per sample
+            completion_rows = torch.cat([scored.hidden[i][prompt_len - 1 : -1] for i in range(len(group.samples))])
+            lengths = [len(s.completion_ids) for s in group.samples]
+            logits = list((model.lm_head(completion_rows).float() / sp.temperature).split(lengths))  # (T_i, V) each
             replay = self.sampling_checks(group, logits, cal)
         return [r.tolist() for r in recomputed], replay
 

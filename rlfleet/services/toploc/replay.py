@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlfleet.models.sampling import keep_mask, sample_seed, sample_uniforms
@@ -66,6 +67,25 @@ def _consistent(logits: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, 
     return keep.gather(-1, tokens[:, None])[:, 0] & (target >= lo - tol) & (target < hi + tol)
 
 
+def _replay_rows(
+    logits: torch.Tensor, toks: torch.Tensor, u: torch.Tensor, top_p: float, top_k: int, tolerance: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """((T,) bool: rows whose token `toks` (T,) the uniforms `u` (T,) draw from `logits` (T, V), already divided by
+    the temperature; (T,) each row's surprise term). Rows are independent, so the rows of several samples are
+    replayed in one pass."""
+    logits = logits.float()
+    filtered = 0 < top_k < logits.shape[-1] or top_p < 1.0
+    keep = keep_mask(logits, top_p, top_k)
+    ok = _consistent(logits, keep, toks, u, tolerance)
+    if filtered:  # without top-k/top-p every slack keeps the whole vocabulary: the same test again
+        for slack in (-tolerance, tolerance):
+            ok |= _consistent(logits, keep_mask(logits, top_p, top_k, slack), toks, u, tolerance)
+    logq = torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1).double()
+    entropy = -(logq.exp() * logq.clamp(min=-SURPRISE_CAP)).sum(-1)  # (T,), 0 * -inf avoided by the clamp
+    nll = (-logq.gather(-1, toks[:, None])[:, 0]).clamp(max=SURPRISE_CAP)
+    return ok, nll - entropy
+
+
 def replay_sample(
     logits: torch.Tensor, tokens: list[int], seed: int, top_p: float, top_k: int, tolerance: float
 ) -> tuple[torch.Tensor, float]:
@@ -74,14 +94,8 @@ def replay_sample(
     device = logits.device  # the prefill's (a GPU's when the verifier has one): the draw is redone there
     toks = torch.tensor(tokens, dtype=torch.long, device=device)
     u = torch.from_numpy(sample_uniforms(seed, len(tokens))).to(device)
-    logits = logits.float()
-    ok = torch.zeros(len(tokens), dtype=torch.bool, device=device)
-    for slack in (0.0, -tolerance, tolerance):
-        ok |= _consistent(logits, keep_mask(logits, top_p, top_k, slack), toks, u, tolerance)
-    logq = torch.log_softmax(logits.masked_fill(~keep_mask(logits, top_p, top_k), float("-inf")), -1).double()
-    entropy = -(logq.exp() * logq.clamp(min=-SURPRISE_CAP)).sum(-1)  # (T,), 0 * -inf avoided by the clamp
-    nll = (-logq.gather(-1, toks[:, None])[:, 0]).clamp(max=SURPRISE_CAP)
-    return ok, float((nll - entropy).sum())
+    ok, surprise = _replay_rows(logits, toks, u, top_p, top_k, tolerance)
+    return ok, float(surprise.sum())
 
 
 def replay_mismatch(
@@ -94,14 +108,21 @@ def replay_mismatch(
 
 
 def group_score(logits: list[torch.Tensor], group, tolerance: float) -> ReplayScore:
-    """The replay score of `group` (module docstring); logits[i] (T_i, V) of sample i."""
+    """The replay score of `group` (module docstring); logits[i] (T_i, V) of sample i. Every sample's rows are
+    replayed in one pass (`_replay_rows`), each with its own seed's uniforms."""
     sp = group.sampling
-    positions = mismatches = 0
-    surprise, first = 0.0, None
-    for i, (rows, sample) in enumerate(zip(logits, group.samples)):
-        ok, s = replay_sample(rows, sample.completion_ids, sample_seed(sp.seed, i), sp.top_p, sp.top_k, tolerance)
-        bad = (~ok).nonzero()
-        if len(bad) and first is None:
-            first = (i, int(bad[0]))
-        positions, mismatches, surprise = positions + len(ok), mismatches + len(bad), surprise + s
-    return ReplayScore(positions, mismatches, surprise, first)
+    if not group.samples:
+        return ReplayScore()
+    device = logits[0].device
+    lengths = [len(s.completion_ids) for s in group.samples]
+    toks = torch.tensor([t for s in group.samples for t in s.completion_ids], dtype=torch.long, device=device)
+    uniforms = [sample_uniforms(sample_seed(sp.seed, i), n) for i, n in enumerate(lengths)]
+    u = torch.from_numpy(np.concatenate(uniforms)).to(device)
+    ok, surprise = _replay_rows(torch.cat(list(logits)), toks, u, sp.top_p, sp.top_k, tolerance)
+    bad = (~ok).nonzero()[:, 0].tolist()
+    first = None
+    if bad:
+        starts = np.cumsum([0, *lengths])
+        i = int(np.searchsorted(starts, bad[0], side="right")) - 1
+        first = (i, bad[0] - int(starts[i]))
+    return ReplayScore(len(ok), len(bad), float(surprise.sum()), first)
