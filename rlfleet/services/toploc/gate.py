@@ -43,7 +43,7 @@ from pathlib import Path
 
 import redis
 
-from rlfleet.models.adapter import load_version
+from rlfleet.models.adapter import load_version, version_signature
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sources import resolve_model_path
@@ -141,6 +141,7 @@ class Gate:
         self.ctx, self.consumer, self.origin_url, self.cache_dir = ctx, consumer, origin_url, cache_dir
         self.spec = ctx.bundle.run.spec
         self.models: OrderedDict[int, tuple] = OrderedDict()
+        self._like: tuple | None = None  # (model, tokenizer, signature) of the last version loaded (load_version)
         self.device = choose_device()  # every version's model prefills there, in spec.model.dtype (checks.py)
         self._models_lock = threading.Lock()  # the HTTP API verifies from another thread
         self.last_used: tuple | None = None  # the (model, tokenizer) of the newest policy() call: what /healthz probes
@@ -167,8 +168,9 @@ class Gate:
                     path = fetch_policy(self.fetch, version, self.cache_dir)
                 spec = self.spec
                 base = partial(resolve_model_path, spec.model, spec.task, spec.trainer.seed, caller=components.VERIFIER)
-                with LAPS.part("load"):
-                    self.models[version] = load_version(path, spec.model.dtype, self.device, base)
+                with LAPS.part("load"):  # a copy of the last whole version loaded, when only the weights differ
+                    self.models[version] = load_version(path, spec.model.dtype, self.device, base, self._like)
+                    self._like = (*self.models[version], version_signature(path))
                 watch(self.liveness, self.models[version][0])
                 while len(self.models) > self.spec.trainer.max_async_level + 2:
                     self.models.popitem(last=False)
