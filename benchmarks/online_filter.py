@@ -4,7 +4,8 @@ Runs `rlfleet run` on examples/arithmetic/rlrun.yaml twice, once as it is and on
 `spec.sampling.onlineFilter` (the filter's defaults unless --window is given), and reports for each
 run, from its metrics.jsonl:
 - dropped share in the last third of the steps: groups the trainer read and dropped (repeats of
-  trained work, stale, zero-advantage, malformed) over every group it read then (dropped + trained);
+  trained work, stale, zero-advantage, malformed) and the repeats workers held back unsent, over all of
+  those and the groups trained then;
 - reward over the last tenth of the steps: the trained batches' (reward_mean) and everything read
   (sampled_reward_mean); neither is the policy's reward on the task as a whole once the filter
   changes which prompts are sampled (it skips solved ones), so both runs also evaluate the policy
@@ -77,7 +78,11 @@ def measure(records: list[dict]) -> dict:
     """Dropped share over the last third, rewards over the last tenth (see the module docstring)."""
     third = records[len(records) - max(1, len(records) // 3) :]
     tenth = records[len(records) - max(1, len(records) // 10) :]
-    dropped = sum(r.get(k, 0) for r in third for k in DROPS)
+    # Repeats of trained work are dropped whether the trainer drops them or the workers hold them back unsent
+    # (`repeated_groups`, counted since the trainer started).
+    before = records[len(records) - len(third) - 1].get("repeated_groups", 0) if len(third) < len(records) else 0
+    held_back = third[-1].get("repeated_groups", 0) - before
+    dropped = sum(r.get(k, 0) for r in third for k in DROPS) + held_back
     trained = sum(len(r["rollout_ids"]) for r in third)
     evals = [r["eval/score"] for r in third if "eval/score" in r]
     return {

@@ -4,9 +4,11 @@ groups to its run's inbox and read the policy stream, and cannot write `verified
 announce a policy version, touch the trainer's state or another run. The worker id in a group is
 whatever the worker wrote: only the ingest binds worker ids to tokens.
 
-  worker    XADD / XLEN the inbox: the only key a rollout worker writes
+  worker    XADD / XLEN the inbox, and count the groups it did not send as repeats of trained work: the
+            only keys a rollout worker writes
   reader    read the policy stream, the trainer's demand and the retired prompts, XLEN the inbox and the
-            verified stream: a worker's reads (a second client, env RLFLEET_REDIS_READ_URL), the origin, relays
+            verified stream, ZMSCORE the trained set (a worker sends no repeat of trained work): a worker's
+            reads (a second client, env RLFLEET_REDIS_READ_URL), the origin, relays
   tickets   HINCRBY the work-ticket counters (spec.sampling.assignment: run; env RLFLEET_REDIS_TICKETS_URL)
   ingest    the inbox (its admission script: XLEN, XADD, GET/SET of its submission records), ban
             lookups, work tickets, its door (hashed tokens, joins, used invites, active workers, join
@@ -14,7 +16,7 @@ whatever the worker wrote: only the ingest binds worker ids to tokens.
   verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected / dead
             letter, its attempt counts, run stats, reputation and bans, its one-time guards, work tickets (read),
             join records (read: a joined worker's probation) and standings (the ingest's copy)
-  trainer   the verified stream's consumer group, the trained set, run stats (read), XADD policy, HSET
+  trainer   the verified stream's consumer group, the trained set, run stats and repeats (read), XADD policy, HSET
             its demand, RPUSH the retired prompts, SET the run's failure record
   admin     everything on the run's keys (the local launcher; on a cluster the operator keeps the
             urlSecret's `url`)
@@ -50,10 +52,10 @@ SCRIPTS = ["evalsha", "eval", "script|load"]  # redis-py's registered scripts; t
 
 # Per role: the RunKeys attributes (or per-item key patterns, `RunKeys.patterns`) and the commands.
 ROLES: dict[str, tuple[list[str], list[str]]] = {
-    WORKER: (["rollouts"], ["xadd", "xlen"]),
+    WORKER: (["rollouts", "repeats"], ["xadd", "xlen", "hincrby", "hincrbyfloat"]),
     READER: (
-        ["policy", "rollouts", "verified", "demand", "retired_prompts"],
-        ["xread", "xrevrange", "xlen", "hmget", "lrange"],
+        ["policy", "rollouts", "verified", "demand", "retired_prompts", "trained"],
+        ["xread", "xrevrange", "xlen", "hmget", "lrange", "zmscore"],
     ),
     TICKETS: (["tickets"], ["hincrby"]),
     INGEST: (
@@ -111,7 +113,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     TRAINER: (
-        ["verified", "policy", "trained", "stats", "demand", "retired_prompts", "failure"],
+        ["verified", "policy", "trained", "stats", "demand", "retired_prompts", "failure", "repeats"],
         [
             "hset",
             "rpush",

@@ -53,8 +53,12 @@ class RunKeys:
         self.failure = f"{prefix}:failure"
         self.trained = f"{prefix}:trained"  # sorted set: content digest -> policy version it trained
         # hash: what the trainer still wants (oldest: the oldest policy version it will still train; need:
-        # the groups its current step lacks; held: verified entries it holds); trainer/main.py set_demand
+        # the groups its current step lacks; held: verified entries it holds; kept: the share of the groups it
+        # reads that it keeps); trainer/batches.py set_demand
         self.demand = f"{prefix}:demand"
+        # hash groups/samples/reward_sum: the groups workers sampled and did not send, their content being trained
+        # work (rollout/main.py Worker.unrepeated); the trainer counts them in the sampled reward
+        self.repeats = f"{prefix}:repeats"
         # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
         self.workers = f"{prefix}:workers"
         self.banned = f"{prefix}:banned"  # hash: worker id -> JSON ban record (why, when)
@@ -102,6 +106,7 @@ class RunKeys:
             self.failure,
             self.trained,
             self.demand,
+            self.repeats,
             self.workers,
             self.banned,
             self.tickets,

@@ -8,15 +8,20 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+from prometheus_client import REGISTRY
+
 from rlfleet.config import load_bundle
 from rlfleet.services.rollout.main import RolloutOptions, Worker
+from rlfleet.services.rollout.repeats import unrepeated
 from rlfleet.services.shardcast.origin import make_app
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.versions.store import open_store
 from rlfleet.wire import env
+from rlfleet.wire.repeats import RepeatTally, Tally
 from rlfleet.wire.runtime import Context
-from rlfleet.wire.streams import RolloutGroup, RunKeys, encode_json
+from rlfleet.wire.streams import RolloutGroup, RunKeys, encode_json, group_digest
 from rlfleet.wire.views import VIEWS, view_bundle
 from tests.runs import pool, rlrun, write_rlrun
 from tests.support import serving, tiny_policy_dir, wait_for
@@ -100,8 +105,33 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
             redis_client.hset(keys.demand, "held", 1)
             redis_client.xtrim(keys.rollouts, maxlen=2, approximate=False)
             assert settled(redis_client, keys, worker) == 3, "2 in the inbox + 1 verified waiting cover 1 + one batch"
+            # The trainer keeps half of what it reads (the rest repeats trained work): the 4 queued count as 2
+            # kept, so the worker samples until 8 are queued (1 + one batch, divided by 1/2): 7 in the inbox.
+            redis_client.hset(keys.demand, "kept", "0.5000")
+            assert settled(redis_client, keys, worker) == 7
+            assert worker.paused() == "enough_queued"
         finally:
             ctx.stop.set()
             thread.join(30)
     assert not thread.is_alive()
+    # A group whose content the trainer already trained is not sent (Worker.unrepeated): one ZMSCORE of the
+    # trained set, which the worker's read user may do (rlfleet/wire/redis_acl.py).
+    sent = [RolloutGroup.decode(m) for _, m in redis_client.xrange(keys.rollouts)]
+    redis_client.zadd(keys.trained, {group_digest(sent[1]): 1, group_digest(sent[4]): 2})
+
+    def repeats() -> float:
+        return REGISTRY.get_sample_value("rlfleet_rollout_repeated_groups_total") or 0.0
+
+    before = repeats()
+    fresh = unrepeated(worker.reader, ctx, sent)
+    assert [g.rollout_id for g in fresh] == [g.rollout_id for i, g in enumerate(sent) if i not in (1, 4)]
+    assert repeats() - before == 2
+    # ... and counted where the trainer reads them for the sampled reward (rlfleet/wire/repeats.py).
+    tally = RepeatTally()
+    held_back = tally.take(redis_client.hgetall(keys.repeats))
+    rewards = [s.reward for i in (1, 4) for s in sent[i].samples]
+    assert held_back == {"": Tally(groups=2, samples=len(rewards), reward_sum=pytest.approx(sum(rewards)))}
+    assert tally.take(redis_client.hgetall(keys.repeats)) == {}, "each repeat is counted once"
+    assert len(unrepeated(worker.reader, ctx, sent[:2])) == 1
+    assert tally.take(redis_client.hgetall(keys.repeats))[""].groups == 1 and tally.total_groups() == 3
     worker.engine.close()

@@ -8,6 +8,7 @@ import dataclasses
 from prometheus_client import REGISTRY
 
 from rlfleet.services.trainer.metrics import export_step, source_record
+from rlfleet.wire.repeats import Tally
 from tests.trainer.test_trainer import group
 
 
@@ -19,7 +20,7 @@ def test_each_source_gets_its_trained_and_sampled_reward_and_counts():
     trained = [of("math", "a", [1.0, 0.0]), of("math", "b", [1.0, 1.0]), of("code", "c", [0.0, 1.0])]
     read = [(g.task_id, [s.reward for s in g.samples]) for g in trained]
     read += [("code/d-1", [0.0, 0.0]), ("sums/e-1", [1.0, 1.0])]  # dropped ones (e.g. zero advantage)
-    record = source_record(True, trained, read)
+    record = source_record(True, trained, read, {})
     assert record == {
         "sources": {
             "code": {"reward_mean": 0.5, "groups": 1, "sampled_reward_mean": 0.25, "sampled_groups": 2},
@@ -27,7 +28,16 @@ def test_each_source_gets_its_trained_and_sampled_reward_and_counts():
             "sums": {"reward_mean": None, "groups": 0, "sampled_reward_mean": 1.0, "sampled_groups": 1},
         }
     }
-    assert source_record(False, trained, read) == {}, "a single-task run's records carry no sources"
+    assert source_record(False, trained, read, {}) == {}, "a single-task run's records carry no sources"
+    # Repeats of trained work the workers held back (rlfleet/wire/repeats.py) are sampled work of their source.
+    held_back = {
+        "math": Tally(groups=2, samples=4, reward_sum=4.0),
+        "poems": Tally(groups=1, samples=2, reward_sum=1.0),
+    }
+    with_repeats = source_record(True, trained, read, held_back)["sources"]
+    assert with_repeats["math"]["sampled_groups"] == 4 and with_repeats["math"]["sampled_reward_mean"] == 7 / 8
+    assert with_repeats["poems"] == {"reward_mean": None, "groups": 0, "sampled_reward_mean": 0.5, "sampled_groups": 1}
+    assert with_repeats["code"] == record["sources"]["code"]
 
     before = REGISTRY.get_sample_value("rlfleet_trainer_source_groups_total", {"source": "math", "batch": "sampled"})
     export_step(

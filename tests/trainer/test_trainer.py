@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import zlib
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from rlfleet.config import parse_bundle
+from rlfleet.services.trainer.batches import KEPT_SHARE_FLOOR
 from rlfleet.services.trainer.loss import grpo_loss
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.update import grpo_update, lr_factor
@@ -152,8 +154,8 @@ def test_the_trainer_tells_the_workers_what_it_still_wants(tmp_path, redis_url):
     client = redis_from_url(redis_url)
     keys = RunKeys("tr")
 
-    def demand() -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in client.hgetall(keys.demand).items()}
+    def demand() -> dict[str, int]:  # the share kept has its own test
+        return {k.decode(): int(v) for k, v in client.hgetall(keys.demand).items() if k != b"kept"}
 
     def run(trainer: Trainer, steps: int) -> threading.Thread:
         thread = threading.Thread(target=trainer.run, args=(steps,), daemon=True)
@@ -185,6 +187,25 @@ def test_the_trainer_tells_the_workers_what_it_still_wants(tmp_path, redis_url):
         second.ctx.stop.set()
         thread.join(30)
     client.close()
+
+
+def test_the_demand_tells_the_workers_the_share_of_what_it_reads_that_the_trainer_keeps(trainer):
+    """A step that reads 3 groups and drops 1 as a repeat of trained work keeps 2/3; the demand's `kept` is the
+    running mean (batches.KEPT_SHARE_WEIGHT) a worker divides its need by (rollout/main.py Worker.room)."""
+    keys, r = trainer.ctx.keys, trainer.ctx.redis
+    trainer.set_demand(0, 2, 0)
+    assert r.hget(keys.demand, "kept") == b"1.0000", "nothing read yet: every group counts"
+    repeat = dataclasses.replace(group("a", [1.0, 0.0]), rollout_id="a-again")  # the same content, another id
+    for g in (group("a", [1.0, 0.0]), repeat, group("b", [0.0, 1.0])):
+        r.xadd(keys.verified, g.encode())
+    batch, _, drops = trainer.collect()
+    assert [g.rollout_id for g in batch] == ["a", "b"] and drops["duplicate"] == 1
+    assert trainer.kept_share == pytest.approx(0.5 * 1.0 + 0.5 * 2 / 3)
+    trainer.set_demand(1, 2, 0)
+    assert float(r.hget(keys.demand, "kept")) == pytest.approx(0.8333, abs=1e-4)
+    for _ in range(20):  # a long run of nothing but repeats stops at the floor
+        trainer.update_kept_share(0, 5)
+    assert trainer.kept_share == KEPT_SHARE_FLOOR
 
 
 def test_epochs_are_that_many_updates_on_the_same_batch(tmp_path, redis_url):

@@ -17,6 +17,8 @@ POSTs each group to the run's ingest with its own token (env RLFLEET_WORKER_TOKE
 by RLFLEET_WORKER_TOKEN_FILE; rlfleet/services/ingest/) and learns of new versions by long-polling
 its relays' `latest?after=N` instead of reading the policy stream.
 
+A worker with Redis sends no group whose content the trainer already trained (repeats.py).
+
 Backpressure, checked before each batch (`room`): the worker pauses while the inbox holds more than
 `maxPending` groups (the verifier deletes what it has handled, so XLEN is the backlog; an ingest worker
 leaves this to the ingest), while its weights lag the newest announced version by more than
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +50,7 @@ from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
+from rlfleet.services.rollout.repeats import unrepeated
 from rlfleet.services.rollout.timing import LAPS
 from rlfleet.services.rollout.work import WorkSource
 from rlfleet.services.toploc.proof import build_proofs_many
@@ -231,8 +235,10 @@ class Worker(WorkSource):
           that is every moment between a batch filling and the next version loading;
         - `enough_queued`: the groups queued for the trainer and not yet taken by it (the inbox and the
           verified stream, less the entries it holds) cover its current step's `need` and, when this
-          version will still be trained one step later (newer than `oldest`), one batch more: what
-          keeps the trainer fed while it trains; anything deeper would only wait and go stale;
+          version will still be trained one step later (newer than `oldest`), one batch more, both divided
+          by the share `kept` of read groups the trainer keeps (trainer/batches.py: late in a run most are
+          repeats of solved prompts): what keeps the trainer fed while it trains; anything deeper would
+          only wait and go stale;
         - `backlog`: the inbox holds more than the pool's maxPending."""
         if self.ingest_url:
             newest: int | None = self.follower.announced
@@ -249,16 +255,17 @@ class Worker(WorkSource):
         keys = self.ctx.keys
         assert self.reader is not None  # a worker without an ingest reads Redis
         with self.reader.pipeline(transaction=False) as pipe:  # one round trip, every 20 ms while paused
-            pipe.hmget(keys.demand, ["oldest", "need", "held"])
+            pipe.hmget(keys.demand, ["oldest", "need", "held", "kept"])
             pipe.xlen(keys.rollouts)
             pipe.xlen(keys.verified)
-            (oldest, need, held), queued, verified = pipe.execute()
+            (oldest, need, held, kept), queued, verified = pipe.execute()
         if oldest is not None and self.loaded.version < int(oldest):
             return "batch_full", 0
         if need is not None:
             ahead = queued + verified - int(held or 0)
             later = self.loaded.version > int(oldest)  # still trainable once the trainer's step advances
-            wanted = int(need) + later * self.spec.trainer.batch_size - ahead
+            # In groups read: the trainer keeps a share `kept` of them (repeats of trained work dropped).
+            wanted = math.ceil((int(need) + later * self.spec.trainer.batch_size) / float(kept or 1)) - ahead
             if wanted <= 0:
                 return "enough_queued", 0
             room = min(room, wanted)
@@ -361,7 +368,7 @@ class Worker(WorkSource):
             work = self.take_work(room)
             if work is None:
                 return  # stopped while the ingest held a ticket back
-            for group in self.make_groups(work):
+            for group in unrepeated(self.reader, self.ctx, self.make_groups(work)):
                 if not self.send(group):
                     return  # stopped while the ingest held it back
 

@@ -6,7 +6,8 @@ version older than maxAsyncLevel behind the version being trained), a repeat of 
 digest in the trained set, in the steps not yet committed or in this batch), undecodable, or, with
 skipZeroAdvantageGroups, one whose rewards are all equal. Every dropped rollout id is kept for the step's
 audit trail. The demand the trainer writes (`set_demand`) is what lets workers pause rather than sample
-groups that would arrive stale.
+groups that would arrive stale, and, through the share of the groups it reads that it keeps (`kept_share`), sample
+enough that the groups it will drop as repeats do not leave its step waiting.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from rlfleet.wire.timing import Laps
 
 log = logging.getLogger("rlfleet.trainer")
 
+# The share of the groups read that the trainer keeps, as workers see it: an exponential mean over steps
+# (this weight on the newest step), counting only drops for content (repeats, equal rewards). Stale
+# drops are left out: they come from sampling too far ahead, so counting them would make workers
+# sample further ahead still. Never below the floor, so a run of repeats asks at most 1/floor times the need.
+KEPT_SHARE_WEIGHT = 0.5
+KEPT_SHARE_FLOOR = 0.1
+
 
 class BatchReader:
     """The verified stream's side of the trainer (a base of main.Trainer, which sets these attributes)."""
@@ -36,6 +44,7 @@ class BatchReader:
     read_groups: list[tuple[str, list[float]]]  # (task id, rewards) of every group the step read, dropped ones too
     _pending_cursor: bytes | str | None
     laps: Laps  # the step's parts (split.py): demand, wait, decode, dedup, outcomes
+    kept_share: float  # running share of read groups kept (KEPT_SHARE_* below): what workers scale their demand by
 
     def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
         """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
@@ -87,7 +96,15 @@ class BatchReader:
                 trained = r.zmscore(keys.trained, digests) if digests else []
                 for group, digest, score in zip(read, digests, trained, strict=True):
                     self._admit(group, digest, score is not None, batch, batch_digests, oldest, skip_flat, drops)
+        self.update_kept_share(len(batch), drops["duplicate"] + drops["zero_advantage"])
         return batch, ack, drops
+
+    def update_kept_share(self, kept: int, dropped_for_content: int) -> None:
+        """Fold one step's reads into `kept_share` (KEPT_SHARE_WEIGHT, KEPT_SHARE_FLOOR)."""
+        if kept + dropped_for_content:
+            share = kept / (kept + dropped_for_content)
+            blended = (1 - KEPT_SHARE_WEIGHT) * self.kept_share + KEPT_SHARE_WEIGHT * share
+            self.kept_share = max(KEPT_SHARE_FLOOR, blended)
 
     def _admit(
         self,
@@ -121,10 +138,12 @@ class BatchReader:
 
     def set_demand(self, oldest: int, need: int, held: int) -> None:
         """Tell the workers what this trainer still wants (`keys.demand`): the oldest policy version it
-        will still train, how many groups its current step lacks, and how many entries of the verified
-        stream it holds uncommitted (so a worker can count the groups queued beyond them). A worker
-        holding an older version, or seeing enough queued for what is wanted, pauses instead of
-        sampling groups that would arrive stale (rollout/main.py `Worker.paused`). Written at every
+        will still train, how many groups its current step lacks, how many entries of the verified
+        stream it holds uncommitted (so a worker can count the groups queued beyond them), and the share
+        of what it reads that it keeps (`kept`, so a worker counts the queue and the need in groups it
+        will keep). A worker holding an older version, or seeing enough queued for what is wanted, pauses
+        instead of sampling groups that would arrive stale (rollout/main.py `Worker.room`). Written at every
         start, so a trainer resumed from an older state never leaves workers waiting for a version it
         will not publish."""
-        self.ctx.client.hset(self.ctx.keys.demand, mapping={"oldest": oldest, "need": need, "held": held})
+        kept = f"{self.kept_share:.4f}"
+        self.ctx.client.hset(self.ctx.keys.demand, mapping={"oldest": oldest, "need": need, "held": held, "kept": kept})

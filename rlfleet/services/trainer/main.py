@@ -64,6 +64,7 @@ from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
 from rlfleet.wire.prompt_filter import OutcomeRecorder
+from rlfleet.wire.repeats import RepeatTally, Tally
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, fail_run
 from rlfleet.wire.streams import RolloutGroup, encode_json, group_digest
 
@@ -124,6 +125,8 @@ class Trainer(BatchReader):
         self.laps = self.split.laps
         self.dropped_ids = {}
         self.read_groups = []
+        self.kept_share = 1.0  # nothing read yet (batches.py)
+        self.repeats = RepeatTally()  # what workers hold back as repeats of trained work (wire/repeats.py)
         self._pending_cursor = "0"  # re-read what this consumer holds unacknowledged, then new ones (batches.py)
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
@@ -281,10 +284,12 @@ class Trainer(BatchReader):
                 if step % every == 0 or step == steps:
                     self.save(step)
                 continue
-            with laps.part("stats"):
-                run_stats = cast(dict[bytes, bytes], self.ctx.client.hgetall(self.ctx.keys.stats))
+            with laps.part("stats"), self.ctx.client.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self.ctx.keys.stats)
+                pipe.hgetall(self.ctx.keys.repeats)
+                run_stats, repeats = cast(list[dict[bytes, bytes]], pipe.execute())
             with laps.part("record"):
-                record = self.step_record(step, stats, groups, lags, drops, run_stats)
+                record = self.step_record(step, stats, groups, lags, drops, run_stats, self.repeats.take(repeats))
                 self.pending.add(record["rollout_ids"], [group_digest(g) for g in groups], self.version, ack)
                 self.last_record = record
             if step % every == 0 or step == steps:
@@ -306,18 +311,30 @@ class Trainer(BatchReader):
                 )
 
     def step_record(
-        self, step: int, stats: dict, groups: list[RolloutGroup], lags: list[int], drops: dict, run_stats: dict
+        self,
+        step: int,
+        stats: dict,
+        groups: list[RolloutGroup],
+        lags: list[int],
+        drops: dict,
+        run_stats: dict,
+        repeats: dict[str, Tally],
     ) -> dict:
-        """Step `step`'s record for metrics.jsonl, its timing fields at 0 until the step ends (split.py)."""
+        """Step `step`'s record for metrics.jsonl, its timing fields at 0 until the step ends (split.py).
+        `repeats`: what workers held back as repeats of trained work since the last step (wire/repeats.py)."""
         counts = {k.decode(): int(v) for k, v in run_stats.items()}
+        read_rewards = [r for _, rewards in self.read_groups for r in rewards]
+        held_back = sum(r.samples for r in repeats.values())
         return {
             "step": step,
             "policy_version": self.version,
             **stats,
             # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
-            # dropped, and late in a run most drops are repeats of solved prompts (all correct).
-            "sampled_reward_mean": float(np.mean([r for _, rewards in self.read_groups for r in rewards])),
-            **source_record(self.spec.task.type == "mixture", groups, self.read_groups),
+            # dropped and what workers held back, late in a run mostly repeats of solved prompts (all correct).
+            "sampled_reward_mean": (sum(read_rewards) + sum(r.reward_sum for r in repeats.values()))
+            / max(1, len(read_rewards) + held_back),
+            "repeated_groups": self.repeats.total_groups(),
+            **source_record(self.spec.task.type == "mixture", groups, self.read_groups, repeats),
             "staleness_mean": float(np.mean(lags)),
             "staleness_max": max(lags),
             **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},

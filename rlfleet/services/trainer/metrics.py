@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from rlfleet.config import RejectionReason
 from rlfleet.services.trainer.split import SPLIT_PARTS
 from rlfleet.tasks.mixture import source_of
+from rlfleet.wire.repeats import Tally
 from rlfleet.wire.streams import RolloutGroup
 
 STEP = Gauge("rlfleet_trainer_step", "Optimizer steps taken")
@@ -30,6 +31,9 @@ STALENESS = Gauge("rlfleet_trainer_staleness_mean", "Mean policy lag of the last
 STALENESS_MAX = Gauge("rlfleet_trainer_staleness_max", "Largest policy lag of a group in the last batch, in versions")
 ELAPSED = Gauge("rlfleet_trainer_elapsed_seconds", "Seconds from the trainer's start to the end of its last step")
 SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
+REPEATED = Gauge(
+    "rlfleet_trainer_repeated_groups", "Groups workers held back as repeats of trained work since the trainer started"
+)
 DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
 STEP_SECONDS = Histogram(
     "rlfleet_trainer_step_seconds", "Step time by phase: the parts of each step's split (split.py)", ["phase"]
@@ -98,6 +102,7 @@ EXPORTED = (
     STALENESS_MAX,
     ELAPSED,
     SAMPLES,
+    REPEATED,
     DROPPED,
     STEP_SECONDS,
     STEP_WALL,
@@ -124,13 +129,13 @@ NOT_EXPORTED = {
 def export_step(record: dict) -> None:
     """Put every field of a metrics.jsonl record (except NOT_EXPORTED) on /metrics.
     Mapping: step, policy_version, reward_mean, sampled_reward_mean, staleness_mean/max -> their gauges; the GRPO
-    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; dropped_* -> the dropped counter
-    by reason; each part of split -> the step-time histogram by phase (the part's name); step_seconds -> the step
-    wall-time histogram; wall_seconds -> elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups
-    (rejected is their sum over reasons, every known reason present); prompts_retired_* (online filter) ->
-    rlfleet_trainer_prompts_retired{outcome}; eval/* (held-out evaluation, in the record of the step it finished
-    in) -> rlfleet_trainer_eval{stat}; sources (a task mixture's) -> rlfleet_trainer_source_reward_mean and
-    rlfleet_trainer_source_groups_total by source and batch."""
+    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; repeated_groups -> its gauge;
+    dropped_* -> the dropped counter by reason; each part of split -> the step-time histogram by phase (the part's
+    name); step_seconds -> the step wall-time histogram; wall_seconds -> elapsed; accepted and rejected_by_reason ->
+    rlfleet_trainer_verifier_groups (rejected is their sum over reasons, every known reason present);
+    prompts_retired_* (online filter) -> rlfleet_trainer_prompts_retired{outcome}; eval/* (held-out evaluation, in
+    the record of the step it finished in) -> rlfleet_trainer_eval{stat}; sources (a task mixture's) ->
+    rlfleet_trainer_source_reward_mean and rlfleet_trainer_source_groups_total by source and batch."""
     STEP.set(record["step"])
     VERSION.set(record["policy_version"])
     REWARD.set(record["reward_mean"])
@@ -139,6 +144,7 @@ def export_step(record: dict) -> None:
     STALENESS_MAX.set(record["staleness_max"])
     ELAPSED.set(record["wall_seconds"])
     SAMPLES.inc(record["samples"])
+    REPEATED.set(record.get("repeated_groups", 0))  # absent from a record an older trainer saved with its state
     for name in BATCH_STATS:
         if name in record:
             STAT.labels(name).set(record[name])
@@ -166,29 +172,31 @@ def export_step(record: dict) -> None:
             SOURCE_GROUPS.labels(name, batch).inc(source[f"{prefix}groups"])
 
 
-def source_record(mixture: bool, trained: list[RolloutGroup], read: list[tuple[str, list[float]]]) -> dict:
+def source_record(
+    mixture: bool, trained: list[RolloutGroup], read: list[tuple[str, list[float]]], repeats: dict[str, Tally]
+) -> dict:
     """`{"sources": {name: {reward_mean, groups, sampled_reward_mean, sampled_groups}}}` for a task mixture (the
     source named by each task id, tasks/mixture.py), else {}: reward_mean and groups of the trained batch (None
-    and 0 when no trained group came from the source), sampled_* of every group the step read."""
+    and 0 when no trained group came from the source), sampled_* of every group the step read and of the
+    repeats workers held back meanwhile (`repeats`, rlfleet/wire/repeats.py)."""
     if not mixture:
         return {}
     trained_by: dict[str, list[float]] = {}
-    read_by: dict[str, list[float]] = {}
     for g in trained:
         trained_by.setdefault(source_of(g.task_id) or "", []).extend(s.reward for s in g.samples)
-    sampled_groups: dict[str, int] = {}
+    sampled = dict(repeats)  # source -> Tally of what the step read and what workers held back meanwhile
     for task_id, rewards in read:
         name = source_of(task_id) or ""
-        read_by.setdefault(name, []).extend(rewards)
-        sampled_groups[name] = sampled_groups.get(name, 0) + 1
+        t = sampled.get(name, Tally())
+        sampled[name] = Tally(t.groups + 1, t.samples + len(rewards), t.reward_sum + sum(rewards))
     sources = {}
-    for name in sorted({*trained_by, *read_by}):
-        t, r = trained_by.get(name, []), read_by.get(name, [])
+    for name in sorted({*trained_by, *sampled}):
+        rewards, seen = trained_by.get(name, []), sampled.get(name, Tally())
         sources[name] = {
-            "reward_mean": sum(t) / len(t) if t else None,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "groups": sum(source_of(g.task_id) == name for g in trained),
-            "sampled_reward_mean": sum(r) / len(r) if r else None,
-            "sampled_groups": sampled_groups.get(name, 0),
+            "sampled_reward_mean": seen.reward_sum / seen.samples if seen.samples else None,
+            "sampled_groups": seen.groups,
         }
     return {"sources": sources}
 
