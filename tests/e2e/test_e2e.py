@@ -114,9 +114,11 @@ def test_example_learns_end_to_end_and_every_second_of_a_step_is_accounted_for(t
     by_verifier = seconds_by_part(verifier, "rlfleet_verifier_seconds_total", verifier_metrics.PARTS)
     assert all(seconds > 0 for seconds in by_verifier.values()), by_verifier
     assert_steps_accounted_for(records)
-    # The parts every step of this run does: the update, the resume state (checkpointEvery 1), the publish.
-    for part in ("forward_backward", "optimizer", "resume_save", "publish_save", "publish_store", "announce"):
+    # The parts every step of this run does: the update, the publish; the resume state every 10 steps and at the end.
+    for part in ("forward_backward", "optimizer", "publish_save", "publish_store", "announce"):
         assert all(r["split"][part] > 0 for r in records[1:]), part
+    saved = [r["step"] for r in records if r["split"]["resume_save"] > 0]
+    assert saved == list(range(10, 151, 10)), "checkpointEvery: 10 in the example"
     assert records[0]["split"]["record_write"] == 0 and all(r["split"]["record_write"] > 0 for r in records[1:])
     for key in ("step", "policy_version", "reward_mean", "samples", "accepted", "rejected", "staleness_mean"):
         assert key in records[0], key
@@ -198,9 +200,7 @@ def test_a_trainer_replica_of_two_ranks_restarts_whole_when_one_rank_is_killed(t
     run_dir = tmp_path / "run"
     config = tmp_path / "rlrun.yaml"
     text = EXAMPLE.read_text()
-    config.write_text(
-        text.replace("    maxAsyncLevel: 2\n", "    maxAsyncLevel: 2\n    ranksPerReplica: 2\n    checkpointEvery: 3\n")
-    )
+    config.write_text(text.replace("    checkpointEvery: 10", "    ranksPerReplica: 2\n    checkpointEvery: 3"))
     argv = [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
     proc = subprocess.Popen([*argv, "--steps", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for_steps(run_dir, proc, 4, seconds=900)
