@@ -144,9 +144,9 @@ def plan(bundle: Bundle, config: Path, run_dir: Path, steps: int | None = None) 
             )
         )
     if serves_ingest(spec):
-        # Outside workers join here (`rlfleet join`, door.py); the run document announces the relays this run's
-        # own default pool downloads from, whose ports only this plan knows.
-        relays = [url for node in graph.default_sources for url in urls(node)]
+        # Outside workers join here (`rlfleet join`, door.py); unless the spec names public relays, the run document
+        # announces those this run's own default pool downloads from, whose ports only this plan knows.
+        relays = [] if spec.ingest.admission.relay_urls else [u for node in graph.default_sources for u in urls(node)]
         out.append(process(INGEST, port=free_port(), relay_urls=relays))
     # A file without InferencePool documents still gets the default pool (its workers take no --pool).
     pools: list[tuple[str, int, str | None, list[Node]]] = [

@@ -193,6 +193,8 @@ def test_a_run_that_admits_outside_workers_plans_an_ingest_announcing_its_own_re
     check_local_size(procs, "rlrun.yaml")  # no worker of its own: the outside workers feed the trainer
     assert local_admission_problems(bundle.run.spec) == []
 
+    _, procs = planned({"mode": "open", "relayUrls": ["https://relay.example.org"]})
+    assert [p.relay_urls for p in procs if p.kind == "ingest"] == [[]], "the spec's public relays are announced"
     bundle, procs = planned({"mode": "tokens"})
     assert not [p for p in procs if p.kind == "ingest"] and join_url(procs, bundle) is None
     with pytest.raises(ConfigError, match="or admit outside workers"):
