@@ -75,6 +75,13 @@ def _ingest_args(p: argparse.ArgumentParser) -> None:
         type=Path,
         help="YAML/JSON list of invite codes (overrides spec.ingest.admission.invitesFile)",
     )
+    p.add_argument(
+        "--relay-url",
+        dest="relay_urls",
+        action="append",
+        default=[],
+        help="relay base URL the run document announces (repeatable; overrides spec.ingest.admission.relayUrls)",
+    )
 
 
 def _origin_args(p: argparse.ArgumentParser) -> None:

@@ -205,14 +205,9 @@ class AdmissionSpec(Spec):
     relay_urls: list[str] = Field(
         default_factory=list,
         description="Public relay (or origin) base URLs a joining worker fetches policy versions from (announced in "
-        "the run document `GET /v1/{run}`); required by modes open and invite.",
+        "the run document `GET /v1/{run}`). Modes open and invite need them on a cluster; `rlfleet run` announces "
+        "its own relays when this is empty.",
     )
-
-    @model_validator(mode="after")
-    def _joining_needs_relays(self) -> AdmissionSpec:
-        if self.mode != "tokens" and not self.relay_urls:
-            raise ValueError(f"admission.relayUrls: mode {self.mode} needs the relay URLs joining workers fetch from")
-        return self
 
 
 class IngestSpec(Spec):

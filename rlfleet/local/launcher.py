@@ -2,9 +2,11 @@
 
 It builds the builtin model if needed (so components never race to build it), then starts an
 embedded redis-server (append-only file, rlfleet/local/redis_server.py), the Shardcast origin, each
-RelayTier's relays (the tree of rlfleet/wire/topology.py), the verifier replicas, each InferencePool's
-workers and the trainer (one process per replica, each starting its ranksPerReplica ranks, with the
-torchrun-style environment of the trainer pods), with the same `rlfleet <component>` entrypoints the containers use.
+RelayTier's relays (the tree of rlfleet/wire/topology.py), the verifier replicas, the ingest when outside
+workers may submit (spec.ingest.admission open or invite, or a tokensFile: its run document announces this
+run's own relays, and the run prints the URL `rlfleet join` takes), each InferencePool's workers and the
+trainer (one process per replica, each starting its ranksPerReplica ranks, with the torchrun-style environment
+of the trainer pods), with the same `rlfleet <component>` entrypoints the containers use.
 The processes are planned as typed records (rlfleet/local/plan.py), handed to the supervisor as
 command lines only when they start; a `LocalRun` holds one launch's state.
 Components run under a restart policy with back-off, as pods would (rlfleet/local/supervisor.py): a
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.config import Bundle, ConfigError, load_bundle
-from rlfleet.local.plan import Process, check_local_size, endpoints, plan, redis_env
+from rlfleet.local.plan import Process, check_local_size, endpoints, join_url, plan, redis_env
 from rlfleet.local.progress import BuildProgress, Progress, startup_status
 from rlfleet.local.prometheus import LocalPrometheus, write_targets
 from rlfleet.local.prometheus import start as start_prometheus
@@ -81,9 +83,11 @@ def run_local(
     tracking_problems = missing_packages(bundle.run.spec.tracking)
     if tracking_problems:
         raise ConfigError(file, tracking_problems)
+    from rlfleet.services.ingest.door import local_admission_problems
     from rlfleet.tasks.held_out import held_out_problems
 
-    if problems := held_out_problems(bundle.run.spec):  # a missing eval.dataset fails before the run starts
+    # a missing eval.dataset or invites file fails before the run starts
+    if problems := held_out_problems(bundle.run.spec) + local_admission_problems(bundle.run.spec):
         raise ConfigError(file, problems)
     name = bundle.run.metadata.name
     run_path = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -196,8 +200,12 @@ class LocalRun:
             if p.kind == TRAINER and p.rank == 0:
                 p.env.update(trainer_env)
         (self.path / "redis").mkdir(exist_ok=True)
-        text = json.dumps(endpoints(redis_url, self.processes), indent=2) + "\n"
+        join = join_url(self.processes, self.bundle)
+        text = json.dumps(endpoints(redis_url, self.processes, join), indent=2) + "\n"
         (self.path / "endpoints.json").write_text(text)
+        if join:
+            code = " --code CODE" if spec.ingest.admission.mode == "invite" else ""
+            print(f"rlfleet: outside workers join with: rlfleet join {join}{code}", file=sys.stderr)
         targets = write_targets(self.path, self.bundle.run.metadata.name, self.processes)
         if self.with_prometheus:
             try:

@@ -20,7 +20,7 @@ from rlfleet.config import Bundle, ConfigError
 from rlfleet.local.redis_server import free_port
 from rlfleet.local.supervisor import Component
 from rlfleet.wire import env
-from rlfleet.wire.components import COMPONENTS, ORIGIN, RELAY, ROLLOUT, TRAINER, VERIFIER, ComponentSpec
+from rlfleet.wire.components import COMPONENTS, INGEST, ORIGIN, RELAY, ROLLOUT, TRAINER, VERIFIER, ComponentSpec
 from rlfleet.wire.redis_acl import WORKER_ROLES, RunAcl
 from rlfleet.wire.topology import ORIGIN as ORIGIN_NODE
 from rlfleet.wire.topology import URL, Node, bundle_graph
@@ -143,6 +143,11 @@ def plan(bundle: Bundle, config: Path, run_dir: Path, steps: int | None = None) 
                 api_port=free_port(),
             )
         )
+    if serves_ingest(spec):
+        # Outside workers join here (`rlfleet join`, door.py); unless the spec names public relays, the run document
+        # announces those this run's own default pool downloads from, whose ports only this plan knows.
+        relays = [] if spec.ingest.admission.relay_urls else [u for node in graph.default_sources for u in urls(node)]
+        out.append(process(INGEST, port=free_port(), relay_urls=relays))
     # A file without InferencePool documents still gets the default pool (its workers take no --pool).
     pools: list[tuple[str, int, str | None, list[Node]]] = [
         (p.metadata.name, p.spec.replicas, p.metadata.name, graph.pool_sources(p.metadata.name)) for p in bundle.pools
@@ -182,6 +187,20 @@ def plan(bundle: Bundle, config: Path, run_dir: Path, steps: int | None = None) 
     return out
 
 
+def serves_ingest(spec) -> bool:
+    """A local run starts an ingest when outside workers may submit: it admits joins (spec.ingest.admission.mode
+    open or invite) or names worker tokens (spec.ingest.tokensFile)."""
+    return spec.ingest.admission.mode != "tokens" or bool(spec.ingest.tokens_file)
+
+
+def join_url(processes: list[Process], bundle: Bundle) -> str | None:
+    """The run document's URL, which `rlfleet join` takes, when the run has an ingest that admits joins."""
+    ingest = next((p for p in processes if p.kind == INGEST), None)
+    if ingest is None or bundle.run.spec.ingest.admission.mode == "tokens":
+        return None
+    return f"http://127.0.0.1:{ingest.port}/v1/{bundle.run.metadata.name}"
+
+
 def redis_env(p: Process, bundle: Bundle, acl: RunAcl, base_url: str) -> dict[str, str]:
     """The Redis URLs of a process: its component's role's; a worker's reader and tickets users besides;
     none for a worker of a pool that submits through an ingest (it never touches Redis)."""
@@ -196,16 +215,17 @@ def redis_env(p: Process, bundle: Bundle, acl: RunAcl, base_url: str) -> dict[st
     }
 
 
-def endpoints(redis_url: str, processes: list[Process]) -> dict:
+def endpoints(redis_url: str, processes: list[Process], join: str | None = None) -> dict:
     """endpoints.json: where the run's services listen (Redis, each process's HTTP port, and each process's
-    Prometheus /metrics, by process name)."""
+    Prometheus /metrics, by process name), and `join`, the URL outside workers join with, when there is one."""
     http = {p.name: f"http://127.0.0.1:{port}" for p in processes for port in p.http_ports}
     metrics = {p.name: f"http://127.0.0.1:{p.metrics_port}/metrics" for p in processes if p.metrics_port}
-    return {"redis": redis_url, "http": http, "metrics": metrics}
+    return {"redis": redis_url, "http": http, "metrics": metrics, **({"join": join} if join else {})}
 
 
 def check_local_size(processes: list[Process], source: str) -> None:
-    """Refuse a run this machine should not start: too many processes, or no worker to feed the trainer."""
+    """Refuse a run this machine should not start: too many processes, or neither a worker nor an ingest to feed
+    the trainer."""
     problems = []
     count = sum(p.ranks or 1 for p in processes)  # a trainer replica is its ranks
     if count > MAX_LOCAL_PROCESSES:
@@ -214,10 +234,10 @@ def check_local_size(processes: list[Process], source: str) -> None:
             f"{MAX_LOCAL_PROCESSES}); lower the InferencePool/RelayTier/verifier/trainer replicas or "
             "trainer.ranksPerReplica, or run it on a cluster"
         )
-    if not any(p.kind == ROLLOUT for p in processes):
+    if not any(p.kind in (ROLLOUT, INGEST) for p in processes):  # an ingest: outside workers feed it
         problems.append(
             "InferencePool spec.replicas: every pool has 0 workers, so no group would ever reach the trainer; "
-            "give a pool at least 1 replica"
+            "give a pool at least 1 replica, or admit outside workers (spec.ingest.admission.mode open or invite)"
         )
     if problems:
         raise ConfigError(source, problems)

@@ -109,6 +109,12 @@ def check_cluster_run(run: RLRun) -> None:
             "spec.shardcast.signingKeySecret: required on a cluster while requireSignatures is true: create a Secret "
             "with keys `signing-key` (PEM ed25519) and `public-key`, or set spec.shardcast.requireSignatures: false"
         )
+    admission = spec.ingest.admission
+    if admission.mode != "tokens" and not admission.relay_urls:
+        problems.append(
+            f"spec.ingest.admission.relayUrls: required on a cluster by mode {admission.mode}: the public relay URLs "
+            "(an exposed RelayTier) joining workers fetch policy versions from"
+        )
     problems += pod_file_problems(run)
     longest = len(names.trainer(run.metadata.name))
     if longest > names.MAX_STATEFULSET_NAME:

@@ -162,3 +162,50 @@ def test_only_the_trainer_gets_the_trackers_credentials():
     environ = {"WANDB_API_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t", "HOME": "/root"}
     assert take_tracker_credentials(environ) == {"WANDB_API_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t"}
     assert environ == {"HOME": "/root"}  # what every other process starts with
+
+
+def test_a_run_that_admits_outside_workers_plans_an_ingest_announcing_its_own_relays(tmp_path):
+    import pytest
+
+    from rlfleet.config import ConfigError
+    from rlfleet.local.plan import check_local_size, join_url
+    from rlfleet.services.ingest.door import local_admission_problems
+    from tests.runs import pool, relay_tier, rlrun, write_rlrun
+
+    def planned(admission: dict, replicas: int = 0):
+        config = write_rlrun(
+            tmp_path / "rlrun.yaml",
+            rlrun("door", ingest={"admission": admission}),
+            pool("p", "door", replicas=replicas),
+            relay_tier("t0", "door", replicas=2),
+        )
+        bundle = load_bundle(config)
+        return bundle, plan(bundle, config, tmp_path)
+
+    bundle, procs = planned({"mode": "open"})
+    [ingest] = [p for p in procs if p.kind == "ingest"]
+    relays = [f"http://127.0.0.1:{p.port}" for p in procs if p.kind == "relay"]
+    assert ingest.relay_urls == relays and len(relays) == 2  # the relays the run's own pools download from
+    args = build_parser().parse_args(ingest.argv[3:])
+    assert (args.command, args.port, args.relay_urls) == ("ingest", ingest.port, relays)
+    assert join_url(procs, bundle) == f"http://127.0.0.1:{ingest.port}/v1/door"
+    assert endpoints("redis://r", procs, join_url(procs, bundle))["join"] == join_url(procs, bundle)
+    check_local_size(procs, "rlrun.yaml")  # no worker of its own: the outside workers feed the trainer
+    assert local_admission_problems(bundle.run.spec) == []
+
+    _, procs = planned({"mode": "open", "relayUrls": ["https://relay.example.org"]})
+    assert [p.relay_urls for p in procs if p.kind == "ingest"] == [[]], "the spec's public relays are announced"
+    bundle, procs = planned({"mode": "tokens"})
+    assert not [p for p in procs if p.kind == "ingest"] and join_url(procs, bundle) is None
+    with pytest.raises(ConfigError, match="or admit outside workers"):
+        check_local_size(procs, "rlrun.yaml")
+    tokens = rlrun("door", ingest={"tokensFile": "tokens.yaml"})
+    config = write_rlrun(tmp_path / "tokens.yaml", tokens, pool(run="door"))
+    procs = plan(load_bundle(config), config, tmp_path)  # workers with written tokens submit there; none join
+    assert [p.kind for p in procs].count("ingest") == 1 and join_url(procs, load_bundle(config)) is None
+
+    bundle, _ = planned({"mode": "invite"}, replicas=1)
+    assert "invitesFile: mode invite needs" in local_admission_problems(bundle.run.spec)[0]
+    (tmp_path / "codes.yaml").write_text("{not: a list}")
+    bundle, _ = planned({"mode": "invite", "invitesFile": str(tmp_path / "codes.yaml")}, replicas=1)
+    assert "must be a non-empty list of invite codes" in local_admission_problems(bundle.run.spec)[0]

@@ -238,8 +238,11 @@ def test_joins_over_the_active_worker_cap_get_503_and_banned_workers_free_their_
 
 
 def test_joining_modes_need_relays_and_invite_mode_its_codes(tmp_path, redis_url):
-    with pytest.raises(ConfigError, match="relayUrls"):
-        run_bundle(tmp_path, {"mode": "open"})
+    opened, _ = run_bundle(tmp_path, {"mode": "open"})  # parses: `rlfleet run` passes its own relays
+    with pytest.raises(ConfigError, match="relayUrls: mode open needs the public relay URLs"):
+        make_door(opened, redis_from_url(redis_url), None)
+    door = make_door(opened, redis_from_url(redis_url), None, relay_urls=["http://127.0.0.1:9"])
+    assert door.document["relayUrls"] == ["http://127.0.0.1:9"]
     run, _ = run_bundle(tmp_path, {"mode": "invite", "relayUrls": [RELAY]})
     with pytest.raises(ConfigError, match="invitesFile"):
         make_door(run, redis_from_url(redis_url), None)

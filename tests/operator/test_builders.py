@@ -246,6 +246,8 @@ def test_relay_tree_resolution():
         ({"store": {}}, "spec.store.uri: required on a cluster"),
         ({"store": {"uri": "file:///data"}}, "spec.store.uri: 'file:///data' is a local directory"),
         ({"shardcast": {}}, "spec.shardcast.signingKeySecret: required on a cluster while requireSignatures is true"),
+        # `rlfleet run` announces its own relays; a cluster's public ones only its operator knows
+        ({"ingest": {"admission": {"mode": "open"}}}, "spec.ingest.admission.relayUrls: required on a cluster"),
     ],
 )
 def test_cluster_only_requirements(spec, expected):

@@ -84,6 +84,7 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
 
     assert (
         record["rollout_ids"] == ["p", "q"]
+        and record["worker_ids"] == ["w", "w"]
         and record["dropped_duplicate"] == 1
         and record["dropped_zero_advantage"] == 1
     )
@@ -95,7 +96,7 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
         set(record)
         - set(SERIES)
         - COARSE
-        - {"rejected", "rejected_by_reason", "rollout_ids", "dropped_rollout_ids", "split"}
+        - {"rejected", "rejected_by_reason", "rollout_ids", "worker_ids", "dropped_rollout_ids", "split"}
     )
     assert not unmapped, f"metrics.jsonl fields without a Prometheus series in this test: {sorted(unmapped)}"
     for field, (name, labels) in SERIES.items():

@@ -36,7 +36,7 @@ import hmac
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -367,6 +367,7 @@ class IngestOptions(ComponentOptions):
     host: str = "127.0.0.1"  # bind address (0.0.0.0 in a pod)
     tokens_file: Path | None = None  # overrides spec.ingest.tokensFile
     invites_file: Path | None = None  # overrides spec.ingest.admission.invitesFile
+    relay_urls: list[str] = field(default_factory=list)  # override spec.ingest.admission.relayUrls (`rlfleet run`)
 
 
 def main(options: IngestOptions) -> int:
@@ -379,7 +380,7 @@ def main(options: IngestOptions) -> int:
         raise ConfigError(str(options.config), ["spec.ingest.tokensFile: required (or pass --tokens-file)"])
     client = ingest_redis(ctx.redis_url, spec.ingest)
     invites = options.invites_file or spec.ingest.admission.invites_file
-    door = make_door(ctx.bundle.run, client, str(invites) if invites else None)
+    door = make_door(ctx.bundle.run, client, str(invites) if invites else None, options.relay_urls)
     tokens = load_tokens(tokens_file) if tokens_file else {}
     app = make_app(ctx.run_name, spec.ingest, client, tokens, door)
     log.info("serving the inbox of run %s on %s:%d", ctx.run_name, options.host, options.port)

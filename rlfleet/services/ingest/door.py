@@ -107,10 +107,30 @@ def load_invites(path: str | Path) -> set[str]:
     return {secret_digest(code) for code in data}
 
 
-def run_document(run_doc: dict, ingest: IngestSpec, engines: list[str], public_key: str | None) -> dict:
+def local_admission_problems(spec) -> list[str]:
+    """What stops a local run's ingest (`rlfleet run`) from admitting joins, found before anything starts: mode
+    invite without spec.ingest.admission.invitesFile, or an invites file that cannot be read as codes."""
+    admission = spec.ingest.admission
+    if admission.mode != "invite":
+        return []
+    if not admission.invites_file:
+        return [
+            "spec.ingest.admission.invitesFile: mode invite needs a YAML/JSON list of invite codes on a local run "
+            "(the Secret named by `invites` is for clusters)"
+        ]
+    try:
+        load_invites(admission.invites_file)
+    except ConfigError as exc:
+        return [f"spec.ingest.admission.invitesFile: {p}" for p in exc.problems]
+    return []
+
+
+def run_document(
+    run_doc: dict, ingest: IngestSpec, engines: list[str], public_key: str | None, relay_urls: list[str]
+) -> dict:
     """The public run document (`GET /v1/{run}`). `run_doc`: the RLRun as dumped by alias; only the fields a
     worker reads (views.PUBLIC) go out, so the Redis URL, the store and Secret names never do. `engines`:
-    the engines the gate admits (spec.verifier.engines)."""
+    the engines the gate admits (spec.verifier.engines); `relay_urls`: where a joined worker fetches versions."""
     public = project(run_doc, PUBLIC)
     spec, admission = public["spec"], ingest.admission
     run = public["metadata"]["name"]
@@ -127,7 +147,7 @@ def run_document(run_doc: dict, ingest: IngestSpec, engines: list[str], public_k
             "assignment": spec.get("sampling", {}).get("assignment", "worker"),
             "scheme": "ids of the run's task source; with assignment `run` a ticket from POST tickets picks them",
         },
-        "relayUrls": admission.relay_urls,
+        "relayUrls": relay_urls,
         "publicKey": public_key,
         "admission": {"mode": admission.mode, "codeRequired": admission.mode == "invite"},
         "limits": {
@@ -244,12 +264,18 @@ class Door:
         }
 
 
-def make_door(run, client: redis.Redis, invites_file: str | None) -> Door:
+def make_door(run, client: redis.Redis, invites_file: str | None, relay_urls: list[str] | None = None) -> Door:
     """The door of the ingest of `run` (an RLRun, or the ingest's view of it): invites loaded (mode invite),
-    the run document with the manifest public key."""
+    the run document with the manifest public key and `relay_urls` (default spec.ingest.admission.relayUrls;
+    `rlfleet run` passes its own relays, whose ports the spec cannot know)."""
     spec, mode, where = run.spec.ingest, run.spec.ingest.admission.mode, "spec.ingest.admission"
+    relays = list(relay_urls or spec.admission.relay_urls)
     if mode == "invite" and not invites_file:
         raise ConfigError(where, ["invitesFile: required by mode invite (or pass --invites-file)"])
+    if mode != "tokens" and not relays:
+        raise ConfigError(
+            where, [f"relayUrls: mode {mode} needs the public relay URLs joining workers fetch from (or --relay-url)"]
+        )
     try:
         key = run_public_key(run.spec.shardcast)
     except KeyConfigError:
@@ -257,6 +283,7 @@ def make_door(run, client: redis.Redis, invites_file: str | None) -> Door:
             raise  # a joining worker could not check a manifest: the message names the setting
         key = None
     run_doc = run.model_dump(mode="json", by_alias=True, exclude_none=True)
-    document = run_document(run_doc, spec, run.spec.verifier.engines, public_key_text(key) if key else None)
+    public = public_key_text(key) if key else None
+    document = run_document(run_doc, spec, run.spec.verifier.engines, public, relays)
     invites = load_invites(invites_file) if invites_file else set()
     return Door(run.metadata.name, spec, client, invites, document)

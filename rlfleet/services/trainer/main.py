@@ -348,6 +348,7 @@ class Trainer(BatchReader):
             "split": {},
             "wall_seconds": time.monotonic() - self.started,
             "rollout_ids": [g.rollout_id for g in groups],
+            "worker_ids": [g.worker_id for g in groups],  # the worker of each trained rollout, in the same order
             "dropped_rollout_ids": self.dropped_ids,
             **({f"prompts_retired_{k}": v for k, v in self.outcomes.retired.items()} if self.outcomes else {}),
         }

@@ -115,6 +115,7 @@ EXPORTED = (
 )
 AUDIT_TRAIL = {
     "rollout_ids": "the audit trail of trained rollouts: identifiers, not a measurement",
+    "worker_ids": "the worker of each trained rollout (rollout_ids' order): identifiers, not a measurement",
     "dropped_rollout_ids": "the audit trail of dropped rollouts by reason (dropped_* counts them)",
 }
 NOT_EXPORTED = {
