@@ -187,6 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser(
+        "operator-uninstall",
+        help="the Helm chart's pre-delete hook: delete the release's RLRuns and wait while the operator cleans them up",
+    )
+    p.add_argument("--release", required=True, help="Helm release name (its runs carry app.kubernetes.io/instance)")
+    p.add_argument(
+        "--namespace", "-n", action="append", default=[], help="namespace the operator watches (default: all)"
+    )
+    p.add_argument("--delete-runs", default="release", choices=["release", "all"], help="release: refuse other runs")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for the operator to let the runs go")
+
+    p = sub.add_parser(
         "render", help="print every Kubernetes object the operator would create for a config file (like helm template)"
     )
     p.add_argument("file", help="multi-document RLRun YAML, with what a cluster needs (spec.redis, spec.store, ...)")
@@ -281,6 +292,15 @@ def _dispatch(args: argparse.Namespace) -> int:
             args.namespace, args.liveness, args.verbose, args.peering, args.peering_lifetime
         )
         return run_operator(options)
+    if args.command == "operator-uninstall":
+        from rlfleet.operator.kube import connect
+        from rlfleet.operator.uninstall import uninstall
+
+        client = connect()
+        try:
+            return uninstall(client, args.release, tuple(args.namespace), args.delete_runs, args.timeout)
+        finally:
+            client.close()
     if args.command == "render":
         from rlfleet.config import load_bundle
         from rlfleet.operator import names

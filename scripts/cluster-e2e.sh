@@ -41,10 +41,7 @@ docker build -f docker/Dockerfile.cpu -t "$IMAGE" .
 docker build -f docker/Dockerfile.operator -t "$OPERATOR_IMAGE" .
 [ "$CLUSTER" = kind ] && kind load docker-image "$IMAGE" "$OPERATOR_IMAGE" --name rlfleet-e2e
 
-step "chart (operator, CRDs, in-chart Redis)"
 kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f -
-helm upgrade --install rlfleet charts/rlfleet -n "$NS" --set fullnameOverride=rlfleet \
-  --set redis.enabled=true --set "operator.watchNamespaces={$NS}" --wait --timeout 5m
 
 step "MinIO as the S3 checkpoint store"
 kubectl -n "$NS" apply -f - <<'EOF'
@@ -74,21 +71,20 @@ kubectl -n "$NS" run mkbucket --rm -i --restart=Never --image=quay.io/minio/mc:l
 kubectl -n "$NS" create secret generic s3-creds --dry-run=client -o yaml \
   --from-literal=AWS_ACCESS_KEY_ID=rlfleet --from-literal=AWS_SECRET_ACCESS_KEY=rlfleet-secret | kubectl apply -f -
 
-step "signing key"
-python3 -c "from rlfleet.versions.signing import generate_keypair; import sys; generate_keypair(sys.argv[1])" "$WORK/keys"
-kubectl -n "$NS" create secret generic arithmetic-signing --dry-run=client -o yaml \
-  --from-file=signing-key="$WORK/keys/signing-key" --from-literal=public-key="$(cat "$WORK/keys/public-key")" | kubectl apply -f -
+step "chart (operator, CRDs, in-chart Redis with a generated password, MinIO as the runs' default store)"
+helm upgrade --install rlfleet charts/rlfleet -n "$NS" --set fullnameOverride=rlfleet \
+  --set redis.enabled=true --set "operator.watchNamespaces={$NS}" \
+  --set defaults.store.uri=s3://rlfleet/runs --set "defaults.store.endpointUrl=http://minio.$NS.svc:9000" \
+  --set defaults.store.credentialsSecret=s3-creds --wait --timeout 5m
 
 step "RLRun ($STEPS steps)"
-python3 - "$STEPS" "$NS" > "$WORK/rlrun.yaml" <<'EOF'
+python3 - "$STEPS" > "$WORK/rlrun.yaml" <<'EOF'
 import sys, yaml
-steps, ns = int(sys.argv[1]), sys.argv[2]
+steps = int(sys.argv[1])
 docs = [d for d in yaml.safe_load_all(open("examples/arithmetic/rlrun.yaml")) if d]
 spec = docs[0]["spec"]
 spec["trainer"]["steps"] = steps
-spec["redis"] = {"url": f"redis://rlfleet-redis.{ns}.svc:6379/0"}
-spec["store"] = {"uri": "s3://rlfleet/runs", "endpointUrl": f"http://minio.{ns}.svc:9000", "credentialsSecret": "s3-creds"}
-spec["shardcast"] = {"signingKeySecret": "arithmetic-signing"}
+# No spec.redis, spec.store or signing key: the operator fills in the chart's (docs/kubernetes.md, One apply).
 # Small requests, so the whole run fits one kind node (the defaults ask for about 5 CPUs and 11 GiB).
 small = {"requests": {"cpu": "100m", "memory": "512Mi"}}
 for section in ("trainer", "verifier"):

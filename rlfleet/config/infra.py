@@ -14,8 +14,8 @@ from rlfleet.config.workload import ResourcesSpec, pod_template, resources
 class RedisSpec(Spec):
     url: str | None = Field(
         default=None,
-        description="redis:// URL. Empty: `rlfleet run` starts an embedded redis-server; the operator requires it (or "
-        "urlSecret).",
+        description="redis:// URL. Empty: `rlfleet run` starts an embedded redis-server; the operator uses the Helm "
+        "chart's Redis when it has one (a Secret RUN-redis-url, named in urlSecret), else requires it (or urlSecret).",
     )
     url_secret: str | None = Field(
         default=None,
@@ -46,7 +46,7 @@ class StoreSpec(Spec):
     uri: str | None = Field(
         default=None,
         description="Checkpoint store: `file:///abs/dir`, `file://./relative/dir` or `s3://bucket/prefix`. Empty: "
-        "`rlfleet run` uses RUN_DIR/store; the operator requires it.",
+        "`rlfleet run` uses RUN_DIR/store; the operator fills in the Helm chart's defaults.store, else requires it.",
     )
     endpoint_url: str | None = Field(
         default=None, description="S3 API endpoint (for MinIO, Ceph or a test server); empty = AWS default."
@@ -119,7 +119,8 @@ class ShardcastSpec(Spec):
         description="Cluster only: name of a Secret with keys `signing-key` (PEM ed25519 private key, mounted "
         "read-only into the trainer pods only; env RLFLEET_SIGNING_KEY_FILE) and `public-key` "
         "(`ed25519:<base64>`, given to every other pod as env RLFLEET_PUBLIC_KEY unless publicKey is "
-        "set). Required when requireSignatures is true.",
+        "set). Empty while requireSignatures is true: the operator makes a fresh key pair in a Secret "
+        "RUN-signing-key, owned by the run, and names it here.",
     )
     require_signatures: bool = Field(
         default=True,

@@ -43,11 +43,14 @@ TIMER_EXIT_S = 2.0
 
 
 def _ctx(memo) -> reconcile.Ctx:
-    return reconcile.Ctx(memo.kube, memo.options.defaults, datetime.datetime.now(datetime.UTC), memo.backoff)
+    now = datetime.datetime.now(datetime.UTC)
+    return reconcile.Ctx(memo.kube, memo.options.defaults, now, memo.backoff, memo.options.run_defaults)
 
 
 def _write(outcome: reconcile.Outcome, patch) -> None:
     patch.status.update(outcome.status)
+    if outcome.spec:  # the cluster's defaults the run now uses (rundefaults.py): written once, then in its spec
+        patch.spec.update(outcome.spec)
     if outcome.metadata:
         patch.metadata.update(outcome.metadata)
 
@@ -71,7 +74,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
     # ClusterKopfPeering instead, in every mode: one object for the operator to make (peering.py).
     settings.peering.clusterwide = True
     settings.peering.lifetime = memo.options.peering_lifetime_s
-    logger.info(f"rlfleet operator: {memo.options.defaults}, resync every {memo.options.resync_interval_s} s")
+    options = memo.options
+    logger.info(
+        f"rlfleet operator: {options.defaults}, {options.run_defaults}, resync every {options.resync_interval_s} s"
+    )
 
 
 async def stop(memo: kopf.Memo, **_) -> None:

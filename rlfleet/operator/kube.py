@@ -197,6 +197,11 @@ class Kube:
         )
         return body, status == 201
 
+    async def create(self, obj: dict) -> dict:
+        """Create `obj` (a Secret the operator makes once: `create` alone, no apply); Conflict when it exists."""
+        fn, target = self._method(obj["kind"], "create", obj["metadata"]["namespace"])
+        return (await self._call(fn, *target, obj))[0]
+
     async def patch(self, kind: str, namespace: str, name: str, body: dict) -> dict:
         """Merge-patch an object (for a custom resource's metadata: a pool's owner reference and labels)."""
         fn, target = self._method(kind, "patch", namespace, name)

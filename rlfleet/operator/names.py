@@ -101,6 +101,16 @@ def run_config(run: str) -> str:
     return f"{run}-config"
 
 
+def signing_secret(run: str) -> str:
+    """The signing key Secret the operator makes for a run that names none (rundefaults.py)."""
+    return f"{run}-signing-key"
+
+
+def redis_secret(run: str) -> str:
+    """The Secret with the chart's Redis URL (password included) the operator makes for a run that names no Redis."""
+    return f"{run}-redis-url"
+
+
 def rollout(pool: str) -> str:
     """Rollout workload of an InferencePool (a Deployment, or a StatefulSet when its workers post to an
     ingest: pod names POOL-rollout-0.. are their worker ids), its headless Service and its

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from rlfleet.operator import names, peering, security
 from rlfleet.operator.kube import request_timeout
 from rlfleet.operator.pods import ClusterDefaults
+from rlfleet.operator.rundefaults import RunDefaults
 from rlfleet.wire import env
 
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -24,6 +25,7 @@ class OperatorOptions:
     peering_name: str | None = None  # kopf peering group (ClusterKopfPeering name); None: standalone, one replica
     peering_lifetime_s: int = peering.DEFAULT_LIFETIME_S  # a silent peer counts as dead after this long
     api_timeout_s: float = env.DEFAULT_API_TIMEOUT_S  # the bound on each API request, ours and kopf's
+    run_defaults: RunDefaults = RunDefaults()  # the chart's Redis and store, for runs that name none
 
     @classmethod
     def from_env(
@@ -73,6 +75,7 @@ class OperatorOptions:
             peering_name=peering_name or None,
             peering_lifetime_s=peering_lifetime_s,
             api_timeout_s=api_timeout,
+            run_defaults=RunDefaults.from_env(),
         )
 
 

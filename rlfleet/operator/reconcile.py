@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field
 
 from rlfleet.config import InferencePool, RelayTier, RLRun
-from rlfleet.operator import builders, conditions, health, lifecycle, names, secrets
+from rlfleet.operator import builders, conditions, health, lifecycle, names, rundefaults, secrets
 from rlfleet.operator.applying import ApplyBackoff
 from rlfleet.operator.events import build_event
 from rlfleet.operator.kube import ApiError, Kube
@@ -58,6 +58,7 @@ class MissingRun(Exception):
 class Outcome:
     status: dict = field(default_factory=dict)
     metadata: dict | None = None  # merged into the object's metadata
+    spec: dict | None = None  # merged into the object's spec: the cluster's defaults it now uses (rundefaults.py)
     delete: bool = False  # the run's TTL is up
 
 
@@ -67,6 +68,7 @@ class Ctx:
     defaults: ClusterDefaults
     now: datetime.datetime
     backoff: ApplyBackoff = field(default_factory=ApplyBackoff)  # the operator's one, across reconciles
+    run_defaults: rundefaults.RunDefaults = rundefaults.RunDefaults()  # Redis and store of runs naming none
 
 
 def owner_of(body: dict) -> Owner:
@@ -180,14 +182,16 @@ async def _progress(url: str | None, run: str) -> dict | None:
 async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Outcome:
     old = body.get("status") or {}
     try:
-        run = builders.parse_as(body, RLRun)
+        run, filled = rundefaults.fill(body, builders.parse_as(body, RLRun), ctx.run_defaults)
         builders.check_cluster_run(run)
     except builders.SpecError as exc:
         status = _invalid_status(ctx, body, exc.problems)
         await announce_changes(ctx, body, old, status)
         return Outcome(status=status)
     namespace, generation = body["metadata"]["namespace"], body["metadata"].get("generation")
+    unmade = await rundefaults.make_secrets(ctx.kube, body, filled, ctx.run_defaults) if filled else None
     blocked, secret_data = await secrets.check_secrets(ctx.kube, namespace, secrets.run_secrets(run))
+    blocked = unmade or blocked
     progress = None if run.spec.remote else await _progress(secrets.redis_url(run, secret_data), run.metadata.name)
     trainer, pods = {}, []
     if not run.spec.remote:
@@ -223,7 +227,7 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
     if generation is not None:
         status["observedGeneration"] = generation
     await announce_changes(ctx, body, old, status)
-    return Outcome(status=status, delete=state.expired)
+    return Outcome(status=status, delete=state.expired, spec=filled if filled and not unmade else None)
 
 
 async def stop_run_pods(kube: Kube, namespace: str, run: str) -> int:
@@ -260,7 +264,7 @@ async def parent_run(ctx: Ctx, namespace: str, name: str) -> tuple[dict, RLRun]:
     if body is None:
         raise MissingRun("RunNotFound", f"RLRun {name!r} does not exist in namespace {namespace!r} (yet)")
     try:
-        run = builders.parse_as(body, RLRun)
+        run, _ = rundefaults.fill(body, builders.parse_as(body, RLRun), ctx.run_defaults)
         builders.check_cluster_run(run)
     except builders.SpecError:
         raise MissingRun("RunNotValid", f"RLRun {name!r} has an invalid spec; waiting for it to be fixed") from None
@@ -376,7 +380,7 @@ async def reconcile_run_members(ctx: Ctx, run_body: dict) -> None:
     timer calls this; pools and tiers have no timer of their own)."""
     namespace, run_name = run_body["metadata"]["namespace"], run_body["metadata"]["name"]
     try:
-        run = builders.parse_as(run_body, RLRun)
+        run, _ = rundefaults.fill(run_body, builders.parse_as(run_body, RLRun), ctx.run_defaults)
         builders.check_cluster_run(run)
     except builders.SpecError:
         return  # the members wait for their run to be fixed

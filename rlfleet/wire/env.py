@@ -55,6 +55,10 @@ RESYNC_INTERVAL = "RLFLEET_RESYNC_INTERVAL"  # seconds between re-applies and st
 POD_SECURITY_CONTEXT = "RLFLEET_POD_SECURITY_CONTEXT"  # JSON: securityContext of every run pod
 CONTAINER_SECURITY_CONTEXT = "RLFLEET_CONTAINER_SECURITY_CONTEXT"  # JSON: securityContext of their containers
 API_TIMEOUT = "RLFLEET_API_TIMEOUT"  # seconds: the bound on each Kubernetes API request (connect: at most 10 of them)
+# What the operator fills into an RLRun that leaves it out (rlfleet/operator/rundefaults.py; the chart sets them):
+DEFAULT_REDIS_URL = "RLFLEET_DEFAULT_REDIS_URL"  # redis:// URL of the chart's Redis, without the password
+DEFAULT_REDIS_PASSWORD = "RLFLEET_DEFAULT_REDIS_PASSWORD"  # its password (from the chart's Secret)
+DEFAULT_STORE = "RLFLEET_DEFAULT_STORE"  # JSON of a spec.store (uri, endpointUrl, credentialsSecret)
 
 DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_VLLM_KV_CACHE_BYTES = 512 << 20

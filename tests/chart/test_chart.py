@@ -284,7 +284,8 @@ def test_rbac_is_least_privilege_and_matches_the_crds(chart):
     granted = set().union(*(_rules(r) for r in roles))
     assert not any("*" in part for rule in granted for part in rule), "no wildcards"
     assert not {r for _, r, _ in granted} & {"pods/exec", "roles", "rolebindings", "clusterroles"}
-    assert {v for _, r, v in granted if r == "secrets"} == {"get"}, "Secrets: read by name, never listed or watched"
+    # read by name, never listed or watched; created (a run's own signing key and Redis URL), never updated or deleted
+    assert {v for _, r, v in granted if r == "secrets"} == {"get", "create"}, "Secrets: get and create only"
     crds = crd_docs()
     for kind, crd in crds.items():
         if crd["spec"]["group"] != "rlfleet.io":

@@ -64,8 +64,13 @@ def test_each_user_gets_its_roles_rules_and_its_password_from_the_secret(chart):
 
 
 def test_acl_users_need_a_password_for_the_default_user(chart):
-    with pytest.raises(Exception, match="redis.auth.existingSecret"):
-        render(chart, {"redis": {"enabled": True, "acl": {"existingSecret": "x", "users": USERS}}})
+    with pytest.raises(Exception, match="redis.auth.enabled or redis.auth.existingSecret"):
+        render(
+            chart,
+            {"redis": {"enabled": True, "auth": {"enabled": False}, "acl": {"existingSecret": "x", "users": USERS}}},
+        )
+    # the generated password (the default) is one
+    render(chart, {"redis": {"enabled": True, "acl": {"existingSecret": "x", "users": USERS}}})
 
 
 def test_the_rendered_arguments_give_a_real_redis_the_roles(chart, tmp_path):

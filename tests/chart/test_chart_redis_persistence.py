@@ -16,7 +16,7 @@ from tests.support import redis_client, start_rendered_redis
 
 helm = pytest.importorskip("helm_python")
 
-ON = {"redis": {"enabled": True}}
+ON = {"redis": {"enabled": True, "auth": {"enabled": False}}}  # the password has its tests (test_chart_redis_auth.py)
 
 
 @pytest.fixture(scope="module")

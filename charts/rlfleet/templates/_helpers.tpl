@@ -66,6 +66,18 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "redis://%s.%s.svc:%v/0" (include "rlfleet.redisName" .) .Release.Namespace .Values.redis.service.port -}}
 {{- end -}}
 
+{{/* The Secret holding the in-chart Redis's password: redis.auth.existingSecret, else the one the chart
+     generates (redis.yaml); empty without redis.enabled or with redis.auth.enabled false and no existingSecret. */}}
+{{- define "rlfleet.redisPasswordSecret" -}}
+{{- if and .Values.redis.enabled (or .Values.redis.auth.enabled .Values.redis.auth.existingSecret) -}}
+{{- .Values.redis.auth.existingSecret | default (printf "%s-auth" (include "rlfleet.redisName" .)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rlfleet.redisPasswordKey" -}}
+{{- ternary .Values.redis.auth.passwordKey "password" (ne .Values.redis.auth.existingSecret "") -}}
+{{- end -}}
+
 {{- define "rlfleet.podSecurityContext" -}}
 runAsNonRoot: true
 runAsUser: 10001
@@ -113,9 +125,11 @@ capabilities:
   verbs: ["get", "list", "create", "patch", "delete"]
 # Read, never list: the Secrets a run names (Redis URL, signing key, store credentials, worker tokens),
 # to report a missing one or key before a pod fails on it, and to read the Redis URL for status.
+# Create, never update or delete: a run that names no signing key (or no Redis, with defaults.redis) gets
+# its own Secret, owned by the run, which the garbage collector deletes with it (rundefaults.py).
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get"]
+  verbs: ["get", "create"]
 # A deleted run's Redis keys go only once its pods are gone (found by the run label).
 - apiGroups: [""]
   resources: ["pods"]

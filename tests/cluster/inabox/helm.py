@@ -67,6 +67,11 @@ def render(values: dict, release: str, namespace: str) -> list[dict]:
     return objects
 
 
+def hooks(objects: list[dict], event: str) -> list[dict]:
+    """The objects Helm runs as `event` hooks (pre-delete, ...): never created by an install."""
+    return [o for o in objects if event in ((o["metadata"].get("annotations") or {}).get("helm.sh/hook") or "")]
+
+
 def chart_crds() -> list[dict]:
     return [yaml.safe_load(p.read_text()) for p in sorted((CHART / "crds").glob("*.yaml"))]
 
@@ -99,7 +104,8 @@ def install(cluster, values: dict, release: str = "rlfleet", namespace: str = "r
             create(client, crd)
         create(client, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
         rank = {kind: i for i, kind in enumerate(INSTALL_ORDER)}
-        for obj in sorted(objects, key=lambda o: rank.get(o["kind"], len(rank))):
+        installed = [o for o in objects if "helm.sh/hook" not in (o["metadata"].get("annotations") or {})]
+        for obj in sorted(installed, key=lambda o: rank.get(o["kind"], len(rank))):
             if BUILTIN[obj["kind"]][2]:
                 obj["metadata"].setdefault("namespace", namespace)
             create(client, obj)
