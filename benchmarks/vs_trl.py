@@ -97,8 +97,8 @@ NOT_MATCHED = [
     "spotCheckFraction of them with a prefill; TRL verifies nothing",
     "weights: rlfleet publishes a signed version each step through a relay, and workers and verifier load it; TRL "
     "generates with the weights it trains",
-    "repeats: rlfleet's trainer drops groups repeating trained content (so it samples more than it trains); TRL "
-    "trains every completion it samples",
+    "repeats: rlfleet trains no content twice (workers hold back groups repeating trained content, the trainer "
+    "drops the rest), so it samples more than it trains; TRL trains every completion it samples",
     "prompts: the same task generator and distribution, not the same draws (rlfleet's workers draw from their own "
     "seeds, in the order their groups finish)",
     "advantage scale: rlfleet divides by the population std + 1e-6, TRL by the sample std (n-1) + 1e-4",
