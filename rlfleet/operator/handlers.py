@@ -202,7 +202,10 @@ def run_operator(options: OperatorOptions) -> int:
     kopf.configure(verbose=options.verbose)
     registry = register(kopf.OperatorRegistry(), options)
     if options.metrics_port:
-        serve(options.metrics_port, "0.0.0.0", Health())  # /metrics; its /healthz: the process serves
+        try:
+            serve(options.metrics_port, "0.0.0.0", Health())  # /metrics; its /healthz: the process serves
+        except OSError as exc:
+            raise SystemExit(f"--metrics-port={options.metrics_port}: cannot serve /metrics there: {exc}") from None
     priority = peering.priority() if options.peering_name else None  # kopf's and the leader gauge's
     # Without --peering: standalone, one replica, no kopf.dev CRD needed. With it: mandatory peering (kopf
     # pauses until it has seen the peers), the oldest replica acting (peering.py).

@@ -6,8 +6,15 @@ under peering is checked with two operators in test_operator_ha.py; its rule her
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
 
 from rlfleet.operator import peering
+from rlfleet.operator.options import OperatorOptions
 from tests.operator.kubectl import apply_example, get, has_condition, redis_db
 from tests.support import scrape, wait_for
 
@@ -94,3 +101,22 @@ def test_the_leader_rule_is_kopfs():
     assert not peering.leads({"a": entry(10, fresh)}, 5, now), "not acting before its own entry is written"
     zulu = {"a": {"priority": 3, "lifetime": 20, "lastseen": fresh.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}}
     assert peering.leads(zulu, 3, now), "kopf's timestamps may end in Z"
+
+
+def test_a_bad_metrics_port_is_named_not_a_traceback(tmp_path):
+    with pytest.raises(SystemExit, match="--metrics-port=70000 must be a TCP port"):
+        OperatorOptions.from_env(metrics_port=70000)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "KUBECONFIG": str(tmp_path / "none")}
+        done = subprocess.run(
+            [sys.executable, "-m", "rlfleet.cli", "operator", "--metrics-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    assert done.returncode != 0 and f"--metrics-port={port}: cannot serve /metrics there" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
