@@ -47,10 +47,14 @@ def leads(peers: dict, own_priority: int, now: datetime.datetime) -> bool:
     for entry in peers.values():
         if not isinstance(entry, dict) or "lastseen" not in entry:
             continue
-        seen = datetime.datetime.fromisoformat(str(entry["lastseen"]).replace("Z", "+00:00"))
+        try:
+            seen = datetime.datetime.fromisoformat(str(entry["lastseen"]).replace("Z", "+00:00"))
+            lifetime = datetime.timedelta(seconds=int(entry.get("lifetime", 60)))
+        except (TypeError, ValueError):  # an entry kopf would not have written: not a live peer
+            continue
         if seen.tzinfo is None:
             seen = seen.replace(tzinfo=datetime.UTC)
-        if seen + datetime.timedelta(seconds=int(entry.get("lifetime", 60))) > now:
+        if seen + lifetime > now:
             live.append(int(entry.get("priority", 0)))
     return live.count(own_priority) == 1 and not [p for p in live if p > own_priority]
 

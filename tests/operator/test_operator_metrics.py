@@ -101,6 +101,8 @@ def test_the_leader_rule_is_kopfs():
     assert not peering.leads({"a": entry(10, fresh)}, 5, now), "not acting before its own entry is written"
     zulu = {"a": {"priority": 3, "lifetime": 20, "lastseen": fresh.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}}
     assert peering.leads(zulu, 3, now), "kopf's timestamps may end in Z"
+    garbled = {"a": entry(3, fresh), "b": {"priority": 9, "lifetime": 20, "lastseen": "yesterday"}}
+    assert peering.leads(garbled, 3, now), "an unreadable entry is no live peer (and never stops the gauge)"
 
 
 def test_a_bad_metrics_port_is_named_not_a_traceback(tmp_path):
