@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --peering: a replica silent this long counts as dead and a standby takes over (default 20)",
     )
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="Prometheus /metrics of the operator's reconciles (0 = none)"
+    )
 
     p = sub.add_parser(
         "operator-uninstall",
@@ -289,7 +292,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlfleet.operator.options import OperatorOptions
 
         options = OperatorOptions.from_env(
-            args.namespace, args.liveness, args.verbose, args.peering, args.peering_lifetime
+            args.namespace, args.liveness, args.verbose, args.peering, args.peering_lifetime, args.metrics_port
         )
         return run_operator(options)
     if args.command == "operator-uninstall":

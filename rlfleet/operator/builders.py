@@ -20,7 +20,7 @@ suspended, else 0. Every pod is behind exactly one Service with a `metrics` port
 from __future__ import annotations
 
 from rlfleet.config import RLRun
-from rlfleet.operator import names, podconfig
+from rlfleet.operator import kueue, names, podconfig
 from rlfleet.operator.pods import (
     ClusterDefaults,
     Owner,
@@ -344,4 +344,5 @@ def build_run_children(
             build_ingest_service(run, namespace, owner),
             build_ingest_deployment(run, namespace, owner, defaults, active),
         ]
-    return children
+    size = run.spec.trainer.replicas + run.spec.verifier.replicas + 1 + int(serves_ingest(run))  # at full scale
+    return kueue.grouped(children, kueue.queue_of(run.metadata.labels), run.metadata.name, size)

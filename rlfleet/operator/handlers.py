@@ -14,6 +14,9 @@ Nothing is read at import: `register(registry, options)` puts the handlers on a 
 the settings `rlfleet operator` read when it started (OperatorOptions); handlers reach the API
 through `memo.kube` (one Kube adapter, made at start-up) and read the options from `memo.options`.
 Only the RLRun holds a finalizer (`rlfleet.io/cleanup`), for its Redis keys.
+Metrics (metrics.py): the reconciles count and time themselves; `--metrics-port` serves them, and with
+--peering a task re-reads the peering object every LEADER_POLL_FRACTION of its lifetime to say whether
+this replica is the one acting (metrics.ACTIVE).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import logging
 import kopf
 
 from rlfleet.config import RLRun
-from rlfleet.operator import builders, names, peering, reconcile, secrets
+from rlfleet.operator import builders, metrics, names, peering, reconcile, secrets
 from rlfleet.operator.applying import ApplyBackoff
 from rlfleet.operator.kube import ApiError, Kube, connect
 from rlfleet.operator.options import OperatorOptions, bound_kopf_requests
 from rlfleet.operator.progress import REDIS_TIMEOUT_S, delete_run_keys
+from rlfleet.wire.health import Health, serve
 
 G, V = names.GROUP, names.VERSION
 STOP_TIMEOUT_S = 60.0  # a deleted run's pods get this long to stop before its Redis keys go anyway
@@ -40,6 +44,7 @@ DELETE_TIMEOUT_S = STOP_TIMEOUT_S + 30.0  # kopf's bound on the whole delete han
 # deletes it). kopf gives it 10 event-loop cycles, then looks again after `cancellation_polling` (60 s by
 # default): a deleted run stayed a minute. It now waits up to this long, then looks again this often.
 TIMER_EXIT_S = 2.0
+LEADER_POLL_FRACTION = 0.25  # the leader gauge lags a failover by at most a quarter of the peering lifetime
 
 
 def _ctx(memo) -> reconcile.Ctx:
@@ -74,6 +79,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
     # ClusterKopfPeering instead, in every mode: one object for the operator to make (peering.py).
     settings.peering.clusterwide = True
     settings.peering.lifetime = memo.options.peering_lifetime_s
+    if memo.options.peering_name:
+        memo.leader_task = asyncio.create_task(watch_leadership(memo.kube, memo.options, memo.priority, logger))
+    else:
+        metrics.ACTIVE.set(1)
     options = memo.options
     logger.info(
         f"rlfleet operator: {options.defaults}, {options.run_defaults}, resync every {options.resync_interval_s} s"
@@ -81,7 +90,25 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_) -
 
 
 async def stop(memo: kopf.Memo, **_) -> None:
+    task = memo.get("leader_task")
+    if task:
+        task.cancel()
+    metrics.ACTIVE.set(0)
     memo.kube.close()
+
+
+async def watch_leadership(kube: Kube, options: OperatorOptions, priority: int, logger) -> None:
+    """Keep metrics.ACTIVE at whether this replica acts, by kopf's rule (peering.leads) on the peering
+    object's status; a failed read keeps the last value (kopf keeps its last decision too)."""
+    every, name = max(1.0, options.peering_lifetime_s * LEADER_POLL_FRACTION), options.peering_name or ""
+    while True:
+        try:
+            body = await kube.get_cluster_object(peering.GROUP, peering.VERSION, peering.PLURAL, name)
+            now = datetime.datetime.now(datetime.UTC)
+            metrics.ACTIVE.set(1 if peering.leads((body or {}).get("status") or {}, priority, now) else 0)
+        except ApiError as exc:
+            logger.info(f"peering object {name} not read: {exc}")
+        await asyncio.sleep(every)
 
 
 # ---- RLRun -------------------------------------------------------------------------------------
@@ -119,6 +146,7 @@ async def run_deleted(body, namespace, memo, logger, retry, runtime, **_) -> Non
     except builders.SpecError:
         return
     name, uid = run.metadata.name, body["metadata"].get("uid")
+    metrics.run_phase(uid or "", None)
     waits = memo.setdefault("stop_waits", {})  # tries spent waiting for pods, per run uid
     left = await reconcile.stop_run_pods(memo.kube, namespace, name)
     if left and runtime.total_seconds() < STOP_TIMEOUT_S:
@@ -179,6 +207,12 @@ def run_operator(options: OperatorOptions) -> int:
     """`rlfleet operator`: run kopf with these handlers until SIGTERM."""
     kopf.configure(verbose=options.verbose)
     registry = register(kopf.OperatorRegistry(), options)
+    if options.metrics_port:
+        try:
+            serve(options.metrics_port, "0.0.0.0", Health())  # /metrics; its /healthz: the process serves
+        except OSError as exc:
+            raise SystemExit(f"--metrics-port={options.metrics_port}: cannot serve /metrics there: {exc}") from None
+    priority = peering.priority() if options.peering_name else None  # kopf's and the leader gauge's
     # Without --peering: standalone, one replica, no kopf.dev CRD needed. With it: mandatory peering (kopf
     # pauses until it has seen the peers), the oldest replica acting (peering.py).
     if options.peering_name:
@@ -189,12 +223,12 @@ def run_operator(options: OperatorOptions) -> int:
             client.close()
     kopf.run(
         registry=registry,
-        memo=kopf.Memo(options=options),
+        memo=kopf.Memo(options=options, priority=priority),
         clusterwide=not options.namespaces,
         namespaces=options.namespaces,
         liveness_endpoint=options.liveness,
         standalone=not options.peering_name,
         peering_name=options.peering_name,
-        priority=peering.priority() if options.peering_name else None,
+        priority=priority,
     )
     return 0

@@ -221,6 +221,15 @@ class Kube:
         except NotFound:
             pass
 
+    async def get_cluster_object(self, group: str, version: str, plural: str, name: str) -> dict | None:
+        """A cluster-scoped custom object (kopf's ClusterKopfPeering), or None when there is none."""
+        try:
+            return (
+                await self._call(self._api("CustomObjectsApi").get_cluster_custom_object, group, version, plural, name)
+            )[0]
+        except NotFound:
+            return None
+
     async def post_event(self, event: dict) -> None:
         """Create an Event (a core/v1 Event body)."""
         fn, target = self._method("Event", "create", event["metadata"]["namespace"])

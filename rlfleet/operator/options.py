@@ -26,6 +26,7 @@ class OperatorOptions:
     peering_lifetime_s: int = peering.DEFAULT_LIFETIME_S  # a silent peer counts as dead after this long
     api_timeout_s: float = env.DEFAULT_API_TIMEOUT_S  # the bound on each API request, ours and kopf's
     run_defaults: RunDefaults = RunDefaults()  # the chart's Redis and store, for runs that name none
+    metrics_port: int = 0  # Prometheus /metrics (metrics.py) on this port; 0: none
 
     @classmethod
     def from_env(
@@ -35,6 +36,7 @@ class OperatorOptions:
         verbose: bool = False,
         peering_name: str | None = None,
         peering_lifetime_s: int | None = None,
+        metrics_port: int = 0,
     ) -> OperatorOptions:
         """Options from the command line plus the RLFLEET_* variables the Helm chart sets."""
         if peering_lifetime_s is None:
@@ -42,6 +44,8 @@ class OperatorOptions:
         elif peering_lifetime_s < peering.MIN_LIFETIME_S:
             least = peering.MIN_LIFETIME_S
             raise SystemExit(f"--peering-lifetime={peering_lifetime_s} must be at least {least} seconds")
+        if not 0 <= metrics_port <= 65535:
+            raise SystemExit(f"--metrics-port={metrics_port} must be a TCP port (1-65535), or 0 for no metrics")
         interval = env.get_float(env.RESYNC_INTERVAL, env.DEFAULT_RESYNC_INTERVAL_S)
         if interval <= 0:
             raise SystemExit(f"environment variable {env.RESYNC_INTERVAL}={interval} must be a positive number")
@@ -76,6 +80,7 @@ class OperatorOptions:
             peering_lifetime_s=peering_lifetime_s,
             api_timeout_s=api_timeout,
             run_defaults=RunDefaults.from_env(),
+            metrics_port=metrics_port,
         )
 
 

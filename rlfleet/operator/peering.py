@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import kubernetes
@@ -36,6 +37,26 @@ def priority(now_ns: int | None = None) -> int:
     """Minus the start time in microseconds: the older a replica, the higher its priority, and two
     replicas tie only if started in the same microsecond. It stays within a JSON-safe integer (< 2**53)."""
     return -((time.time_ns() if now_ns is None else now_ns) // 1000)
+
+
+def leads(peers: dict, own_priority: int, now: datetime.datetime) -> bool:
+    """Whether the replica of `own_priority` acts, by kopf's rule, from the peering object's status (peer
+    id -> {priority, lifetime, lastseen}): its own entry is live and no other live entry has a priority as
+    high (a higher one pauses it, an equal one pauses both). An entry is live until lastseen + lifetime."""
+    live = []
+    for entry in peers.values():
+        if not isinstance(entry, dict) or "lastseen" not in entry:
+            continue
+        try:
+            seen = datetime.datetime.fromisoformat(str(entry["lastseen"]).replace("Z", "+00:00"))
+            lifetime = datetime.timedelta(seconds=int(entry.get("lifetime", 60)))
+        except (TypeError, ValueError):  # an entry kopf would not have written: not a live peer
+            continue
+        if seen.tzinfo is None:
+            seen = seen.replace(tzinfo=datetime.UTC)
+        if seen + lifetime > now:
+            live.append(int(entry.get("priority", 0)))
+    return live.count(own_priority) == 1 and not [p for p in live if p > own_priority]
 
 
 def peering_crd() -> dict:

@@ -14,7 +14,7 @@ Deployments whose workers XADD to the inbox directly.
 from __future__ import annotations
 
 from rlfleet.config import InferencePool, RelayTier, RLRun
-from rlfleet.operator import names, podconfig
+from rlfleet.operator import kueue, names, podconfig
 from rlfleet.operator.pods import (
     ClusterDefaults,
     Owner,
@@ -146,9 +146,11 @@ def build_pool_children(
 ) -> list[dict]:
     check_cluster_pool(run, pool)
     relays = resolve_pool_relays(run, pool, tiers, namespace)
-    return [
+    children = [
         build_pool_config_map(run, pool, namespace, owner, defaults),
         build_rollout_workload(run, pool, relays, namespace, owner, defaults, active),
         build_rollout_service(run, pool, namespace, owner),
         build_rollout_budget(run, pool, namespace, owner),
     ]
+    queue = kueue.queue_of(pool.metadata.labels, run.metadata.labels)
+    return kueue.grouped(children, queue, names.rollout(pool.metadata.name), pool.spec.replicas)

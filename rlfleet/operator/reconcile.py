@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field
 
 from rlfleet.config import InferencePool, RelayTier, RLRun
-from rlfleet.operator import builders, conditions, health, lifecycle, names, rundefaults, secrets
+from rlfleet.operator import builders, conditions, health, lifecycle, metrics, names, rundefaults, secrets
 from rlfleet.operator.applying import ApplyBackoff
 from rlfleet.operator.events import build_event
 from rlfleet.operator.kube import ApiError, Kube
@@ -124,6 +124,7 @@ async def apply_children(ctx: Ctx, body: dict, children: list[dict]) -> tuple[di
                 raise
             message = f"{kind} {meta['name']}: the API refused it: HTTP {exc.status} {exc.message}"
             delay, news = ctx.backoff.failed(key, ctx.now, message)
+            metrics.error(body["kind"], "ApplyFailed")
             log.warning(f"{message} (next try in {delay:.0f} s)")
             if news:  # once per refusal, not per retry (and whatever Ready says meanwhile)
                 await post(ctx, body, "Warning", "ApplyFailed", message)
@@ -179,6 +180,7 @@ async def _progress(url: str | None, run: str) -> dict | None:
 # ---- RLRun -------------------------------------------------------------------------------------
 
 
+@metrics.observed
 async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Outcome:
     old = body.get("status") or {}
     try:
@@ -307,6 +309,7 @@ def _waiting(ctx: Ctx, body: dict, reason: str, message: str) -> Outcome:
     return Outcome(status=status)
 
 
+@metrics.observed
 async def reconcile_scalable(
     ctx: Ctx, body: dict, run_pair: tuple[dict, RLRun] | None = None, tiers=None, spec_changed: bool = False
 ) -> Outcome:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from rlfleet.config import InferencePool, RelayTier, RLRun
-from rlfleet.operator import names, podconfig
+from rlfleet.operator import kueue, names, podconfig
 from rlfleet.operator.pods import (
     ClusterDefaults,
     Owner,
@@ -112,8 +112,10 @@ def build_relay_children(
     active: bool = True,
 ) -> list[dict]:
     upstream = resolve_upstream(run, tier, tiers, namespace)
-    return [
+    children = [
         build_relay_service(run, tier, namespace, owner),
         build_relay_deployment(run, tier, upstream, namespace, owner, defaults, active),
         build_relay_budget(run, tier, namespace, owner),
     ]
+    queue = kueue.queue_of(tier.metadata.labels, run.metadata.labels)
+    return kueue.grouped(children, queue, names.relay(tier.metadata.name), tier.spec.replicas)

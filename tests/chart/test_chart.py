@@ -216,8 +216,15 @@ def test_operator_deployment(chart):
     pod = spec["template"]["spec"]
     [container] = pod["containers"]
     assert container["command"] == ["rlfleet", "operator"]
-    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz"]
+    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=8081"]
     assert container["livenessProbe"]["httpGet"]["port"] == "healthz"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"healthz": 8080, "metrics": 8081}
+    [service] = by_kind(objects, "Service")  # the operator's metrics, for a ServiceMonitor
+    assert service["spec"]["selector"] == spec["selector"]["matchLabels"]
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    [off] = by_kind(render(chart, {"operator": {"metrics": {"enabled": False}}}), "Deployment")
+    assert not any(a.startswith("--metrics-port") for a in off["spec"]["template"]["spec"]["containers"][0]["args"])
     [sa] = by_kind(objects, "ServiceAccount")
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -235,7 +242,7 @@ def test_operator_replicas_over_one_run_with_peering(chart):
     assert spec["replicas"] == 3 and spec["strategy"]["type"] == "RollingUpdate"
     assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     [container] = spec["template"]["spec"]["containers"]
-    assert container["args"][1:] == [f"--peering={deploy['metadata']['name']}", "--peering-lifetime=30"]
+    assert container["args"][2:] == [f"--peering={deploy['metadata']['name']}", "--peering-lifetime=30"]
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     [pdb] = by_kind(objects, "PodDisruptionBudget")
@@ -341,9 +348,20 @@ def test_monitors_are_toggles_that_select_the_operators_pods(chart):
     on = {"monitoring": {"podMonitor": {"enabled": True}}, "operator": {"watchNamespaces": ["team-a", "team-b"]}}
     [pod_monitor] = by_kind(render(chart, on), "PodMonitor")
     child_labels = names.labels("InferencePool", "pool", names.ROLLOUT, "run")
+    [operator_pod] = [
+        d["spec"]["template"] for d in by_kind(objects, "Deployment") if "operator" in d["metadata"]["name"]
+    ]
+    [operator_service] = [s for s in by_kind(objects, "Service") if s["metadata"]["name"].endswith("-operator")]
     for monitor in (pod_monitor, service_monitor):
         assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(child_labels.items())
-        assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+        # the runs' namespaces and the operator's own (its metrics)
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b", NAMESPACE]}
+    assert set(pod_monitor["spec"]["selector"]["matchLabels"].items()) <= set(
+        operator_pod["metadata"]["labels"].items()
+    )
+    assert "metrics" in {p["name"] for p in operator_pod["spec"]["containers"][0]["ports"]}
+    selected = service_monitor["spec"]["selector"]["matchLabels"].items()
+    assert set(selected) <= set(operator_service["metadata"]["labels"].items())
     assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert service_monitor["spec"]["endpoints"][0]["port"] == "metrics"
 

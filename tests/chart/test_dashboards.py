@@ -28,7 +28,11 @@ SERVICE_MODULES = [
     "rlfleet.services.shardcast.relay_cache",
     "rlfleet.services.shardcast.origin",
     "rlfleet.services.ingest.app",
+    "rlfleet.operator.metrics",
 ]
+# The row whose panels chart the operator: its series carry the operator pod's namespace and no run, so its
+# queries filter on the cluster only (a run or namespace chosen above would blank them).
+OPERATOR_ROW = "Operator"
 # Labels Prometheus attaches when it scrapes a pod (PodMonitor/ServiceMonitor target labels), the pod
 # labels the chart's monitors copy (podTargetLabels, sanitized: rlfleet.io/run -> rlfleet_io_run), and
 # `cluster`, the external label a multi-cluster Prometheus/Thanos setup gives each cluster's series.
@@ -162,9 +166,12 @@ def test_dashboard_is_well_formed(path):
     for name in ("cluster", "namespace", "run"):
         # "All" must match series without the label too (one cluster: no `cluster` label)
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*", name
-    ids = [p["id"] for p in board["panels"]]
+    rows = [p for p in board["panels"] if p["type"] == "row"]
+    nested = [(row["title"], p) for row in rows for p in row.get("panels", [])]
+    panels = [("", p) for p in board["panels"] if p["type"] != "row"] + nested
+    ids = [p["id"] for p in board["panels"]] + [p["id"] for _, p in nested]
     assert len(ids) == len(set(ids)), f"{path.name}: duplicate panel ids"
-    for panel in board["panels"]:
+    for row_title, panel in panels:
         grid = panel["gridPos"]
         assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, f"{path.name}: {panel['title']!r} is off the grid"
         assert panel["datasource"]["uid"] == "${datasource}"
@@ -172,6 +179,9 @@ def test_dashboard_is_well_formed(path):
         assert len(ref_ids) == len(set(ref_ids))
         for target in panel["targets"]:
             assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+            if row_title == OPERATOR_ROW:
+                assert 'cluster=~"$cluster"' in target["expr"] and "$run" not in target["expr"], target["expr"]
+                continue
             for matcher in ('cluster=~"$cluster"', 'namespace=~"$namespace"', 'rlfleet_io_run=~"$run"'):
                 assert matcher in target["expr"], f"{path.name}: {panel['title']!r} ignores {matcher}: {target['expr']}"
 
@@ -198,3 +208,13 @@ def test_every_exported_metric_is_on_a_dashboard(exported):
     families = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in exported}
     charted = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}
     assert families - charted == set(), f"not on any dashboard: {sorted(families - charted)}"
+
+
+def test_the_operator_row_charts_every_operator_metric(exported):
+    """A collapsed row "Operator" on the run dashboard: reconciles, errors, latency, runs by phase, leader."""
+    board = load(DASHBOARDS / "rlfleet-run.json")
+    [row] = [p for p in board["panels"] if p["type"] == "row" and p["title"] == OPERATOR_ROW]
+    used = set().union(*(metric_names(t["expr"]) for panel in row["panels"] for t in panel["targets"]))
+    operator = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in exported if n.startswith("rlfleet_operator_")}
+    assert operator == {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}
+    assert {"rlfleet_operator_reconciles", "rlfleet_operator_reconcile_errors", "rlfleet_operator_active"} <= operator

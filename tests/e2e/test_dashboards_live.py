@@ -47,6 +47,15 @@ EMPTY_ON_A_LOCAL_RUN = {
     ("rlfleet-run", "Held-out score (eval)"): "the example sets no spec.eval: the series start with a first evaluation",
     ("rlfleet-run", "Reward per task source"): "labelled by a mixture's source: the example is one task",
     ("rlfleet-run", "Groups per task source"): "labelled by a mixture's source: the example is one task",
+    **{
+        ("rlfleet-run", title): "the operator's metrics: a local run has no operator"
+        for title in (
+            "Operator reconciles by kind and result",
+            "Operator errors by kind and reason",
+            "Operator reconcile latency by kind (p50 / p95)",
+            "Runs by phase, and acting operator replicas",
+        )
+    },
 }
 
 

@@ -61,15 +61,25 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(scope="session")
-def api(emulator, operator_log, tmp_path_factory):
+def operator_metrics(tmp_path_factory) -> str:
+    """URL of the session operator's /metrics (`--metrics-port`); it serves once `api` has started it."""
+    return f"http://127.0.0.1:{free_port()}/metrics"
+
+
+@pytest.fixture(scope="session")
+def api(emulator, operator_log, operator_metrics, tmp_path_factory):
     """Base URL of the emulator, with `rlfleet operator` running against it."""
     kubeconfig = emulator.kubeconfig(tmp_path_factory.mktemp("kube") / "config")
     port = free_port()
+    metrics_port = operator_metrics.rsplit(":", 1)[1].split("/")[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}  # not in a pod
     env.update(KUBECONFIG=str(kubeconfig), RLFLEET_RESYNC_INTERVAL=RESYNC_INTERVAL_S, PYTHONUNBUFFERED="1", **CHART_ENV)
     with open(operator_log, "ab") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "rlfleet.cli", "operator", "--liveness", f"http://127.0.0.1:{port}/healthz"],
+            [
+                *(sys.executable, "-m", "rlfleet.cli", "operator"),
+                *("--liveness", f"http://127.0.0.1:{port}/healthz", "--metrics-port", metrics_port),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

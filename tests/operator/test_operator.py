@@ -131,7 +131,8 @@ def test_spec_change_rolls_out_and_suspend_scales_to_zero(api, redis_url):
         ("Deployment", "arithmetic-tier0-relay"),
     ]:
         wait_for(f"{kind} {name} at 0", lambda: get(api, kind, ns, name)["spec"]["replicas"] == 0)
-    assert get(api, "RLRun", ns, "arithmetic")["status"]["phase"] == "Suspended"
+    # the workloads scale first; the status patch lands when the reconcile returns
+    wait_for("run Suspended", lambda: get(api, "RLRun", ns, "arithmetic")["status"]["phase"] == "Suspended")
     wait_for(
         "pool Suspended", lambda: get(api, "InferencePool", ns, "arithmetic-cpu")["status"]["phase"] == "Suspended"
     )

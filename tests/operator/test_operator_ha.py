@@ -26,7 +26,7 @@ from tests.operator.cluster import EmulatedCluster
 from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, STARTUP_TIMEOUT_S
 from tests.operator.kubectl import apply_example, get, patch, redis_db
 from tests.operator.rbac import denied
-from tests.support import CHART, redis_from_url, render_chart, wait_for
+from tests.support import CHART, redis_from_url, render_chart, scrape, wait_for
 
 PEERING = "rlfleet-ha-test"
 LIFETIME_S = 4  # keep-alives every second; a killed leader's entry expires within 4 s
@@ -39,7 +39,7 @@ class Operator:
     def __init__(self, emulator: EmulatedCluster, workdir: Path, name: str):
         self.name, self.log = name, workdir / f"{name}.log"
         kubeconfig = emulator.kubeconfig(workdir / f"{name}.kubeconfig", token=name)
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
         env.update(
             KUBECONFIG=str(kubeconfig),
@@ -56,7 +56,14 @@ class Operator:
             "--liveness",
             f"http://127.0.0.1:{self.port}/healthz",
         ]
-        command += ["--peering", PEERING, "--peering-lifetime", str(LIFETIME_S)]
+        command += [
+            "--peering",
+            PEERING,
+            "--peering-lifetime",
+            str(LIFETIME_S),
+            "--metrics-port",
+            str(self.metrics_port),
+        ]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -71,6 +78,10 @@ class Operator:
                 pass
             assert time.monotonic() < deadline, f"{self.name} did not start: {self.tail()}"
             time.sleep(0.2)
+
+    def active(self) -> float | None:
+        """Its rlfleet_operator_active gauge: 1 while it reconciles, 0 on standby."""
+        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics").get(("rlfleet_operator_active", frozenset()))
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
@@ -124,6 +135,8 @@ def test_two_operators_one_acts_the_other_takes_over_when_it_is_killed(ha_emulat
     both = wait_for("both peers in the peering object", lambda: (p := peers(api)) and len(p) == 2 and p, timeout=20)
     assert both["operator-a"]["priority"] > both["operator-b"]["priority"], "the older replica must lead"
     assert both["operator-a"]["lifetime"] == LIFETIME_S
+    wait_for("the leader's gauge at 1", lambda: leader.active() == 1, timeout=10)
+    wait_for("the standby's gauge at 0", lambda: standby.active() == 0, timeout=10)
 
     apply_example(api, ns, url)
     wait_for("the run's children", lambda: get(api, "Deployment", ns, "arithmetic-cpu-rollout"), timeout=30)
@@ -151,6 +164,7 @@ def test_two_operators_one_acts_the_other_takes_over_when_it_is_killed(ha_emulat
     failover_s = time.monotonic() - killed
     wait_for("progress in status", lambda: get(api, "RLRun", ns, "arithmetic")["status"].get("step") == 1, timeout=20)
     assert writes_by(ha_emulator, "operator-b"), f"the scale came from elsewhere: {standby.tail()}"
+    wait_for("the new leader's gauge at 1", lambda: standby.active() == 1, timeout=10)
     assert "operator-a" not in peers(api), "the dead leader's entry stayed in the peering object"
     print(
         f"failover: the standby applied a change {failover_s:.1f}s after the leader's SIGKILL (lifetime {LIFETIME_S}s)"

@@ -10,10 +10,10 @@ garbage collection and server-side apply) with what the pods of a cluster need f
 - May they: a service account's request is checked against the Roles, ClusterRoles and bindings
   stored in the emulator (the chart's, once applied) by tests/operator/rbac.py, and refused with 403
   when none allows it. Every request is recorded with its user and the verdict (`audit`).
-- Kinds: service accounts, RBAC and the Prometheus monitors besides what the operator uses; the
-  rlfleet kinds and kopf's ClusterKopfPeering are served (and discoverable, which is how kopf finds
-  them) only once their CustomResourceDefinitions are applied, from the CRDs' own names, scope and
-  subresources.
+- Kinds: service accounts, RBAC, the Prometheus monitors and NetworkPolicies (stored, not enforced)
+  besides what the operator uses; the rlfleet kinds and kopf's ClusterKopfPeering are served (and
+  discoverable, which is how kopf finds them) only once their CustomResourceDefinitions are applied,
+  from the CRDs' own names, scope and subresources.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ EXTRA_RESOURCES = {
     "rbac.authorization.k8s.io/v1/clusterroles": ("ClusterRole", False, set()),
     "rbac.authorization.k8s.io/v1/clusterrolebindings": ("ClusterRoleBinding", False, set()),
     "monitoring.coreos.com/v1/podmonitors": ("PodMonitor", True, set()),
+    # stored, not enforced (the box's pod network has no CNI policy engine; tests/chart checks their selectors)
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set()),
     "monitoring.coreos.com/v1/servicemonitors": ("ServiceMonitor", True, set()),
 }
 RBAC_KINDS = {"roles", "rolebindings", "clusterroles", "clusterrolebindings"}

@@ -19,6 +19,7 @@ CHART = REPO / "charts" / "rlfleet"
 # helm/pkg/release/util/kind_sorter.go InstallOrder (the kinds this chart can render, in that order)
 INSTALL_ORDER = [
     "Namespace",
+    "NetworkPolicy",
     "PodDisruptionBudget",
     "ServiceAccount",
     "Secret",
@@ -41,6 +42,7 @@ BUILTIN = {  # kind -> (apiVersion path, plural, namespaced)
     "Service": ("api/v1", "services", True),
     "Pod": ("api/v1", "pods", True),
     "PodDisruptionBudget": ("apis/policy/v1", "poddisruptionbudgets", True),
+    "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies", True),
     "CustomResourceDefinition": ("apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
     "ClusterRole": ("apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
     "ClusterRoleBinding": ("apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
