@@ -1,27 +1,26 @@
-"""Reconciling one object: the steps behind the kopf handlers (handlers.py), written against the API
-adapter so the handlers stay thin. Each function returns what to write on the object (its status,
-and for a pool or tier its metadata) and posts the Events of what changed.
+"""Reconciling one object: the steps behind the kopf handlers (handlers.py), written against the API adapter so the
+handlers stay thin. Each function returns what to write on the object (its status, and for a pool or tier its
+metadata) and posts the Events of what changed.
 
-RLRun: parse and check the spec (invalid: Ready False / Failed True, reason InvalidSpec, a Warning
-Event, nothing applied); check the Secrets its pods need (secrets.py); read progress from its Redis;
-decide its state (lifecycle.py); server-side apply its children (replicas 0 unless active); and, from
-its timer, reconcile every pool and tier of the run, so a change of the run (suspend, completion,
-image, config) reaches them within one resync interval and their status stays current without a
-timer (and so a finalizer) of their own. A finished run past its TTL is deleted.
-InferencePool / RelayTier: the same against the parent run. While the run is missing or invalid, or an
-upstream tier it names is missing, the object waits in phase Pending (Ready False, reason RunNotFound,
-RunNotValid or MissingDependency) and the run's timer reconciles it once that is fixed.
-After a spec change, children the object no longer wants (an ingest whose tokens were removed, a
-pool's Deployment after it became a StatefulSet) are deleted.
+RLRun: parse and check the spec (invalid: Ready False / Failed True, reason InvalidSpec, a Warning Event, nothing
+applied); check the Secrets its pods need (secrets.py); read progress from its Redis; decide its state
+(lifecycle.py); server-side apply its children (replicas 0 unless active); and, from its timer, reconcile every pool
+and tier of the run, so a change of the run (suspend, completion, image, config) reaches them within one resync
+interval and their status stays current without a timer (and so a finalizer) of their own. A finished run past its
+TTL is deleted.
+InferencePool / RelayTier: the same against the parent run. While the run is missing or invalid, or an upstream tier
+it names is missing, the object waits in phase Pending (Ready False, reason RunNotFound, RunNotValid or
+MissingDependency) and the run's timer reconciles it once that is fixed.
+After a spec change, children the object no longer wants (an ingest whose tokens were removed, a pool's Deployment
+after it became a StatefulSet) are deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlfleet.config import InferencePool, RelayTier, RLRun
 from rlfleet.operator import builders, conditions, health, lifecycle, metrics, names, rundefaults, secrets
@@ -193,7 +192,7 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
     namespace, generation = body["metadata"]["namespace"], body["metadata"].get("generation")
     unmade = await rundefaults.make_secrets(ctx.kube, body, filled, ctx.run_defaults) if filled else None
     blocked, secret_data = await secrets.check_secrets(ctx.kube, namespace, secrets.run_secrets(run))
-    blocked = unmade or blocked
+    blocked = unmade or blocked  # a Secret the operator could not make says why before one it cannot find
     progress = None if run.spec.remote else await _progress(secrets.redis_url(run, secret_data), run.metadata.name)
     trainer, pods = {}, []
     if not run.spec.remote:
@@ -215,7 +214,7 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
     children = builders.build_run_children(run, namespace, owner_of(body), ctx.defaults, state.active)
     _live, refused = await apply_children(ctx, body, children)
     if refused and not (seen.blocked or not state.active):  # a child refused: say so where Ready says why
-        seen = dataclasses.replace(seen, blocked=("ApplyFailed", "; ".join(refused)))
+        seen = replace(seen, blocked=("ApplyFailed", "; ".join(refused)))
         state = lifecycle.run_state(run, generation, seen)
     if spec_changed:
         await prune(ctx, body, children)
