@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -161,17 +162,24 @@ def trained_versions(dest: Path, count: int, dtype: str = "float32", lr: float =
 
 
 @contextmanager
-def serving(app: web.Application, host: str = "127.0.0.1", start_timeout: float = 10.0) -> Iterator[str]:
+def serving(
+    app: web.Application,
+    host: str = "127.0.0.1",
+    start_timeout: float = 10.0,
+    ssl_context: ssl.SSLContext | None = None,
+    ca_file: Path | None = None,
+) -> Iterator[str]:
     """Serve `app` on a free port of `host` from a background thread (tests, benchmarks); yield its
-    base URL once `/healthz` answers. On exit the server stops and its thread is joined."""
+    base URL once `/healthz` answers. On exit the server stops and its thread is joined. With `ssl_context`
+    it serves HTTPS only, and `/healthz` is asked with `ca_file` as the CA bundle."""
     port, stop = free_port(), threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, host, port, stop)), daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, host, port, stop, ssl_context)), daemon=True)
     thread.start()
-    url = f"http://{host}:{port}"
+    url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
     deadline = time.monotonic() + start_timeout
     while True:
         try:
-            if requests.get(url + "/healthz", timeout=1).ok:
+            if requests.get(url + "/healthz", timeout=1, verify=str(ca_file) if ca_file else True).ok:
                 break
         except requests.ConnectionError:
             if time.monotonic() > deadline or not thread.is_alive():

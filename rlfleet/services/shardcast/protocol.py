@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -227,14 +228,16 @@ async def send_range(
 SHUTDOWN_TIMEOUT_S = 5.0  # how long a stopping server lets requests in flight finish (aiohttp's default: 60)
 
 
-async def serve_until(app: web.Application, host: str, port: int, stop: threading.Event) -> None:
+async def serve_until(
+    app: web.Application, host: str, port: int, stop: threading.Event, ssl_context: ssl.SSLContext | None = None
+) -> None:
     """Serve `app` on host:port until `stop` is set (the runtime sets it on SIGTERM/SIGINT); requests
-    still in flight then get SHUTDOWN_TIMEOUT_S to finish."""
+    still in flight then get SHUTDOWN_TIMEOUT_S to finish. With `ssl_context`: HTTPS only (wire/tls.py)."""
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
-        log.info("serving on http://%s:%d", host, port)
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+        log.info("serving on %s://%s:%d", "https" if ssl_context else "http", host, port)
         while not stop.is_set():
             await asyncio.sleep(0.2)
     finally:
