@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import ssl
 import subprocess
 import sys
 import threading
@@ -166,16 +165,16 @@ def serving(
     app: web.Application,
     host: str = "127.0.0.1",
     start_timeout: float = 10.0,
-    ssl_context: ssl.SSLContext | None = None,
+    tls_files: tuple[Path, Path] | None = None,
     ca_file: Path | None = None,
 ) -> Iterator[str]:
     """Serve `app` on a free port of `host` from a background thread (tests, benchmarks); yield its
-    base URL once `/healthz` answers. On exit the server stops and its thread is joined. With `ssl_context`
-    it serves HTTPS only, and `/healthz` is asked with `ca_file` as the CA bundle."""
+    base URL once `/healthz` answers. On exit the server stops and its thread is joined. With `tls_files`
+    (certificate, key) it serves HTTPS only, and `/healthz` is asked with `ca_file` as the CA bundle."""
     port, stop = free_port(), threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, host, port, stop, ssl_context)), daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, host, port, stop, tls_files)), daemon=True)
     thread.start()
-    url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
+    url = f"{'https' if tls_files else 'http'}://{host}:{port}"
     deadline = time.monotonic() + start_timeout
     while True:
         try:

@@ -4,7 +4,8 @@ clients (rollout workers, relays, the verifier, `rlfleet join`).
 Servers take a certificate chain and its private key as PEM files (`--tls-cert-file`, `--tls-key-file`; on a
 cluster the operator mounts the `kubernetes.io/tls` Secret named by `tls.secretName`, keys tls.crt and tls.key,
 which is what cert-manager writes). Such a server speaks only TLS on its port: a plain-HTTP request never gets
-an answer (its connection is closed during the handshake).
+an answer (its connection is closed during the handshake); a renewed certificate is loaded while it serves
+(CertificateReloader).
 
 Clients check every https:// server they reach against the CA bundle named by env RLFLEET_TLS_CA_FILE (on a
 cluster the operator mounts the run's spec.tls CA there; `rlfleet join --ca-file` sets it), or the system's
@@ -16,9 +17,11 @@ message that names the bundle in use and how to give the right one.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import logging
 import ssl
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from urllib.parse import SplitResult
@@ -26,6 +29,7 @@ from urllib.parse import SplitResult
 from rlfleet.config import ConfigError
 from rlfleet.wire import env
 
+log = logging.getLogger("rlfleet.tls")
 TLS_CERT_KEY = "tls.crt"  # keys of a kubernetes.io/tls Secret
 TLS_KEY_KEY = "tls.key"
 CA_KEY = "ca.crt"  # key of the CA bundle in its Secret or ConfigMap (cert-manager's and trust-manager's name)
@@ -78,6 +82,49 @@ def server_context(cert_file: str | Path, key_file: str | Path) -> ssl.SSLContex
             [f"--tls-cert-file {cert_file} / --tls-key-file {key_file}: not a PEM certificate and its key ({exc})"],
         ) from None
     return context
+
+
+class CertificateReloader:
+    """Loads a renewed certificate into a serving context. cert-manager renews a Secret in place and the kubelet
+    updates the mounted files (both at once, by a symlink swap); `check` sees that their bytes changed and loads
+    the pair into the same context, so every handshake after it presents the new certificate while open
+    connections keep theirs. The servers call `check` from their own event loop (never beside a handshake in
+    progress), every RELOAD_INTERVAL_S. The bytes read are copied to a private directory and loaded into a
+    scratch context first: OpenSSL replaces a context's certificate before it checks the key, so a pair that
+    does not match (a half-written renewal) must never reach the serving context. Such a pair is logged and
+    tried again at the next check; the previous pair keeps serving."""
+
+    def __init__(self, context: ssl.SSLContext, cert_file: str | Path, key_file: str | Path):
+        self.context, self.cert_file, self.key_file = context, Path(cert_file), Path(key_file)
+        self.loaded = self._digest(self.cert_file.read_bytes(), self.key_file.read_bytes())
+
+    @staticmethod
+    def _digest(cert: bytes, key: bytes) -> bytes:
+        return hashlib.sha256(cert + b"\0" + key).digest()
+
+    def check(self) -> bool:
+        """Load the pair if its files changed since the last load; whether a new pair now serves."""
+        try:
+            cert, key = self.cert_file.read_bytes(), self.key_file.read_bytes()
+            if self._digest(cert, key) == self.loaded:
+                return False
+            with tempfile.TemporaryDirectory(prefix="rlfleet-tls-") as scratch:
+                copies = Path(scratch, "tls.crt"), Path(scratch, "tls.key")
+                copies[0].write_bytes(cert)
+                copies[1].write_bytes(key)
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(*copies)  # a matching pair?
+                self.context.load_cert_chain(*copies)
+        except OSError as exc:  # ssl.SSLError is one
+            log.warning(
+                "certificate %s changed but does not load (%s); still serving the previous one", self.cert_file, exc
+            )
+            return False
+        self.loaded = self._digest(cert, key)
+        log.info("serving the renewed certificate %s", self.cert_file)
+        return True
+
+
+RELOAD_INTERVAL_S = 60.0  # how often a server looks for a renewed certificate (cert-manager renews days early)
 
 
 def server_files(cert_file: Path | None, key_file: Path | None) -> tuple[Path, Path] | None:

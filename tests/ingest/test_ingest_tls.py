@@ -2,7 +2,7 @@
 certificate signed by a CA made in the test: a worker that trusts the CA gets its groups in, a plain-HTTP client
 gets no answer, a worker that trusts another CA (or the system's store), or reaches the server by a name its
 certificate does not carry, fails at once with an error naming the CA bundle and the fix; `rlfleet join` joins
-over HTTPS with --ca-file."""
+over HTTPS with --ca-file; a renewed certificate is served without a restart."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from rlfleet.services.ingest.client import post_group, rollouts_url
 from rlfleet.services.ingest.door import make_door
 from rlfleet.services.rollout.join import JoinOptions, prepare
 from rlfleet.wire import env, tls
-from rlfleet.wire.asgi import BackgroundServer
+from rlfleet.wire.asgi import BackgroundServer, TLSServer
 from rlfleet.wire.streams import RunKeys
 from tests.certs import TestCA
 from tests.ingest.test_ingest import TOKENS, group_bytes
 from tests.ingest.test_join import RELAY, run_bundle
-from tests.support import redis_from_url
+from tests.shardcast.test_shardcast_tls import trusted_by
+from tests.support import redis_from_url, wait_for
 
 RUN = "demo"
 KEYS = RunKeys(RUN)
@@ -134,3 +135,28 @@ def test_a_server_certificate_that_does_not_load_is_an_error_naming_the_flag(tmp
     with pytest.raises(ConfigError, match="give both"):
         tls.server_files(cert, None)
     assert tls.server_files(None, None) is None
+
+
+def test_the_ingest_serves_a_renewed_certificate_without_a_restart(tmp_path, redis_url, monkeypatch):
+    """`rlfleet ingest` runs uvicorn as TLSServer: a renewed pair on disk (cert-manager's) is served to new
+    handshakes, checked from uvicorn's own tick."""
+    old_ca, new_ca = TestCA("old CA"), TestCA("new CA")
+    cert, key = old_ca.issue_files(["127.0.0.1"], tmp_path / "tls")
+    monkeypatch.setattr(tls, "RELOAD_INTERVAL_S", 0.3)
+    client = redis_from_url(redis_url)
+    app, port = make_app(RUN, SPEC, client, TOKENS), free_port()
+    server = TLSServer(server_config(app, SPEC, "127.0.0.1", port, (cert, key)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for("the ingest serving", lambda: server.started, 10)
+        assert trusted_by(port, old_ca.write(tmp_path / "old-ca.crt"))
+        renewed_cert, renewed_key = new_ca.issue(["127.0.0.1"])
+        cert.write_bytes(renewed_cert)
+        key.write_bytes(renewed_key)
+        wait_for("the renewed certificate served", lambda: trusted_by(port, new_ca.write(tmp_path / "new.crt")), 10)
+        assert not trusted_by(port, tmp_path / "old-ca.crt")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        client.close()

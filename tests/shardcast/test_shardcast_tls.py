@@ -2,12 +2,19 @@
 cluster) -> an exposed relay serving HTTPS with a certificate signed by a CA made in the test -> a downstream
 relay (another cluster's tier, following its upstream's long-poll) and clients that verify it with the CA
 bundle in RLFLEET_TLS_CA_FILE. A plain-HTTP client gets no answer from the HTTPS relay; a client or relay that
-trusts another CA fails with an error naming the CA bundle and the fix."""
+trusts another CA fails with an error naming the CA bundle and the fix. A renewed certificate (cert-manager
+rewriting the Secret's files) is served without a restart."""
 
 from __future__ import annotations
 
+import socket
+import ssl
+import time
+from pathlib import Path
+
 import pytest
 import requests
+from cryptography import x509
 
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchError, FetchSettings, fetch_version, wait_for_version
@@ -35,12 +42,12 @@ def test_an_https_relay_serves_clients_and_a_downstream_relay_that_trust_its_ca(
     store, v1 = published
     ca = TestCA()
     monkeypatch.setenv(env.TLS_CA_FILE, str(ca.write(tmp_path / "ca.crt")))
-    exposed = tls.server_context(*ca.issue_files(["127.0.0.1"], tmp_path / "tls"))
+    exposed = ca.issue_files(["127.0.0.1"], tmp_path / "tls")
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
         serving(
             relay.make_app(relay.RelaySettings(origin_url, tmp_path / "exposed", RUN, 3)),
-            ssl_context=exposed,
+            tls_files=exposed,
             ca_file=tmp_path / "ca.crt",
         ) as exposed_url,
         # another cluster's tier: no Redis, it long-polls its https:// upstream (aiohttp) and pulls (Fetcher)
@@ -66,13 +73,13 @@ def test_an_https_relay_serves_clients_and_a_downstream_relay_that_trust_its_ca(
 def test_a_relay_certificate_from_another_ca_fails_with_an_error_naming_the_bundle(tmp_path, published, monkeypatch):
     store, _ = published
     ca, other = TestCA(), TestCA("another CA")
-    exposed = tls.server_context(*ca.issue_files(["127.0.0.1"], tmp_path / "tls"))
+    exposed = ca.issue_files(["127.0.0.1"], tmp_path / "tls")
     monkeypatch.setenv(env.TLS_CA_FILE, str(other.write(tmp_path / "other-ca.crt")))
     with (
         serving(origin.make_app(store, RUN)) as origin_url,
         serving(
             relay.make_app(relay.RelaySettings(origin_url, tmp_path / "exposed", RUN, 3)),
-            ssl_context=exposed,
+            tls_files=exposed,
             ca_file=ca.write(tmp_path / "ca.crt"),
         ) as exposed_url,
         serving(relay.make_app(relay.RelaySettings(exposed_url, tmp_path / "edge", RUN, 3))) as edge_url,
@@ -85,3 +92,47 @@ def test_a_relay_certificate_from_another_ca_fails_with_an_error_naming_the_bund
         answer = requests.get(edge_url + latest_path(RUN), timeout=30)
         assert answer.status_code == 502 and "TLS certificate was not accepted" in answer.text, answer.text
         assert requests.get(edge_url + file_path(RUN, 1, "model.safetensors"), timeout=30).status_code == 502
+
+
+def served_certificate(port: int, ca_file: Path) -> x509.Certificate:
+    """The certificate a server on 127.0.0.1:`port` presents in a new handshake (verified with `ca_file`)."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as conn,
+    ):
+        der = conn.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der)
+
+
+def trusted_by(port: int, ca_file: Path) -> bool:
+    try:
+        served_certificate(port, ca_file)
+    except ssl.SSLCertVerificationError:
+        return False
+    return True
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(tmp_path, published, monkeypatch):
+    """cert-manager renews the Secret and the kubelet swaps the mounted files: new handshakes get the new
+    certificate (this one from another CA, to tell them apart), a half-written pair is skipped until whole."""
+    store, _ = published
+    old_ca, new_ca = TestCA("old CA"), TestCA("new CA")
+    cert, key = old_ca.issue_files(["127.0.0.1"], tmp_path / "tls")
+    monkeypatch.setattr(tls, "RELOAD_INTERVAL_S", 0.5)
+    with serving(
+        origin.make_app(store, RUN), tls_files=(cert, key), ca_file=old_ca.write(tmp_path / "old-ca.crt")
+    ) as url:
+        port = int(url.rsplit(":", 1)[1])
+        first = served_certificate(port, tmp_path / "old-ca.crt")
+        renewed_cert, renewed_key = new_ca.issue(["127.0.0.1"])
+        cert.write_bytes(renewed_cert)  # the key not yet: a pair that does not load keeps the old one serving
+        time.sleep(1.5)
+        assert served_certificate(port, tmp_path / "old-ca.crt") == first
+        key.write_bytes(renewed_key)
+        new_ca_file = new_ca.write(tmp_path / "new-ca.crt")
+        wait_for("the renewed certificate served", lambda: trusted_by(port, new_ca_file), 10)
+        assert served_certificate(port, new_ca_file) != first
+        with pytest.raises(ssl.SSLCertVerificationError):  # the old certificate is gone from new handshakes
+            served_certificate(port, tmp_path / "old-ca.crt")

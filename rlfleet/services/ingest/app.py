@@ -60,6 +60,7 @@ from rlfleet.services.ingest.door import (
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
 from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.wire import components, tls
+from rlfleet.wire.asgi import TLSServer
 from rlfleet.wire.assignment import issue_ticket
 from rlfleet.wire.runtime import ComponentOptions
 from rlfleet.wire.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, group_digest
@@ -394,5 +395,5 @@ def main(options: IngestOptions) -> int:
     tls_files = tls.server_files(options.tls_cert_file, options.tls_key_file)
     scheme = "https" if tls_files else "http"
     log.info("serving the inbox of run %s on %s://%s:%d", ctx.run_name, scheme, options.host, options.port)
-    uvicorn.Server(server_config(app, spec.ingest, options.host, options.port, tls_files)).run()
+    TLSServer(server_config(app, spec.ingest, options.host, options.port, tls_files)).run()  # certificate reloads
     return 0

@@ -188,7 +188,6 @@ def main(options: RelayOptions) -> int:
     # Without Redis (a relay tier of a run trained in another cluster) it follows its upstream's long-poll.
     ctx = component_context(options, components.RELAY, redis_optional=True)
     tls_files = tls.server_files(options.tls_cert_file, options.tls_key_file)
-    ssl_context = tls.server_context(*tls_files) if tls_files else None
     shardcast = ctx.bundle.run.spec.shardcast
     settings = RelaySettings(
         options.upstream,
@@ -199,5 +198,5 @@ def main(options: RelayOptions) -> int:
         max_disk_bytes=options.max_disk_bytes or shardcast.relay_max_disk_bytes,
     )
     app = make_app(settings, redis_client=ctx.redis)
-    asyncio.run(serve_until(app, options.host, options.port, ctx.stop, ssl_context))
+    asyncio.run(serve_until(app, options.host, options.port, ctx.stop, tls_files))
     return 0
