@@ -82,6 +82,14 @@ def _ingest_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help="relay base URL the run document announces (repeatable; overrides spec.ingest.admission.relayUrls)",
     )
+    _tls_server_args(p)
+
+
+def _tls_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tls-cert-file", default=None, type=Path, help="PEM certificate chain: serve HTTPS only (with --tls-key-file)"
+    )
+    p.add_argument("--tls-key-file", default=None, type=Path, help="PEM private key of --tls-cert-file")
 
 
 def _origin_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +111,7 @@ def _relay_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="disk bound of the cache (default spec.shardcast.relayMaxDiskBytes; none: keep-versions only)",
     )
+    _tls_server_args(p)
 
 
 # Each component's own arguments (the names of its options class's fields).
@@ -160,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("join", help="join a run through its ingest and work for it (from the run document URL alone)")
     p.add_argument("url", help="the run document: http(s)://INGEST/v1/RUN")
     p.add_argument("--code", default=None, help="invite code (runs with spec.ingest.admission.mode: invite)")
+    p.add_argument(
+        "--ca-file",
+        default=None,
+        type=Path,
+        help="PEM CA bundle that checks the https:// ingest and relays (default: system store; RLFLEET_TLS_CA_FILE)",
+    )
     p.add_argument("--engine", default=None, choices=["torch", "vllm"], help="default: the first the run admits")
     p.add_argument(
         "--work-dir", default=None, type=Path, help="config, credentials, cache (default ./rlfleet-join-RUN)"
@@ -286,7 +301,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from rlfleet.services.rollout.join import JoinOptions
         from rlfleet.services.rollout.join import main as join_main
 
-        return join_main(JoinOptions(args.url, args.code, args.engine, args.work_dir, args.metrics_port))
+        return join_main(JoinOptions(args.url, args.code, args.engine, args.work_dir, args.metrics_port, args.ca_file))
     if args.command == "operator":
         from rlfleet.operator.handlers import run_operator
         from rlfleet.operator.options import OperatorOptions

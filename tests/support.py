@@ -161,17 +161,24 @@ def trained_versions(dest: Path, count: int, dtype: str = "float32", lr: float =
 
 
 @contextmanager
-def serving(app: web.Application, host: str = "127.0.0.1", start_timeout: float = 10.0) -> Iterator[str]:
+def serving(
+    app: web.Application,
+    host: str = "127.0.0.1",
+    start_timeout: float = 10.0,
+    tls_files: tuple[Path, Path] | None = None,
+    ca_file: Path | None = None,
+) -> Iterator[str]:
     """Serve `app` on a free port of `host` from a background thread (tests, benchmarks); yield its
-    base URL once `/healthz` answers. On exit the server stops and its thread is joined."""
+    base URL once `/healthz` answers. On exit the server stops and its thread is joined. With `tls_files`
+    (certificate, key) it serves HTTPS only, and `/healthz` is asked with `ca_file` as the CA bundle."""
     port, stop = free_port(), threading.Event()
-    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, host, port, stop)), daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(serve_until(app, host, port, stop, tls_files)), daemon=True)
     thread.start()
-    url = f"http://{host}:{port}"
+    url = f"{'https' if tls_files else 'http'}://{host}:{port}"
     deadline = time.monotonic() + start_timeout
     while True:
         try:
-            if requests.get(url + "/healthz", timeout=1).ok:
+            if requests.get(url + "/healthz", timeout=1, verify=str(ca_file) if ca_file else True).ok:
                 break
         except requests.ConnectionError:
             if time.monotonic() > deadline or not thread.is_alive():

@@ -1,5 +1,6 @@
 """Where a run keeps its state and how its checkpoints and groups travel: `spec.redis`, `spec.store`,
-`spec.shardcast`, `spec.ingest`."""
+`spec.shardcast`, `spec.ingest`, and the TLS of what crosses a cluster's edge (`spec.tls`, `tls` of the ingest
+and of a RelayTier)."""
 
 from __future__ import annotations
 
@@ -152,6 +153,45 @@ class ShardcastSpec(Spec):
     )
 
 
+class ServerTLSSpec(Spec):
+    """HTTPS of a server that traffic from outside the cluster reaches: the ingest, a relay tier (cluster only;
+    rlfleet/wire/tls.py)."""
+
+    secret_name: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: name of a Secret of type kubernetes.io/tls (keys tls.crt and tls.key; a "
+        "cert-manager Certificate writes one) with the certificate the server presents. With it the server speaks "
+        "only HTTPS on its port (plain HTTP gets no answer), and its URLs are https://; the certificate's names "
+        "must include every host name clients use (the exposed name, and SERVICE.NAMESPACE.svc for clients in "
+        "this cluster). Empty: plain HTTP.",
+    )
+
+
+class TrustSpec(Spec):
+    """The CA bundle the run's relays and rollout workers in this cluster verify https:// servers with (the
+    ingest, relay tiers, in this cluster or another; cluster only, rlfleet/wire/tls.py)."""
+
+    ca_secret: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: name of a Secret whose key ca.crt is the PEM CA bundle (a cert-manager CA "
+        "issuer's Certificate Secrets carry one). Empty, and no caConfigMap: the image's system trust store.",
+    )
+    ca_config_map: str | None = Field(
+        default=None,
+        pattern=NAME_PATTERN,
+        description="Cluster only: name of a ConfigMap whose key ca.crt is the PEM CA bundle (e.g. a trust-manager "
+        "Bundle); instead of caSecret.",
+    )
+
+    @model_validator(mode="after")
+    def _one_bundle(self) -> TrustSpec:
+        if self.ca_secret and self.ca_config_map:
+            raise ValueError("tls: name the CA bundle once, in caSecret or in caConfigMap, not both")
+        return self
+
+
 class AdmissionSpec(Spec):
     """How a worker gets an ingest token (`POST /v1/{run}/join`, rlfleet/services/ingest/door.py)."""
 
@@ -270,6 +310,10 @@ class IngestSpec(Spec):
     admission: AdmissionSpec = Field(
         default_factory=AdmissionSpec,
         description="Who may join the run through `POST /v1/{run}/join` (modes tokens, open, invite).",
+    )
+    tls: ServerTLSSpec = Field(
+        default_factory=ServerTLSSpec,
+        description="Cluster only: serve HTTPS with the certificate of a kubernetes.io/tls Secret (tls.secretName).",
     )
     resources: ResourcesSpec = resources("250m", "256Mi")
     pod_template: dict[str, Any] | None = pod_template()

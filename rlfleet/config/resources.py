@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, ApiVersion, Metadata, Spec
 from rlfleet.config.evaluation import EvalSpec, eval_problems
-from rlfleet.config.infra import IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
+from rlfleet.config.infra import IngestSpec, RedisSpec, ServerTLSSpec, ShardcastSpec, StoreSpec, TrustSpec
 from rlfleet.config.tasks import LengthPenaltySpec, ModelSpec, TaskSpec
 from rlfleet.config.tracking import TrackingSpec
 from rlfleet.config.training import SamplingSpec, TrainerSpec
@@ -46,6 +46,11 @@ class RLRunSpec(Spec):
     shardcast: ShardcastSpec = Field(default_factory=ShardcastSpec, description="Checkpoint broadcast.")
     ingest: IngestSpec = Field(
         default_factory=IngestSpec, description="HTTP ingest of groups from workers outside the cluster."
+    )
+    tls: TrustSpec = Field(
+        default_factory=TrustSpec,
+        description="Cluster only: the CA bundle the run's relays and rollout workers in this cluster verify https:// "
+        "ingests and relays with (mounted, env RLFLEET_TLS_CA_FILE).",
     )
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec,
@@ -266,6 +271,12 @@ class RelayTierSpec(Spec):
         default=None,
         ge=1,
         description="Versions this tier's relays keep on disk (default: the run's spec.shardcast.keepVersions).",
+    )
+    tls: ServerTLSSpec = Field(
+        default_factory=ServerTLSSpec,
+        description="Serve HTTPS with the certificate of a kubernetes.io/tls Secret (tls.secretName): a tier other "
+        "clusters pull from. Its pools and tiers in this cluster then reach it by https:// and verify it with the "
+        "run's spec.tls CA bundle.",
     )
     resources: ResourcesSpec = resources("250m", "512Mi")
     pod_template: dict[str, Any] | None = pod_template()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from rlfleet.config import RLRun
 from rlfleet.operator import kueue, names, podconfig
+from rlfleet.operator.certificates import server_tls
 from rlfleet.operator.pods import (
     ClusterDefaults,
     Owner,
@@ -193,13 +194,15 @@ def _server_deployment(
     spec,
     mounts: list[dict] | None = None,
     volumes: list[dict] | None = None,
+    https: bool = False,
 ) -> dict:
-    """A one-replica HTTP server of a run (origin, ingest) on the Shardcast port."""
+    """A one-replica HTTP server of a run (origin, ingest) on the Shardcast port (`https`: HTTPS only)."""
     r = run.metadata.name
     port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
     args = ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT), *extra_args]
+    image = defaults.image_for(run, 0)
     main = build_container(
-        run, component, args, defaults.image_for(run, 0), defaults, spec.resources, ports=[port], mounts=mounts
+        run, component, args, image, defaults, spec.resources, ports=[port], mounts=mounts, https=https
     )
     return deployment(
         name,
@@ -247,7 +250,8 @@ def build_ingest_deployment(
     run: RLRun, namespace: str, owner: Owner | None = None, defaults: ClusterDefaults = DEFAULTS, active: bool = True
 ) -> dict:
     """Only when spec.ingest.tokens names the Secret of worker tokens, or spec.ingest.admission admits joins;
-    the tokens Secret and, in mode invite, the invites Secret are mounted into this pod only."""
+    the tokens Secret and, in mode invite, the invites Secret are mounted into this pod only; with
+    spec.ingest.tls.secretName it serves HTTPS from that Secret (certificates.py)."""
     ingest = run.spec.ingest
     tokens, invites, mode = ingest.tokens, ingest.admission.invites, ingest.admission.mode
     if not serves_ingest(run):
@@ -263,18 +267,20 @@ def build_ingest_deployment(
         args += ["--invites-file", f"{names.INGEST_INVITES_DIR}/{names.INGEST_INVITES_KEY}"]
         mounts.append({"name": "ingest-invites", "mountPath": names.INGEST_INVITES_DIR, "readOnly": True})
         volumes.append(secret_volume("ingest-invites", invites, [names.INGEST_INVITES_KEY]))
+    tls_args, tls_mounts, tls_volumes = server_tls(ingest.tls)
     return _server_deployment(
         run,
         names.INGEST,
         names.ingest(run.metadata.name),
-        args,
+        args + tls_args,
         namespace,
         owner,
         defaults,
         active,
         ingest,
-        mounts=mounts,
-        volumes=volumes,
+        mounts=mounts + tls_mounts,
+        volumes=volumes + tls_volumes,
+        https=bool(tls_args),
     )
 
 

@@ -28,6 +28,13 @@ STORE_RULES = [
         "fieldPath": ".uri",
     }
 ]
+# One CA bundle per run (TrustSpec._one_bundle): a Secret or a ConfigMap.
+TLS_RULES = [
+    {
+        "rule": "!has(self.caSecret) || !has(self.caConfigMap)",
+        "message": "name the CA bundle once, in caSecret or in caConfigMap, not both",
+    }
+]
 # A pool's or tier's run is what its children are built from and tied to: moving it would leave them with
 # the old run's owner reference and labels. Delete and re-create it instead.
 RUN_REF_RULES = [{"rule": "self == oldSelf", "message": "spec.run is immutable: delete and re-create the object"}]
@@ -226,6 +233,7 @@ def build_crd(kind: names.KindInfo) -> dict:
     spec = {"type": "object", "description": description, **structural_schema(spec_model)}
     if kind is names.RLRUN:
         spec["properties"]["store"]["x-kubernetes-validations"] = STORE_RULES
+        spec["properties"]["tls"]["x-kubernetes-validations"] = TLS_RULES
     else:
         spec["properties"]["run"]["x-kubernetes-validations"] = RUN_REF_RULES
     scalable = kind is not names.RLRUN

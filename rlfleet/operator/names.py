@@ -59,6 +59,8 @@ INGEST_TOKENS_KEY = "tokens.yaml"  # key inside the ingest tokens Secret
 INGEST_INVITES_DIR = "/var/run/rlfleet/ingest-invites"
 INGEST_INVITES_KEY = "invites.yaml"  # key inside the invites Secret (spec.ingest.admission.invites)
 WORKER_TOKENS_DIR = "/var/run/rlfleet/worker-tokens"  # a pool's workerTokens Secret: one file per pod name
+TLS_DIR = "/var/run/rlfleet/tls"  # a server's kubernetes.io/tls Secret (tls.crt, tls.key): certificates.py
+TLS_CA_DIR = "/var/run/rlfleet/tls-ca"  # the run's CA bundle (ca.crt) in its client pods: certificates.py
 SHM_DIR = "/dev/shm"  # vLLM workers get a memory-backed /dev/shm (the container runtime's default is 64 MiB)
 
 # The pod's own name, from the downward API (rlfleet's own variables are named in rlfleet/wire/env.py).
@@ -128,8 +130,8 @@ def relay(tier: str) -> str:
     return f"{tier}-{RELAY}"
 
 
-def service_url(service: str, namespace: str, port: int = SHARDCAST_PORT) -> str:
-    return f"http://{service}.{namespace}.svc:{port}"
+def service_url(service: str, namespace: str, port: int = SHARDCAST_PORT, https: bool = False) -> str:
+    return f"{'https' if https else 'http'}://{service}.{namespace}.svc:{port}"
 
 
 def trainer_master_addr(run: str, namespace: str) -> str:

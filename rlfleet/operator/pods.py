@@ -159,12 +159,12 @@ def torch_env(component: str) -> list[dict]:
 ENGINE_HEALTH = (names.ROLLOUT, names.VERIFIER)
 
 
-def _probes(component: str, http_port: str | None) -> dict:
+def _probes(component: str, http_port: str | None, https: bool = False) -> dict:
     if http_port:
         port, path = http_port, "/healthz"
     else:
         port, path = "metrics", "/healthz" if component in ENGINE_HEALTH else "/metrics"
-    get = {"httpGet": {"path": path, "port": port}, "timeoutSeconds": 5}
+    get = {"httpGet": {"path": path, "port": port, **({"scheme": "HTTPS"} if https else {})}, "timeoutSeconds": 5}
     startup_failures = 90 if component == names.ROLLOUT else 30  # x 10 s
     return {
         "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": startup_failures},
@@ -197,8 +197,10 @@ def build_container(
     extra_env: list[dict] | None = None,
     mounts: list[dict] | None = None,
     redis: bool = True,
+    https: bool = False,
 ) -> dict:
-    """The `rlfleet <component>` container with the launcher's arguments, on the fixed pod ports."""
+    """The `rlfleet <component>` container with the launcher's arguments, on the fixed pod ports; `https`: its
+    first port serves only HTTPS (certificates.py), so the probes on it ask with scheme HTTPS."""
     c = {
         "name": component,
         "image": image,
@@ -220,7 +222,7 @@ def build_container(
             *(mounts or []),
         ],
         "securityContext": deepcopy(dict(defaults.container_security)),
-        **_probes(component, ports[0]["name"] if ports else None),
+        **_probes(component, ports[0]["name"] if ports else None, https),
     }
     if defaults.pull_policy:
         c["imagePullPolicy"] = defaults.pull_policy

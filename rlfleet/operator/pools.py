@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from rlfleet.config import InferencePool, RelayTier, RLRun
 from rlfleet.operator import kueue, names, podconfig
+from rlfleet.operator.certificates import client_trust
 from rlfleet.operator.pods import (
     ClusterDefaults,
     Owner,
@@ -75,6 +76,8 @@ def build_rollout_workload(
     args = ["--worker-id", f"$({names.ENV_POD_NAME})", "--pool", n]
     args += [*sum((["--relay-url", u] for u in relay_urls), []), "--cache-dir", f"{names.CACHE_DIR}/rollout"]
     token_env, mounts, volumes = _worker_identity(pool)
+    ca_env, ca_mounts, ca_volumes = client_trust(run)  # an https:// ingest or relay: verified with the run's CA
+    mounts, volumes = mounts + ca_mounts, volumes + ca_volumes
     if spec.engine == "vllm":
         mounts.append({"name": "dshm", "mountPath": names.SHM_DIR})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}})
@@ -88,7 +91,7 @@ def build_rollout_workload(
         gpus=spec.gpus,
         gpu_resource=spec.gpu_resource,
         pool=pool,
-        extra_env=token_env,
+        extra_env=token_env + ca_env,
         mounts=mounts,
         redis=not spec.ingest_url,
     )

@@ -17,6 +17,7 @@ from rlfleet.config.tracking import WANDB_API_KEY_KEY
 from rlfleet.operator import names
 from rlfleet.operator.credentials import HUB_TOKEN_KEY
 from rlfleet.operator.kube import Forbidden, Kube, NotFound
+from rlfleet.wire import tls
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,9 @@ class SecretNeed:
 
 def run_secrets(run: RLRun) -> list[SecretNeed]:
     spec = run.spec
-    if spec.remote:  # this cluster runs only relays and pools: the public key at most
-        needs = []
+    ca = [SecretNeed(spec.tls.ca_secret, "spec.tls.caSecret", (tls.CA_KEY,))] if spec.tls.ca_secret else []
+    if spec.remote:  # this cluster runs only relays and pools: the public key and the CA bundle at most
+        needs = ca
         if spec.shardcast.signing_key_secret and not spec.shardcast.public_key:
             needs.append(
                 SecretNeed(spec.shardcast.signing_key_secret, "spec.shardcast.signingKeySecret", ("public-key",))
@@ -57,7 +59,10 @@ def run_secrets(run: RLRun) -> list[SecretNeed]:
     if admission.mode == "invite" and admission.invites:
         field = "spec.ingest.admission.invites"
         needs.append(SecretNeed(admission.invites, field, (names.INGEST_INVITES_KEY,)))
-    return needs
+    served = spec.ingest.tls.secret_name if spec.ingest.tokens or admission.mode != "tokens" else None
+    if served:  # the ingest's certificate (a Deployment only when it serves, builders.serves_ingest)
+        needs.append(SecretNeed(served, "spec.ingest.tls.secretName", (tls.TLS_CERT_KEY, tls.TLS_KEY_KEY)))
+    return needs + ca
 
 
 def pool_secrets(pool: InferencePool) -> list[SecretNeed]:

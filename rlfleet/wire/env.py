@@ -19,6 +19,7 @@ PUBLIC_KEY = "RLFLEET_PUBLIC_KEY"  # manifest verification key, overrides spec.s
 SIGNING_KEY_FILE = "RLFLEET_SIGNING_KEY_FILE"  # the trainer's private signing key (PEM file)
 WORKER_TOKEN = "RLFLEET_WORKER_TOKEN"  # a remote worker's ingest token
 WORKER_TOKEN_FILE = "RLFLEET_WORKER_TOKEN_FILE"  # ... or the file holding it (a pod's key of the pool's Secret)
+TLS_CA_FILE = "RLFLEET_TLS_CA_FILE"  # PEM CA bundle https:// servers are verified with (wire/tls.py)
 TORCH_THREADS = "RLFLEET_TORCH_THREADS"  # intra-op threads of torch (the launcher sets 1; pods: their CPU request)
 LOCAL = "RLFLEET_LOCAL"  # set by `rlfleet run`: bind /metrics to 127.0.0.1 only
 LOG_LEVEL = "RLFLEET_LOG_LEVEL"

@@ -411,6 +411,11 @@ def test_multicluster_examples_wire_cluster_b_to_cluster_a(chart):
     assert relay_host in edge["spec"]["upstreamUrl"]
     assert ingest_host in pool["spec"]["ingestUrl"] and pool["spec"]["workerTokens"]
     assert run_b["spec"]["remote"] and "redis" not in run_b["spec"], "cluster B's pods never see a Redis URL"
+    # what crosses the WAN is HTTPS: A's ingest and exposed tier serve it, B's URLs say it and B trusts their CA
+    exposed = [t for t in by_kind(a, "RelayTier") if t["metadata"]["name"] == tier]
+    assert run_a["spec"]["ingest"]["tls"]["secretName"] and exposed[0]["spec"]["tls"]["secretName"]
+    assert edge["spec"]["upstreamUrl"].startswith("https://") and pool["spec"]["ingestUrl"].startswith("https://")
+    assert run_b["spec"]["tls"]["caSecret"]
     assert not [o for o in b if "redis" in o["metadata"]["name"]]
 
 

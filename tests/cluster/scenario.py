@@ -43,9 +43,9 @@ class Kubectl:
         self.apps = kubernetes.client.AppsV1Api(self.client)
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
 
-    def secret(self, name: str, data: dict[str, str]) -> None:
-        """kubectl create secret generic NAME --from-literal=k=v ..."""
-        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": data}
+    def secret(self, name: str, data: dict[str, str], kind: str = "Opaque") -> None:
+        """kubectl create secret generic NAME --from-literal=k=v ... (`kind` kubernetes.io/tls: `create secret tls`)"""
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "type": kind, "stringData": data}
         self.core.create_namespaced_secret(self.ns, body)
 
     def read_secret(self, name: str) -> dict[str, str]:

@@ -3,7 +3,10 @@ examples/multicluster/cluster-a-values.yaml (trainer, verifier, origin, Redis, t
 tiers, the ingest and tier 1 exposed through LoadBalancer Services and their external-dns names);
 cluster b with cluster-b-values.yaml (a remote run: its relay tier pulls from a's exposed relay, its pool
 posts to a's exposed ingest with a token per pod, and holds no Redis credentials). The link between the
-two bridges is shaped to 200 Mbit/s each way with tbf.
+two bridges is shaped to 200 Mbit/s each way with tbf. What crosses it is HTTPS, as the example sets up: a's
+ingest and exposed relay tier serve it from kubernetes.io/tls Secrets whose certificates a CA made here
+signed (tests/certs.py: what cert-manager's CA issuer would write), b's relays and workers verify them with
+that CA (spec.tls.caSecret), and a plain-HTTP client gets no answer from either.
 
 Changes to the example values for the box, each said where it is made: CPU workers (no GPUs, no GPU node
 selector), fewer and shorter (steps, batch, replicas), the S3 endpoint of the box, the node's model cache
@@ -25,6 +28,8 @@ import importlib.util
 import ipaddress
 import re
 import secrets
+import socket
+import ssl
 import time
 
 import pytest
@@ -35,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlfleet.operator import names
 from rlfleet.services.toploc.reputation import worker_stats
 from rlfleet.wire.streams import RunKeys
+from tests.certs import TestCA
 from tests.cluster.inabox import Box, helm
 from tests.cluster.inabox.images import REPO, VLLM_CPU
 from tests.cluster.inabox.netns import PortForward
@@ -55,6 +61,11 @@ from tests.cluster.scenario import (
 )
 
 RUN, POOL, EDGE = "arithmetic", "arithmetic-gpu", "arithmetic-edge"
+# cluster a's kubernetes.io/tls Secrets (examples/multicluster/cluster-a-values.yaml) and the names they carry
+EXPOSED = {
+    "arithmetic-ingest-tls": ["ingest.cluster-a.example.com", f"{RUN}-ingest.{NS}.svc"],
+    "arithmetic-relay-tls": ["relay.cluster-a.example.com", f"{RUN}-tier1-relay.{NS}.svc"],
+}
 STEPS, WORKERS = 20, 2
 WAN = "200mbit"
 RESYNC = [{"name": "RLFLEET_RESYNC_INTERVAL", "value": "3"}]
@@ -144,6 +155,11 @@ def clusters(request, tmp_path_factory):
         ka, kb = Kubectl(a), Kubectl(b)
         password = cluster_secrets(ka, box.root)
         tokens = {f"{POOL}-rollout-{i}": secrets.token_hex(24) for i in range(WORKERS)}
+        ca = TestCA()
+        for name, hosts in EXPOSED.items():  # the example's names: the public host and the in-cluster Service
+            cert, key = ca.issue(hosts)
+            ka.secret(name, {"tls.crt": cert.decode(), "tls.key": key.decode()}, "kubernetes.io/tls")
+        kb.secret("arithmetic-ca", {"ca.crt": ca.pem.decode()})
         ka.secret("arithmetic-ingest-tokens", {"tokens.yaml": yaml.safe_dump(tokens)})
         signing_secret(kb, box.root, private=False)  # b verifies manifests; it never signs
         kb.secret("arithmetic-gpu-tokens", tokens)
@@ -152,6 +168,7 @@ def clusters(request, tmp_path_factory):
         auditor = Auditor(run_redis(a, password), RUN)
         auditor.start()
         started = time.monotonic()
+        wan = wan_answers(box, a, ca.write(box.root / "ca.crt"))
         wait_for(f"RLRun {RUN} Complete in cluster a", lambda: complete(ka, RUN), timeout=600, every=2)
         seconds = time.monotonic() - started
         time.sleep(2)  # what is in flight lands
@@ -160,7 +177,7 @@ def clusters(request, tmp_path_factory):
         gate = worker_stats(run_redis(a, password), RunKeys(RUN))  # the verifier's per-worker counters
         yield {"engine": engine, "gate": gate,
                "a": a, "b": b, "ka": ka, "kb": kb, "auditor": auditor, "link": box.link_bytes(link), "edge": edge,
-               "seconds": seconds, "tokens": tokens, "password": password}  # fmt: skip
+               "seconds": seconds, "tokens": tokens, "password": password, "wan": wan}  # fmt: skip
         ka.close()
         kb.close()
 
@@ -212,3 +229,60 @@ def test_5_a_run_trains_in_cluster_a_on_rollouts_from_cluster_b_through_its_rela
         f"checkpoints across it and sent {sent:.0f} to {len(workers)} workers"
     )
     assert a_to_b <= 1.3 * received, "the link carried one copy of each version (and protocol overhead)"
+
+
+def https_status(port: int, hostname: str, ca_file, path: str = "/healthz") -> int:
+    """The HTTP status of GET `path` over TLS to 127.0.0.1:`port`, the certificate verified with `ca_file` for
+    `hostname` (the name cluster b uses; the port forward stands in for the WAN)."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=hostname) as conn,
+    ):
+        conn.sendall(f"GET {path} HTTP/1.1\r\nHost: {hostname}\r\nConnection: close\r\n\r\n".encode())
+        return int(conn.recv(64).split()[1])
+
+
+def wan_answers(box, a, ca_file) -> dict[str, dict[str, object]]:
+    """How a's exposed ingest and relay answer, per public name, while the run is on (a finished run's pods are
+    gone): HTTPS verified with the example's CA (the status of /healthz), plain HTTP, and TLS with another CA
+    (the exception each raised). Through a port forward to the pod, which stands in for the WAN."""
+    other_ca = TestCA("another CA").write(box.root / "other-ca.crt")
+    answers: dict[str, dict[str, object]] = {}
+    for hostname, workload in (("ingest.cluster-a.example.com", f"{RUN}-ingest"),
+                               ("relay.cluster-a.example.com", "arithmetic-tier1-relay")):  # fmt: skip
+
+        def https_ok() -> bool:
+            pods = [p for p in a.runner.all_pods() if p.owner[1] == workload]
+            if not pods:
+                return False
+            forward = PortForward(pods[0].host.netns, pods[0].host.ip, names.SHARDCAST_PORT)
+            box.forwards.append(forward)
+            try:
+                answers[hostname] = {"https": https_status(forward.port, hostname, ca_file), "port": forward.port}
+            except OSError:  # not serving yet
+                return False
+            return True
+
+        wait_for(f"{hostname} serving HTTPS", https_ok, timeout=300, every=1)
+        port = answers[hostname]["port"]
+        for kind, attempt in (
+            ("plain", lambda: requests.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code),
+            ("other CA", lambda: https_status(port, hostname, other_ca)),
+        ):
+            try:
+                answers[hostname][kind] = attempt()
+            except Exception as exc:  # what a client gets is the point: recorded, asserted by the test
+                answers[hostname][kind] = exc
+    return answers
+
+
+def test_5_what_crosses_the_wan_is_https_and_a_plain_http_client_is_refused(clusters):
+    for hostname, answers in clusters["wan"].items():
+        assert answers["https"] == 200, (hostname, answers)
+        assert isinstance(answers["plain"], requests.ConnectionError), (hostname, answers)  # no answer at all
+        assert isinstance(answers["other CA"], ssl.SSLCertVerificationError), (hostname, answers)
+    # so the run that completed (test_5_a_run_trains...) reached a over HTTPS only; b's relay pod says so too
+    edge = one_pod(clusters["b"], f"{EDGE}-relay")
+    assert "--upstream https://relay.cluster-a.example.com:8080" in " ".join(edge.container["args"])
+    assert {"name": "RLFLEET_TLS_CA_FILE", "value": "/var/run/rlfleet/tls-ca/ca.crt"} in edge.container["env"]

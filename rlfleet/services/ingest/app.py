@@ -59,7 +59,8 @@ from rlfleet.services.ingest.door import (
 )
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
 from rlfleet.services.toploc.reputation import is_banned
-from rlfleet.wire import components
+from rlfleet.wire import components, tls
+from rlfleet.wire.asgi import TLSServer
 from rlfleet.wire.assignment import issue_ticket
 from rlfleet.wire.runtime import ComponentOptions
 from rlfleet.wire.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, group_digest
@@ -348,8 +349,13 @@ def ingest_redis(url: str, spec: IngestSpec) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=t, socket_connect_timeout=t, retry=Retry(NoBackoff(), 0))
 
 
-def server_config(app: FastAPI, spec: IngestSpec, host: str, port: int) -> uvicorn.Config:
-    """uvicorn settings of the ingest: bounded connections and per-request deadlines (limits.py)."""
+def server_config(
+    app: FastAPI, spec: IngestSpec, host: str, port: int, tls_files: tuple[Path, Path] | None = None
+) -> uvicorn.Config:
+    """uvicorn settings of the ingest: bounded connections and per-request deadlines (limits.py); with
+    `tls_files` (certificate chain, key) it serves only HTTPS (rlfleet/wire/tls.py)."""
+    if tls_files:
+        tls.server_context(*tls_files)  # a missing or mismatched file: an error naming the flag, not a traceback
     return uvicorn.Config(
         app,
         host=host,
@@ -358,6 +364,8 @@ def server_config(app: FastAPI, spec: IngestSpec, host: str, port: int) -> uvico
         http=guarded_protocol(spec.request_timeout_seconds),
         limit_concurrency=spec.max_connections,
         timeout_keep_alive=5,
+        ssl_certfile=str(tls_files[0]) if tls_files else None,
+        ssl_keyfile=str(tls_files[1]) if tls_files else None,
     )
 
 
@@ -368,6 +376,8 @@ class IngestOptions(ComponentOptions):
     tokens_file: Path | None = None  # overrides spec.ingest.tokensFile
     invites_file: Path | None = None  # overrides spec.ingest.admission.invitesFile
     relay_urls: list[str] = field(default_factory=list)  # override spec.ingest.admission.relayUrls (`rlfleet run`)
+    tls_cert_file: Path | None = None  # with tls_key_file: serve HTTPS only (a cluster: spec.ingest.tls.secretName)
+    tls_key_file: Path | None = None
 
 
 def main(options: IngestOptions) -> int:
@@ -383,6 +393,8 @@ def main(options: IngestOptions) -> int:
     door = make_door(ctx.bundle.run, client, str(invites) if invites else None, options.relay_urls)
     tokens = load_tokens(tokens_file) if tokens_file else {}
     app = make_app(ctx.run_name, spec.ingest, client, tokens, door)
-    log.info("serving the inbox of run %s on %s:%d", ctx.run_name, options.host, options.port)
-    uvicorn.Server(server_config(app, spec.ingest, options.host, options.port)).run()
+    tls_files = tls.server_files(options.tls_cert_file, options.tls_key_file)
+    scheme = "https" if tls_files else "http"
+    log.info("serving the inbox of run %s on %s://%s:%d", ctx.run_name, scheme, options.host, options.port)
+    TLSServer(server_config(app, spec.ingest, options.host, options.port, tls_files)).run()  # certificate reloads
     return 0

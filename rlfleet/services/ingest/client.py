@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import requests
 
+from rlfleet.wire import tls
+
 log = logging.getLogger("rlfleet.ingest.client")
 
 ROLLOUTS_PATH = "/v1/{run}/rollouts"
@@ -69,8 +71,11 @@ def _post_until(
                 data=body,
                 timeout=60,
                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+                verify=tls.requests_verify(),  # per request: a session's `verify` loses to env REQUESTS_CA_BUNDLE
             )
         except (requests.ConnectionError, requests.Timeout) as exc:
+            if tls.untrusted(exc):  # a certificate that does not verify: resending cannot help
+                raise RuntimeError(f"ingest {url}: {tls.describe(exc)}") from None
             log.warning("ingest %s unreachable (%s); resending in %.1fs", url, exc, backoff)
             wait(backoff)
             backoff = min(max_wait, backoff * 2)
@@ -100,7 +105,8 @@ def post_group(
 
     408/429/5xx wait (Retry-After, else backoff up to `max_wait`) and resend; a connection error or a
     timeout waits and resends too; `on_wait(seconds)` is told of each wait. Any other refusal (401, 403
-    banned, 413, 422) raises: resending cannot help.
+    banned, 413, 422) raises, as does an https:// ingest whose certificate does not verify (wire/tls.py):
+    resending cannot help.
     """
     resp = _post_until(session, url, token, body, stop, (202,), max_wait, on_wait)
     return None if resp is None else resp.json()["id"]

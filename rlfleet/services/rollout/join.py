@@ -27,7 +27,7 @@ import yaml
 
 from rlfleet.config import API_VERSION, ConfigError
 from rlfleet.services.ingest.client import join_url
-from rlfleet.wire import env
+from rlfleet.wire import env, tls
 
 POOL = "joined"  # the InferencePool of the written config
 
@@ -39,6 +39,7 @@ class JoinOptions:
     engine: str | None = None  # default: the first engine the run admits
     work_dir: Path | None = None  # default ./rlfleet-join-RUN
     metrics_port: int = 0
+    ca_file: Path | None = None  # the CA bundle an https:// ingest and the relays are checked with (wire/tls.py)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -60,9 +61,9 @@ def _fail(what: str, resp: requests.Response) -> ConfigError:
 
 def fetch_document(url: str) -> dict:
     try:
-        resp = requests.get(url, timeout=30)
+        resp = requests.get(url, timeout=30, verify=tls.requests_verify())
     except requests.RequestException as exc:
-        raise ConfigError(url, [f"rlfleet join: cannot reach the ingest: {exc}"]) from None
+        raise ConfigError(url, [f"rlfleet join: cannot reach the ingest: {tls.describe(exc)}"]) from None
     if resp.status_code != 200:
         raise _fail("rlfleet join: no run document", resp)
     try:
@@ -77,7 +78,7 @@ def fetch_document(url: str) -> dict:
 def join_run(base: str, run: str, code: str | None, engine: str) -> dict:
     """POST the join; the ingest's answer (worker_id, token, probation) or ConfigError with its detail."""
     body = {"engine": engine, **({"code": code} if code else {})}
-    resp = requests.post(join_url(base, run), json=body, timeout=30)
+    resp = requests.post(join_url(base, run), json=body, timeout=30, verify=tls.requests_verify())
     if resp.status_code != 201:
         hint = f" (retry after {resp.headers['Retry-After']} s)" if "Retry-After" in resp.headers else ""
         raise _fail(f"rlfleet join: the ingest refused the join{hint}", resp)
@@ -101,6 +102,9 @@ def worker_config(document: dict, base: str, engine: str) -> str:
 def prepare(options: JoinOptions) -> tuple[Path, dict, dict]:
     """Steps 1-3 (module docstring): (config path, the run document, credentials {worker_id, token, ...})."""
     base, run = split_url(options.url)
+    if options.ca_file is not None:  # this process's every https:// connection (the worker's too) checks with it
+        os.environ[env.TLS_CA_FILE] = str(options.ca_file.resolve())
+        tls.ca_file()  # a missing file: an error naming it, before anything is contacted
     document = fetch_document(options.url)
     engines = document.get("engines") or ["torch"]
     engine = options.engine or engines[0]

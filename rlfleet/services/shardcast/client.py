@@ -71,6 +71,7 @@ from rlfleet.services.shardcast.sources import (
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, allocate, install
 from rlfleet.versions.checkpoint import ChecksumError, version_dir_name
 from rlfleet.versions.manifest import COMPLETE_MARKER, MANIFEST_NAME, FileEntry, Manifest, Shard, parse_manifest
+from rlfleet.wire import tls
 
 log = logging.getLogger("rlfleet.shardcast.client")
 
@@ -133,8 +134,7 @@ class Fetcher:
         if conn is None:
             if not parts.hostname:
                 raise ValueError(f"shardcast source {base!r}: no host in the URL (http://HOST:PORT)")
-            kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-            conn = conns[base] = kind(parts.hostname, parts.port, timeout=READ_TIMEOUT)
+            conn = conns[base] = tls.http_connection(parts, READ_TIMEOUT)  # https: verified (wire/tls.py)
             with self._lock:
                 self._conns.append(conn)
         return conn, parts.path.rstrip("/")
@@ -196,8 +196,8 @@ class Fetcher:
             except FetchError:  # stopped or out of time (a TimeoutError, so an OSError too)
                 raise
             except RETRYABLE as exc:
-                self.last_error = f"{what} from {url}: {exc}"
-                log.debug("retrying: %s", self.last_error)
+                self.last_error = f"{what} from {url}: {tls.describe(exc)}"
+                log.log(tls.level(exc), "retrying: %s", self.last_error)
                 self.sources.failure(url)
                 tried.add(url)
             if len(tried) >= len(self.sources.urls):

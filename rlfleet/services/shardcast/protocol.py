@@ -25,11 +25,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import BinaryIO
 
 from aiohttp import web
+
+from rlfleet.wire import tls
 
 log = logging.getLogger("rlfleet.shardcast")
 
@@ -227,15 +231,24 @@ async def send_range(
 SHUTDOWN_TIMEOUT_S = 5.0  # how long a stopping server lets requests in flight finish (aiohttp's default: 60)
 
 
-async def serve_until(app: web.Application, host: str, port: int, stop: threading.Event) -> None:
+async def serve_until(
+    app: web.Application, host: str, port: int, stop: threading.Event, tls_files: tuple[Path, Path] | None = None
+) -> None:
     """Serve `app` on host:port until `stop` is set (the runtime sets it on SIGTERM/SIGINT); requests
-    still in flight then get SHUTDOWN_TIMEOUT_S to finish."""
+    still in flight then get SHUTDOWN_TIMEOUT_S to finish. With `tls_files` (certificate chain, key): HTTPS
+    only, a renewed pair loaded while serving (wire/tls.py)."""
+    context = tls.server_context(*tls_files) if tls_files else None
+    reloader = tls.CertificateReloader(context, *tls_files) if context and tls_files else None
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
-        log.info("serving on http://%s:%d", host, port)
+        await web.TCPSite(runner, host, port, ssl_context=context).start()
+        log.info("serving on %s://%s:%d", "https" if context else "http", host, port)
+        checked = time.monotonic()
         while not stop.is_set():
             await asyncio.sleep(0.2)
+            if reloader and time.monotonic() - checked > tls.RELOAD_INTERVAL_S:  # on this loop: no handshake beside it
+                reloader.check()
+                checked = time.monotonic()
     finally:
         await runner.cleanup()

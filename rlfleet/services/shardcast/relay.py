@@ -51,7 +51,7 @@ from rlfleet.services.shardcast.relay_cache import (
     VersionGone,
 )
 from rlfleet.versions.manifest import MANIFEST_NAME, ManifestError, parse_manifest
-from rlfleet.wire import components
+from rlfleet.wire import components, tls
 from rlfleet.wire.runtime import ComponentOptions
 
 RELAY = web.AppKey(components.RELAY, Relay)
@@ -176,6 +176,8 @@ class RelayOptions(ComponentOptions):
     host: str = "127.0.0.1"  # bind address (0.0.0.0 in a pod)
     keep_versions: int | None = None  # overrides spec.shardcast.keepVersions (a RelayTier's keepVersions)
     max_disk_bytes: int | None = None  # overrides spec.shardcast.relayMaxDiskBytes
+    tls_cert_file: Path | None = None  # with tls_key_file: serve HTTPS only (a cluster: the RelayTier's tls.secretName)
+    tls_key_file: Path | None = None
 
 
 def main(options: RelayOptions) -> int:
@@ -185,6 +187,7 @@ def main(options: RelayOptions) -> int:
 
     # Without Redis (a relay tier of a run trained in another cluster) it follows its upstream's long-poll.
     ctx = component_context(options, components.RELAY, redis_optional=True)
+    tls_files = tls.server_files(options.tls_cert_file, options.tls_key_file)
     shardcast = ctx.bundle.run.spec.shardcast
     settings = RelaySettings(
         options.upstream,
@@ -195,5 +198,5 @@ def main(options: RelayOptions) -> int:
         max_disk_bytes=options.max_disk_bytes or shardcast.relay_max_disk_bytes,
     )
     app = make_app(settings, redis_client=ctx.redis)
-    asyncio.run(serve_until(app, options.host, options.port, ctx.stop))
+    asyncio.run(serve_until(app, options.host, options.port, ctx.stop, tls_files))
     return 0

@@ -52,6 +52,7 @@ from rlfleet.services.shardcast.sources import BACKOFF_MAX, BACKOFF_START, CONNE
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
 from rlfleet.versions.chain import dir_retained
 from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
+from rlfleet.wire import tls
 from rlfleet.wire.streams import MessageError, RunKeys, decode_json, stream_entries, stream_reply
 
 log = logging.getLogger("rlfleet.shardcast.relay")
@@ -71,9 +72,8 @@ FETCH_SECONDS = Histogram(
     "Seconds to pull and verify one version from upstream",
     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
 )
-
-
 FOLLOW_WAIT = 30  # seconds one long-poll of upstream may hang
+FOLLOW_TIMEOUT = aiohttp.ClientTimeout(total=FOLLOW_WAIT + 30)
 
 
 class VersionGone(LookupError):
@@ -199,7 +199,7 @@ class Relay:
     def open_upstream(self) -> None:
         """Open the session for probes and `latest` (event-loop thread, at start)."""
         timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT)
-        self.http = aiohttp.ClientSession(timeout=timeout)
+        self.http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(ssl=tls.client_context()))
 
     async def ask_upstream(self, path: str) -> bytes | None:
         """The body of a GET of `path` upstream, None on HTTP 404; FetchError for anything else."""
@@ -209,7 +209,7 @@ class Relay:
             async with self.http.get(self.upstream + path) as r:
                 body = await r.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise FetchError(f"upstream {self.upstream} did not answer {path}: {exc!r}") from None
+            raise FetchError(f"upstream {self.upstream} did not answer {path}: {tls.describe(exc)}") from None
         if r.status not in (200, 404):
             raise FetchError(f"upstream {self.upstream} answered {path} with HTTP {r.status}: {body[:200]!r}")
         return body if r.status == 200 else None
@@ -377,7 +377,8 @@ class Relay:
         """Long-poll upstream's `latest?after=N` and prefetch each newer version, until cancelled
         (the relay's announcements when it has no policy stream to read)."""
         pause = BACKOFF_START
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FOLLOW_WAIT + 30)) as session:
+        https = aiohttp.TCPConnector(ssl=tls.client_context())  # an https:// upstream is verified (wire/tls.py)
+        async with aiohttp.ClientSession(timeout=FOLLOW_TIMEOUT, connector=https) as session:
             while True:
                 after = max([*self.held(), *self._pulls, -1 if self.board.newest is None else self.board.newest])
                 try:
@@ -394,6 +395,6 @@ class Relay:
                     log.info("upstream offers v%d; prefetching", version)
                     self.prefetch(version)
                 except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-                    log.debug("long-poll of %s: %s; again in %.1f s", self.upstream, exc, pause)
+                    log.log(tls.level(exc), "long-poll %s: %s; again in %.1fs", self.upstream, tls.describe(exc), pause)
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, BACKOFF_MAX)

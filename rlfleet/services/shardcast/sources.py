@@ -15,6 +15,7 @@ import requests
 from rlfleet.services.shardcast.protocol import latest_path
 from rlfleet.versions.checkpoint import ChecksumError, ManifestError
 from rlfleet.versions.signing import SignatureError
+from rlfleet.wire import tls
 
 log = logging.getLogger("rlfleet.shardcast.client")
 
@@ -132,6 +133,7 @@ def wait_for_version(
                     base + latest_path(run),
                     params={"after": str(after), "wait": f"{hold:.3f}"},
                     timeout=(CONNECT_TIMEOUT, hold + READ_TIMEOUT),
+                    verify=tls.requests_verify(),  # per request: a session's `verify` loses to REQUESTS_CA_BUNDLE
                 )
                 if r.status_code == 200 and int(r.json()["version"]) > after:
                     return int(r.json()["version"])
@@ -140,7 +142,8 @@ def wait_for_version(
                     continue
                 raise HTTPStatusError(f"HTTP {r.status_code}: {r.text[:200].strip()}")
             except (requests.RequestException, HTTPStatusError, ValueError, KeyError) as exc:
-                log.debug("long-poll of %s failed: %s", base, exc)
+                log.log(tls.level(exc), "long-poll of %s: %s", base,
+                        tls.describe(exc))  # fmt: skip
                 i += 1
                 if i % len(base_urls) == 0:
                     (stop or threading.Event()).wait(min(pause, max(0.0, deadline - time.monotonic())))

@@ -16,7 +16,7 @@ kubelet would.
   with the same volumes and environment.
 - Restart (restartPolicy Always): back-off 10 s doubling to 300 s while the container keeps failing
   (reset once it ran 10 minutes); CrashLoopBackOff while it waits; restartCount counts restarts.
-- Probes (httpGet, tcpSocket) from the node to the pod's IP: the startup probe gates the others;
+- Probes (httpGet, HTTP or HTTPS; tcpSocket) from the node to the pod's IP: the startup probe gates the others;
   liveness failing failureThreshold times restarts the container; readiness sets Ready.
 - Stop: SIGTERM to the process group, SIGKILL after terminationGracePeriodSeconds.
 One container per pod (what the operator and the chart build); init containers and sidecars are refused.
@@ -388,9 +388,8 @@ def check(pod: Pod, spec: dict) -> bool:
     try:
         if "httpGet" in spec:
             get = spec["httpGet"]
-            status, _ = netns.http_get(
-                pod.host.netns, pod.host.ip, port_number(pod, get["port"]), get.get("path", "/"), timeout
-            )
+            port, https = port_number(pod, get["port"]), get.get("scheme", "HTTP") == "HTTPS"
+            status, _ = netns.http_get(pod.host.netns, pod.host.ip, port, get.get("path", "/"), timeout, https)
             return 200 <= status < 400
         if "tcpSocket" in spec:
             netns.connect(pod.host.netns, pod.host.ip, port_number(pod, spec["tcpSocket"]["port"]), timeout).close()

@@ -14,6 +14,7 @@ import ctypes
 import http.client
 import os
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 
@@ -74,17 +75,19 @@ def listen(netns: str, host: str, port: int) -> socket.socket:
 
 
 class _Connection(http.client.HTTPConnection):
-    def __init__(self, netns: str, host: str, port: int, timeout: float):
+    def __init__(self, netns: str, host: str, port: int, timeout: float, https: bool = False):
         super().__init__(host, port, timeout=timeout)
-        self.netns = netns
+        self.netns, self.https = netns, https
 
     def connect(self) -> None:
         self.sock = connect(self.netns, self.host, self.port, self.timeout)
+        if self.https:  # as the kubelet's HTTPS probes: TLS, the certificate not verified
+            self.sock = ssl._create_unverified_context().wrap_socket(self.sock, server_hostname=self.host)
 
 
-def http_get(netns: str, host: str, port: int, path: str, timeout: float) -> tuple[int, bytes]:
-    """(status, body) of GET http://host:port/path from inside `netns`; OSError when it cannot connect."""
-    conn = _Connection(netns, host, port, timeout)
+def http_get(netns: str, host: str, port: int, path: str, timeout: float, https: bool = False) -> tuple[int, bytes]:
+    """(status, body) of GET http(s)://host:port/path from inside `netns`; OSError when it cannot connect."""
+    conn = _Connection(netns, host, port, timeout, https)
     try:
         conn.request("GET", path, headers={"User-Agent": "kube-probe/inabox"})
         response = conn.getresponse()
