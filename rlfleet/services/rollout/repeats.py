@@ -1,6 +1,6 @@
 """Groups a worker does not send: those whose content (streams.group_digest) the trainer already trained.
 
-The trainer drops such a repeat unread (trainer/batches.py), after the verifier has spent a check on it; late in
+The trainer would drop such a repeat (trainer/batches.py), after the verifier had spent a check on it; late in
 a run most groups of solved prompts are repeats (a peaked policy samples the same completions again). A worker
 with Redis asks the trained set first, one ZMSCORE per batch of groups, and counts what it holds back in the
 run's `repeats` hash (rlfleet/wire/repeats.py), which the trainer folds into each step's sampled reward: the
