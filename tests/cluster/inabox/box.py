@@ -150,6 +150,14 @@ class Box:
         with self._lock:
             return self.tb.connect(a.site, b.site, rate)
 
+    def outside(self, name: str, cluster: Cluster, rate=None) -> Site:
+        """A site of machines outside every cluster (the internet's), routed to `cluster`'s bridge; a host on
+        it (`new_host`) is in no cluster: it resolves only the names `set_names` gives it (`public_names`)."""
+        with self._lock:
+            site = self.tb.site(name)
+            self.tb.connect(cluster.site, site, rate)
+        return site
+
     def link_bytes(self, link) -> tuple[int, int]:
         """(bytes a sent to b, bytes b sent to a) over a WAN link so far, from its interfaces' counters."""
         import json
