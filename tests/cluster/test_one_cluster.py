@@ -11,6 +11,7 @@ the reason where podman or the images are missing)."""
 
 from __future__ import annotations
 
+import base64
 import time
 
 import pytest
@@ -108,7 +109,9 @@ def trained(a, k):
 
 
 def test_1_the_chart_installs_and_the_operator_runs_as_its_deployment(a):
-    for obj in a.rendered:
+    hooks = helm.hooks(a.rendered, "pre-delete")  # run by `helm uninstall`, never created by the install
+    assert [o["kind"] for o in hooks] == ["Job"], "the chart's uninstall hook (charts/rlfleet/templates)"
+    for obj in (o for o in a.rendered if o not in hooks):
         prefix, plural, namespaced = BUILTIN[obj["kind"]]
         ns = f"namespaces/{obj['metadata'].get('namespace', NS)}/" if namespaced else ""
         url = f"{a.api.url}/{prefix}/{ns}{plural}/{obj['metadata']['name']}"
@@ -122,10 +125,18 @@ def test_1_the_chart_installs_and_the_operator_runs_as_its_deployment(a):
     argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().rstrip("\0").split("\0")
     assert argv[-len(container["args"]) :] == container["args"], argv  # `rlfleet operator` with the chart's args
     fields = {"metadata.namespace": NS, "metadata.name": pod["name"]}  # what the kubelet resolves a fieldRef to
+
+    def secret_value(ref: dict) -> str:  # a secretKeyRef as the kubelet resolves it (the chart's Redis password)
+        url = f"{a.api.url}/api/v1/namespaces/{NS}/secrets/{ref['name']}"
+        return base64.b64decode(requests.get(url, timeout=10).json()["data"][ref["key"]]).decode()
+
     for item in container["env"]:
-        field_path = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        source = item.get("valueFrom", {})
+        field_path = source.get("fieldRef", {}).get("fieldPath")
         expected = item.get("value", fields.get(field_path))
-        assert expected is not None, item  # a value, or a fieldRef this test knows
+        if "secretKeyRef" in source:
+            expected = secret_value(source["secretKeyRef"])
+        assert expected is not None, item  # a value, a fieldRef this test knows or a Secret's key
         assert environ.get(item["name"]) == expected, item["name"]
     assert environ["KUBERNETES_SERVICE_HOST"] == a.api.host.ip  # in-cluster login, over TLS, as its account
     calls = a.api.calls_of(OPERATOR_SA)
