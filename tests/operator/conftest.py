@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -24,6 +25,24 @@ CHART_ENV = {
     "RLFLEET_IMAGE_PULL_SECRETS": "regcred",
 }
 STARTUP_TIMEOUT_S = 60
+
+
+def wait_until_healthy(process, port: int, log: Path, name: str) -> None:
+    """Until the operator `process` answers /healthz on `port`; fails with its log's tail if it exits first or
+    takes longer than STARTUP_TIMEOUT_S."""
+    def tail() -> str:  # read only for a failure's message
+        return log.read_text(errors="replace")[-3000:] if log.exists() else ""
+
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        assert process.poll() is None, f"{name} exited: {tail()}"
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, f"{name} did not start: {tail()}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")
@@ -85,16 +104,7 @@ def api(emulator, operator_log, operator_metrics, tmp_path_factory):
             env=env,
         )
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert process.poll() is None, f"rlfleet operator exited: {operator_log.read_text()[-3000:]}"
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, f"rlfleet operator did not start: {operator_log.read_text()[-3000:]}"
-            time.sleep(0.2)
+        wait_until_healthy(process, port, operator_log, "rlfleet operator")
         yield emulator.url
     finally:
         process.terminate()

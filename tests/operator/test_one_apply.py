@@ -28,7 +28,7 @@ from rlfleet.operator.options import OperatorOptions
 from rlfleet.versions.signing import public_key_text
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.operator.cluster import EmulatedCluster
-from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, STARTUP_TIMEOUT_S
+from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, wait_until_healthy
 from tests.operator.kubectl import apply_example, create, example, get, url_of
 from tests.operator.rbac import denied
 from tests.support import CHART, redis_from_url, render_chart, wait_for
@@ -69,16 +69,7 @@ def cluster(guarded_redis, tmp_path_factory):
         with open(log_path, "ab") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                assert process.poll() is None, f"the operator exited: {log_path.read_text()[-3000:]}"
-                try:
-                    if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                assert time.monotonic() < deadline, f"the operator did not start: {log_path.read_text()[-3000:]}"
-                time.sleep(0.2)
+            wait_until_healthy(process, port, log_path, "the operator")
             assert PASSWORD not in log_path.read_text(), "the operator logged the Redis password"
             yield emulated, emulated.url
         finally:

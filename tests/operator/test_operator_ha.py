@@ -23,7 +23,7 @@ from rlfleet.operator import peering
 from rlfleet.operator.options import OperatorOptions
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.operator.cluster import EmulatedCluster
-from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, STARTUP_TIMEOUT_S
+from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, wait_until_healthy
 from tests.operator.kubectl import apply_example, get, patch, redis_db
 from tests.operator.rbac import denied
 from tests.support import CHART, redis_from_url, render_chart, scrape, wait_for
@@ -68,16 +68,7 @@ class Operator:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_started(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert self.process.poll() is None, f"{self.name} exited: {self.tail()}"
-            try:
-                if requests.get(f"http://127.0.0.1:{self.port}/healthz", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, f"{self.name} did not start: {self.tail()}"
-            time.sleep(0.2)
+        wait_until_healthy(self.process, self.port, self.log, self.name)
 
     def active(self) -> float | None:
         """Its rlfleet_operator_active gauge: 1 while it reconciles, 0 on standby."""
