@@ -30,6 +30,7 @@ STARTUP_TIMEOUT_S = 60
 def wait_until_healthy(process, port: int, log: Path, name: str) -> None:
     """Until the operator `process` answers /healthz on `port`; fails with its log's tail if it exits first or
     takes longer than STARTUP_TIMEOUT_S."""
+
     def tail() -> str:  # read only for a failure's message
         return log.read_text(errors="replace")[-3000:] if log.exists() else ""
 
