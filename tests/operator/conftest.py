@@ -46,6 +46,16 @@ def wait_until_healthy(process, port: int, log: Path, name: str) -> None:
         time.sleep(0.2)
 
 
+def stop_operator(process) -> None:
+    """SIGTERM the operator `process` (kopf lets go of its handlers), SIGKILL it if it is still up after 15 s."""
+    process.terminate()
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture(scope="session")
 def emulator():
     with EmulatedCluster() as emulated:
@@ -108,12 +118,7 @@ def api(emulator, operator_log, operator_metrics, tmp_path_factory):
         wait_until_healthy(process, port, operator_log, "rlfleet operator")
         yield emulator.url
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_operator(process)
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from rlfleet.operator.options import OperatorOptions
 from rlfleet.versions.signing import public_key_text
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.operator.cluster import EmulatedCluster
-from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, wait_until_healthy
+from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, stop_operator, wait_until_healthy
 from tests.operator.kubectl import apply_example, create, example, get, url_of
 from tests.operator.rbac import denied
 from tests.support import CHART, redis_from_url, render_chart, wait_for
@@ -73,12 +73,7 @@ def cluster(guarded_redis, tmp_path_factory):
             assert PASSWORD not in log_path.read_text(), "the operator logged the Redis password"
             yield emulated, emulated.url
         finally:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_operator(process)
 
 
 def secret_data(api, ns, name) -> dict[str, str] | None:

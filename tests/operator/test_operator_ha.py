@@ -23,7 +23,7 @@ from rlfleet.operator import peering
 from rlfleet.operator.options import OperatorOptions
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.operator.cluster import EmulatedCluster
-from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, wait_until_healthy
+from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, stop_operator, wait_until_healthy
 from tests.operator.kubectl import apply_example, get, patch, redis_db
 from tests.operator.rbac import denied
 from tests.support import CHART, redis_from_url, render_chart, scrape, wait_for
@@ -79,12 +79,7 @@ class Operator:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            stop_operator(self.process)
 
 
 @pytest.fixture
