@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,16 @@ def has_data(result: list[dict]) -> bool:
     return any(math.isfinite(float(value)) for series in result for _, value in series["values"])
 
 
+def scraped_at(target: dict) -> float:
+    """A target's last scrape as Unix seconds (Prometheus writes RFC 3339 with nanoseconds; 0 before any)."""
+    stamp = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", target["lastScrape"])
+    if stamp is None:
+        return 0.0
+    whole, fraction, zone = stamp.groups()
+    seconds = datetime.fromisoformat(whole + ("+00:00" if zone == "Z" else zone)).timestamp()
+    return seconds + float(fraction or 0)
+
+
 def launch(run_dir: Path) -> tuple[subprocess.Popen, Path]:
     stderr = run_dir.parent / "run.stderr"
     argv = [sys.executable, "-m", "rlfleet.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"]
@@ -155,6 +166,15 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus_scraping_a_lo
         start = time.time()
         metrics = run_dir / "metrics.jsonl"
         wait_for("8 steps", 600, proc, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 8)
+        # Eight steps can take under two scrape intervals: a rate window needs two samples taken after the progress,
+        # so wait until every target has been scraped a whole $__rate_interval after the eighth step was seen.
+        progressed = time.time() + 4 * SCRAPE_INTERVAL_S
+        wait_for(
+            "a scrape of every target 4 intervals after the 8th step",
+            120,
+            proc,
+            lambda: all(scraped_at(t) >= progressed for t in api(url, "/api/v1/targets")["activeTargets"]),
+        )
         targets = api(url, "/api/v1/targets")["activeTargets"]
         assert {t["labels"]["job"] for t in targets} == {"origin", "relay", "verifier", "rollout", "trainer"}
         assert all(t["health"] == "up" for t in targets), [(t["labels"]["pod"], t["lastError"]) for t in targets]
