@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.config import Bundle, ConfigError, load_bundle
+from rlfleet.local.forking import Preload
 from rlfleet.local.plan import Process, check_local_size, endpoints, join_url, plan, redis_env
 from rlfleet.local.progress import BuildProgress, Progress, startup_status
 from rlfleet.local.prometheus import LocalPrometheus, write_targets
@@ -214,7 +215,10 @@ class LocalRun:
             except RuntimeError as exc:
                 print(f"rlfleet: --prometheus: {exc}; the run goes on without it", file=sys.stderr)
         comps = [p.component() for p in self.processes]
-        started = Started(Supervisor([redis_comp, *comps], environ), redis=redis_comp, trainer=comps[-1])
+        preload = Preload(p.kind for p in self.processes)
+        started = Started(
+            Supervisor([redis_comp, *comps], environ, preload=preload), redis=redis_comp, trainer=comps[-1]
+        )
         if self.interrupts.requested:
             print("rlfleet: interrupted before the run started", file=sys.stderr)
             return 130
@@ -283,6 +287,8 @@ class LocalRun:
         supervisor, interrupts = run.supervisor, self.interrupts
         proc = supervisor.start(run.redis)
         url = supervisor.environ[env.REDIS_URL]
+        if supervisor.preload is not None:
+            supervisor.preload.load(supervisor.environ)  # while Redis starts: the components are forked from here
         try:
             wait_until_ready(url, proc, run.redis.log, cancelled=lambda: interrupts.requested)
         except RuntimeError:

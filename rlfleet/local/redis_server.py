@@ -19,9 +19,13 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import redis
+
+if TYPE_CHECKING:
+    from rlfleet.local.forking import ForkedProcess
 
 
 def free_port() -> int:
@@ -67,7 +71,11 @@ def write_acl_file(path: Path, text: str) -> Path:
 
 
 def wait_until_ready(
-    url: str, proc: subprocess.Popen, log: Path, timeout: float = 20.0, cancelled: Callable[[], bool] = lambda: False
+    url: str,
+    proc: subprocess.Popen | ForkedProcess,
+    log: Path,
+    timeout: float = 20.0,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> None:
     """Block until the server at `url` answers PING (it loads its append-only file first), or
     `cancelled()` turns true."""

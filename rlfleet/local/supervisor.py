@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlfleet.local.forking import ForkedProcess, Preload, forkable
+
 STOP_GRACE_S = 20  # inside a pod's default 30 s; the vLLM engine needs up to 15 s to stop
 
 
@@ -50,7 +52,7 @@ class Component:
     env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
     done_on_success: bool = False  # exit 0 means finished (trainer ranks): never restarted
     stop_last: bool = False  # a service the others use until they exit (Redis): stopped after them
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProcess | None = None
     started_at: float = 0.0
     restart_at: float | None = None  # when an exited component is due to start again
     restarts: int = 0
@@ -65,13 +67,18 @@ class Supervisor:
     """Starts, restarts and stops the components of one run (see the module docstring for the policy)."""
 
     def __init__(self, comps: list[Component], environ: dict[str, str], policy: RestartPolicy = RestartPolicy(),
-                 say: Callable[[str], None] | None = None):  # fmt: skip
+                 say: Callable[[str], None] | None = None, preload: Preload | None = None):  # fmt: skip
         self.comps, self.environ, self.policy = comps, environ, policy
+        self.preload = preload  # once loaded, components are forked from it (rlfleet/local/forking.py)
         self.say = say or (lambda text: print(f"rlfleet: {text}", file=sys.stderr, flush=True))
 
-    def start(self, comp: Component) -> subprocess.Popen:
+    def start(self, comp: Component) -> subprocess.Popen | ForkedProcess:
         """Start `comp`, its output appended to its log; its process."""
         comp.log.parent.mkdir(parents=True, exist_ok=True)
+        if self.preload is not None and self.preload.ready and forkable(comp.argv):
+            comp.proc = self.preload.start(comp.argv, {**self.environ, **comp.env}, comp.log)
+            comp.started_at, comp.restart_at = time.monotonic(), None
+            return comp.proc
         with open(comp.log, "ab") as log:
             proc = comp.proc = subprocess.Popen(
                 comp.argv,
@@ -132,7 +139,7 @@ class Supervisor:
                 _signal_group(comp.proc, signal.SIGKILL)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | ForkedProcess, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -73,11 +73,12 @@ def seconds_by_part(samples: list[dict[tuple[str, frozenset], float]], name: str
 
 
 def component_pids(run_dir: Path, *words: str) -> list[int]:
-    """Live processes started for this run (their command line names its config copy), read from /proc."""
+    """Live processes started for this run (their command line names its config copy), read from /proc. A component
+    forked by the launcher shows its command line as one string, spaces between the arguments (forking.py)."""
     pids = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+            argv = cmdline.read_bytes().decode(errors="replace").replace("\0", " ").split()
             state = (cmdline.parent / "stat").read_text().split(") ", 1)[1][0]
         except (OSError, IndexError):
             continue  # the process ended while we looked
