@@ -36,21 +36,26 @@ def answers(port: int) -> bool:
         return False
 
 
-def test_a_forked_origin_serves_in_its_own_session_with_its_environment_and_stops_on_sigterm(tmp_path, redis_url):
+def forked_origin(tmp_path: Path, redis_url: str) -> tuple[Component, Supervisor, int]:
+    """The example's origin as a launcher plans it (its Redis URL and store only in the environment given), on a
+    supervisor that forks it from a Preload of the origin's code; and its port."""
     config = tmp_path / "rlrun.yaml"
     shutil.copyfile(REPO / "examples" / "arithmetic" / "rlrun.yaml", config)  # names no spec.redis.url
-    before = dict(os.environ)
-    # Without the launcher's environment the origin would stop: no Redis URL in the file, none in this process's.
-    assert env.REDIS_URL not in os.environ
     environ = {**os.environ, env.REDIS_URL: redis_url, env.STORE_URI: f"file://{tmp_path / 'store'}"}
     preload = Preload([ORIGIN])
     preload.load(environ)
-    assert preload.ready and "rlfleet.services.shardcast.origin" in sys.modules
-    assert dict(os.environ) == before  # imported under the components' environment, and this one given back
-
     port = free_port()
     comp = Component(ORIGIN, origin_argv(config, port), tmp_path / "logs" / "origin.log")
-    sup = Supervisor([comp], environ, FAST, say=lambda _: None, preload=preload)
+    return comp, Supervisor([comp], environ, FAST, say=lambda _: None, preload=preload), port
+
+
+def test_a_forked_origin_serves_in_its_own_session_with_its_environment_and_stops_on_sigterm(tmp_path, redis_url):
+    before = dict(os.environ)
+    # Without the launcher's environment the origin would stop: no Redis URL in the file, none in this process's.
+    assert env.REDIS_URL not in os.environ
+    comp, sup, port = forked_origin(tmp_path, redis_url)
+    assert sup.preload is not None and sup.preload.ready and "rlfleet.services.shardcast.origin" in sys.modules
+    assert dict(os.environ) == before  # imported under the components' environment, and this one given back
     proc = sup.start(comp)
     assert isinstance(proc, ForkedProcess)
     wait_for("the forked origin's health answer", lambda: answers(port), timeout=30)
@@ -76,15 +81,7 @@ def test_a_forked_component_exits_with_the_status_and_message_exec_gives(tmp_pat
 
 
 def test_a_killed_forked_component_reports_the_signal_and_is_started_again(tmp_path, redis_url):
-    config = tmp_path / "rlrun.yaml"
-    shutil.copyfile(REPO / "examples" / "arithmetic" / "rlrun.yaml", config)
-    environ = {**os.environ, env.REDIS_URL: redis_url, env.STORE_URI: f"file://{tmp_path / 'store'}"}
-    preload = Preload([ORIGIN])
-    preload.load(environ)
-    port = free_port()
-    comp = Component(ORIGIN, origin_argv(config, port), tmp_path / "origin.log")
-    said: list[str] = []
-    sup = Supervisor([comp], environ, FAST, say=said.append, preload=preload)
+    comp, sup, port = forked_origin(tmp_path, redis_url)
     first = sup.start(comp)
     wait_for("the first start", lambda: answers(port), timeout=30)
     first.send_signal(signal.SIGKILL)
