@@ -44,10 +44,13 @@ def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, seconds: f
 def assert_steps_accounted_for(records: list[dict]) -> None:
     """Every record's split names every part; the parts add up to the run's step seconds within 5%, and to each
     step's within 5% but for at most 5% of the steps (at least one); the coarse fields are sums of its parts;
-    consecutive steps tile the run (from one record's wall_seconds to the next is the next's step).
+    consecutive steps tile the run: from one record's wall_seconds to the next is the next's step, over the whole
+    run within 5%, and pair by pair within 5% but for the same few.
 
-    Why a few steps may miss: a step of 0.2 s on a loaded machine is off by 5% when the process is descheduled
-    for 10 ms between two parts. A part left out of the split misses on every step that runs it."""
+    Why a few steps may miss: a step of 0.1 s on a loaded machine is off by 5% when the process is descheduled
+    (or collects garbage) for 5 ms between two clock readings. A part left out of the split, or time spent
+    between steps outside any step, misses on every step that runs it."""
+    allowed = max(1, len(records) // 20)
     missed = []
     for r in records:
         assert set(r["split"]) == set(SPLIT_PARTS), r["step"]
@@ -55,16 +58,24 @@ def assert_steps_accounted_for(records: list[dict]) -> None:
         total = sum(r["split"].values())
         if abs(total - r["step_seconds"]) > 0.05 * r["step_seconds"]:
             missed.append((r["step"], total, r["step_seconds"]))
-    assert len(missed) <= max(1, len(records) // 20), missed
+    assert len(missed) <= allowed, missed
     split_total, step_total = sum(sum(r["split"].values()) for r in records), sum(r["step_seconds"] for r in records)
     assert abs(split_total - step_total) <= 0.05 * step_total, (split_total, step_total)
     for r in records:
         for coarse, parts in (("wait", WAIT_PARTS), ("compute", COMPUTE_PARTS), ("publish", PUBLISH_PARTS)):
             assert r[f"{coarse}_seconds"] == pytest.approx(sum(r["split"][p] for p in parts)), (r["step"], coarse)
+    # wall_seconds is read just before eval and the end of the step: a step's eval can fall on either side.
+    evals = sum(r["split"]["eval"] for r in records)
+    between = records[-1]["wall_seconds"] - records[0]["wall_seconds"]
+    tiled = sum(r["step_seconds"] for r in records[1:])
+    assert abs(between - tiled) <= 0.05 * tiled + evals, (between, tiled, evals)
+    untiled = []
     for before, after in zip(records, records[1:]):
-        between = after["wall_seconds"] - before["wall_seconds"]  # wall_seconds is read just before eval and the end
+        between = after["wall_seconds"] - before["wall_seconds"]
         slack = 0.05 * after["step_seconds"] + before["split"]["eval"] + after["split"]["eval"]
-        assert abs(between - after["step_seconds"]) <= slack, (before, after)
+        if abs(between - after["step_seconds"]) > slack:
+            untiled.append((after["step"], between, after["step_seconds"]))
+    assert len(untiled) <= allowed, untiled
 
 
 def seconds_by_part(samples: list[dict[tuple[str, frozenset], float]], name: str, parts: tuple[str, ...]) -> dict:
