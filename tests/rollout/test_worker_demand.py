@@ -12,9 +12,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rlfleet.config import load_bundle
+from rlfleet.services.rollout import main as rollout_main
 from rlfleet.services.rollout.main import RolloutOptions, Worker
 from rlfleet.services.rollout.repeats import unrepeated
 from rlfleet.services.shardcast.origin import make_app
+from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.versions.store import open_store
@@ -134,4 +136,23 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
     assert tally.take(redis_client.hgetall(keys.repeats)) == {}, "each repeat is counted once"
     assert len(unrepeated(worker.reader, ctx, sent[:2])) == 1
     assert tally.take(redis_client.hgetall(keys.repeats))[""].groups == 1 and tally.total_groups() == 3
+    # The worker asks before it builds proofs: a repeat costs its sampling, never its proofs (the digest does not
+    # cover them). The real build_proofs_many, counted.
+    built: list[int] = []
+
+    def counted(activations, *args, **kwargs):
+        built.append(len(activations))
+        return build_proofs_many(activations, *args, **kwargs)
+
+    monkeypatch.setattr(rollout_main, "build_proofs_many", counted)
+    work = [(sent[0].task_id, 7, None), (sent[2].task_id, 8, None)]
+    first = worker.make_groups(work)
+    assert len(first) == 2 and built == [4], "two groups of 2 samples, one vectorised pass"
+    assert all(len(s.proofs) == 2 for g in first for s in g.samples), "a prompt chunk and a decode chunk each"
+    redis_client.zadd(keys.trained, {group_digest(first[0]): 3})
+    before = repeats()
+    again = worker.make_groups(work)  # the same seeds on the same version: the same completions
+    assert [group_digest(g) for g in again] == [group_digest(first[1])] and repeats() - before == 1
+    assert built == [4, 2], "proofs built for the one group sent"
+    assert [s.proofs for s in again[0].samples] == [s.proofs for s in first[1].samples]
     worker.engine.close()

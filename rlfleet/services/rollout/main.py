@@ -17,7 +17,8 @@ POSTs each group to the run's ingest with its own token (env RLFLEET_WORKER_TOKE
 by RLFLEET_WORKER_TOKEN_FILE; rlfleet/services/ingest/) and learns of new versions by long-polling
 its relays' `latest?after=N` instead of reading the policy stream.
 
-A worker with Redis sends no group whose content the trainer already trained (repeats.py).
+A worker with Redis sends no group whose content the trainer already trained (repeats.py), and builds no
+proofs for one.
 
 Backpressure, checked before each batch (`room`): the worker pauses while the inbox holds more than
 `maxPending` groups (the verifier deletes what it has handled, so XLEN is the backlog; an ingest worker
@@ -274,8 +275,9 @@ class Worker(WorkSource):
         return None, min(room, self.max_pending + 1 - queued)
 
     def make_groups(self, work: list[tuple[str, int, int | None]]) -> list[RolloutGroup]:
-        """The groups of `work` ((task id, group seed, ticket) each, next_work's), sampled in ONE engine
-        call, so every group records the one version that produced all of them."""
+        """The groups of `work` ((task id, group seed, ticket) each, next_work's) to send, sampled in ONE engine
+        call, so every group records the one version that produced all of them; repeats of trained work are
+        held back (repeats.py) before any proof is built."""
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
         problems, kept = [], []
         for piece in work:
@@ -300,17 +302,8 @@ class Worker(WorkSource):
         versions = {gen.version for gens in batch for gen in gens}
         if len(versions) != 1:  # the engine seam's invariant; a group claiming one version must hold only its tokens
             raise RuntimeError(f"one engine call produced versions {sorted(versions)}: the engine broke its contract")
-        with LAPS.part("proofs"):
-            proofs = build_proofs_many(  # every sample of the batch in one vectorised pass
-                [gen.hidden for gens in batch for gen in gens],
-                prompt_len=[len(p) for p, gens in zip(prompts, batch) for _ in gens],
-                decode_batching_size=toploc.decode_batching_size,
-                topk=toploc.topk,
-            )
-        groups, at = [], 0
+        drafts: list[tuple[RolloutGroup, list]] = []  # each group (its proofs not built yet) and its generations
         for (_, _, ticket), problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
-            group_proofs = proofs[at : at + len(gens)]
-            at += len(gens)
             texts = [completion_text(self.loaded.tokenizer, g.completion_ids, self.loaded.stop_ids) for g in gens]
             try:
                 with LAPS.part("reward"):
@@ -320,22 +313,38 @@ class Worker(WorkSource):
                             problem.task_id, exc)  # fmt: skip
                 continue
             samples = []
-            for gen, sample_proofs, reward in zip(gens, group_proofs, rewards):
-                samples.append(Sample(gen.completion_ids, gen.logprobs, sample_proofs, reward, gen.finish_reason))
+            for gen, reward in zip(gens, rewards):
+                samples.append(Sample(gen.completion_ids, gen.logprobs, [], reward, gen.finish_reason))
                 TOKENS.inc(len(gen.completion_ids))
-            groups.append(
-                RolloutGroup(
-                    task_id=problem.task_id,
-                    worker_id=self.worker_id,
-                    policy_version=gens[0].version,  # the version that produced the tokens, not one swapped in since
-                    prompt_ids=prompt_ids,
-                    sampling=q,
-                    samples=samples,
-                    engine=self.loaded.name,
-                    ticket=ticket,
-                )
+            group = RolloutGroup(
+                task_id=problem.task_id,
+                worker_id=self.worker_id,
+                policy_version=gens[0].version,  # the version that produced the tokens, not one swapped in since
+                prompt_ids=prompt_ids,
+                sampling=q,
+                samples=samples,
+                engine=self.loaded.name,
+                ticket=ticket,
             )
-        return groups
+            drafts.append((group, gens))
+        # Repeats of trained work are held back before their proofs are built: a group's digest is its prompt,
+        # sampling and completions, never its proofs, and late in a run most groups sampled are repeats.
+        fresh = {id(g) for g in unrepeated(self.reader, self.ctx, [g for g, _ in drafts])}
+        drafts = [(g, gens) for g, gens in drafts if id(g) in fresh]
+        proofs: list[list[bytes]] = []
+        if drafts:
+            with LAPS.part("proofs"):
+                proofs = build_proofs_many(  # every sample to send in one vectorised pass
+                    [gen.hidden for _, gens in drafts for gen in gens],
+                    prompt_len=[len(g.prompt_ids) for g, gens in drafts for _ in gens],
+                    decode_batching_size=toploc.decode_batching_size,
+                    topk=toploc.topk,
+                )
+        at = 0
+        for group, _ in drafts:
+            for sample in group.samples:
+                sample.proofs, at = proofs[at], at + 1
+        return [g for g, _ in drafts]
 
     def send(self, group: RolloutGroup) -> bool:
         """XADD `group` to the inbox or POST it to the ingest; False if stopped while the ingest held it back."""
@@ -368,7 +377,7 @@ class Worker(WorkSource):
             work = self.take_work(room)
             if work is None:
                 return  # stopped while the ingest held a ticket back
-            for group in unrepeated(self.reader, self.ctx, self.make_groups(work)):
+            for group in self.make_groups(work):
                 if not self.send(group):
                     return  # stopped while the ingest held it back
 

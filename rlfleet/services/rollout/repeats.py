@@ -2,10 +2,11 @@
 
 The trainer would drop such a repeat (trainer/batches.py), after the verifier had spent a check on it; late in
 a run most groups of solved prompts are repeats (a peaked policy samples the same completions again). A worker
-with Redis asks the trained set first, one ZMSCORE per batch of groups, and counts what it holds back in the
-run's `repeats` hash (rlfleet/wire/repeats.py), which the trainer folds into each step's sampled reward: the
-reward the policy samples, repeats included. A worker behind an ingest has no Redis: it sends every group, and
-the trainer drops the repeats as before.
+with Redis asks the trained set first, one ZMSCORE per batch of groups, before it builds their proofs (the
+digest never covers proofs), and counts what it holds back in the run's `repeats` hash
+(rlfleet/wire/repeats.py), which the trainer folds into each step's sampled reward: the reward the policy
+samples, repeats included. A worker behind an ingest has no Redis: it sends every group, and the trainer drops
+the repeats as before.
 """
 
 from __future__ import annotations
