@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlfleet.versions.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from rlfleet.versions.manifest import MANIFEST_NAME
 
 PEFT_PREFIX = "base_model.model."
 _REFUSED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out", "modules_to_save": "modules_to_save"}
@@ -133,10 +134,13 @@ def load_adapted(version_dir: Path, base_dir: Path, dtype: str = "float32", devi
 
 def version_signature(version_dir: Path) -> str:
     """A digest of every file of a whole version but its weights and manifest (config, generation config,
-    tokenizer): two versions with the same signature differ in their weights only."""
+    tokenizer): two versions with the same signature differ in their weights only. Hidden files are the fetcher's
+    bookkeeping, not the version's (the `.complete` marker names the manifest's size, which differs by version)."""
     h = hashlib.sha256()
     for path in sorted(Path(version_dir).iterdir()):
-        if path.is_file() and path.suffix != ".safetensors" and path.name != "manifest.json":
+        if path.name.startswith(".") or path.name == MANIFEST_NAME:
+            continue
+        if path.is_file() and path.suffix != ".safetensors":
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 

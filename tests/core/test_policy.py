@@ -29,11 +29,16 @@ def test_a_version_loaded_like_another_is_the_version_and_leaves_the_other_untou
     import torch
 
     from rlfleet.models.adapter import load_version, version_signature
+    from rlfleet.versions.manifest import COMPLETE_MARKER
 
     def no_base():
         raise AssertionError("a whole-weights version never resolves the base")
 
     first, second = tiny_policy_dir(tmp_path / "v1", seed=1), tiny_policy_dir(tmp_path / "v2", seed=2)
+    # As fetched: each holds its manifest and the fetcher's marker, which names the manifest's size.
+    for version, size in ((first, 1906), (second, 1907)):
+        (version / "manifest.json").write_text(json.dumps({"version": size}))
+        (version / COMPLETE_MARKER).write_text(f"{size} bytes of manifest, every file verified\n")
     model1, tok1 = load_version(first, "float32", "cpu", no_base)
     before = {k: v.clone() for k, v in model1.state_dict().items()}
     like = (model1, tok1, version_signature(first))
