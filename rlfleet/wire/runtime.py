@@ -123,9 +123,15 @@ def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
 
 def latest_announced_version(client: redis.Redis, keys: RunKeys) -> int | None:
     """The newest version on the policy stream, or None before the first publish."""
+    return announced_version(client.xrevrange(keys.policy, count=1))
+
+
+def announced_version(newest_entry: object) -> int | None:
+    """The version of the policy stream's newest entry, from the reply of `XREVRANGE policy + - COUNT 1` (for a
+    caller that reads it in a pipeline with other commands), or None before the first publish."""
     from rlfleet.wire.streams import decode_json
 
-    entries = stream_entries(client.xrevrange(keys.policy, count=1))
+    entries = stream_entries(newest_entry)
     return int(decode_json(entries[0][1])["version"]) if entries else None
 
 

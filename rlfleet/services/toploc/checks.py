@@ -55,12 +55,11 @@ from rlfleet.services.toploc.guards import ticket_replay, work_replay
 from rlfleet.services.toploc.metrics import LAPS
 from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs_many
 from rlfleet.services.toploc.replay import ReplayScore, group_score
-from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.wire.assignment import ticket_problem
-from rlfleet.wire.runtime import latest_announced_version
+from rlfleet.wire.runtime import announced_version, latest_announced_version
 from rlfleet.wire.streams import (
     ID_MAX_CHARS,
     MESSAGE_FIELD,
@@ -169,8 +168,8 @@ class Checker:
         """Every check in order; the trusted outcome, or Rejection. `msg_id=None`: out of band. `deferred`: the
         caller runs the prefill checks of a `prefill` group itself (batch.py), the others run here."""
         try:
-            self.envelope(group, msg_id)
-            self.once(group, msg_id, prefill)
+            newest = self.envelope(group, msg_id)
+            self.once(group, msg_id, prefill, newest)
             try:
                 problem = self.task.problem(group.task_id)
             except KeyError as exc:
@@ -203,7 +202,9 @@ class Checker:
         tokens = sum(len(s.completion_ids) for s in group.samples)
         return Outcome(rewards, mismatches, prefill and not deferred, tokens, logprobs, replay)
 
-    def envelope(self, group: RolloutGroup, msg_id: bytes | None) -> None:
+    def envelope(self, group: RolloutGroup, msg_id: bytes | None) -> int:
+        """The checks of what the group claims (size, sampling, engine, version, worker, ticket); the newest
+        announced version, read with the worker's ban in one round trip."""
         s = self.spec.sampling
         if len(group.samples) != s.group_size:
             raise Rejection("size", f"{len(group.samples)} samples, the run uses groupSize {s.group_size}")
@@ -228,25 +229,33 @@ class Checker:
                 f"engine {group.engine!r} is not admitted by spec.verifier.engines {self.spec.verifier.engines} "
                 f"(add it there if a pool of this run uses it)",
             )
-        newest = latest_announced_version(self.redis, self.keys)
+        with self.redis.pipeline(transaction=False) as pipe:  # one round trip for both
+            pipe.xrevrange(self.keys.policy, count=1)
+            pipe.hexists(self.keys.banned, group.worker_id)
+            announced, banned = pipe.execute()
+        newest = announced_version(announced)
         if newest is None or not 0 <= group.policy_version <= newest:
             raise Rejection("unknown_version", f"version {group.policy_version} was never published (newest {newest})")
         if newest - group.policy_version > self.spec.trainer.max_async_level:
             raise Rejection(
                 "stale_version", f"version {group.policy_version} is {newest - group.policy_version} behind {newest}"
             )
-        if is_banned(self.redis, self.keys, group.worker_id):
+        if banned:  # reputation.is_banned, read with the newest version
             raise Rejection("banned", f"worker {group.worker_id!r} is banned")
         if self.spec.sampling.assignment == "run":
             problem = ticket_problem(self.redis, self.keys, self.task, self.spec.task.seed, group)
             if problem:
                 raise Rejection("assignment", problem)
+        return newest
 
-    def once(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool) -> None:
-        """The one-time guards (guards.py): the same work, the same ticket, accepted once."""
+    def once(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool, newest: int | None = None) -> None:
+        """The one-time guards (guards.py): the same work, the same ticket, accepted once. `newest`: the newest
+        announced version as `envelope` read it (read here when not given)."""
         if msg_id is None:
             return
-        oldest = (latest_announced_version(self.redis, self.keys) or 0) - self.spec.trainer.max_async_level
+        if newest is None:
+            newest = latest_announced_version(self.redis, self.keys)
+        oldest = (newest or 0) - self.spec.trainer.max_async_level
         problem = work_replay(self.redis, self.keys, group, msg_id, prefill, oldest)  # every engine is replayed
         if problem is None and self.spec.sampling.assignment == "run":
             problem = ticket_replay(self.redis, self.keys, group, msg_id)
