@@ -66,9 +66,9 @@ def assert_steps_accounted_for(records: list[dict]) -> None:
             assert r[f"{coarse}_seconds"] == pytest.approx(sum(r["split"][p] for p in parts)), (r["step"], coarse)
     # wall_seconds is read just before eval and the end of the step: a step's eval can fall on either side.
     evals = sum(r["split"]["eval"] for r in records)
-    between = records[-1]["wall_seconds"] - records[0]["wall_seconds"]
+    spanned = records[-1]["wall_seconds"] - records[0]["wall_seconds"]
     tiled = sum(r["step_seconds"] for r in records[1:])
-    assert abs(between - tiled) <= 0.05 * tiled + evals, (between, tiled, evals)
+    assert abs(spanned - tiled) <= 0.05 * tiled + evals, (spanned, tiled, evals)
     untiled = []
     for before, after in zip(records, records[1:]):
         between = after["wall_seconds"] - before["wall_seconds"]

@@ -116,7 +116,7 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
             ctx.stop.set()
             thread.join(30)
     assert not thread.is_alive()
-    # A group whose content the trainer already trained is not sent (Worker.unrepeated): one ZMSCORE of the
+    # A group whose content the trainer already trained is not sent (repeats.unrepeated): one ZMSCORE of the
     # trained set, which the worker's read user may do (rlfleet/wire/redis_acl.py).
     sent = [RolloutGroup.decode(m) for _, m in redis_client.xrange(keys.rollouts)]
     redis_client.zadd(keys.trained, {group_digest(sent[1]): 1, group_digest(sent[4]): 2})
