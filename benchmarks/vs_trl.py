@@ -20,11 +20,16 @@ rlfleet/tasks/chat.py encode_prompt), the task's reward, and the hyper-parameter
   `_generate_and_score_completions`) and the rest of its step (forward, backward, optimizer).
 
 `time_to_0_9_ratio` and `time_to_0_8_ratio` in the JSON: rlfleet's sampled time to the threshold ÷ TRL's.
+A seeded TRL run crosses a threshold at one fixed step, a single draw of where a noisy reward curve first
+touches it; `--trl-seeds K` runs TRL K times (GRPOConfig seeds trainer.seed, +1, ...; the same model bytes)
+and adds each seed's times, their median (a seed that never got there counts as slowest) and
+`time_to_0_8_ratio_vs_trl_median` / `time_to_0_9_ratio_vs_trl_median`.
 
     python benchmarks/vs_trl.py                              # the arithmetic example: tables
     python benchmarks/vs_trl.py --json                       # one JSON object (tables on stderr)
     python benchmarks/vs_trl.py --spot-check-fraction 0.25   # rlfleet verifies a quarter of the groups
     python benchmarks/vs_trl.py --compute-bound              # the math example: larger model, 16 tokens
+    python benchmarks/vs_trl.py --compute-bound --trl-seeds 4  # and against TRL's median over 4 seeds
     python benchmarks/vs_trl.py --config my-run.yaml --steps 60
 
 TRL is in the `bench` extra (`pip install -e '.[bench]'`). A few minutes on 2 cores for the arithmetic example.
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -111,9 +117,11 @@ def mapping_rows(run) -> list[tuple[str, object, str]]:
     return rows + [(option, value, "(fixed)") for option, value in FIXED.items()]
 
 
-def trl_options(run, steps: int) -> dict:
-    """GRPOConfig keyword arguments for `run`'s work over `steps` optimizer steps."""
-    return {option: value for option, value, _ in mapping_rows(run)} | {"max_steps": steps}
+def trl_options(run, steps: int, seed_offset: int = 0) -> dict:
+    """GRPOConfig keyword arguments for `run`'s work over `steps` optimizer steps; `seed_offset` is added to
+    the seed (TRL's sampling and data order; the model bytes stay the run's)."""
+    options = {option: value for option, value, _ in mapping_rows(run)}
+    return options | {"max_steps": steps, "seed": options["seed"] + seed_offset}
 
 
 def unmatched(run) -> list[str]:
@@ -177,6 +185,14 @@ def median_split(records: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in records) for k in keys if all(k in r for r in records)}
 
 
+def median_seconds(reached: list[dict]) -> float | None:
+    """The median time to a threshold over several runs, a run that never reached it counted as slower than
+    any that did (None when at least half never reached it)."""
+    seconds = sorted(r["seconds"] if r["seconds"] is not None else math.inf for r in reached)
+    middle = statistics.median(seconds)
+    return None if math.isinf(middle) else middle
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -211,9 +227,10 @@ def failed(name: str, code: int, log: Path) -> SystemExit:
     return SystemExit(f"{name} failed (exit status {code}); the end of its output:\n{tail}")
 
 
-def run_trl(config: Path, steps: int, threads: int, work: Path) -> dict:
-    out, log_path = work / "trl.json", work / "trl.log"
+def run_trl(config: Path, steps: int, threads: int, work: Path, seed_offset: int = 0) -> dict:
+    out, log_path = work / f"trl-{seed_offset}.json", work / f"trl-{seed_offset}.log"
     cmd = [sys.executable, __file__, "--trl-child", str(out), "--config", str(config), "--steps", str(steps)]
+    cmd += ["--trl-seed-offset", str(seed_offset)]
     load_before = os.getloadavg()
     launched = time.time()
     with open(log_path, "w") as log:  # TRL prints its logs on stdout, which is this benchmark's JSON
@@ -280,7 +297,7 @@ def run_rlfleet(config: Path, steps: int, spot_check_fraction: float | None, wor
     return result | {"split": median_split(records), "load_before": load_before, "load_after": os.getloadavg()}
 
 
-def trl_child(out: Path, config: Path, steps: int, threads: int) -> None:
+def trl_child(out: Path, config: Path, steps: int, threads: int, seed_offset: int) -> None:
     """The TRL side, in its own process: writes step times (time.time()), rewards and generate seconds to `out`."""
     import numpy as np
     import torch
@@ -342,7 +359,7 @@ def trl_child(out: Path, config: Path, steps: int, threads: int) -> None:
             report_to="none",
             use_cpu=True,
             disable_tqdm=True,
-            **trl_options(run, steps),
+            **trl_options(run, steps, seed_offset),
         )
         trainer = TimedGRPOTrainer(
             model=model,
@@ -429,6 +446,34 @@ def report(result: dict, run, file) -> None:
     print(f"median step split, rlfleet (s): {split}", file=file)
     print(f"time_to_0_9_ratio {fmt(result['time_to_0_9_ratio'])}, time_to_0_8_ratio "
           f"{fmt(result['time_to_0_8_ratio'])} (rlfleet sampled ÷ TRL)", file=file)  # fmt: skip
+    if "trl_seeds" in result:
+        for t in THRESHOLDS:
+            crossings = ", ".join(
+                f"seed {s['seed']}: {fmt(s[f'to_{t}']['seconds'])} s (step {s[f'to_{t}']['step']})"
+                for s in result["trl_seeds"]
+            )
+            key = f"time_to_{str(t).replace('.', '_')}_ratio_vs_trl_median"
+            print(f"TRL to {t}: {crossings}; median {fmt(result[f'trl_median_to_{t}_seconds'])} s; {key} "
+                  f"{fmt(result[key])}", file=file)  # fmt: skip
+
+
+def seeds_summary(run, trls: list[dict], fleet: dict) -> dict:
+    """Every TRL seed's times to the thresholds, their medians, and rlfleet's sampled times ÷ those medians."""
+    per_seed = [
+        {"seed": run.trainer.seed + offset, **{f"to_{t}": r[f"to_{t}_logged"] for t in THRESHOLDS}}
+        for offset, r in enumerate(trls)
+    ]
+    medians = {t: median_seconds([s[f"to_{t}"] for s in per_seed]) for t in THRESHOLDS}
+    return {
+        "trl_seeds": per_seed,
+        **{f"trl_median_to_{t}_seconds": medians[t] for t in THRESHOLDS},
+        **{
+            f"time_to_{str(t).replace('.', '_')}_ratio_vs_trl_median": ratio(
+                fleet[f"to_{t}_sampled"]["seconds"], medians[t]
+            )
+            for t in THRESHOLDS
+        },
+    }
 
 
 def main() -> int:
@@ -444,23 +489,37 @@ def main() -> int:
         help="torch threads of the TRL process (default 1, as `rlfleet run` gives each of its processes; 0: torch's "
         "default, one per core, which on a loaded machine runs several times slower)",
     )
+    parser.add_argument(
+        "--trl-seeds",
+        type=int,
+        default=1,
+        help="run the TRL side this many times, with GRPOConfig seeds trainer.seed, +1, ... (same model bytes), and "
+        "report rlfleet's times against their median too (default 1: one TRL run). A seeded TRL run crosses a "
+        "threshold at one fixed step, while rlfleet's asynchronous runs vary, so one TRL seed is one draw",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout (the tables on stderr)")
     parser.add_argument("--trl-child", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--trl-seed-offset", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     config = (args.config or (COMPUTE_BOUND if args.compute_bound else EXAMPLE)).resolve()
     if args.spot_check_fraction is not None and not 0.0 <= args.spot_check_fraction <= 1.0:
         parser.error("--spot-check-fraction: a fraction between 0 and 1 (spec.verifier.spotCheckFraction)")
     run = load_bundle(config).run.spec
     steps = args.steps or run.trainer.steps
+    if args.trl_seeds < 1:
+        parser.error("--trl-seeds: at least 1 (the number of TRL runs)")
     if steps <= STEADY_FROM:
         parser.error(f"--steps: more than {STEADY_FROM} (the steps before {STEADY_FROM} are start-up)")
     if args.trl_child:
-        trl_child(args.trl_child, config, steps, args.trl_threads)
+        trl_child(args.trl_child, config, steps, args.trl_threads, args.trl_seed_offset)
         return 0
     with tempfile.TemporaryDirectory(prefix="rlfleet-vs-trl-") as tmp:
-        trl = run_trl(config, steps, args.trl_threads, Path(tmp))
-        time.sleep(5)  # let the TRL process's load fade before rlfleet's launch
+        trls = []
+        for offset in range(args.trl_seeds):
+            trls.append(run_trl(config, steps, args.trl_threads, Path(tmp), offset))
+            time.sleep(5)  # let the TRL process's load fade before the next launch
         fleet = run_rlfleet(config, steps, args.spot_check_fraction, Path(tmp))
+    trl = trls[0]
     result = {
         "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
         "steps": steps,
@@ -472,6 +531,7 @@ def main() -> int:
         "rlfleet": fleet,
         "time_to_0_9_ratio": ratio(fleet["to_0.9_sampled"]["seconds"], trl["to_0.9_logged"]["seconds"]),
         "time_to_0_8_ratio": ratio(fleet["to_0.8_sampled"]["seconds"], trl["to_0.8_logged"]["seconds"]),
+        **(seeds_summary(run, trls, fleet) if len(trls) > 1 else {}),
         "mapping": [{"trl": o, "value": v, "rlfleet": f} for o, v, f in mapping_rows(run)],
         "not_matched": unmatched(run),
         "cpus": os.cpu_count(),

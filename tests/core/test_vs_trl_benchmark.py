@@ -120,3 +120,29 @@ def test_grpo_config_takes_every_mapped_option(vs_trl, tmp_path):
     options = vs_trl.trl_options(example_run(), steps=150)
     config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **options)
     assert {k: getattr(config, k) for k in options} == options
+
+
+def test_a_trl_seed_offset_moves_only_grpo_config_s_seed(vs_trl):
+    run = example_run(seed=7)
+    base, shifted = vs_trl.trl_options(run, steps=10), vs_trl.trl_options(run, steps=10, seed_offset=2)
+    assert (base["seed"], shifted["seed"]) == (7, 9)
+    assert {k: v for k, v in shifted.items() if k != "seed"} == {k: v for k, v in base.items() if k != "seed"}
+
+
+def test_the_median_over_trl_seeds_counts_a_run_that_never_got_there_as_slowest(vs_trl):
+    reached = [{"step": 54, "seconds": 25.0}, {"step": None, "seconds": None}, {"step": 75, "seconds": 34.0}]
+    assert vs_trl.median_seconds(reached) == 34.0
+    assert vs_trl.median_seconds(reached + [{"step": 52, "seconds": 26.0}]) == 30.0
+    assert vs_trl.median_seconds(reached[:2]) is None  # half never got there: no median time
+
+
+def test_seeds_summary_divides_rlfleet_s_time_by_the_trl_median(vs_trl):
+    def trl(to_08, to_09=None):
+        return {"to_0.8_logged": {"step": 1, "seconds": to_08}, "to_0.9_logged": {"step": None, "seconds": to_09}}
+
+    fleet = {"to_0.8_sampled": {"step": 60, "seconds": 29.0}, "to_0.9_sampled": {"step": None, "seconds": None}}
+    summary = vs_trl.seeds_summary(example_run(seed=3), [trl(25.0), trl(45.0), trl(30.0)], fleet)
+    assert [s["seed"] for s in summary["trl_seeds"]] == [3, 4, 5]
+    assert summary["trl_median_to_0.8_seconds"] == 30.0
+    assert summary["time_to_0_8_ratio_vs_trl_median"] == pytest.approx(29.0 / 30.0)
+    assert summary["trl_median_to_0.9_seconds"] is None and summary["time_to_0_9_ratio_vs_trl_median"] is None
