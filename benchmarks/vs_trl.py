@@ -452,9 +452,14 @@ def report(result: dict, run, file) -> None:
                 f"seed {s['seed']}: {fmt(s[f'to_{t}']['seconds'])} s (step {s[f'to_{t}']['step']})"
                 for s in result["trl_seeds"]
             )
-            key = f"time_to_{str(t).replace('.', '_')}_ratio_vs_trl_median"
+            key = median_ratio_key(t)
             print(f"TRL to {t}: {crossings}; median {fmt(result[f'trl_median_to_{t}_seconds'])} s; {key} "
                   f"{fmt(result[key])}", file=file)  # fmt: skip
+
+
+def median_ratio_key(threshold: float) -> str:
+    """The JSON key of rlfleet's time to `threshold` ÷ TRL's median (0.8: time_to_0_8_ratio_vs_trl_median)."""
+    return f"time_to_{str(threshold).replace('.', '_')}_ratio_vs_trl_median"
 
 
 def seeds_summary(run, trls: list[dict], fleet: dict) -> dict:
@@ -467,12 +472,7 @@ def seeds_summary(run, trls: list[dict], fleet: dict) -> dict:
     return {
         "trl_seeds": per_seed,
         **{f"trl_median_to_{t}_seconds": medians[t] for t in THRESHOLDS},
-        **{
-            f"time_to_{str(t).replace('.', '_')}_ratio_vs_trl_median": ratio(
-                fleet[f"to_{t}_sampled"]["seconds"], medians[t]
-            )
-            for t in THRESHOLDS
-        },
+        **{median_ratio_key(t): ratio(fleet[f"to_{t}_sampled"]["seconds"], medians[t]) for t in THRESHOLDS},
     }
 
 
