@@ -4,11 +4,12 @@ groups to its run's inbox and read the policy stream, and cannot write `verified
 announce a policy version, touch the trainer's state or another run. The worker id in a group is
 whatever the worker wrote: only the ingest binds worker ids to tokens.
 
-  worker    XADD / XLEN the inbox, and count the groups it did not send as repeats of trained work: the
-            only keys a rollout worker writes
-  reader    read the policy stream, the trainer's demand and the retired prompts, XLEN the inbox and the
-            verified stream, ZMSCORE the trained set (a worker sends no repeat of trained work): a worker's
-            reads (a second client, env RLFLEET_REDIS_READ_URL), the origin, relays
+  worker    XADD / XLEN the inbox, count the groups it did not send as repeats of trained work, and set its
+            field of the pool's sampling record: the only keys a rollout worker writes
+  reader    read the policy stream, the trainer's demand, the sampling record, the retired prompts and the
+            server's clock (TIME), XLEN the inbox and the verified stream, ZMSCORE the trained set (a worker
+            sends no repeat of trained work): a worker's reads (a second client, env RLFLEET_REDIS_READ_URL),
+            the origin, relays
   tickets   HINCRBY the work-ticket counters (spec.sampling.assignment: run; env RLFLEET_REDIS_TICKETS_URL)
   ingest    the inbox (its admission script: XLEN, XADD, GET/SET of its submission records), ban
             lookups, work tickets, its door (hashed tokens, joins, used invites, active workers, join
@@ -52,10 +53,10 @@ SCRIPTS = ["evalsha", "eval", "script|load"]  # redis-py's registered scripts; t
 
 # Per role: the RunKeys attributes (or per-item key patterns, `RunKeys.patterns`) and the commands.
 ROLES: dict[str, tuple[list[str], list[str]]] = {
-    WORKER: (["rollouts", "repeats"], ["xadd", "xlen", "hincrby", "hincrbyfloat"]),
+    WORKER: (["rollouts", "repeats", "sampling"], ["xadd", "xlen", "hincrby", "hincrbyfloat", "hset", "hdel"]),
     READER: (
-        ["policy", "rollouts", "verified", "demand", "retired_prompts", "trained"],
-        ["xread", "xrevrange", "xlen", "hmget", "lrange", "zmscore"],
+        ["policy", "rollouts", "verified", "demand", "retired_prompts", "trained", "sampling"],
+        ["xread", "xrevrange", "xlen", "hmget", "hgetall", "lrange", "zmscore", "time"],
     ),
     TICKETS: (["tickets"], ["hincrby"]),
     INGEST: (

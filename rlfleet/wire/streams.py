@@ -56,6 +56,9 @@ class RunKeys:
         # the groups its current step lacks; held: verified entries it holds; kept: the share of the groups it
         # reads that it keeps); trainer/batches.py set_demand
         self.demand = f"{prefix}:demand"
+        # hash: worker id -> "groups deadline", the groups each worker expects to send from the batch it is sampling
+        # now (rlfleet/services/rollout/backpressure.py); its peers count them as queued
+        self.sampling = f"{prefix}:sampling"
         # hash groups/samples/reward_sum: the groups workers sampled and did not send, their content being trained
         # work (rollout/main.py Worker.unrepeated); the trainer counts them in the sampled reward
         self.repeats = f"{prefix}:repeats"
@@ -106,6 +109,7 @@ class RunKeys:
             self.failure,
             self.trained,
             self.demand,
+            self.sampling,
             self.repeats,
             self.workers,
             self.banned,

@@ -1,6 +1,7 @@
 """A rollout worker keeps several groups in flight (rlfleet/services/rollout/main.py: `maxGroupsInFlight`
 groups per engine call): a real worker loop with a real torch engine, an origin over HTTP and a real
-Redis. Batches take no more than the trainer still wants, and no group mixes versions across a swap."""
+Redis. Batches take no more than the trainer still wants, less what the pool's other workers are sampling
+(rlfleet/services/rollout/backpressure.py), and no group mixes versions across a swap."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from rlfleet.config import load_bundle
 from rlfleet.models.policy import load_policy, score
+from rlfleet.services.rollout.backpressure import RECORD_FLOOR_SECONDS, record_value
 from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.rollout.main import RolloutOptions, Worker
 from rlfleet.services.shardcast.origin import make_app
@@ -110,6 +112,44 @@ def test_a_batch_takes_k_groups_but_never_more_than_the_trainer_still_wants(tmp_
     groups = [RolloutGroup.decode(m) for _, m in redis_client.xrange(keys.rollouts)]
     assert len({g.rollout_id for g in groups}) == 9 and all(len(g.samples) == 2 for g in groups)
     assert len({(g.task_id, g.sampling.seed) for g in groups}) == 9, "every group of a batch is its own work"
+
+
+def redis_now(redis_client) -> float:
+    seconds, micros = redis_client.time()
+    return seconds + micros / 1e6
+
+
+def test_a_batch_leaves_out_what_the_other_workers_are_sampling(tmp_path, redis_client, monkeypatch):
+    ctx, config, store, dirs = start(tmp_path, redis_client, monkeypatch, max_pending=100)
+    keys = ctx.keys
+    # Another worker is sampling a batch it expects 4 groups from; a third died mid-batch long ago.
+    redis_client.hset(keys.sampling, "other", record_value(4, redis_now(redis_client) + 600))
+    redis_client.hset(keys.sampling, "gone", record_value(8, redis_now(redis_client) - 1))
+    redis_client.hset(keys.demand, mapping={"oldest": 0, "need": 7})  # 7 groups of version 0, none later
+    engine = RecordingEngine(dirs[0], -1)
+    records: list[tuple[float, float, float]] = []  # (groups, deadline, Redis time) of this worker's own record
+
+    def own_record():
+        groups, deadline = (float(x) for x in redis_client.hget(keys.sampling, "w").split())
+        records.append((groups, deadline, redis_now(redis_client)))
+
+    engine.during_batch = own_record
+    with serving(make_app(store, "batch")) as origin_url:
+        worker, thread = running(ctx, config, origin_url, tmp_path, engine)
+        try:
+            assert settled(redis_client, keys, worker) == 3, "7 wanted, 4 of them coming from the other worker"
+            assert [n for n, _ in engine.batches] == [3]
+            groups, deadline, now = records[0]
+            assert groups == 3, "every group sampled is expected (none of them repeats trained work yet)"
+            assert now + RECORD_FLOOR_SECONDS - 2 < deadline <= now + RECORD_FLOOR_SECONDS + 1, "in Redis's clock"
+            assert not redis_client.hexists(keys.sampling, "w"), "deleted after the batch's last send"
+            redis_client.hdel(keys.sampling, "other")  # the other worker's batch is in the inbox now
+            assert settled(redis_client, keys, worker) == 7
+            assert [n for n, _ in engine.batches] == [3, 3, 1]
+        finally:
+            ctx.stop.set()
+            thread.join(30)
+    assert not thread.is_alive()
 
 
 def _logprob_error(model, group: RolloutGroup) -> float:

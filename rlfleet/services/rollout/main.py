@@ -20,12 +20,9 @@ its relays' `latest?after=N` instead of reading the policy stream.
 A worker with Redis sends no group whose content the trainer already trained (repeats.py), and builds no
 proofs for one.
 
-Backpressure, checked before each batch (`room`): the worker pauses while the inbox holds more than
-`maxPending` groups (the verifier deletes what it has handled, so XLEN is the backlog; an ingest worker
-leaves this to the ingest), while its weights lag the newest announced version by more than
-`maxAsyncLevel`, or while the trainer's demand is covered (`batch_full`, `enough_queued`); it resumes
-by itself. A batch takes at most the room those checks leave (groups still wanted, inbox slots), so
-it never overshoots the queue. An ingest answering 429 or 503 makes the worker wait (Retry-After) and
+Backpressure, checked before each batch (`room`, backpressure.py): the worker pauses while the trainer's demand is
+covered (counting what the pool's other workers are sampling now), its weights lag too far, or the inbox is full,
+and a batch takes at most the room left. An ingest answering 429 or 503 makes the worker wait (Retry-After) and
 resend the same group; a group is never dropped.
 """
 
@@ -33,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +43,7 @@ from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
 from rlfleet.models.sources import local_model_path, resolve_model_path
 from rlfleet.services.ingest.client import post_group, rollouts_url, tickets_url
+from rlfleet.services.rollout.backpressure import Backpressure
 from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.rollout.follower import VersionFollower
@@ -61,7 +58,7 @@ from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.wire import components, env
 from rlfleet.wire.prompt_filter import RetiredPrompts
-from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis, latest_announced_version
+from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis
 from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams
 
 log = logging.getLogger("rlfleet.rollout")
@@ -69,7 +66,6 @@ log = logging.getLogger("rlfleet.rollout")
 GROUPS = Counter("rlfleet_rollout_groups_total", "Groups sent to the inbox")
 TOKENS = Counter("rlfleet_rollout_tokens_total", "Completion tokens generated")
 VERSION = Gauge("rlfleet_rollout_policy_version", "Policy version of the loaded weights")
-LAG = Gauge("rlfleet_rollout_version_lag", "Newest announced version minus loaded version")
 PAUSED = Counter("rlfleet_rollout_paused_seconds_total", "Seconds paused by backpressure", ["reason"])
 # Every reason (Worker.room's, and the ingest's holding back) is exported at 0 from the start: the series
 # exist before the first pause, and a dashboard shows "never paused" rather than no data.
@@ -111,7 +107,7 @@ def worker_token(pool: str, worker_id: str) -> str:
     return token
 
 
-class Worker(WorkSource):
+class Worker(WorkSource, Backpressure):
     def __init__(self, ctx: Context, options: RolloutOptions):
         self.ctx = ctx
         self.spec = ctx.bundle.run.spec
@@ -221,59 +217,6 @@ class Worker(WorkSource):
         """K: the most groups one batch takes (the pool's maxGroupsInFlight, else the engine's default)."""
         return self.max_in_flight or self.loaded.default_groups_in_flight
 
-    def paused(self) -> str | None:
-        """Why generation should wait now, or None (`room`'s reason)."""
-        return self.room()[0]
-
-    def room(self) -> tuple[str | None, int]:
-        """(why generation should wait now, or None; how many groups the next batch may take, at most K).
-        An ingest worker's backlog is the ingest's to refuse. The room is what keeps each reason below
-        from arising within one batch, so a batch never overshoots the queue (and goes stale in it).
-
-        - `version_lag`: the engine is more than maxAsyncLevel versions behind the newest announced one;
-        - `batch_full`: the trainer already holds the batch of the last step that could train this
-          version (its demand's `oldest`), so a group sampled now would arrive stale; at maxAsyncLevel 0
-          that is every moment between a batch filling and the next version loading;
-        - `enough_queued`: the groups queued for the trainer and not yet taken by it (the inbox and the
-          verified stream, less the entries it holds) cover its current step's `need` and, when this
-          version will still be trained one step later (newer than `oldest`), one batch more, both divided
-          by the share `kept` of read groups the trainer keeps (trainer/batches.py: late in a run most are
-          repeats of solved prompts): what keeps the trainer fed while it trains; anything deeper would
-          only wait and go stale;
-        - `backlog`: the inbox holds more than the pool's maxPending."""
-        if self.ingest_url:
-            newest: int | None = self.follower.announced
-        else:
-            assert self.reader is not None  # a worker without an ingest reads Redis
-            newest = latest_announced_version(self.reader, self.ctx.keys)
-        lag = (newest or 0) - self.loaded.version
-        LAG.set(lag)
-        if lag > self.spec.trainer.max_async_level:
-            return "version_lag", 0
-        room = self.in_flight
-        if self.ingest_url:
-            return None, room
-        keys = self.ctx.keys
-        assert self.reader is not None  # a worker without an ingest reads Redis
-        with self.reader.pipeline(transaction=False) as pipe:  # one round trip, every 20 ms while paused
-            pipe.hmget(keys.demand, ["oldest", "need", "held", "kept"])
-            pipe.xlen(keys.rollouts)
-            pipe.xlen(keys.verified)
-            (oldest, need, held, kept), queued, verified = pipe.execute()
-        if oldest is not None and self.loaded.version < int(oldest):
-            return "batch_full", 0
-        if need is not None:
-            ahead = queued + verified - int(held or 0)
-            later = self.loaded.version > int(oldest)  # still trainable once the trainer's step advances
-            # In groups read: the trainer keeps a share `kept` of them (repeats of trained work dropped).
-            wanted = math.ceil((int(need) + later * self.spec.trainer.batch_size) / float(kept or 1)) - ahead
-            if wanted <= 0:
-                return "enough_queued", 0
-            room = min(room, wanted)
-        if queued > self.max_pending:
-            return "backlog", 0
-        return None, min(room, self.max_pending + 1 - queued)
-
     def make_groups(self, work: list[tuple[str, int, int | None]]) -> list[RolloutGroup]:
         """The groups of `work` ((task id, group seed, ticket) each, next_work's) to send, sampled in ONE engine
         call, so every group records the one version that produced all of them; repeats of trained work are
@@ -377,9 +320,15 @@ class Worker(WorkSource):
             work = self.take_work(room)
             if work is None:
                 return  # stopped while the ingest held a ticket back
-            for group in self.make_groups(work):
-                if not self.send(group):
-                    return  # stopped while the ingest held it back
+            sent = 0
+            self.begin_batch(len(work))
+            try:
+                for group in self.make_groups(work):
+                    if not self.send(group):
+                        return  # stopped while the ingest held it back
+                    sent += 1
+            finally:
+                self.end_batch(len(work), sent)
 
 
 def main(options: RolloutOptions) -> int:
