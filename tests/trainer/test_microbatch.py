@@ -244,3 +244,48 @@ def test_a_bf16_run_trains_fp32_masters_and_publishes_bf16(tmp_path, redis_url):
     for path in published:
         assert {t.dtype for t in load_file(str(path)).values()} == {torch.bfloat16}
     client.close()
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_rows_of_zero_advantage_are_not_computed_and_the_update_is_the_whole_batchs(normalization, monkeypatch):
+    from rlfleet.services.trainer import update
+
+    model = qwen(dtype=torch.float64)
+    batch = groups(64)
+    flat = batch[1]
+    for s in flat.samples:  # every completion of the second group right: zero advantage, no gradient
+        s.reward = 1.0
+    computed: list[int] = []
+
+    def counted(net, rows, *args, **kwargs):
+        computed.append(len(rows))
+        return score(net, rows, *args, **kwargs)
+
+    monkeypatch.setattr(update, "score", counted)
+    spec = TrainerSpec(normalization=normalization, max_grad_norm=1e9)
+    skipped = gradients(model, spec, batch)
+    assert sum(computed) == sum(len(g.samples) for g in batch) - len(flat.samples), "the flat group is not scored"
+    # The same rows without the flat group, its tokens (or completions) still in the denominator: the same gradient.
+    rest = [batch[0], batch[2]]
+    alone = gradients(model, spec, rest)
+    count = (
+        (lambda gs: sum(len(s.completion_ids) for g in gs for s in g.samples))
+        if normalization == "token"
+        else (lambda gs: sum(len(g.samples) for g in gs))
+    )
+    scale = count(rest) / count(batch)
+    assert any(g.abs().sum() > 0 for g in skipped.values())
+    for name, grad in alone.items():  # scaled by another denominator: float32 logits round differently
+        torch.testing.assert_close(skipped[name], grad * scale, rtol=1e-4, atol=1e-6 * float(grad.abs().max()))
+    # An entropy or KL term gives every row a gradient: nothing is skipped.
+    computed.clear()
+    gradients(model, TrainerSpec(normalization=normalization, max_grad_norm=1e9, entropy_coef=0.01), batch)
+    assert sum(computed) == sum(len(g.samples) for g in batch)
+    # A batch of flat groups only is computed whole, and its update is zero.
+    for g in batch:
+        for s in g.samples:
+            s.reward = 0.0
+    computed.clear()
+    zero = gradients(model, spec, batch)
+    assert sum(computed) == sum(len(g.samples) for g in batch)
+    assert all(g.abs().sum() == 0 for g in zero.values())

@@ -46,7 +46,11 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(G,) rewards of one group -> (G,) normalized advantages."""
+    """(G,) rewards of one group -> (G,) normalized advantages; exactly zero when every reward is the same (the mean
+    of equal floats can differ from them in the last bit, which would leave ~1e-10 advantages: update.py skips
+    the rows of such a group)."""
+    if bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards)
     return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
 
 

@@ -1,13 +1,15 @@
 """One GRPO update, single-process or data-parallel over `torch.distributed`.
 
 Every rank holds the whole batch (rank 0 reads it from the stream and broadcasts it); rank r
-computes the loss of completions r, r + W, r + 2W, ... divided by the whole batch's token (or
+computes the loss of completions r, r + W, r + 2W, ... (of those computed) divided by the whole batch's token (or
 completion) count, gradients are summed with all-reduce, then clipped and applied identically on
 every rank, so all ranks keep the same weights and the update equals the single-process one up
 to float summation order. With `trainer.sharding: fsdp` the model is sharded (sharding.py): the
 same split and the same sum, done by FSDP's reduce-scatter in the backward instead of the
 all-reduce here. The batch statistics (loss, ratio, clip fraction, entropy, KL) are the whole
-batch's on every rank.
+batch's on every rank; the per-token ones over the rows computed. Rows of zero advantage are not computed when
+the loss has no entropy or KL term (`rows_with_gradient`): they add nothing to it or its gradient, and late in a
+run most groups of solved prompts are all correct.
 
 Bounded memory per step: each rank sorts its rows by length and packs them into micro-batches of
 at most `trainer.microBatchTokens` padded tokens (`micro_batches`); every micro-batch is one
@@ -115,6 +117,18 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return out
 
 
+def rows_with_gradient(advantages: list[torch.Tensor], t) -> list[int]:
+    """Indices of the rows whose loss has a gradient. A row of zero advantage (its group's rewards all equal) adds
+    exactly zero to the policy-gradient loss and its gradient whatever its ratio, so without an entropy or KL
+    term (TrainerSpec `t`) its forward and backward are skipped; it still counts in the loss's denominator, so
+    the update is the one the whole batch gives. A batch of such rows only is computed whole (its update is zero
+    either way, and every pass runs as before)."""
+    everything = list(range(len(advantages)))
+    if t.entropy_coef > 0 or t.kl_coef > 0:
+        return everything
+    return [i for i, a in enumerate(advantages) if bool(a != 0)] or everything
+
+
 def grpo_update(
     model,
     optimizer,
@@ -152,12 +166,13 @@ def _update(model, optimizer, groups, t, temperature, pad_id, reference, rank, w
             starts.append(len(g.prompt_ids) - 1)  # index in the (L-1,) logprob row of the first completion token
     total_tokens = sum(len(o) for o in sampled)
     denominator = float(total_tokens) if t.normalization == "token" else float(len(rows))
-    # Rank r takes rows r, r + W, ...; every rank holds the whole batch, so each knows every rank's plan
-    # and, under FSDP (whose collectives run inside forward and backward), runs as many passes as the
+    computed = rows_with_gradient(group_adv, t)
+    # Rank r takes the computed rows r, r + W, ...; every rank holds the whole batch, so each knows every rank's
+    # plan and, under FSDP (whose collectives run inside forward and backward), runs as many passes as the
     # rank with the most micro-batches, the extra ones on a zero-weight placeholder.
     plans = [
         [[mine[i] for i in mb] for mb in micro_batches([len(rows[i]) for i in mine], t.micro_batch_tokens)]
-        for mine in (list(range(r, len(rows), world)) for r in range(world))
+        for mine in (computed[r::world] for r in range(world))
     ]
     passes = max(len(p) for p in plans) if sharded else len(plans[rank])
     micro = []
