@@ -289,9 +289,10 @@ def run_rlfleet(config: Path, steps: int, spot_check_fraction: float | None, wor
     start = min(s - r["wall_seconds"] for s, r in zip(seen, records))
     times = [start + r["wall_seconds"] for r in records]
     group_size = load_bundle(config).run.spec.sampling.group_size
-    # Groups the gate judged, and those workers held back as repeats of trained work (never sent).
+    # Groups the gate judged, and those workers held back (never sent): repeats of trained work, flat groups.
     last = records[-1]
-    generated = (last["accepted"] + last["rejected"] + last.get("repeated_groups", 0)) * group_size
+    held_back = last.get("repeated_groups", 0) + last.get("flat_groups_held_back", 0)
+    generated = (last["accepted"] + last["rejected"] + held_back) * group_size
     rewards = {"sampled": [r["sampled_reward_mean"] for r in records], "trained": [r["reward_mean"] for r in records]}
     result = summarize(times, rewards, wall, generated, [r["samples"] for r in records])
     return result | {"split": median_split(records), "load_before": load_before, "load_after": os.getloadavg()}

@@ -170,7 +170,9 @@ class TrainerSpec(Spec):
     skip_zero_advantage_groups: bool = Field(
         default=False,
         description="Online filtering: drop groups whose rewards are all equal (zero advantage, no gradient) and keep "
-        "reading until the batch is full of groups that teach something.",
+        "reading until the batch is full of groups that teach something. Workers with Redis then hold such groups back "
+        "before building their proofs (unless sampling.onlineFilter needs their outcomes) and count them in the "
+        "sampled reward.",
     )
     micro_batch_tokens: int = Field(
         default=8192,

@@ -59,8 +59,9 @@ class RunKeys:
         # hash: worker id -> "groups deadline", the groups each worker expects to send from the batch it is sampling
         # now (rlfleet/services/rollout/backpressure.py); its peers count them as queued
         self.sampling = f"{prefix}:sampling"
-        # hash groups/samples/reward_sum: the groups workers sampled and did not send, their content being trained
-        # work (rollout/main.py Worker.unrepeated); the trainer counts them in the sampled reward
+        # hash groups/samples/reward_sum/flat by task source: the groups workers sampled and did not send, repeats
+        # of trained work or (flat) groups of equal rewards (rlfleet/wire/repeats.py); the trainer counts them in the
+        # sampled reward
         self.repeats = f"{prefix}:repeats"
         # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
         self.workers = f"{prefix}:workers"
@@ -319,6 +320,12 @@ def group_digest(group: RolloutGroup) -> str:
     for completion in sorted(np.asarray(c.completion_ids, dtype="<i4").tobytes() for c in group.samples):
         part(completion)
     return h.hexdigest()
+
+
+def rewards_all_equal(group: RolloutGroup) -> bool:
+    """Whether every completion of `group` has the same reward: its advantages are all zero, so it adds nothing
+    to a GRPO update (with `trainer.skipZeroAdvantageGroups` the trainer drops it, and workers hold it back)."""
+    return len({s.reward for s in group.samples}) == 1
 
 
 # XRANGE/XREVRANGE and XREAD/XREADGROUP replies on rlfleet's clients (RESP2, bytes, never decoded): redis-py

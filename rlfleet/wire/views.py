@@ -113,9 +113,10 @@ _TRAINER = _fields(
     " normalization entropyCoef klCoef warmupSteps lrSchedule skipZeroAdvantageGroups seed sharding lora"
     " microBatchTokens logprobChunk activationCheckpointing masterWeights offPolicy checkpointEvery"
 )
-# spec.trainer as the others read it: a worker sizes the queue it keeps for the trainer by batchSize and
-# starts its engine from the builtin build of seed; everyone bounds staleness by maxAsyncLevel.
-_TRAINER_OTHERS = _fields("trainer: maxAsyncLevel batchSize seed")
+# spec.trainer as the others read it: a worker sizes the queue it keeps for the trainer by batchSize, starts
+# its engine from the builtin build of seed and holds back the groups skipZeroAdvantageGroups would drop;
+# everyone bounds staleness by maxAsyncLevel.
+_TRAINER_OTHERS = _fields("trainer: maxAsyncLevel batchSize seed skipZeroAdvantageGroups")
 _VERIFIER = _fields(
     "verifier: toploc engines workerDevice workerDtype logprobTolerance topPTolerance replayTolerance"
     " maxReplayMismatchShare maxRunningMismatchShare spotCheckFraction claimIdleMs"

@@ -19,7 +19,8 @@ from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, 
 from tests.runs import bundle_yaml, rlrun
 from tests.support import redis_from_url, tiny_policy_dir
 
-PROMPTS = ["3+4=", "12+7=", "101+999+5=", "7="]  # different lengths in one batch
+# different lengths in one batch, and two of the same length (prefilled together)
+PROMPTS = ["3+4=", "12+7=", "101+999+5=", "7=", "5+2="]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -53,12 +54,14 @@ def _requests(engine) -> list[GroupRequest]:
         GroupRequest(engine.tokenizer.encode(PROMPTS[1]), _params(12, temperature=0.7, top_p=0.9), 3),
         GroupRequest(engine.tokenizer.encode(PROMPTS[2]), _params(13, max_tokens=6, top_k=5), 5),
         GroupRequest(engine.tokenizer.encode(PROMPTS[3]), _params(14), 2, first=3),
+        GroupRequest(engine.tokenizer.encode(PROMPTS[4]), _params(15, temperature=0.8), 3),
     ]
 
 
 def test_a_batch_of_groups_gives_each_sample_what_it_gets_alone(engine):
     requests = _requests(engine)
-    assert len({len(r.prompt_ids) for r in requests}) == len(requests)  # the rows need padding
+    lengths = [len(r.prompt_ids) for r in requests]
+    assert len(set(lengths)) == len(requests) - 1 and lengths[0] == lengths[4]  # padding, and a shared prefill
     batched = engine.generate_groups(requests)
     assert [len(g) for g in batched] == [r.n for r in requests]
     alone = [engine.generate(r.prompt_ids, r.params, r.n, r.first) for r in requests]
@@ -113,7 +116,7 @@ def test_the_gate_accepts_honest_groups_generated_in_one_batch(engine, policy, t
     task = make_run_task(spec)
     problems = [task.problem(f"arith-{spec.task.seed}-{i}") for i in range(6)]
     prompts = [engine.tokenizer(p.prompt)["input_ids"] for p in problems]
-    assert len({len(p) for p in prompts}) > 1, "the batch must mix prompt lengths"
+    assert 1 < len({len(p) for p in prompts}) < len(prompts), "mixed prompt lengths, some prefilled together"
     params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=40 + i) for i in range(6)]
     batched = engine.generate_groups([GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)])
     client = redis_from_url(redis_url)

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from rlfleet.config import load_bundle
 from rlfleet.services.rollout import main as rollout_main
 from rlfleet.services.rollout.main import RolloutOptions, Worker
-from rlfleet.services.rollout.repeats import unrepeated
+from rlfleet.services.rollout.repeats import worth_sending
 from rlfleet.services.shardcast.origin import make_app
 from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.versions.checkpoint import publish_version
@@ -116,7 +116,7 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
             ctx.stop.set()
             thread.join(30)
     assert not thread.is_alive()
-    # A group whose content the trainer already trained is not sent (repeats.unrepeated): one ZMSCORE of the
+    # A group whose content the trainer already trained is not sent (repeats.worth_sending): one ZMSCORE of the
     # trained set, which the worker's read user may do (rlfleet/wire/redis_acl.py).
     sent = [RolloutGroup.decode(m) for _, m in redis_client.xrange(keys.rollouts)]
     redis_client.zadd(keys.trained, {group_digest(sent[1]): 1, group_digest(sent[4]): 2})
@@ -125,7 +125,7 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
         return REGISTRY.get_sample_value("rlfleet_rollout_repeated_groups_total") or 0.0
 
     before = repeats()
-    fresh = unrepeated(worker.reader, ctx, sent)
+    fresh = worth_sending(worker.reader, ctx, sent, hold_flat=False)
     assert [g.rollout_id for g in fresh] == [g.rollout_id for i, g in enumerate(sent) if i not in (1, 4)]
     assert repeats() - before == 2
     # ... and counted where the trainer reads them for the sampled reward (rlfleet/wire/repeats.py).
@@ -134,8 +134,8 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
     rewards = [s.reward for i in (1, 4) for s in sent[i].samples]
     assert held_back == {"": Tally(groups=2, samples=len(rewards), reward_sum=pytest.approx(sum(rewards)))}
     assert tally.take(redis_client.hgetall(keys.repeats)) == {}, "each repeat is counted once"
-    assert len(unrepeated(worker.reader, ctx, sent[:2])) == 1
-    assert tally.take(redis_client.hgetall(keys.repeats))[""].groups == 1 and tally.total_groups() == 3
+    assert len(worth_sending(worker.reader, ctx, sent[:2], hold_flat=False)) == 1
+    assert tally.take(redis_client.hgetall(keys.repeats))[""].groups == 1 and tally.total_repeats() == 3
     # The worker asks before it builds proofs: a repeat costs its sampling, never its proofs (the digest does not
     # cover them). The real build_proofs_many, counted.
     built: list[int] = []

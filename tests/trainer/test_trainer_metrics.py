@@ -42,6 +42,7 @@ SERIES = {
     "staleness_mean": ("rlfleet_trainer_staleness_mean", {}),
     "staleness_max": ("rlfleet_trainer_staleness_max", {}),
     "repeated_groups": ("rlfleet_trainer_repeated_groups", {}),
+    "flat_groups_held_back": ("rlfleet_trainer_flat_groups_held_back", {}),
     "samples": ("rlfleet_trainer_samples_total", {}),
     "wall_seconds": ("rlfleet_trainer_elapsed_seconds", {}),
     "accepted": ("rlfleet_trainer_verifier_groups", {"verdict": "accepted", "reason": ""}),
@@ -65,8 +66,8 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
     for g in (group("p", [1.0, 0.0]), group("p", [1.0, 0.0]), group("flat", [1.0, 1.0]), group("q", [0.0, 1.0])):
         redis_client.xadd(keys.verified, g.encode())
     redis_client.hset(keys.stats, mapping={"accepted": 4, "rejected": 2, "rejected:toploc": 1, "rejected:replay": 1})
-    # Workers held back 2 groups (4 samples, all rewarded 1) as repeats of trained work (rlfleet/wire/repeats.py).
-    redis_client.hset(keys.repeats, mapping={"groups|": 2, "samples|": 4, "reward_sum|": 4.0})
+    # Workers held back 3 groups (6 samples, all rewarded 1): 2 repeats of trained work, 1 flat (wire/repeats.py).
+    redis_client.hset(keys.repeats, mapping={"groups|": 3, "samples|": 6, "reward_sum|": 6.0, "flat|": 1})
     port = free_port()
     # Two steps asked for and data for one: after step 1 the trainer waits, still serving /metrics.
     proc = start_trainer(config, redis_url, tmp_path, "--metrics-port", str(port), env={"RLFLEET_LOCAL": "1"})
@@ -89,9 +90,9 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
         and record["dropped_zero_advantage"] == 1
     )
     # p and q are trained (reward 0.5); the sampled reward counts the dropped duplicate and flat group too, and the
-    # repeats held back
-    assert record["reward_mean"] == 0.5 and record["sampled_reward_mean"] == (5 + 4) / (8 + 4)
-    assert record["repeated_groups"] == 2
+    # groups held back
+    assert record["reward_mean"] == 0.5 and record["sampled_reward_mean"] == (5 + 6) / (8 + 6)
+    assert record["repeated_groups"] == 2 and record["flat_groups_held_back"] == 1
     unmapped = (
         set(record)
         - set(SERIES)

@@ -48,7 +48,7 @@ from rlfleet.services.rollout.engines import Engine, make_engine
 from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
-from rlfleet.services.rollout.repeats import unrepeated
+from rlfleet.services.rollout.repeats import holds_flat, worth_sending
 from rlfleet.services.rollout.timing import LAPS
 from rlfleet.services.rollout.work import WorkSource
 from rlfleet.services.toploc.proof import build_proofs_many
@@ -140,6 +140,7 @@ class Worker(WorkSource, Backpressure):
         online_filter = self.spec.sampling.online_filter
         self.retired = RetiredPrompts(self.reader, ctx.keys) if self.reader and online_filter else None
         self.max_redraws = online_filter.max_redraws if online_filter else 1
+        self.hold_flat = holds_flat(self.spec)
         self.follower = VersionFollower(
             ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, reader=self.reader
         )
@@ -270,9 +271,9 @@ class Worker(WorkSource, Backpressure):
                 ticket=ticket,
             )
             drafts.append((group, gens))
-        # Repeats of trained work are held back before their proofs are built: a group's digest is its prompt,
-        # sampling and completions, never its proofs, and late in a run most groups sampled are repeats.
-        fresh = {id(g) for g in unrepeated(self.reader, self.ctx, [g for g, _ in drafts])}
+        # Groups the trainer would drop for their content are held back before their proofs are built: a group's
+        # digest is its prompt, sampling and completions, never its proofs, and its rewards are computed above.
+        fresh = {id(g) for g in worth_sending(self.reader, self.ctx, [g for g, _ in drafts], self.hold_flat)}
         drafts = [(g, gens) for g, gens in drafts if id(g) in fresh]
         proofs: list[list[bytes]] = []
         if drafts:

@@ -18,7 +18,7 @@ from rlfleet.config import RLRunSpec
 from rlfleet.services.trainer.state import Commit
 from rlfleet.wire.prompt_filter import OutcomeRecorder
 from rlfleet.wire.runtime import Context
-from rlfleet.wire.streams import MessageError, RolloutGroup, group_digest, stream_reply
+from rlfleet.wire.streams import MessageError, RolloutGroup, group_digest, rewards_all_equal, stream_reply
 from rlfleet.wire.timing import Laps
 
 log = logging.getLogger("rlfleet.trainer")
@@ -125,7 +125,7 @@ class BatchReader:
         elif group.policy_version < oldest:
             drops["stale"] += 1
             self.dropped_ids["stale"].append(group.rollout_id)
-        elif skip_flat and len({s.reward for s in group.samples}) == 1:
+        elif skip_flat and rewards_all_equal(group):
             drops["zero_advantage"] += 1
             self.dropped_ids["zero_advantage"].append(group.rollout_id)
         else:

@@ -126,7 +126,7 @@ class Trainer(BatchReader):
         self.dropped_ids = {}
         self.read_groups = []
         self.kept_share = 1.0  # nothing read yet (batches.py)
-        self.repeats = RepeatTally()  # what workers hold back as repeats of trained work (wire/repeats.py)
+        self.repeats = RepeatTally()  # what workers hold back: repeats of trained work, flat groups (wire/repeats.py)
         self._pending_cursor = "0"  # re-read what this consumer holds unacknowledged, then new ones (batches.py)
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
@@ -321,7 +321,8 @@ class Trainer(BatchReader):
         repeats: dict[str, Tally],
     ) -> dict:
         """Step `step`'s record for metrics.jsonl, its timing fields at 0 until the step ends (split.py).
-        `repeats`: what workers held back as repeats of trained work since the last step (wire/repeats.py)."""
+        `repeats`: what workers held back (repeats of trained work, flat groups) since the last step
+        (wire/repeats.py)."""
         counts = {k.decode(): int(v) for k, v in run_stats.items()}
         read_rewards = [r for _, rewards in self.read_groups for r in rewards]
         held_back = sum(r.samples for r in repeats.values())
@@ -333,7 +334,8 @@ class Trainer(BatchReader):
             # dropped and what workers held back, late in a run mostly repeats of solved prompts (all correct).
             "sampled_reward_mean": (sum(read_rewards) + sum(r.reward_sum for r in repeats.values()))
             / max(1, len(read_rewards) + held_back),
-            "repeated_groups": self.repeats.total_groups(),
+            "repeated_groups": self.repeats.total_repeats(),
+            "flat_groups_held_back": self.repeats.total_flat(),
             **source_record(self.spec.task.type == "mixture", groups, self.read_groups, repeats),
             "staleness_mean": float(np.mean(lags)),
             "staleness_max": max(lags),

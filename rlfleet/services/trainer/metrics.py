@@ -34,6 +34,10 @@ SAMPLES = Counter("rlfleet_trainer_samples_total", "Completions trained on")
 REPEATED = Gauge(
     "rlfleet_trainer_repeated_groups", "Groups workers held back as repeats of trained work since the trainer started"
 )
+FLAT_HELD_BACK = Gauge(
+    "rlfleet_trainer_flat_groups_held_back",
+    "Groups workers held back for equal rewards (skipZeroAdvantageGroups) since the trainer started",
+)
 DROPPED = Counter("rlfleet_trainer_dropped_groups_total", "Groups dropped", ["reason"])
 STEP_SECONDS = Histogram(
     "rlfleet_trainer_step_seconds", "Step time by phase: the parts of each step's split (split.py)", ["phase"]
@@ -103,6 +107,7 @@ EXPORTED = (
     ELAPSED,
     SAMPLES,
     REPEATED,
+    FLAT_HELD_BACK,
     DROPPED,
     STEP_SECONDS,
     STEP_WALL,
@@ -130,13 +135,14 @@ NOT_EXPORTED = {
 def export_step(record: dict) -> None:
     """Put every field of a metrics.jsonl record (except NOT_EXPORTED) on /metrics.
     Mapping: step, policy_version, reward_mean, sampled_reward_mean, staleness_mean/max -> their gauges; the GRPO
-    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; repeated_groups -> its gauge;
-    dropped_* -> the dropped counter by reason; each part of split -> the step-time histogram by phase (the part's
-    name); step_seconds -> the step wall-time histogram; wall_seconds -> elapsed; accepted and rejected_by_reason ->
-    rlfleet_trainer_verifier_groups (rejected is their sum over reasons, every known reason present);
-    prompts_retired_* (online filter) -> rlfleet_trainer_prompts_retired{outcome}; eval/* (held-out evaluation, in
-    the record of the step it finished in) -> rlfleet_trainer_eval{stat}; sources (a task mixture's) ->
-    rlfleet_trainer_source_reward_mean and rlfleet_trainer_source_groups_total by source and batch."""
+    statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; repeated_groups and
+    flat_groups_held_back -> their gauges; dropped_* -> the dropped counter by reason; each part of split -> the
+    step-time histogram by phase (the part's name); step_seconds -> the step wall-time histogram; wall_seconds ->
+    elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups (rejected is their sum over reasons,
+    every known reason present); prompts_retired_* (online filter) -> rlfleet_trainer_prompts_retired{outcome};
+    eval/* (held-out evaluation, in the record of the step it finished in) -> rlfleet_trainer_eval{stat}; sources (a
+    task mixture's) -> rlfleet_trainer_source_reward_mean and rlfleet_trainer_source_groups_total by source and
+    batch."""
     STEP.set(record["step"])
     VERSION.set(record["policy_version"])
     REWARD.set(record["reward_mean"])
@@ -146,6 +152,7 @@ def export_step(record: dict) -> None:
     ELAPSED.set(record["wall_seconds"])
     SAMPLES.inc(record["samples"])
     REPEATED.set(record.get("repeated_groups", 0))  # absent from a record an older trainer saved with its state
+    FLAT_HELD_BACK.set(record.get("flat_groups_held_back", 0))
     for name in BATCH_STATS:
         if name in record:
             STAT.labels(name).set(record[name])

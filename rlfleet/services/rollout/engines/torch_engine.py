@@ -2,9 +2,10 @@
 
 `TorchEngine.generate_groups` samples several groups (each its own prompt, seed and sampling
 parameters) as one batch of rows, one row per sample:
-- Prefill: each request's prompt is prefilled once, alone (batch 1, no padding: its rows are what a
-  one-group call computes), and its cache repeated for the request's n rows (the rows are identical
-  until the first sampled token).
+- Prefill: each request's prompt is prefilled once, unpadded, in one forward with the other requests'
+  prompts of the same length (a batch of one when its length is alone; otherwise only the batch shape
+  differs from a one-group call, as in decode below), and its cache repeated for the request's n rows
+  (the rows are identical until the first sampled token).
 - Padded cache: the prompts' caches are left-padded with zero keys and values to the longest prompt
   Pmax and stacked, so row r holds its prompt of P_r tokens at cache slots Pmax-P_r .. Pmax-1.
   Every decode step passes an attention mask that hides the pad slots (they get exactly zero
@@ -93,19 +94,30 @@ class TorchEngine(Engine):
         return budget
 
     def _prefill(self, requests: list[GroupRequest], pmax: int) -> tuple[DynamicCache, torch.Tensor]:
-        """The padded cache of every row (module docstring) and the rows' (B, Pmax, H) prompt states."""
+        """The padded cache of every row (module docstring) and the rows' (B, Pmax, H) prompt states. The
+        requests whose prompts have the same length are prefilled in one forward, unpadded."""
+        by_length: dict[int, list[int]] = {}
+        for k, r in enumerate(requests):
+            by_length.setdefault(len(r.prompt_ids), []).append(k)
+        # request index -> each layer's (keys, values), (1, heads, P, d), and its (1, P, H) prompt states
+        states: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]] = {}
+        for ks in by_length.values():
+            ids = torch.tensor([requests[k].prompt_ids for k in ks], dtype=torch.long, device=self.device)  # (b, P)
+            out = self.model.model(input_ids=ids, use_cache=True)
+            for j, k in enumerate(ks):
+                kv = [(layer.keys[j : j + 1], layer.values[j : j + 1]) for layer in out.past_key_values.layers]
+                states[k] = (kv, out.last_hidden_state[j : j + 1])
         layers: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         hidden = []
-        for r in requests:
-            ids = torch.tensor([r.prompt_ids], dtype=torch.long, device=self.device)  # (1, P)
-            out = self.model.model(input_ids=ids, use_cache=True)
+        for k, r in enumerate(requests):
+            kv, prompt_hidden = states[k]
             pad = pmax - len(r.prompt_ids)
-            for i, layer in enumerate(out.past_key_values.layers):
+            for i, pair in enumerate(kv):
                 if i == len(layers):
                     layers.append(([], []))
-                for slot, kv in zip(layers[i], (layer.keys, layer.values)):  # (1, heads, P, d)
-                    slot.append(F.pad(kv, (0, 0, pad, 0)).expand(r.n, -1, -1, -1))
-            hidden.append(F.pad(out.last_hidden_state, (0, 0, pad, 0)).expand(r.n, -1, -1))
+                for slot, tensor in zip(layers[i], pair):
+                    slot.append(F.pad(tensor, (0, 0, pad, 0)).expand(r.n, -1, -1, -1))
+            hidden.append(F.pad(prompt_hidden, (0, 0, pad, 0)).expand(r.n, -1, -1))
         cache = DynamicCache(ddp_cache_data=[(torch.cat(k), torch.cat(v)) for k, v in layers], config=self.model.config)
         return cache, torch.cat(hidden)
 
