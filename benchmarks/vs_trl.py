@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -128,7 +129,11 @@ def unmatched(run) -> list[str]:
     """What of `run` the TRL side does not reproduce: the standing differences and this run's own."""
     t = run.trainer
     own = [
-        (t.skip_zero_advantage_groups, "trainer.skipZeroAdvantageGroups: TRL trains zero-advantage groups"),
+        (
+            t.skip_zero_advantage_groups,
+            "trainer.skipZeroAdvantageGroups: rlfleet trains only groups whose rewards differ and samples until it has "
+            "batchSize of them (its workers hold the others back unverified); TRL trains every group it samples",
+        ),
         (t.off_policy.mode != "none", f"trainer.offPolicy.mode {t.off_policy.mode}: TRL's correction is vLLM-only"),
         (t.entropy_coef > 0, "trainer.entropyCoef: not passed to TRL"),
         (t.kl_coef > 0, "trainer.klCoef: rlfleet clamps the per-token k3 estimate to [0, 10], TRL does not"),
@@ -511,6 +516,8 @@ def main() -> int:
         parser.error("--trl-seeds: at least 1 (the number of TRL runs)")
     if steps <= STEADY_FROM:
         parser.error(f"--steps: more than {STEADY_FROM} (the steps before {STEADY_FROM} are start-up)")
+    if importlib.util.find_spec("trl") is None:
+        parser.error("TRL is not installed: `pip install -e '.[bench]'` (TRL and its pinned version) first")
     if args.trl_child:
         trl_child(args.trl_child, config, steps, args.trl_threads, args.trl_seed_offset)
         return 0
