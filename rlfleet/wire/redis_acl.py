@@ -4,8 +4,8 @@ groups to its run's inbox and read the policy stream, and cannot write `verified
 announce a policy version, touch the trainer's state or another run. The worker id in a group is
 whatever the worker wrote: only the ingest binds worker ids to tokens.
 
-  worker    XADD / XLEN the inbox, count the groups it did not send as repeats of trained work, and set its
-            field of the pool's sampling record: the only keys a rollout worker writes
+  worker    XADD / XLEN the inbox, count the groups it did not send (repeats of trained work, groups of equal
+            rewards), and set its field of the pool's sampling record: the only keys a rollout worker writes
   reader    read the policy stream, the trainer's demand, the sampling record, the retired prompts and the
             server's clock (TIME), XLEN the inbox and the verified stream, ZMSCORE the trained set (a worker
             sends no repeat of trained work): a worker's reads (a second client, env RLFLEET_REDIS_READ_URL),

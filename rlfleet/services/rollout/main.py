@@ -17,8 +17,8 @@ POSTs each group to the run's ingest with its own token (env RLFLEET_WORKER_TOKE
 by RLFLEET_WORKER_TOKEN_FILE; rlfleet/services/ingest/) and learns of new versions by long-polling
 its relays' `latest?after=N` instead of reading the policy stream.
 
-A worker with Redis sends no group whose content the trainer already trained (repeats.py), and builds no
-proofs for one.
+A worker with Redis sends no group the trainer would drop for its content (repeats.py: repeats of trained work
+and, under skipZeroAdvantageGroups, groups of equal rewards), and builds no proofs for one.
 
 Backpressure, checked before each batch (`room`, backpressure.py): the worker pauses while the trainer's demand is
 covered (counting what the pool's other workers are sampling now), its weights lag too far, or the inbox is full,
@@ -220,8 +220,8 @@ class Worker(WorkSource, Backpressure):
 
     def make_groups(self, work: list[tuple[str, int, int | None]]) -> list[RolloutGroup]:
         """The groups of `work` ((task id, group seed, ticket) each, next_work's) to send, sampled in ONE engine
-        call, so every group records the one version that produced all of them; repeats of trained work are
-        held back (repeats.py) before any proof is built."""
+        call, so every group records the one version that produced all of them; what the trainer would drop for
+        its content is held back (repeats.py) before any proof is built."""
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
         problems, kept = [], []
         for piece in work:
