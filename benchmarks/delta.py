@@ -219,7 +219,8 @@ def delta_client(urls: list[str], dest: str, public_key: str, versions: list[int
     and last byte (monotonic), bytes received and the plan (fetch_policy's report). It then drops the version
     before the one it holds. "waiting" is printed once the process is ready."""
     from rlfleet.services.shardcast.assemble import fetch_policy
-    from rlfleet.services.shardcast.client import FetchSettings, Sources, wait_for_version
+    from rlfleet.services.shardcast.client import FetchSettings, wait_for_version
+    from rlfleet.services.shardcast.sources import Sources
     from rlfleet.versions.signing import parse_public_key
 
     key, sources, dest = parse_public_key(public_key), Sources(urls), Path(dest)

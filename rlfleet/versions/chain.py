@@ -22,8 +22,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Literal
 
 from rlfleet.versions.manifest import MANIFEST_NAME, DeltaSection, FileEntry, FileRef, Manifest, ManifestError
+
+Retention = Literal["kept", "dropped", "unsure"]  # what retention does with a version (`retention`)
 
 
 class DeltaError(ValueError):
@@ -127,3 +130,19 @@ def dir_required_base(version_dir: Path) -> int | None:
 def dir_retained(root: Path, versions: Iterable[int], keep: int) -> set[int]:
     """`retained` over version directories `root/v{N}` (a relay's cache), bases read from their manifests."""
     return retained(versions, keep, lambda v: dir_required_base(Path(root) / f"v{v}"))
+
+
+def retention(held: Iterable[int], keep: int, base: Callable[[int], int | None], version: int) -> Retention:
+    """Whether `retained` over `held` and `version` keeps `version`: "kept"; "dropped" when it is outside every
+    kept chain for good; "unsure" when a kept chain reaches a base newer than `version` that is not held (its
+    own base unknown here, e.g. still being pulled), so `version` may yet be on that chain."""
+    versions = {*held, version}
+    kept = retained(versions, keep, base)
+    if version in kept:
+        return "kept"
+    return "unsure" if any(b > version for b in kept - versions) else "dropped"
+
+
+def dir_retention(root: Path, held: Iterable[int], keep: int, version: int) -> Retention:
+    """`retention` over version directories `root/v{N}` (a relay's cache), bases read from their manifests."""
+    return retention(held, keep, lambda v: dir_required_base(Path(root) / f"v{v}"), version)

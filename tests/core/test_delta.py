@@ -15,7 +15,16 @@ import torch
 from safetensors.torch import save_file
 
 from rlfleet.config import DeltaSpec
-from rlfleet.versions.chain import DeltaError, base_of, delta_files, required_base, result_files, retained, whole
+from rlfleet.versions.chain import (
+    DeltaError,
+    base_of,
+    delta_files,
+    required_base,
+    result_files,
+    retained,
+    retention,
+    whole,
+)
 from rlfleet.versions.checkpoint import (
     VersionExistsError,
     list_versions,
@@ -269,6 +278,21 @@ def test_retained_follows_chains_to_a_full_version():
     assert retained(range(9), 3, bases.get) == {8, 7, 6, 5, 4}
     assert retained([3, 6], 1, bases.get) == {6, 5}  # a base not held is kept (to pull again), not followed
     assert retained([], 3, bases.get) == set()
+
+
+def test_retention_says_dropped_only_when_no_kept_chain_can_reach_the_version():
+    """A relay answers 410 only for "dropped"; "unsure" (404, ask again) while a kept chain runs into a version it
+    does not hold yet: the version asked for may be further down that chain."""
+    bases = {1: 0, 2: 1, 3: 2, 4: None, 5: 4, 6: 5, 7: None, 8: 7}
+    assert retention([6, 7, 8], 2, bases.get, 5) == "dropped"  # 8 and 7 kept; 7 is whole
+    assert retention([4, 5, 6], 1, bases.get, 5) == "kept"  # on the chain of 6
+    assert retention([4, 5, 6], 1, bases.get, 3) == "dropped"  # the chain of 6 ends at the whole 4
+    assert retention([3], 1, bases.get, 1) == "unsure"  # 3's base 2 is not held: its chain goes on unseen
+    assert retention([2, 3], 1, bases.get, 1) == "kept"  # ...and, once 2 is held, passes through 1
+    assert retention([6], 1, bases.get, 1) == "unsure"  # where 5's chain ends is not known without 5
+    assert retention([8], 1, bases.get, 1) == "unsure"  # nor 7's (whole, but not held here)
+    assert retention([7, 8], 1, bases.get, 1) == "dropped"
+    assert retention([], 1, bases.get, 1) == "kept"  # nothing newer held: it is the newest
 
 
 def test_prune_never_leaves_a_kept_version_unreachable(tmp_path, keys):

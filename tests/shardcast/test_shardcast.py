@@ -270,7 +270,7 @@ def test_relay_keeps_only_k_versions(tmp_path):
         assert sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir()) == ["v2", "v3"]
         assert REGISTRY.get_sample_value("rlfleet_relay_versions_held") == 2
         r = requests.get(relay_url + file_path(RUN, 1, MANIFEST_NAME), timeout=10)
-        assert r.status_code == 404 and "older" in r.text
+        assert r.status_code == 410 and "older" in r.text  # dropped by retention: gone, not "not yet"
 
 
 def test_client_is_idempotent_and_replaces_leftovers(tmp_path):

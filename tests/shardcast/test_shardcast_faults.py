@@ -24,9 +24,9 @@ from aiohttp import web
 
 from rlfleet.local.redis_server import free_port
 from rlfleet.services.shardcast import origin, relay
-from rlfleet.services.shardcast.client import FetchError, FetchSettings, Sources, fetch_version
+from rlfleet.services.shardcast.client import FetchError, FetchSettings, fetch_version
 from rlfleet.services.shardcast.protocol import file_path, healthz, latest_path
-from rlfleet.services.shardcast.sources import READ_TIMEOUT
+from rlfleet.services.shardcast.sources import READ_TIMEOUT, Sources
 from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, publish_version
 from rlfleet.versions.manifest import signing_bytes
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key

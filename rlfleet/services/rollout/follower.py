@@ -2,6 +2,9 @@
 stream, or for an ingest worker its relays' `latest?after=N` long-poll) and downloads each new version
 through the relays (every file's sha256 checked, the manifest's signature verified; a delta version is
 rebuilt from the one held here, shardcast/assemble.py) while generation goes on with the old weights.
+A version the relays dropped before it was fetched (every relay answers 410 Gone: on a busy machine, or
+when versions come faster than a relay keeps them) is skipped: the follower fetches the next one announced
+rather than retrying one that cannot come back until the fetch's deadline, paused at version_lag meanwhile.
 
 `ready` holds the newest version on disk; the worker `take`s it between batches (main.py). Invariant:
 the cache keeps the newest `keepVersions` and never the one the engine took last (it may still be
@@ -10,23 +13,30 @@ loading it while newer versions arrive).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
 
 import redis
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from rlfleet.services.rollout.timing import LAPS
 from rlfleet.services.shardcast.assemble import fetch_policy
-from rlfleet.services.shardcast.client import FetchSettings, wait_for_version
+from rlfleet.services.shardcast.client import FetchSettings, VersionGone, wait_for_version
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import decode_json, stream_reply
 
+log = logging.getLogger("rlfleet.rollout")
+
 DOWNLOAD_SECONDS = Gauge(
     "rlfleet_rollout_weight_download_seconds", "Download (relays, hashes, signature) of the newest version"
+)
+GONE = Counter(
+    "rlfleet_rollout_versions_skipped_total",
+    "Announced versions the relays dropped (HTTP 410) before this worker fetched them; it fetched a newer one",
 )
 
 
@@ -78,8 +88,13 @@ class VersionFollower(threading.Thread):
                 continue
             self.announced, announced_at = newest, time.monotonic()
             # whole, or rebuilt from the version held here and a delta
-            with LAPS.part("fetch"):
-                path = fetch_policy(self.fetch, newest, self.cache_dir)
+            try:
+                with LAPS.part("fetch"):
+                    path = fetch_policy(self.fetch, newest, self.cache_dir)
+            except VersionGone as exc:  # newer versions are out: the next announcement brings one
+                GONE.inc()
+                log.info("v%d was dropped by the relays before it was fetched (%s); fetching a newer one", newest, exc)
+                continue
             DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
                 self.ready = (newest, path, announced_at)

@@ -23,7 +23,9 @@ client.FetchSettings):
      before `.complete` is written: a rebuilt version is as verified as a downloaded one.
   4. A delta that fails to rebuild (DeltaError: the held base's bytes are not what its manifest says,
      or the patch does not decode to the signed result) discards that base and plans again, which
-     now ends at a whole version; a second failure raises FetchError.
+     now ends at a whole version; a second failure raises FetchError. An older version of the chain
+     that every source dropped while it was built (VersionGone, 410) plans again too; N itself gone
+     raises VersionGone (client.py): the caller fetches a newer version.
 Intermediate versions of a chain are installed too (each verified); the caller prunes its cache.
 """
 
@@ -38,7 +40,7 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from rlfleet.services.shardcast.client import Fetcher, FetchError, FetchSettings
+from rlfleet.services.shardcast.client import Fetcher, FetchError, FetchSettings, VersionGone
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, install
 from rlfleet.versions.chain import (
     DeltaError,
@@ -87,6 +89,11 @@ def fetch_policy(settings: FetchSettings, version: int, dest_root: Path, report:
             for v, raw, manifest, route in plan:
                 job.build(v, raw, manifest, route)
             return final
+        except VersionGone as exc:
+            if exc.version == version or attempt == 2:
+                raise
+            # an older version of the chain was dropped between planning and building: the walk now ends at it
+            log.info("run %r v%d went while v%d was built from it; planning again", settings.run, exc.version, version)
         except DeltaError as exc:
             DELTAS.labels("rejected").inc()
             report["rejected"].append(str(exc))

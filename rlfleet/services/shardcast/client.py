@@ -28,8 +28,11 @@ Algorithm (`fetch_version`):
      every shard's hash, and the shards tile the file (manifest.check_manifest).
   5. At `timeout` seconds, delete the partial dir and raise FetchError with the last error seen.
 404, 5xx and connection errors mean "not there yet": retry, backing off (0.1 s doubling to 5 s)
-after every source failed once. The retry loop is our own (not urllib3's Retry): a sha256
-mismatch must rotate sources, and a 404 for a brand-new version is retried until the deadline.
+after every source failed once. 410 means "dropped by retention": that source is not asked again,
+and once every source has said so the fetch raises VersionGone at once (a worker then fetches a
+newer version; retrying until the deadline would hold it on a version that cannot come back).
+The retry loop is our own (not urllib3's Retry): a sha256 mismatch must rotate sources, and a 404
+for a brand-new version is retried until the deadline.
 Manifests and shard bodies go through http.client rather than requests: `readinto` a reused buffer
 is the one way in Python to take bytes off the socket without a copy per chunk (requests/urllib3
 allocate a bytes object per chunk), and at GB/s that copy is most of the cost; and a fetcher that
@@ -51,7 +54,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Literal, TypedDict, overload
 from urllib.parse import urlsplit
@@ -64,8 +66,10 @@ from rlfleet.services.shardcast.sources import (
     READ_TIMEOUT,
     RETRYABLE,
     FetchError,
+    FetchSettings,
+    GoneStatus,
     HTTPStatusError,
-    Sources,
+    VersionGone,
     wait_for_version,
 )
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal, allocate, install
@@ -76,32 +80,12 @@ from rlfleet.wire import tls
 log = logging.getLogger("rlfleet.shardcast.client")
 
 # The client's public surface: other services import these from here (pyproject's import contracts).
-__all__ = ["PARALLEL", "FetchError", "FetchSettings", "Fetcher", "Sources", "fetch_version", "wait_for_version"]
+__all__ = ["FetchError", "FetchSettings", "Fetcher", "VersionGone", "fetch_version", "wait_for_version"]
 
 RECV_CHUNK = 1 << 20  # bytes per readinto/hash step; a broken connection keeps all it received
-PARALLEL = 4
 # One shard's download, kept across a broken connection: bytes received, their running sha256, the attempt.
 # (The functional form: the class form's 6 more lines would put this file over the 400-line budget.)
 _Received = TypedDict("_Received", {"have": int, "hash": "hashlib._Hash", "attempt": int})  # noqa: UP013
-
-
-@dataclass(frozen=True)
-class FetchSettings:
-    """What one client's fetches share, from fetch_policy down to each Fetcher."""
-
-    sources: Sources  # the base URLs and their measurements (kept across fetches)
-    run: str
-    _: KW_ONLY
-    timeout: float = 300  # seconds one fetch_version / fetch_policy call may take
-    public_key: object = None  # ed25519 public key: manifests must carry a valid signature; None: not required
-    parallel: int = PARALLEL  # shards downloaded at once
-    on_bytes: Callable[[int], None] | None = None  # per received chunk (metrics)
-    stop: threading.Event | None = None  # set: abort with FetchError, keeping the partial download to resume
-
-    @classmethod
-    def over(cls, urls: Sequence[str], run: str, **options) -> FetchSettings:
-        """Settings with fresh `Sources` over `urls`."""
-        return cls(Sources(list(urls)), run, **options)
 
 
 class Fetcher:
@@ -185,22 +169,34 @@ class Fetcher:
         return min(CONNECT_TIMEOUT, left), min(READ_TIMEOUT, left)
 
     def _retry(self, what: str, attempt: Callable[[str], object]):
-        """attempt(url) until it returns, rotating sources; back off after each full round of failures."""
+        """attempt(url) until it returns, rotating sources; back off after each full round of failures.
+        A source that answered 410 Gone is not asked again (it dropped the version: not a failure of the
+        source); once every source has, VersionGone, at once rather than at the deadline."""
         tried: set[str] = set()
+        gone: set[str] = set()
         delay = BACKOFF_START
         while True:
             self._check()
-            url = self.sources.pick(tried)
+            url = self.sources.pick(tried | gone)
             try:
                 return attempt(url)
             except FetchError:  # stopped or out of time (a TimeoutError, so an OSError too)
                 raise
+            except GoneStatus as exc:
+                self.last_error = f"{what} from {url}: {exc}"
+                gone.add(url)
+                if gone >= set(self.sources.urls):
+                    raise VersionGone(
+                        f"run {self.run!r} v{self.version}: no source keeps it any more "
+                        f"({', '.join(self.sources.urls)}); last answer: {exc}",
+                        self.version,
+                    ) from None
             except RETRYABLE as exc:
                 self.last_error = f"{what} from {url}: {tls.describe(exc)}"
                 log.log(tls.level(exc), "retrying: %s", self.last_error)
                 self.sources.failure(url)
                 tried.add(url)
-            if len(tried) >= len(self.sources.urls):
+            if len(tried | gone) >= len(self.sources.urls):
                 tried.clear()
                 pause = max(0.0, min(delay, self.deadline - time.monotonic()))
                 (self.stop or self._abort).wait(pause)
@@ -212,7 +208,8 @@ class Fetcher:
     def manifest(self, missing_ok: bool) -> tuple[bytes, Manifest] | None: ...
     def manifest(self, missing_ok: bool = False) -> tuple[bytes, Manifest] | None:
         """(raw bytes, parsed manifest) from the first source whose manifest verifies. With `missing_ok`,
-        None once every source has answered 404 (a version older than the ones kept), instead of waiting."""
+        None once every source has answered 404 or 410 (a version older than the ones kept), instead of
+        waiting; without it, VersionGone once every source has answered 410."""
         missing: set[str] = set()
 
         def attempt(base: str) -> tuple[bytes, Manifest] | None:
@@ -223,12 +220,13 @@ class Fetcher:
             except BaseException:
                 self.drop_connection(base)  # its response may be half read
                 raise
-            if r.status == 404 and missing_ok:
+            if r.status in (404, 410) and missing_ok:
                 missing.add(base)
                 if missing >= set(self.sources.urls):
                     return None
             if r.status != 200:
-                raise HTTPStatusError(f"HTTP {r.status}: {body[:200].decode(errors='replace').strip()}")
+                error = GoneStatus if r.status == 410 else HTTPStatusError
+                raise error(f"HTTP {r.status}: {body[:200].decode(errors='replace').strip()}")
             manifest = parse_manifest(body, self.run, self.version, self.settings.public_key)
             self.sources.success(base, len(body), time.monotonic() - started)
             return body, manifest
@@ -347,7 +345,7 @@ class Fetcher:
         elif not (r.status == 206 and (r.getheader("Content-Range") or "").startswith(f"bytes {start}-{end - 1}/")):
             detail = r.read(200).decode(errors="replace").strip() if r.status >= 300 else "bad range"
             self.drop_connection(base)
-            raise HTTPStatusError(f"HTTP {r.status}: {detail}")
+            raise (GoneStatus if r.status == 410 else HTTPStatusError)(f"HTTP {r.status}: {detail}")
         if r.length is None or r.length > size - have:
             self.drop_connection(base)
             raise ChecksumError(

@@ -3,7 +3,8 @@
 Routes: see protocol.py. Invariants:
   - a file is served only when its version's manifest exists in the store (read on every request,
     so a version that is still being uploaded is 404, never served half-written) and the manifest
-    lists it; `latest` is the highest version with a manifest;
+    lists it; `latest` is the highest version with a manifest; a version without one below the newest
+    published, or whose files went while it was served, was pruned: 410 (protocol.py);
   - `manifest.json` is served byte-for-byte as stored (a signature covers those bytes);
   - a file store's bytes go out with sendfile; S3 bytes stream in 1 MiB chunks (one ranged GET per
     request), never buffered whole; a Range request becomes a ranged store read;
@@ -108,6 +109,8 @@ def make_app(store: CheckpointStore, run: str, redis_client: redis.Redis | None 
         try:
             raw = await asyncio.to_thread(store.get_bytes, manifest_key(run, version))
         except KeyError:
+            if board.newest is not None and version < board.newest:  # versions are published in order
+                raise web.HTTPGone(text=f"run {run!r} v{version} was pruned from the store\n") from None
             raise web.HTTPNotFound(text=f"run {run!r} v{version} is not published (no manifest yet)\n") from None
         if name == MANIFEST_NAME:
             return await send_range(request, len(raw), lambda s, e: iter([raw[s:e]]), "application/json", BYTES_OUT.inc)
@@ -126,7 +129,7 @@ def make_app(store: CheckpointStore, run: str, redis_client: redis.Redis | None 
                 request, entry.size, lambda s, e: store.open_read(key, s, e), on_bytes=BYTES_OUT.inc
             )
         except (KeyError, FileNotFoundError):  # listed but gone: the version was pruned while we looked
-            raise web.HTTPNotFound(text=f"run {run!r} v{version}: {name!r} is no longer in the store\n") from None
+            raise web.HTTPGone(text=f"run {run!r} v{version}: {name!r} is no longer in the store\n") from None
 
     async def lifecycle(app: web.Application):
         board.bind(app)

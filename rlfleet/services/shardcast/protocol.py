@@ -14,8 +14,11 @@ Routes (the origin and every relay serve the same ones):
   GET /v1/{run}/v{N}/{file}     the file: `manifest.json` or a name listed in it. 404 while vN has no
                                 manifest (a partial version is never served). One `Range: bytes=a-b`
                                 (or `a-`, `-n`) gives 206 + Content-Range; an unsatisfiable one 416.
-A client treats 404 and 5xx alike: not here yet, try again later or elsewhere. Integrity is the
-client's job (sha256 from the manifest), not the transport's.
+                                410 once vN has been dropped by retention (older than the versions a
+                                relay keeps; on the origin, no manifest while a newer one is published).
+A client treats 404 and 5xx alike: not here yet, try again later or elsewhere. 410 is final for that
+source: it will not have vN again, so a client that hears it from every source fetches a newer version.
+Integrity is the client's job (sha256 from the manifest), not the transport's.
 Bytes that lie in a local file go out with `loop.sendfile` (os.sendfile on the socket: no copy
 through Python); other bodies (S3, the manifest) stream in MiB chunks read in a thread pool.
 """

@@ -7,6 +7,8 @@ prefetch, retention and their invariants). Serving:
                 response only once every shard in it verified), so tier k+1 receives each byte
                 about when tier k does; a pull that fails before the range's first byte answers
                 502, one that fails after it cuts the response short
+  gone          a version older than the ones this relay keeps, or one upstream answers 410 for, is 410 Gone
+                (protocol.py): its clients move on to a newer version instead of waiting for it
   latest        upstream's latest (and starts pulling it); the newest held version if upstream is down.
                 `latest?after=N` answers as soon as a newer version is announced to this relay
                 (it is then served cut-through) or held
@@ -23,7 +25,7 @@ from pathlib import Path
 import redis
 from aiohttp import web
 
-from rlfleet.services.shardcast.client import FetchError
+from rlfleet.services.shardcast.client import FetchError, VersionGone
 from rlfleet.services.shardcast.protocol import (
     ROUTE_FILE,
     ROUTE_HEALTH,
@@ -41,15 +43,7 @@ from rlfleet.services.shardcast.protocol import (
     serve_until,
 )
 from rlfleet.services.shardcast.pull import Pull, stream
-from rlfleet.services.shardcast.relay_cache import (
-    BYTES_OUT,
-    CLIENTS,
-    DiskBoundError,
-    NotUpstream,
-    Relay,
-    RelaySettings,
-    VersionGone,
-)
+from rlfleet.services.shardcast.relay_cache import BYTES_OUT, CLIENTS, DiskBoundError, NotUpstream, Relay, RelaySettings
 from rlfleet.versions.manifest import MANIFEST_NAME, ManifestError, parse_manifest
 from rlfleet.wire import components, tls
 from rlfleet.wire.runtime import ComponentOptions
@@ -97,12 +91,14 @@ def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -
             else:  # verified when it was pulled; read back from this disk, its shape is checked again
                 raw = (where / MANIFEST_NAME).read_bytes()
                 manifest = parse_manifest(raw, run, version)
-        except (VersionGone, NotUpstream) as exc:
+        except VersionGone as exc:  # before FetchError, which it is: waiting will not bring it back
+            raise web.HTTPGone(text=f"{exc}\n") from None
+        except NotUpstream as exc:
             raise web.HTTPNotFound(text=f"{exc}\n") from None
         except (FetchError, DiskBoundError) as exc:
             raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
         except FileNotFoundError:  # pruned between the check and the read
-            raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
+            raise web.HTTPGone(text=f"v{version} was just dropped by retention\n") from None
         except ManifestError as exc:  # this relay's own disk holds a damaged manifest
             raise web.HTTPInternalServerError(text=f"held v{version}: {exc}\n") from None
         if name == MANIFEST_NAME:
@@ -119,11 +115,13 @@ def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -
                     return await stream(request, where, index, size, open_file, BYTES_OUT.inc)
                 except FileNotFoundError:
                     raise
+                except VersionGone as exc:  # upstream dropped it while it was pulled
+                    raise web.HTTPGone(text=f"{exc}\n") from None
                 except (FetchError, DiskBoundError, OSError) as exc:  # the pull failed
                     raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
             return await send_file(request, size, open_file, BYTES_OUT.inc)
         except FileNotFoundError:  # pruned between the check and the open
-            raise web.HTTPNotFound(text=f"v{version} was just dropped by retention\n") from None
+            raise web.HTTPGone(text=f"v{version} was just dropped by retention\n") from None
         finally:
             CLIENTS.dec()
 

@@ -23,9 +23,9 @@
                 upstream's `latest?after=N` instead (no timer: upstream answers on a new version)
   shutdown      a hung upstream cannot hold a stopping relay: probes and `latest` use an aiohttp session
                 closed at shutdown, and the pulls' Fetchers are aborted (blocked reads return at once)
-  retention     the newest `keep_versions` complete versions and every version their delta chains pass through
-                (versions.chain.retained); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older
-                versions are dropped (renamed away first) before a pull starts, a version larger than it is refused
+  retention     the newest `keep_versions` complete versions and the versions their delta chains pass through
+                (chain.py); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older ones are
+                dropped (renamed away first) before a pull starts, a larger one is refused; a dropped one is 410
 Metrics: rlfleet_relay_bytes_in_total, rlfleet_relay_bytes_out_total, rlfleet_relay_versions_held,
 rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds, rlfleet_relay_fetch_seconds.
 """
@@ -45,12 +45,12 @@ import aiohttp
 import redis
 from prometheus_client import Counter, Gauge, Histogram
 
-from rlfleet.services.shardcast.client import PARALLEL, Fetcher, FetchError, FetchSettings, Sources
+from rlfleet.services.shardcast.client import Fetcher, FetchError, FetchSettings, VersionGone
 from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_path
 from rlfleet.services.shardcast.pull import Pull
-from rlfleet.services.shardcast.sources import BACKOFF_MAX, BACKOFF_START, CONNECT_TIMEOUT, READ_TIMEOUT
+from rlfleet.services.shardcast.sources import BACKOFF_MAX, BACKOFF_START, CONNECT_TIMEOUT, PARALLEL, READ_TIMEOUT
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
-from rlfleet.versions.chain import dir_retained
+from rlfleet.versions.chain import dir_retained, dir_retention
 from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
 from rlfleet.wire import tls
 from rlfleet.wire.streams import MessageError, RunKeys, decode_json, stream_entries, stream_reply
@@ -74,10 +74,6 @@ FETCH_SECONDS = Histogram(
 )
 FOLLOW_WAIT = 30  # seconds one long-poll of upstream may hang
 FOLLOW_TIMEOUT = aiohttp.ClientTimeout(total=FOLLOW_WAIT + 30)
-
-
-class VersionGone(LookupError):
-    """Older than the versions this relay keeps."""
 
 
 class NotUpstream(LookupError):
@@ -115,8 +111,8 @@ class Relay:
         self.keep = settings.keep_versions
         self.max_disk = settings.max_disk_bytes
         self.closing = threading.Event()  # aborts pulls in flight at shutdown
-        self.fetch = FetchSettings(  # every pull's: one upstream, its bytes counted, aborted at shutdown
-            Sources([self.upstream]),
+        self.fetch = FetchSettings.over(  # every pull's: one upstream, its bytes counted, aborted at shutdown
+            [self.upstream],
             self.run,
             timeout=settings.fetch_timeout,
             public_key=settings.public_key,
@@ -147,9 +143,8 @@ class Relay:
         found = (parse_version_dir(p.name) for p in self.root.iterdir() if (p / COMPLETE_MARKER).exists())
         return sorted(v for v in found if v is not None)
 
-    def too_old(self, version: int) -> bool:
-        """True when pulling it would only see it pruned: `keep` newer versions are held and their chains skip it."""
-        return version not in dir_retained(self.root, {*self.held(), version}, self.keep)
+    def retention(self, version: int) -> str:  # chain.dir_retention beside the versions held here
+        return dir_retention(self.root, self.held(), self.keep, version)
 
     def partials(self) -> dict[int, Path]:
         """Partial dirs on disk by version."""
@@ -201,8 +196,9 @@ class Relay:
         timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT)
         self.http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(ssl=tls.client_context()))
 
-    async def ask_upstream(self, path: str) -> bytes | None:
-        """The body of a GET of `path` upstream, None on HTTP 404; FetchError for anything else."""
+    async def ask_upstream(self, path: str, version: int | None = None) -> bytes | None:
+        """The body of a GET of `path` upstream, None on HTTP 404; VersionGone on 410 when `path` is a file of
+        `version`; FetchError for anything else."""
         if self.http is None or self.http.closed:
             raise FetchError("the relay is shutting down")
         try:
@@ -210,6 +206,8 @@ class Relay:
                 body = await r.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise FetchError(f"upstream {self.upstream} did not answer {path}: {tls.describe(exc)}") from None
+        if r.status == 410 and version is not None:
+            raise VersionGone(f"upstream {self.upstream} no longer keeps v{version}", version)
         if r.status not in (200, 404):
             raise FetchError(f"upstream {self.upstream} answered {path} with HTTP {r.status}: {body[:200]!r}")
         return body if r.status == 200 else None
@@ -219,12 +217,14 @@ class Relay:
         version upstream does not have raises NotUpstream at once instead of being waited for."""
         if self.has(version):
             return self.version_dir(version)
-        if self.too_old(version):
-            raise VersionGone(f"v{version} is older than the newest {self.keep} versions this relay keeps")
+        if (verdict := self.retention(version)) == "dropped":  # pulled, it would be pruned at once
+            raise VersionGone(f"v{version} is older than the newest {self.keep} versions this relay keeps", version)
+        if verdict == "unsure":
+            raise NotUpstream(f"v{version} may be on a chain this relay is still pulling; ask again")
         if (
             version not in self._pulls
             and probe
-            and await self.ask_upstream(file_path(self.run, version, MANIFEST_NAME)) is None
+            and await self.ask_upstream(file_path(self.run, version, MANIFEST_NAME), version) is None
         ):
             raise NotUpstream(f"upstream {self.upstream} has no v{version} (yet)")
         if self.has(version):  # finished while we probed
@@ -338,7 +338,7 @@ class Relay:
 
     def prefetch(self, version: int) -> None:
         """Start pulling `version` in the background and offer it to long-polls (event-loop thread only)."""
-        if self.has(version) or version in self._pulls or self.too_old(version):
+        if self.has(version) or version in self._pulls or self.retention(version) != "kept":
             return
         self.board.offer(version)
         task = asyncio.create_task(self.locate(version, probe=False))

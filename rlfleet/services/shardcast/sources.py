@@ -1,6 +1,7 @@
 """Where a client gets a version from: the sources it can ask (origin and relay base URLs) with the
 bandwidth and success it measured of each, and what they offer (`latest`, the `latest?after=N`
-long-poll of protocol.py). Errors shared by every fetch live here too."""
+long-poll of protocol.py), and the settings one client's fetches share (`FetchSettings`). Errors shared
+by every fetch live here too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass
 
 import requests
 
@@ -25,14 +28,28 @@ BACKOFF_START, BACKOFF_MAX = 0.1, 5.0
 # a blocked read.
 CONNECT_TIMEOUT, READ_TIMEOUT = 5.0, 10.0
 EXPLORE = 0.1  # probability of picking a source uniformly instead of by weight
+PARALLEL = 4  # shards a fetch downloads at once
 
 
 class FetchError(TimeoutError):
     """A version could not be fetched and verified before the deadline (or the fetch was stopped)."""
 
 
+class VersionGone(FetchError):
+    """No source keeps the version any more: every one answered 410 Gone (retention dropped it, protocol.py).
+    Unlike a 404 ("not there yet"), waiting cannot bring it back; the caller fetches a newer version instead."""
+
+    def __init__(self, message: str, version: int):
+        super().__init__(message)
+        self.version = version
+
+
 class HTTPStatusError(RuntimeError):
     """A server answered something other than the expected status or length."""
+
+
+class GoneStatus(HTTPStatusError):
+    """One source answered 410 Gone: it dropped the version (the fetch asks the others; all of them: VersionGone)."""
 
 
 # What a fetch retries (from another source, after a backoff) until its deadline.
@@ -104,6 +121,25 @@ class Sources:
     def failure(self, url: str) -> None:
         with self._lock:
             self.fail[url] += 1
+
+
+@dataclass(frozen=True)
+class FetchSettings:
+    """What one client's fetches share, from fetch_policy down to each Fetcher."""
+
+    sources: Sources  # the base URLs and their measurements (kept across fetches)
+    run: str
+    _: KW_ONLY
+    timeout: float = 300  # seconds one fetch_version / fetch_policy call may take
+    public_key: object = None  # ed25519 public key: manifests must carry a valid signature; None: not required
+    parallel: int = PARALLEL  # shards downloaded at once
+    on_bytes: Callable[[int], None] | None = None  # per received chunk (metrics)
+    stop: threading.Event | None = None  # set: abort with FetchError, keeping the partial download to resume
+
+    @classmethod
+    def over(cls, urls: Sequence[str], run: str, **options) -> FetchSettings:
+        """Settings with fresh `Sources` over `urls`."""
+        return cls(Sources(list(urls)), run, **options)
 
 
 def wait_for_version(
