@@ -50,7 +50,7 @@ from rlfleet.services.shardcast.protocol import VersionBoard, file_path, latest_
 from rlfleet.services.shardcast.pull import Pull
 from rlfleet.services.shardcast.sources import BACKOFF_MAX, BACKOFF_START, CONNECT_TIMEOUT, PARALLEL, READ_TIMEOUT
 from rlfleet.services.shardcast.staging import JOURNAL, ShardJournal
-from rlfleet.versions.chain import dir_retained, dir_retention
+from rlfleet.versions.chain import Retention, dir_retained, dir_retention
 from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, parse_version_dir, version_dir_name
 from rlfleet.wire import tls
 from rlfleet.wire.streams import MessageError, RunKeys, decode_json, stream_entries, stream_reply
@@ -143,7 +143,7 @@ class Relay:
         found = (parse_version_dir(p.name) for p in self.root.iterdir() if (p / COMPLETE_MARKER).exists())
         return sorted(v for v in found if v is not None)
 
-    def retention(self, version: int) -> str:  # chain.dir_retention beside the versions held here
+    def retention(self, version: int) -> Retention:  # chain.dir_retention beside the versions held here
         return dir_retention(self.root, self.held(), self.keep, version)
 
     def partials(self) -> dict[int, Path]:
