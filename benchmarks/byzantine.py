@@ -56,11 +56,11 @@ import torch
 import yaml
 
 from rlfleet.config import API_VERSION, parse_bundle
+from rlfleet.engines.torch_engine import TorchEngine
+from rlfleet.fleet.reputation import worker_stats
 from rlfleet.services.ingest.client import post_group, rollouts_url
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
-from rlfleet.services.toploc.reputation import worker_stats
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import parse_public_key
 from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, RunKeys, decode_json, stream_reply

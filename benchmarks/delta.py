@@ -97,9 +97,9 @@ def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path, lora: 
 
     from rlfleet.config import load_bundle
     from rlfleet.config.training import LoraSpec
+    from rlfleet.engines import make_engine
     from rlfleet.models.policy import load_policy
     from rlfleet.models.sources import resolve_model_path
-    from rlfleet.services.rollout.engines import make_engine
     from rlfleet.services.trainer.lora import attach
     from rlfleet.services.trainer.update import grpo_update
     from rlfleet.tasks import make_run_task

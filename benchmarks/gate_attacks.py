@@ -41,14 +41,14 @@ import redis
 import torch
 
 from rlfleet.config import parse_bundle
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.models.policy import load_policy, score
 from rlfleet.models.sampling import keep_mask, sample_seed, sample_uniforms
 from rlfleet.models.sources import resolve_model_path
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.proofs.toploc import verify_proofs
 from rlfleet.services.toploc.calibration import DEFAULTS
 from rlfleet.services.toploc.checks import Checker, Rejection
-from rlfleet.services.toploc.proof import verify_proofs
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.toploc import attacks
 
@@ -146,7 +146,7 @@ def vllm_policy(tmp: Path) -> Path:
 def attack_groups(kind: str, policy: Path, tmp: Path, n: int, spec, top_p_spec, closers: list):
     """(honest base groups, {attack: (class, groups)}, models by version, the honest reference groups) for
     one engine; `closers` collects what must be closed (vLLM engines)."""
-    from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.engines import make_engine
 
     model, tokenizer = load_policy(policy)
     # the weights one GRPO step later, stepped before any vLLM engine starts: vLLM runs in this process and

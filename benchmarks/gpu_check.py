@@ -47,17 +47,17 @@ import torch
 from replay_calibration import replay_of
 
 from rlfleet.config import parse_bundle
+from rlfleet.engines import make_engine
+from rlfleet.engines.base import GroupRequest
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import load_policy
-from rlfleet.services.rollout.engines import make_engine
-from rlfleet.services.rollout.engines.base import GroupRequest
+from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchSettings, fetch_version
 from rlfleet.services.toploc.batch import prefill_verdicts
 from rlfleet.services.toploc.checks import Checker, Rejection
-from rlfleet.services.toploc.gate import READ_BATCH
-from rlfleet.services.toploc.proof import build_proofs_many
+from rlfleet.services.toploc.main import READ_BATCH
 from rlfleet.services.trainer.update import grpo_update
 from rlfleet.tasks.arithmetic import ArithmeticTask
 from rlfleet.versions.checkpoint import publish_version, save_model_dir

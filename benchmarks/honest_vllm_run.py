@@ -34,7 +34,7 @@ import _paths  # noqa: F401  (the repository root first)
 import redis
 import yaml
 
-from rlfleet.services.toploc.reputation import worker_stats
+from rlfleet.fleet.reputation import worker_stats
 from rlfleet.wire.streams import RunKeys
 
 ROOT = _paths.ROOT

@@ -28,7 +28,7 @@ import torch
 
 from rlfleet.config import parse_bundle
 from rlfleet.models.policy import load_policy, score
-from rlfleet.services.toploc.proof import verify_proofs
+from rlfleet.proofs.toploc import verify_proofs
 from rlfleet.services.toploc.replay import group_score
 from tests.runs import bundle_yaml, rlrun
 from tests.support import tiny_policy_dir
@@ -78,7 +78,7 @@ def summary(scores) -> dict:
 
 
 def main() -> int:
-    from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.engines import make_engine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=48, help="honest groups per worker dtype (and as many tampered)")

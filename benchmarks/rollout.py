@@ -33,9 +33,9 @@ from pathlib import Path
 import _paths  # noqa: F401  (the checkout's rlfleet and tests, without PYTHONPATH)
 import torch
 
+from rlfleet.engines import make_engine
+from rlfleet.engines.base import GroupRequest
 from rlfleet.models.builtin import build_tokenizer
-from rlfleet.services.rollout.engines import make_engine
-from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchSettings, fetch_version
 from rlfleet.tasks.arithmetic import ArithmeticTask

@@ -41,14 +41,14 @@ import redis
 import torch
 
 from rlfleet.config import parse_bundle
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.models.sampling import stop_token_ids
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.toploc.batch import prefill_verdicts
 from rlfleet.services.toploc.checks import Checker, Rejection
-from rlfleet.services.toploc.gate import READ_BATCH
-from rlfleet.services.toploc.proof import build_proofs_many
+from rlfleet.services.toploc.main import READ_BATCH
 from rlfleet.tasks import make_run_task
 from rlfleet.versions.checkpoint import save_model_dir
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json

@@ -343,7 +343,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             print("---\n".join(crd_files().values()), end="")
         return 0
     if args.command == "toploc":
-        from rlfleet.services.toploc.conformance import run_conformance_cli
+        from rlfleet.proofs.conformance import run_conformance_cli
 
         return run_conformance_cli(args.dir)
     spec = COMPONENTS[args.command]  # argparse rejects any other command

@@ -61,3 +61,14 @@ def s3_env(s3_endpoint, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     return s3_endpoint
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module's tiny models: one thread avoids wake-up waits on a busy machine."""
+    import torch  # here, not at the top: most tests never load torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -13,7 +13,7 @@ MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class OnlineFilterSpec(Spec):
-    """Online prompt filter (rlfleet/wire/prompt_filter.py): the trainer records each prompt's recent groups and
+    """Online prompt filter (rlfleet/fleet/prompt_filter.py): the trainer records each prompt's recent groups and
     retires a prompt once its last `window` groups were all solved or all failed; workers stop drawing it."""
 
     window: int = Field(
@@ -73,8 +73,8 @@ class SamplingSpec(Spec):
         default="worker",
         description="Who chooses each group's task and seed. `worker`: the worker draws them. `run`: a worker asks "
         "the run for a work ticket (Redis, or the ingest's tickets endpoint) and the ticket fixes task and seed "
-        "(rlfleet/wire/assignment.py); the gate accepts each ticket once and only from the worker it was issued to, so "
-        "a worker cannot grind seeds or tasks, and tickets it drops are counted.",
+        "(rlfleet/fleet/assignment.py); the gate accepts each ticket once and only from the worker it was issued to, "
+        "so a worker cannot grind seeds or tasks, and tickets it drops are counted.",
     )
     online_filter: OnlineFilterSpec | None = Field(
         default=None,

@@ -165,7 +165,7 @@ class LocalRun:
 
     def start(self, model_dir: Path) -> int:
         """Check the engines, plan the processes, set up their environment and keys, then supervise them."""
-        from rlfleet.services.rollout.engines import check_supported  # imports neither torch nor vLLM
+        from rlfleet.engines import check_supported  # imports neither torch nor vLLM
 
         for pool in self.bundle.pools:  # refused here, not after every other process has started
             try:
@@ -329,7 +329,7 @@ class LocalRun:
         from Redis before it stops (the trainer done or the run interrupted), for `rlfleet report`."""
         import redis
 
-        from rlfleet.services.toploc.reputation import worker_stats
+        from rlfleet.fleet.reputation import worker_stats
 
         try:
             stats = worker_stats(client, keys)

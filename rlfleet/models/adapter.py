@@ -13,7 +13,7 @@ Invariants:
   - only plain LoRA is applied: adapters with DoRA, fan_in_fan_out (Conv1D), trained biases, extra saved
     modules or per-layer rank/alpha patterns are refused naming the setting (the trainer never makes them).
 `merge_dir` writes base + adapter as a whole checkpoint directory, for an engine that reloads from files
-(vLLM on CPU, rlfleet/services/rollout/engines/vllm_adapter.py).
+(vLLM on CPU, rlfleet/engines/vllm_adapter.py).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ ranks (torchrun-style), 0 for everything else (a rollout worker or a verifier us
 vLLM spreads tensor-parallel ranks over the others itself).
 
 Who asks: the trainer (`training_device`, rlfleet/services/trainer/update.py), the rollout engines
-(`make_engine`, rlfleet/services/rollout/engines/__init__.py: the torch engine's model lives there;
-vLLM must agree with it) and the verifier (its prefill, rlfleet/services/toploc/gate.py). Nothing
+(`make_engine`, rlfleet/engines/__init__.py: the torch engine's model lives there;
+vLLM must agree with it) and the verifier (its prefill, rlfleet/services/toploc/main.py). Nothing
 else calls torch.cuda to decide.
 
 What torch sees of CUDA is a parameter (`Cuda`), so a test on a machine without a GPU exercises the

@@ -1,5 +1,5 @@
 """How a token is drawn and where a completion stops: the contract every engine samples by (the torch
-engine on whole batches, rlfleet/services/rollout/engines/torch_engine.py; vLLM one decode step at a
+engine on whole batches, rlfleet/engines/torch_engine.py; vLLM one decode step at a
 time, in its worker, engines/vllm_worker.py) and the gate replays (rlfleet/services/toploc/replay.py,
 ending.py). Both engines call these functions, so the contract lives here only; on the same logits
 they draw the same tokens (vLLM-CPU fp32 and the torch engine: identical completions).
@@ -21,7 +21,7 @@ of a CDF edge can differ.
 Stopping: a completion ends at its first stop token (`stop_token_ids`: the tokenizer's EOS and the
 model's configured EOS ids), which is then its last token, or after `completion_budget` tokens:
 min(maxTokens, context - prompt - 1), the one position kept for vLLM's TOPLOC capture
-(rlfleet/services/rollout/engines/vllm_engine.py). The reward reads exactly the tokens before the
+(rlfleet/engines/vllm_engine.py). The reward reads exactly the tokens before the
 stop token, special tokens included (`completion_text`).
 """
 
@@ -43,10 +43,10 @@ def sample_uniforms(seed: int, n: int) -> np.ndarray:
 
 class UniformStream:
     """`sample_uniforms(seed, ·)` read one position at a time, for an engine that meets positions one decode
-    step at a time (vLLM's worker, rlfleet/services/rollout/engines/vllm_worker.py): the stream is drawn
+    step at a time (vLLM's worker, rlfleet/engines/vllm_worker.py): the stream is drawn
     lazily in growing chunks from one generator. PCG64's `random` turns each 64-bit output into one
     double with no carried state, so consecutive chunks are exactly one longer call: `stream[t] ==
-    sample_uniforms(seed, n)[t]` for every t < n (tests/rollout/test_sampler_contract.py)."""
+    sample_uniforms(seed, n)[t]` for every t < n (tests/engines/test_sampler_contract.py)."""
 
     CHUNK = 256
 

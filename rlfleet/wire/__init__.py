@@ -4,8 +4,8 @@ streams.py     every Redis key of a run and the versioned messages on its stream
 redis_acl.py   the Redis ACL user of each role: the commands and keys a component may use
 runtime.py     what every component process does first: config, Redis, logging, metrics, signals
 env.py         every environment variable rlfleet reads or sets
-assignment.py  run-assigned work: the run, not the worker, picks each group's task and seed
 topology.py    the relay tree: which node each tier pulls from and each pool downloads from
 asgi.py        an HTTP app served from a thread of a component process
-Nothing here imports a service, the operator or the local runtime.
+Nothing here imports a service, the operator or the local runtime. The rules the fleet's work follows
+(reputation, assignment, repeats, the prompt filter, the async window) are in rlfleet/fleet/.
 """

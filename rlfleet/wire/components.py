@@ -63,7 +63,7 @@ COMPONENTS: dict[str, ComponentSpec] = {
         ),
         ComponentSpec(
             VERIFIER,
-            "rlfleet.services.toploc.gate",
+            "rlfleet.services.toploc.main",
             "VerifierOptions",
             "TOPLOC verification gate process",
             (VERIFIER,),
@@ -71,7 +71,7 @@ COMPONENTS: dict[str, ComponentSpec] = {
         ),
         ComponentSpec(
             INGEST,
-            "rlfleet.services.ingest.app",
+            "rlfleet.services.ingest.main",
             "IngestOptions",
             "authenticated HTTP ingest of rollout groups from workers outside the cluster",
             (INGEST,),

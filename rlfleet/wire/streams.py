@@ -60,13 +60,13 @@ class RunKeys:
         # now (rlfleet/services/rollout/backpressure.py); its peers count them as queued
         self.sampling = f"{prefix}:sampling"
         # hash groups/samples/reward_sum/flat by task source: the groups workers sampled and did not send, repeats
-        # of trained work or (flat) groups of equal rewards (rlfleet/wire/repeats.py); the trainer counts them in the
+        # of trained work or (flat) groups of equal rewards (rlfleet/fleet/repeats.py); the trainer counts them in the
         # sampled reward
         self.repeats = f"{prefix}:repeats"
-        # hash: "{worker}|{counter}" -> count (reputation, rlfleet/services/toploc/reputation.py)
+        # hash: "{worker}|{counter}" -> count (reputation, rlfleet/fleet/reputation.py)
         self.workers = f"{prefix}:workers"
         self.banned = f"{prefix}:banned"  # hash: worker id -> JSON ban record (why, when)
-        self.tickets = f"{prefix}:tickets"  # hash: worker id -> work tickets issued (rlfleet/wire/assignment.py)
+        self.tickets = f"{prefix}:tickets"  # hash: worker id -> work tickets issued (rlfleet/fleet/assignment.py)
         self.attempts = f"{prefix}:attempts"  # hash: inbox entry id -> verifier attempts not yet committed
         self.dead_letter = f"{prefix}:deadletter"  # inbox entries no verifier could handle (poison pills)
         # The gate's one-time guards (rlfleet/services/toploc/guards.py): hash content digest -> entry|seed,
@@ -74,7 +74,7 @@ class RunKeys:
         self.seen = f"{prefix}:seen"
         self.seen_versions = f"{prefix}:seen-versions"
         self.tickets_used = f"{prefix}:tickets-used"
-        # list of prompt keys the online filter retired, append-only (rlfleet/wire/prompt_filter.py)
+        # list of prompt keys the online filter retired, append-only (rlfleet/fleet/prompt_filter.py)
         self.retired_prompts = f"{prefix}:retired-prompts"
         # The ingest's door (rlfleet/services/ingest/door.py): hash sha256(token) -> worker id (tokens are
         # never stored), hash worker id -> JSON join record (address, mode, time), hash sha256(invite code)

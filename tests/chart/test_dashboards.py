@@ -21,13 +21,13 @@ SERVICE_MODULES = [
     "rlfleet.services.trainer.metrics",
     "rlfleet.services.rollout.main",
     "rlfleet.services.rollout.timing",
-    "rlfleet.services.toploc.gate",
+    "rlfleet.services.toploc.main",
     "rlfleet.services.toploc.metrics",
     "rlfleet.services.shardcast.assemble",
     "rlfleet.services.shardcast.relay",
     "rlfleet.services.shardcast.relay_cache",
     "rlfleet.services.shardcast.origin",
-    "rlfleet.services.ingest.app",
+    "rlfleet.services.ingest.main",
     "rlfleet.operator.metrics",
 ]
 # The row whose panels chart the operator: its series carry the operator pod's namespace and no run, so its

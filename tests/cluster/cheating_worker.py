@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from rlfleet import cli
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.services.rollout.main import Worker
 from rlfleet.wire.streams import RolloutGroup
 from tests.toploc import attacks

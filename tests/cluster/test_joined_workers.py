@@ -24,7 +24,7 @@ import time
 import pytest
 
 from rlfleet.config import BanPolicySpec
-from rlfleet.services.toploc.reputation import worker_stats
+from rlfleet.fleet.reputation import worker_stats
 from rlfleet.wire.streams import RunKeys
 from tests.cluster.inabox import Box, helm
 from tests.cluster.inabox.images import REPO

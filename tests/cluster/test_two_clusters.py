@@ -37,8 +37,8 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlfleet.fleet.reputation import worker_stats
 from rlfleet.operator import names
-from rlfleet.services.toploc.reputation import worker_stats
 from rlfleet.wire.streams import RunKeys
 from tests.certs import TestCA
 from tests.cluster.inabox import Box, helm

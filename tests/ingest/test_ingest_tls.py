@@ -15,9 +15,9 @@ import requests
 
 from rlfleet.config import ConfigError, IngestSpec
 from rlfleet.local.redis_server import free_port
-from rlfleet.services.ingest.app import make_app, server_config
 from rlfleet.services.ingest.client import post_group, rollouts_url
 from rlfleet.services.ingest.door import make_door
+from rlfleet.services.ingest.main import make_app, server_config
 from rlfleet.services.rollout.join import JoinOptions, prepare
 from rlfleet.wire import env, tls
 from rlfleet.wire.asgi import BackgroundServer, TLSServer

@@ -17,11 +17,11 @@ import redis
 import requests
 
 from rlfleet.config import ConfigError, parse_bundle
+from rlfleet.fleet.reputation import on_probation
 from rlfleet.local.redis_server import free_port
-from rlfleet.services.ingest.app import make_app
 from rlfleet.services.ingest.client import join_url, run_document_url, tickets_url
 from rlfleet.services.ingest.door import make_door
-from rlfleet.services.toploc.reputation import on_probation
+from rlfleet.services.ingest.main import make_app
 from rlfleet.versions.signing import generate_keypair
 from rlfleet.wire.asgi import BackgroundServer
 from rlfleet.wire.streams import RunKeys

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from rlfleet.config import ConfigError, parse_bundle
+from rlfleet.fleet.reputation import one_worker_stats
 from rlfleet.local.redis_server import free_port
-from rlfleet.services.ingest.app import make_app
 from rlfleet.services.ingest.client import run_document_url
 from rlfleet.services.ingest.door import make_door
+from rlfleet.services.ingest.main import make_app
 from rlfleet.services.rollout.join import fetch_document, split_url, worker_config
 from rlfleet.services.shardcast import origin
-from rlfleet.services.toploc.reputation import one_worker_stats
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.versions.store import FileStore

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from rlfleet.config import parse_bundle
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.services.rollout.health import ALIVE, PROBE_SECONDS, engine_liveness
 from rlfleet.wire import env
 from rlfleet.wire.health import Health, LivenessSettings, Verdict, serve

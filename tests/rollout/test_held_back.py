@@ -1,6 +1,6 @@
 """What a worker holds back unsent (rlfleet/services/rollout/repeats.py): repeats of trained work and, when the
 trainer skips zero-advantage groups, groups of equal rewards; each counted once in the run's tally, which the
-trainer folds into the sampled reward (rlfleet/wire/repeats.py). A real Redis."""
+trainer folds into the sampled reward (rlfleet/fleet/repeats.py). A real Redis."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rlfleet.config import load_bundle
+from rlfleet.fleet.repeats import RepeatTally, Tally
 from rlfleet.services.rollout.repeats import holds_flat, worth_sending
-from rlfleet.wire.repeats import RepeatTally, Tally
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys, group_digest
 from rlfleet.wire.views import VIEWS, view_bundle

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rlfleet.config import load_bundle
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.policy import load_policy, score
 from rlfleet.services.rollout.backpressure import RECORD_FLOOR_SECONDS, record_value
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.rollout.main import RolloutOptions, Worker
 from rlfleet.services.shardcast.origin import make_app
 from rlfleet.versions.checkpoint import publish_version

@@ -12,16 +12,16 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rlfleet.config import load_bundle
+from rlfleet.fleet.repeats import RepeatTally, Tally
+from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.rollout import main as rollout_main
 from rlfleet.services.rollout.main import RolloutOptions, Worker
 from rlfleet.services.rollout.repeats import worth_sending
 from rlfleet.services.shardcast.origin import make_app
-from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.versions.store import open_store
 from rlfleet.wire import env
-from rlfleet.wire.repeats import RepeatTally, Tally
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, encode_json, group_digest
 from rlfleet.wire.views import VIEWS, view_bundle
@@ -128,7 +128,7 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
     fresh = worth_sending(worker.reader, ctx, sent, hold_flat=False)
     assert [g.rollout_id for g in fresh] == [g.rollout_id for i, g in enumerate(sent) if i not in (1, 4)]
     assert repeats() - before == 2
-    # ... and counted where the trainer reads them for the sampled reward (rlfleet/wire/repeats.py).
+    # ... and counted where the trainer reads them for the sampled reward (rlfleet/fleet/repeats.py).
     tally = RepeatTally()
     held_back = tally.take(redis_client.hgetall(keys.repeats))
     rewards = [s.reward for i in (1, 4) for s in sent[i].samples]

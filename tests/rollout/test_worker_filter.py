@@ -1,5 +1,5 @@
 """A rollout worker skips the prompts the online filter retired (spec.sampling.onlineFilter;
-rlfleet/wire/prompt_filter.py): a real worker with a real torch engine and a real Redis, on arithmetic
+rlfleet/fleet/prompt_filter.py): a real worker with a real torch engine and a real Redis, on arithmetic
 with four prompts (0+0, 0+1, 1+0, 1+1), three of them retired by the test as the trainer would."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from rlfleet.config import load_bundle
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.engines.torch_engine import TorchEngine
+from rlfleet.fleet.assignment import issued_tickets
+from rlfleet.fleet.prompt_filter import prompt_key
 from rlfleet.services.rollout.main import RolloutOptions, Worker
 from rlfleet.services.rollout.work import FILTERED
-from rlfleet.wire.assignment import issued_tickets
-from rlfleet.wire.prompt_filter import prompt_key
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RunKeys
 from rlfleet.wire.views import VIEWS, view_bundle

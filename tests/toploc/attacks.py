@@ -14,9 +14,9 @@ import uuid
 
 import torch
 
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.policy import score
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
-from rlfleet.services.toploc.proof import build_proofs
+from rlfleet.proofs.toploc import build_proofs
 from rlfleet.tasks import make_run_task
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
 

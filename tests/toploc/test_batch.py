@@ -10,13 +10,13 @@ import re
 import pytest
 import torch
 
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.models.policy import score
 from rlfleet.operator.names import VERIFIER
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc import batch
 from rlfleet.services.toploc.checks import Checker, Rejection
-from rlfleet.services.toploc.gate import Gate
+from rlfleet.services.toploc.main import Gate
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams, decode_json
 from tests.support import tiny_policy_dir
 from tests.toploc.test_gate import as_, gate_system, honest_group, verified_ids

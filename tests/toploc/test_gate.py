@@ -17,13 +17,13 @@ import pytest
 import yaml
 
 from rlfleet.config import ConfigError, parse_bundle
+from rlfleet.engines.torch_engine import TorchEngine
+from rlfleet.fleet.reputation import is_banned, one_worker_stats
 from rlfleet.models.sampling import completion_text
 from rlfleet.operator.names import TRAINER, VERIFIER
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.proofs.toploc import build_proofs
 from rlfleet.services.shardcast.origin import make_app
-from rlfleet.services.toploc.gate import Gate
-from rlfleet.services.toploc.proof import build_proofs
-from rlfleet.services.toploc.reputation import is_banned, one_worker_stats
+from rlfleet.services.toploc.main import Gate
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.state import Commit
 from rlfleet.tasks import make_task

@@ -10,11 +10,11 @@ import pytest
 import redis
 import requests
 
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.local.redis_server import EmbeddedRedis, free_port
 from rlfleet.operator.names import TRAINER, VERIFIER
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.api import serve_in_thread
-from rlfleet.services.toploc.gate import Gate
+from rlfleet.services.toploc.main import Gate
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.sharding import full_model_state
 from rlfleet.services.trainer.state import Commit

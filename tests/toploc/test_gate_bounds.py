@@ -7,7 +7,7 @@ import pytest
 
 from rlfleet.operator.names import VERIFIER
 from rlfleet.services.toploc.checks import Checker, Rejection
-from rlfleet.services.toploc.gate import Gate
+from rlfleet.services.toploc.main import Gate
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import PRIVATE_KEY_FILE, load_private_key, make_signer
 from rlfleet.versions.store import open_store

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from rlfleet.config import parse_bundle, worker_dtype
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.services.toploc.checks import possible_tokens
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import load_private_key, make_signer

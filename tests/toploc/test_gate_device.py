@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.device import TORCH_CUDA, DeviceError
 from rlfleet.models.policy import DTYPES
 from rlfleet.operator.names import VERIFIER
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
-from rlfleet.services.toploc.gate import Gate
+from rlfleet.services.toploc.main import Gate
 from rlfleet.wire import env
 from tests.toploc.test_gate import as_, gate_system, honest_group
 

@@ -7,7 +7,7 @@ are, special tokens included (no skipping past them).
 
 from __future__ import annotations
 
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.wire.streams import RolloutGroup
 from tests.toploc import attacks
 from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.policy import score
 from rlfleet.operator.names import TRAINER
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.wire.streams import RolloutGroup
 from tests.toploc import attacks

@@ -11,11 +11,11 @@ import torch
 
 from rlfleet.config import parse_bundle
 from rlfleet.config.training import LoraSpec
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.policy import load_policy
 from rlfleet.operator.names import VERIFIER
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.shardcast.origin import make_app
-from rlfleet.services.toploc.gate import Gate
+from rlfleet.services.toploc.main import Gate
 from rlfleet.services.trainer.lora import attach
 from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer

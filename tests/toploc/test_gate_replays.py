@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.operator.names import TRAINER
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.trainer.main import Trainer
 from tests.toploc import attacks
 from tests.toploc.test_gate import as_, gate_system, rejections, run_gate, verified_ids

@@ -15,8 +15,8 @@ import copy
 import pytest
 import torch
 
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
-from rlfleet.services.toploc.reputation import one_worker_stats
+from rlfleet.engines.torch_engine import TorchEngine
+from rlfleet.fleet.reputation import one_worker_stats
 from tests.support import tiny_policy_dir
 from tests.toploc import attacks
 from tests.toploc.test_gate import gate_system, rejections, run_gate, verified_ids
@@ -106,7 +106,7 @@ def _records(ctx) -> list[dict]:
 
 
 def test_run_assigned_tickets_fix_task_and_seed(tmp_path, redis_url):
-    from rlfleet.wire.assignment import assigned_work, issue_ticket
+    from rlfleet.fleet.assignment import assigned_work, issue_ticket
 
     sampling = "{groupSize: 4, maxTokens: 6, assignment: run}"
     with gate_system(tmp_path, redis_url, sampling=sampling) as (ctx, policy, origin_url, tmp):

@@ -9,13 +9,13 @@ import threading
 from contextlib import contextmanager
 
 from rlfleet.config import parse_bundle
+from rlfleet.engines.torch_engine import TorchEngine
+from rlfleet.fleet.reputation import is_banned
 from rlfleet.models.builtin import CHAT_TEMPLATE
 from rlfleet.models.policy import load_tokenizer
 from rlfleet.models.sampling import completion_text
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.proofs.toploc import build_proofs
 from rlfleet.services.shardcast.origin import make_app
-from rlfleet.services.toploc.proof import build_proofs
-from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure

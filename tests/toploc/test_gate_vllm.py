@@ -31,7 +31,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     """(an attacker around the vLLM engine, the run's spec) for a run admitting vllm only."""
-    from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.engines import make_engine
 
     root = tmp_path_factory.mktemp("gate-vllm")
     policy = tiny_policy_dir(root / "policy", seed=0, num_attention_heads=2, num_key_value_heads=1)

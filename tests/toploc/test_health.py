@@ -12,8 +12,8 @@ import torch
 
 from rlfleet.models.policy import score
 from rlfleet.operator.names import VERIFIER
-from rlfleet.services.toploc.gate import Gate
 from rlfleet.services.toploc.health import PROBE_SECONDS
+from rlfleet.services.toploc.main import Gate
 from rlfleet.wire import env
 from rlfleet.wire.health import serve
 from tests.support import wait_for

@@ -13,10 +13,10 @@ import redis
 import torch
 
 from rlfleet.config import BanPolicySpec
+from rlfleet.fleet.reputation import field, one_worker_stats, replay_plan
 from rlfleet.models.sampling import draw, keep_mask, sample_seed, sample_uniforms
-from rlfleet.services.toploc.gate import _COMMIT
+from rlfleet.services.toploc.main import _COMMIT
 from rlfleet.services.toploc.replay import ReplayScore, group_score
-from rlfleet.services.toploc.reputation import field, one_worker_stats, replay_plan
 from rlfleet.wire.streams import RunKeys
 
 V, T, G = 50, 40, 4

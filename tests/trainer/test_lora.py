@@ -12,10 +12,10 @@ import torch
 
 from rlfleet.config import DeltaSpec, parse_bundle
 from rlfleet.config.training import LoraSpec
+from rlfleet.engines.adapters import MergedDirs
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.adapter import load_adapted, merge_dir
 from rlfleet.models.policy import load_policy
-from rlfleet.services.rollout.engines.adapters import MergedDirs
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings

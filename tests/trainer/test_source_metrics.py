@@ -7,8 +7,8 @@ import dataclasses
 
 from prometheus_client import REGISTRY
 
+from rlfleet.fleet.repeats import Tally
 from rlfleet.services.trainer.metrics import export_step, source_record
-from rlfleet.wire.repeats import Tally
 from tests.trainer.test_trainer import group
 
 
@@ -29,7 +29,7 @@ def test_each_source_gets_its_trained_and_sampled_reward_and_counts():
         }
     }
     assert source_record(False, trained, read, {}) == {}, "a single-task run's records carry no sources"
-    # Repeats of trained work the workers held back (rlfleet/wire/repeats.py) are sampled work of their source.
+    # Repeats of trained work the workers held back (rlfleet/fleet/repeats.py) are sampled work of their source.
     held_back = {
         "math": Tally(groups=2, samples=4, reward_sum=4.0),
         "poems": Tally(groups=1, samples=2, reward_sum=1.0),

@@ -66,7 +66,7 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
     for g in (group("p", [1.0, 0.0]), group("p", [1.0, 0.0]), group("flat", [1.0, 1.0]), group("q", [0.0, 1.0])):
         redis_client.xadd(keys.verified, g.encode())
     redis_client.hset(keys.stats, mapping={"accepted": 4, "rejected": 2, "rejected:toploc": 1, "rejected:replay": 1})
-    # Workers held back 3 groups (6 samples, all rewarded 1): 2 repeats of trained work, 1 flat (wire/repeats.py).
+    # Workers held back 3 groups (6 samples, all rewarded 1): 2 repeats of trained work, 1 flat (fleet/repeats.py).
     redis_client.hset(keys.repeats, mapping={"groups|": 3, "samples|": 6, "reward_sum|": 6.0, "flat|": 1})
     port = free_port()
     # Two steps asked for and data for one: after step 1 the trainer waits, still serving /metrics.

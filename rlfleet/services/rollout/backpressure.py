@@ -29,7 +29,8 @@ import redis
 from prometheus_client import Gauge
 
 from rlfleet.config import RLRunSpec
-from rlfleet.services.rollout.engines import Engine
+from rlfleet.engines import Engine
+from rlfleet.fleet.window import AsyncWindow
 from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.wire.runtime import Context, announced_version
 
@@ -82,6 +83,11 @@ class Backpressure:
     clock_offset: float = 0.0  # the Redis server's clock less this machine's, as `room` last read it
 
     @property
+    def window(self) -> AsyncWindow:
+        """The run's async window (rlfleet/fleet/window.py): how far behind the newest version sampling may lag."""
+        return AsyncWindow.of(self.spec)
+
+    @property
     def loaded(self) -> Engine:
         raise NotImplementedError  # the worker's engine (main.Worker)
 
@@ -111,9 +117,9 @@ class Backpressure:
         - `backlog`: the inbox holds more than the pool's maxPending.
         The room left is what is still wanted divided by `sent_share` (the module docstring), at most K."""
         if self.ingest_url:
-            lag = (self.follower.announced or 0) - self.loaded.version
-            LAG.set(lag)
-            return ("version_lag", 0) if lag > self.spec.trainer.max_async_level else (None, self.in_flight)
+            newest = self.follower.announced or 0
+            LAG.set(newest - self.loaded.version)
+            return ("version_lag", 0) if self.window.is_stale(self.loaded.version, newest) else (None, self.in_flight)
         keys = self.ctx.keys
         assert self.reader is not None  # a worker without an ingest reads Redis
         with self.reader.pipeline(transaction=False) as pipe:  # one round trip, every 20 ms while paused
@@ -126,9 +132,9 @@ class Backpressure:
             newest_entry, (oldest, need, held, kept), queued, verified, record, (seconds, micros) = pipe.execute()
         now = seconds + micros / 1e6
         self.clock_offset = now - time.time()
-        lag = (announced_version(newest_entry) or 0) - self.loaded.version
-        LAG.set(lag)
-        if lag > self.spec.trainer.max_async_level:
+        newest = announced_version(newest_entry) or 0
+        LAG.set(newest - self.loaded.version)
+        if self.window.is_stale(self.loaded.version, newest):
             return "version_lag", 0
         if oldest is not None and self.loaded.version < int(oldest):
             return "batch_full", 0

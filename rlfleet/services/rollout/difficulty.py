@@ -4,7 +4,7 @@ offline band (`spec.task.solveRateMin/Max`) works on any dataset, as INTELLECT-2
 For the dataset task of the RLRun in FILE (math or code), every row is sampled `k` times with the
 run's base model (`spec.model`) and a rollout engine (torch, or vLLM with `--engine vllm`), at the
 run's sampling settings unless overridden; each completion is scored with the task's own reward
-(rlfleet/services/rollout/engines/solve.py). The rows are written to `--out` as JSONL, unchanged but for
+(rlfleet/engines/solve.py). The rows are written to `--out` as JSONL, unchanged but for
 the field `spec.task.solveRateField` (default `solve_rate`): the share of the k completions whose
 reward is at least `--pass-reward`. Rows keep their order, so task ids (`{name}-{rowIndex}`) stay
 the same; point `spec.task.dataset.path` at the output and set the band. The run's own band is
@@ -84,10 +84,10 @@ def rate_rows(o: FilterOptions, progress=None) -> dict:
         raise ConfigError(o.file, [f"spec.{exc}"]) from None
     assert isinstance(task, DatasetTask)  # a task with a dataset; without a band every row is kept, in file order
     rows = rows[: o.max_rows] if o.max_rows else rows
+    from rlfleet.engines import make_engine
+    from rlfleet.engines.solve import score_problems
     from rlfleet.models.policy import configure_torch_threads
     from rlfleet.models.sources import resolve_model_path  # torch: imported once the input is known good
-    from rlfleet.services.rollout.engines import make_engine
-    from rlfleet.services.rollout.engines.solve import score_problems
 
     configure_torch_threads()  # env RLFLEET_TORCH_THREADS, as the components
     model_dir = resolve_model_path(spec.model, spec.task, seed=spec.trainer.seed)

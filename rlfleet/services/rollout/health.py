@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from prometheus_client import Gauge
 
-from rlfleet.services.rollout.engines import Engine
+from rlfleet.engines import Engine
 from rlfleet.wire.health import Liveness, LivenessSettings
 from rlfleet.wire.runtime import Context
 

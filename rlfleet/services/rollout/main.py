@@ -3,8 +3,8 @@
 Loop, one batch of groups at a time: swap to the newest downloaded version if there is one; ask how
 many groups the trainer can still take (`room`: backpressure below); take up to K = min(maxGroupsInFlight,
 room) pieces of work, each a task id and seed drawn here (or, when the run assigns work, a ticket that
-fixes them: rlfleet/wire/assignment.py); sample all K groups of G completions in ONE engine call
-(`generate_groups`: the engine batches K*G sequences, rlfleet/services/rollout/engines/base.py); build
+fixes them: rlfleet/fleet/assignment.py); sample all K groups of G completions in ONE engine call
+(`generate_groups`: the engine batches K*G sequences, rlfleet/engines/base.py); build
 the TOPLOC proofs of their final hidden states; send each group in order (XADD to the inbox, or POST
 to the ingest). maxGroupsInFlight unset: the engine's `default_groups_in_flight`.
 Versions: a background thread (follower.py) downloads each announced version while generation goes
@@ -39,25 +39,25 @@ import requests
 from prometheus_client import Counter, Gauge
 
 from rlfleet.config import worker_dtype
+from rlfleet.engines import Engine, make_engine
+from rlfleet.engines.base import GroupRequest
+from rlfleet.fleet.prompt_filter import RetiredPrompts
 from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
 from rlfleet.models.sources import local_model_path, resolve_model_path
+from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.ingest.client import post_group, rollouts_url, tickets_url
 from rlfleet.services.rollout.backpressure import Backpressure
-from rlfleet.services.rollout.engines import Engine, make_engine
-from rlfleet.services.rollout.engines.base import GroupRequest
 from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
 from rlfleet.services.rollout.repeats import holds_flat, worth_sending
 from rlfleet.services.rollout.timing import LAPS
 from rlfleet.services.rollout.work import WorkSource
-from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import check_chat_templates, encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.wire import components, env
-from rlfleet.wire.prompt_filter import RetiredPrompts
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis
 from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams
 

@@ -6,7 +6,7 @@ The trainer would drop either (trainer/batches.py), after the verifier had spent
 most groups of solved prompts are repeats (a peaked policy samples the same completions again), and on a
 binary reward most groups are flat (all right or all wrong). A worker with Redis asks the trained set first,
 one ZMSCORE per batch of groups, and looks at the rewards it computed, before it builds their proofs (the digest
-never covers proofs), and counts what it holds back in the run's `repeats` hash (rlfleet/wire/repeats.py), which
+never covers proofs), and counts what it holds back in the run's `repeats` hash (rlfleet/fleet/repeats.py), which
 the trainer folds into each step's sampled reward: the reward the policy samples, held-back groups included.
 
 Flat groups are sent all the same when the run has an online prompt filter (`sampling.onlineFilter`): the
@@ -22,8 +22,8 @@ import redis
 from prometheus_client import Counter
 
 from rlfleet.config import RLRunSpec
+from rlfleet.fleet.repeats import record_held_back
 from rlfleet.tasks.mixture import source_of
-from rlfleet.wire.repeats import record_held_back
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, group_digest, rewards_all_equal
 

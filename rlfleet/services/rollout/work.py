@@ -1,7 +1,7 @@
 """What a worker samples next (rlfleet/services/rollout/main.py's Worker draws through this): a task id and a
 group seed, drawn by the worker (`spec.sampling.assignment: worker`) or assigned by the run through a work
-ticket (`assignment: run`, from Redis or the ingest; rlfleet/wire/assignment.py), and with
-`spec.sampling.onlineFilter` redrawn while its prompt is retired (rlfleet/wire/prompt_filter.py).
+ticket (`assignment: run`, from Redis or the ingest; rlfleet/fleet/assignment.py), and with
+`spec.sampling.onlineFilter` redrawn while its prompt is retired (rlfleet/fleet/prompt_filter.py).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import requests
 from prometheus_client import Counter
 
 from rlfleet.config import RLRunSpec
+from rlfleet.engines import Engine
+from rlfleet.fleet.assignment import assigned_work, issue_ticket
+from rlfleet.fleet.prompt_filter import RetiredPrompts, draw_unretired, prompt_key
 from rlfleet.services.ingest.client import request_ticket
-from rlfleet.services.rollout.engines import Engine
 from rlfleet.tasks.base import TaskSource
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
-from rlfleet.wire.assignment import assigned_work, issue_ticket
-from rlfleet.wire.prompt_filter import RetiredPrompts, draw_unretired, prompt_key
 from rlfleet.wire.runtime import Context
 
 FILTERED = Counter("rlfleet_rollout_filtered_draws_total", "Draws skipped: the online filter retired their prompt")

@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from rlfleet.fleet.reputation import one_worker_stats, worker_stats
 from rlfleet.services.toploc.checks import Rejection
-from rlfleet.services.toploc.reputation import one_worker_stats, worker_stats
 from rlfleet.wire.asgi import BackgroundServer
 from rlfleet.wire.streams import MESSAGE_FIELD
 
@@ -63,7 +63,7 @@ def _refuse(status: int, detail: str, reason: str | None = None) -> JSONResponse
 
 
 def make_api(gate) -> FastAPI:
-    """The API of one gate replica (`gate`: rlfleet.services.toploc.gate.Gate)."""
+    """The API of one gate replica (`gate`: rlfleet.services.toploc.main.Gate)."""
     app = FastAPI(
         title="rlfleet verifier",
         version="1",

@@ -55,7 +55,7 @@ GPU rows (either engine, device class `gpu`) are NOT calibrated yet: no GPU was 
 the authors' TOPLOC values and logprob tolerance, a replay tolerance of 1e-3, a top-p slack of 0.02,
 and allow a small share of replay mismatches per group (0.05 in bf16, 0.02 in fp32: Token-DiFR
 reports > 98 % exact matches for honest vLLM bf16 GPU workers under a shared seed) and a lower
-running share per worker (`max_running_share`, reputation.py: an attacker who stays under the
+running share per worker (`max_running_share`, rlfleet/fleet/reputation.py: an attacker who stays under the
 per-group share on every group is banned once its running share, over `ban.minReplayPositions`
 positions, exceeds it). benchmarks/replay_calibration.py measures them on the machine it runs on.
 """
@@ -65,7 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rlfleet.config import VerifierSpec
-from rlfleet.services.toploc.proof import Thresholds
+from rlfleet.proofs.toploc import Thresholds
 
 
 @dataclass(frozen=True)

@@ -47,18 +47,19 @@ import redis
 import torch
 
 from rlfleet.config import RejectionReason, RLRunSpec, worker_dtype
+from rlfleet.fleet.assignment import ticket_problem
+from rlfleet.fleet.window import AsyncWindow
 from rlfleet.models.policy import Scored, score
 from rlfleet.models.sampling import completion_text, context_length, stop_token_ids
+from rlfleet.proofs.toploc import ProofFormatError, chunk_rows, verify_proofs_many
 from rlfleet.services.toploc.calibration import Calibration, calibration
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.guards import ticket_replay, work_replay
 from rlfleet.services.toploc.metrics import LAPS
-from rlfleet.services.toploc.proof import ProofFormatError, chunk_rows, verify_proofs_many
 from rlfleet.services.toploc.replay import ReplayScore, group_score
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
-from rlfleet.wire.assignment import ticket_problem
 from rlfleet.wire.runtime import announced_version, latest_announced_version
 from rlfleet.wire.streams import (
     ID_MAX_CHARS,
@@ -153,6 +154,7 @@ class Checker:
     def __init__(self, spec: RLRunSpec, client: redis.Redis, keys: RunKeys, policy: Callable[[int], tuple]):
         self.spec, self.redis, self.keys, self.policy = spec, client, keys, policy
         self.task = make_run_task(spec)
+        self.window = AsyncWindow.of(spec)
 
     def calibration(self, group: RolloutGroup) -> Calibration:
         """Thresholds for `group`: its engine's (admitted by envelope) at the run's declared worker dtype, unless the
@@ -236,7 +238,7 @@ class Checker:
         newest = announced_version(announced)
         if newest is None or not 0 <= group.policy_version <= newest:
             raise Rejection("unknown_version", f"version {group.policy_version} was never published (newest {newest})")
-        if newest - group.policy_version > self.spec.trainer.max_async_level:
+        if self.window.is_stale(group.policy_version, newest):
             raise Rejection(
                 "stale_version", f"version {group.policy_version} is {newest - group.policy_version} behind {newest}"
             )
@@ -255,7 +257,7 @@ class Checker:
             return
         if newest is None:
             newest = latest_announced_version(self.redis, self.keys)
-        oldest = (newest or 0) - self.spec.trainer.max_async_level
+        oldest = self.window.oldest(newest or 0)
         problem = work_replay(self.redis, self.keys, group, msg_id, prefill, oldest)  # every engine is replayed
         if problem is None and self.spec.sampling.assignment == "run":
             problem = ticket_replay(self.redis, self.keys, group, msg_id)

@@ -1,4 +1,4 @@
-"""The verifier's Prometheus metrics (gate.py counts into them).
+"""The verifier's Prometheus metrics (main.py counts into them).
 
 Every series a dashboard selects by a label value that is known in advance exists from the start, at 0: each
 rejection reason (config RejectionReason) for verdicts and bans, and the accepted verdict. A panel of rejections on

@@ -20,13 +20,13 @@ Score of a group (`ReplayScore`), over its P positions:
                   ~0 on average for honest groups, negative for greedy, low-temperature or cherry-
                   picked tokens, positive for tokens from another distribution. -log q is capped at
                   SURPRISE_CAP (a token outside the filtered set). It is reported and accumulated per
-                  worker (reputation.py), not thresholded per group: over a few positions its noise
+                  worker (rlfleet/fleet/reputation.py), not thresholded per group: over a few positions its noise
                   is of the order of the entropy.
 A worker's running mismatch share (its counters `replay_mismatches` / `replay_positions`) bans it
-past `max_running_share` (gate.py), so a worker cannot stay just under the per-group share forever.
+past `max_running_share` (main.py), so a worker cannot stay just under the per-group share forever.
 
 What replay cannot catch: a worker that chooses the seed itself can try many and submit the group it
-likes (grinding); the run can assign seeds and tasks instead (rlfleet/wire/assignment.py).
+likes (grinding); the run can assign seeds and tasks instead (rlfleet/fleet/assignment.py).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 
 from rlfleet.config import RLRunSpec
+from rlfleet.fleet.prompt_filter import OutcomeRecorder
+from rlfleet.fleet.window import AsyncWindow
 from rlfleet.services.trainer.state import Commit
-from rlfleet.wire.prompt_filter import OutcomeRecorder
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import MessageError, RolloutGroup, group_digest, rewards_all_equal, stream_reply
 from rlfleet.wire.timing import Laps
@@ -134,7 +135,7 @@ class BatchReader:
 
     def oldest_trained(self, version: int) -> int:
         """The oldest policy version a step taken while holding `version` trains (maxAsyncLevel back)."""
-        return version - self.spec.trainer.max_async_level
+        return AsyncWindow.of(self.spec).oldest(version)
 
     def set_demand(self, oldest: int, need: int, held: int) -> None:
         """Tell the workers what this trainer still wants (`keys.demand`): the oldest policy version it

@@ -5,7 +5,7 @@ due (v % every == 0, the base model v = 0 included, and the run's last version) 
 it (the trainer deletes its own at once) and a background thread loads it into its own rollout
 engine (the torch engine, on a second copy of the weights: training never waits for it), samples
 the held-out problems (rlfleet/tasks/held_out.py) greedily or k times each, and scores them with the
-task's reward (rlfleet/services/rollout/engines/solve.py). One evaluation runs at a time; a due
+task's reward (rlfleet/engines/solve.py). One evaluation runs at a time; a due
 version offered while one runs waits in a single slot, where a newer one replaces it (the newest
 weights are what matters), so evaluations never queue up behind training.
 
@@ -26,8 +26,8 @@ import time
 import weakref
 from pathlib import Path
 
-from rlfleet.services.rollout.engines import Engine, make_engine
-from rlfleet.services.rollout.engines.solve import greedy, score_problems
+from rlfleet.engines import Engine, make_engine
+from rlfleet.engines.solve import greedy, score_problems
 from rlfleet.tasks.held_out import held_out_ids, held_out_task
 from rlfleet.wire.streams import SamplingParams
 

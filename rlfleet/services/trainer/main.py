@@ -31,6 +31,9 @@ from typing import cast
 import numpy as np
 import torch
 
+from rlfleet.fleet.prompt_filter import OutcomeRecorder
+from rlfleet.fleet.repeats import RepeatTally, Tally
+from rlfleet.fleet.window import AsyncWindow
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.models.sources import ModelSourceError, resolve_model_path
 from rlfleet.services.trainer.batches import BatchReader
@@ -63,8 +66,6 @@ from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
-from rlfleet.wire.prompt_filter import OutcomeRecorder
-from rlfleet.wire.repeats import RepeatTally, Tally
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, fail_run
 from rlfleet.wire.streams import RolloutGroup, encode_json, group_digest
 
@@ -126,7 +127,7 @@ class Trainer(BatchReader):
         self.dropped_ids = {}
         self.read_groups = []
         self.kept_share = 1.0  # nothing read yet (batches.py)
-        self.repeats = RepeatTally()  # what workers hold back: repeats of trained work, flat groups (wire/repeats.py)
+        self.repeats = RepeatTally()  # what workers hold back: repeats of trained work, flat groups (fleet/repeats.py)
         self._pending_cursor = "0"  # re-read what this consumer holds unacknowledged, then new ones (batches.py)
         self.last_reward: float | None = None
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
@@ -167,7 +168,7 @@ class Trainer(BatchReader):
                     self.evaluator.offer(self.version, Path(tmp), final)
             self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
-        keep = max(self.spec.shardcast.keep_versions, self.spec.trainer.max_async_level + 2)
+        keep = max(self.spec.shardcast.keep_versions, AsyncWindow.of(self.spec).versions_to_keep())
         with laps.part("prune"):
             prune_versions(self.store, self.ctx.run_name, keep)
         announcement = {"version": self.version, "time": time.time(), "step": self.step_done}
@@ -322,7 +323,7 @@ class Trainer(BatchReader):
     ) -> dict:
         """Step `step`'s record for metrics.jsonl, its timing fields at 0 until the step ends (split.py).
         `repeats`: what workers held back (repeats of trained work, flat groups) since the last step
-        (wire/repeats.py)."""
+        (fleet/repeats.py)."""
         counts = {k.decode(): int(v) for k, v in run_stats.items()}
         read_rewards = [r for _, rewards in self.read_groups for r in rewards]
         held_back = sum(r.samples for r in repeats.values())

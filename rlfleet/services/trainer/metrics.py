@@ -15,9 +15,9 @@ from typing import Protocol, get_args
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from rlfleet.config import RejectionReason
+from rlfleet.fleet.repeats import Tally
 from rlfleet.services.trainer.split import SPLIT_PARTS
 from rlfleet.tasks.mixture import source_of
-from rlfleet.wire.repeats import Tally
 from rlfleet.wire.streams import RolloutGroup
 
 STEP = Gauge("rlfleet_trainer_step", "Optimizer steps taken")
@@ -186,7 +186,7 @@ def source_record(
     """`{"sources": {name: {reward_mean, groups, sampled_reward_mean, sampled_groups}}}` for a task mixture (the
     source named by each task id, tasks/mixture.py), else {}: reward_mean and groups of the trained batch (None
     and 0 when no trained group came from the source), sampled_* of every group the step read and of the
-    repeats workers held back meanwhile (`repeats`, rlfleet/wire/repeats.py)."""
+    repeats workers held back meanwhile (`repeats`, rlfleet/fleet/repeats.py)."""
     if not mixture:
         return {}
     trained_by: dict[str, list[float]] = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 _AFTER, _MARKER = os.environ.get("RLFLEET_TEST_WEDGE_AFTER"), os.environ.get("RLFLEET_TEST_WEDGE_MARKER")
 
 if _AFTER and _MARKER and not Path(_MARKER).exists():
-    from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+    from rlfleet.engines.torch_engine import TorchEngine
 
     _original, _calls = TorchEngine.generate_groups, [0]  # every generation: batches and idle probes
 

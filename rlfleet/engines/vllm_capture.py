@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from rlfleet.services.rollout.engines.vllm_pin import VLLM_VERSION
+from rlfleet.engines.vllm_pin import VLLM_VERSION
 
 
 def decode_capture(entry: dict) -> tuple[dict[int, torch.Tensor], dict[int, tuple[int, float]]]:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlfleet.cli import main as cli_main
-from rlfleet.services.toploc.conformance import run_conformance
-from rlfleet.services.toploc.proof import (
+from rlfleet.proofs.conformance import run_conformance
+from rlfleet.proofs.toploc import (
     PRIME,
     ChunkResult,
     ProofFormatError,

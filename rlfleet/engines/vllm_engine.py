@@ -70,13 +70,11 @@ from typing import Any
 import torch
 
 from rlfleet.config import VLLMSpec
-from rlfleet.models.policy import DTYPES, load_tokenizer
-from rlfleet.models.sampling import sample_seed
-from rlfleet.services.rollout.engines import vllm_worker
-from rlfleet.services.rollout.engines.adapters import MergedDirs
-from rlfleet.services.rollout.engines.base import Engine, Generation, GroupRequest
-from rlfleet.services.rollout.engines.vllm_capture import CaptureError, assemble, decode_capture
-from rlfleet.services.rollout.engines.vllm_pin import (
+from rlfleet.engines import vllm_worker
+from rlfleet.engines.adapters import MergedDirs
+from rlfleet.engines.base import Engine, Generation, GroupRequest
+from rlfleet.engines.vllm_capture import CaptureError, assemble, decode_capture
+from rlfleet.engines.vllm_pin import (
     INSTALL_HINT,
     VLLM_VERSION,
     check_supported,
@@ -85,6 +83,8 @@ from rlfleet.services.rollout.engines.vllm_pin import (
     stop_ids,
     tensor_names,
 )
+from rlfleet.models.policy import DTYPES, load_tokenizer
+from rlfleet.models.sampling import sample_seed
 from rlfleet.wire import env
 from rlfleet.wire.streams import SamplingParams
 

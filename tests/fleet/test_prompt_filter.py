@@ -1,4 +1,4 @@
-"""The online prompt filter's record (rlfleet/wire/prompt_filter.py) on a real Redis and its config errors
+"""The online prompt filter's record (rlfleet/fleet/prompt_filter.py) on a real Redis and its config errors
 (who may read and write the retired prompts: tests/core/test_redis_acl.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.config import ConfigError, OnlineFilterSpec, parse_bundle
-from rlfleet.wire.prompt_filter import OutcomeRecorder, RetiredPrompts, draw_unretired, prompt_key
+from rlfleet.fleet.prompt_filter import OutcomeRecorder, RetiredPrompts, draw_unretired, prompt_key
 from rlfleet.wire.streams import RunKeys
 from tests.runs import bundle_yaml, rlrun
 

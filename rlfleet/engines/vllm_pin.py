@@ -1,7 +1,7 @@
 """The vLLM release the adapter (vllm_engine.py) is written against, what it serves on CPU, and what a
 pool's `spec.vllm` becomes, known without importing vLLM: `rlfleet run` checks every pool before it
 starts anything, and importing vLLM's CPU attention backend to ask it costs seconds there (about 14 s
-on 2 busy cores). The values are vLLM 0.32.0's own; tests/rollout/test_vllm_engine.py compares them
+on 2 busy cores). The values are vLLM 0.32.0's own; tests/engines/test_vllm_engine.py compares them
 with the installed vLLM.
 
 Settings (`engine_args`): tensor_parallel_size = spec.vllm.tensorParallelSize (the config resolves an

@@ -1,4 +1,4 @@
-"""Batched generation in the torch engine (rlfleet/services/rollout/engines/torch_engine.py,
+"""Batched generation in the torch engine (rlfleet/engines/torch_engine.py,
 `generate_groups`): several groups of different prompt lengths, seeds and sampling parameters in one
 batch give each sample what it gets alone, and the gate's checks accept such groups."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from rlfleet.config import parse_bundle
+from rlfleet.engines.base import GroupRequest
+from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.policy import load_policy
 from rlfleet.models.sampling import completion_text
-from rlfleet.services.rollout.engines.base import GroupRequest
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.toploc.checks import Checker
-from rlfleet.services.toploc.proof import build_proofs_many
 from rlfleet.tasks import make_run_task
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
 from tests.runs import bundle_yaml, rlrun

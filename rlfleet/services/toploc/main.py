@@ -43,6 +43,8 @@ from pathlib import Path
 
 import redis
 
+from rlfleet.fleet.reputation import ban_plan, field, on_probation, replay_plan
+from rlfleet.fleet.window import AsyncWindow
 from rlfleet.models.adapter import load_version, version_signature
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import configure_torch_threads
@@ -63,7 +65,6 @@ from rlfleet.services.toploc.metrics import (
     UNCHECKED,
     VERDICTS,
 )
-from rlfleet.services.toploc.reputation import ban_plan, field, on_probation, replay_plan
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components
@@ -140,6 +141,7 @@ class Gate:
     def __init__(self, ctx: Context, consumer: str, origin_url: str, cache_dir: Path):
         self.ctx, self.consumer, self.origin_url, self.cache_dir = ctx, consumer, origin_url, cache_dir
         self.spec = ctx.bundle.run.spec
+        self.window = AsyncWindow.of(self.spec)
         self.models: OrderedDict[int, tuple] = OrderedDict()
         self._like: tuple | None = None  # (model, tokenizer, signature) of the last version loaded (load_version)
         self.device = choose_device()  # every version's model prefills there, in spec.model.dtype (checks.py)
@@ -159,8 +161,8 @@ class Gate:
         self.liveness.ready()
 
     def policy(self, version: int):
-        """(model, tokenizer) of `version`, fetched from the trusted origin; the last maxAsyncLevel + 2 are kept
-        in memory, and on disk those and the versions of the async window."""
+        """(model, tokenizer) of `version`, fetched from the trusted origin; the async window's versions to keep
+        (rlfleet/fleet/window.py) are kept in memory, and on disk those and the versions of the window."""
         with self._models_lock:
             if version not in self.models:
                 # whole, or rebuilt from a version held here and deltas; a LoRA adapter merged into this base
@@ -172,12 +174,11 @@ class Gate:
                     self.models[version] = load_version(path, spec.model.dtype, self.device, base, self._like)
                     self._like = (*self.models[version], version_signature(path))
                 watch(self.liveness, self.models[version][0])
-                while len(self.models) > self.spec.trainer.max_async_level + 2:
+                while len(self.models) > self.window.versions_to_keep():
                     self.models.popitem(last=False)
                 # The disk cache keeps what the async window can still ask for and what is loaded (the
                 # newest version is the base of the next delta); an older group is stale_version anyway.
-                window = max(self.models) - self.spec.trainer.max_async_level
-                prune_cache(self.cache_dir, min(window, *self.models))
+                prune_cache(self.cache_dir, min(self.window.oldest(max(self.models)), *self.models))
             self.models.move_to_end(version)
             self.last_used = self.models[version]  # the newest kept, so never one evicted
             return self.models[version]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from rlfleet.engines.base import Engine, GroupRequest
 from rlfleet.models.sampling import completion_text
-from rlfleet.services.rollout.engines.base import Engine, GroupRequest
 from rlfleet.tasks.base import TaskSource
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.wire.streams import SamplingParams

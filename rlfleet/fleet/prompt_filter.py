@@ -20,7 +20,7 @@ Who knows what:
 Nothing here touches what is verified or trained: the filter only changes which prompts honest
 workers draw. A worker that ignores it is checked as before, and its repeats are dropped as before.
 Under `assignment: run` a redrawn prompt costs a ticket that is never used, which the ticket counts
-show as dropped (rlfleet/wire/assignment.py), the same as any ticket a worker declines.
+show as dropped (rlfleet/fleet/assignment.py), the same as any ticket a worker declines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run by tests/rollout/test_vllm_engine.py as `python -m tests.rollout.vllm_core_process MODEL_DIR` with
+"""Run by tests/engines/test_vllm_engine.py as `python -m tests.engines.vllm_core_process MODEL_DIR` with
 VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's engine core in a process of its own, as vLLM runs it on a GPU.
 Prints one JSON line: whether the core ran in another process, the heartbeats this process saw while one
 group was generated, and the group's completions and logprobs (drawn by rlfleet's rule in the worker, in
@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def main(model_dir: Path) -> None:
-    from rlfleet.services.rollout.engines.vllm_engine import IN_PROCESS, VLLMEngine
+    from rlfleet.engines.vllm_engine import IN_PROCESS, VLLMEngine
     from rlfleet.wire.streams import SamplingParams
 
     engine = VLLMEngine(model_dir, 0)

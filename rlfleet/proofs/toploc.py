@@ -61,7 +61,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from rlfleet.services.toploc.gf import PRIME, evaluate, injective_modulus, interpolate
+from rlfleet.proofs.gf import PRIME, evaluate, injective_modulus, interpolate
 
 NO_MATCH = float(2**64)  # mantissa statistics when no exponent matched
 

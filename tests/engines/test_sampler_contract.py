@@ -1,5 +1,5 @@
 """The pieces of rlfleet/models/sampling.py an engine that draws one decode step at a time uses (vLLM's
-worker, rlfleet/services/rollout/engines/vllm_worker.py): they must give exactly what the torch engine and
+worker, rlfleet/engines/vllm_worker.py): they must give exactly what the torch engine and
 the gate's replay compute on whole sequences."""
 
 from __future__ import annotations

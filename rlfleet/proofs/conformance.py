@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlfleet.services.toploc.proof import ProofFormatError, build_proofs, verify_proofs
+from rlfleet.proofs.toploc import ProofFormatError, build_proofs, verify_proofs
 
 STAT_TOLERANCE = 1e-6
 _REQUIRED = (

@@ -37,7 +37,7 @@ vllm_engine.py to vLLM 0.32.0 (vllm_pin.VLLM_VERSION).
   `cudagraph_mode`; with tensor parallelism every rank draws the same token from the same logits.
   On a GPU the logits differ from a verifier's by bf16 kernel noise, so a draw whose u_t falls that
   close to a CDF edge may differ from the replay (the gate's tolerance); on vLLM-CPU fp32 the tokens
-  are the torch engine's (tests/rollout/test_vllm_engine.py).
+  are the torch engine's (tests/engines/test_vllm_engine.py).
 - Token logprobs: vLLM's own logprobs are `log_softmax(logits)` before temperature
   (`logprobs_mode="raw_logprobs"`) or after temperature *and* top-k/top-p renormalisation
   (`processed_logprobs`); neither is the contract of engine.py (`log_softmax(logits / T)` over the
@@ -170,7 +170,7 @@ class CaptureExtension:
         vLLM 0.32's layerwise reload re-processes only layers it loaded tensors into; a tied
         `lm_head` loads none (it shares `embed_tokens.weight`), so on CPU its packed GEMM copy of
         the old weights survived the reload and logits came from the old head (found by
-        tests/rollout/test_vllm_engine.py). Redoing the dispatch for every layer that still holds its
+        tests/engines/test_vllm_engine.py). Redoing the dispatch for every layer that still holds its
         weight (`remove_weight=False` layers: embeddings, heads) rebuilds those copies."""
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         from vllm.platforms import current_platform

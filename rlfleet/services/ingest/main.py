@@ -47,6 +47,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from rlfleet.config import ConfigError, IngestSpec
+from rlfleet.fleet.assignment import issue_ticket
+from rlfleet.fleet.reputation import is_banned
 from rlfleet.services.ingest.client import JOIN_PATH, ROLLOUTS_PATH, RUN_PATH, TICKETS_PATH
 from rlfleet.services.ingest.door import (
     BANNED_REFUSALS,
@@ -58,10 +60,8 @@ from rlfleet.services.ingest.door import (
     read_secret_file,
 )
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
-from rlfleet.services.toploc.reputation import is_banned
 from rlfleet.wire import components, tls
 from rlfleet.wire.asgi import TLSServer
-from rlfleet.wire.assignment import issue_ticket
 from rlfleet.wire.runtime import ComponentOptions
 from rlfleet.wire.streams import MESSAGE_FIELD, MessageError, RolloutGroup, RunKeys, group_digest
 

@@ -15,7 +15,7 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlfleet.services.rollout.engines.base import Engine, Generation
+from rlfleet.engines.base import Engine, Generation
 
 if TYPE_CHECKING:
     from rlfleet.config import VLLMSpec
@@ -49,8 +49,8 @@ def check_supported(kind: str, model_dir: Path, settings: VLLMSpec | None = None
     `model_dir` with the pool's `settings` on this machine (asked before any process starts; engines
     fail later otherwise)."""
     if resolve_kind(kind) == "vllm":
-        from rlfleet.services.rollout.engines.vllm_pin import check_supported as vllm_check  # no vLLM import
-        from rlfleet.services.rollout.engines.vllm_pin import cpu_build, engine_args
+        from rlfleet.engines.vllm_pin import check_supported as vllm_check  # no vLLM import
+        from rlfleet.engines.vllm_pin import cpu_build, engine_args
 
         vllm_check(Path(model_dir))
         engine_args(settings, on_cpu=cpu_build())
@@ -68,9 +68,9 @@ def make_engine(
     kind = resolve_kind(kind)
     device = choose_device()  # module docstring
     if kind == "vllm":
-        from rlfleet.services.rollout.engines.vllm_engine import VLLMEngine  # ImportError names the install extra
+        from rlfleet.engines.vllm_engine import VLLMEngine  # ImportError names the install extra
 
         return VLLMEngine(model_dir, version, dtype, settings, device)
-    from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+    from rlfleet.engines.torch_engine import TorchEngine
 
     return TorchEngine(model_dir, version, dtype, device)

@@ -20,9 +20,9 @@ import torch
 from rlfleet.config import parse_bundle
 from rlfleet.models.policy import load_policy, score
 from rlfleet.models.sampling import completion_text
+from rlfleet.proofs.toploc import build_proofs
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.ending import ending_problem
-from rlfleet.services.toploc.proof import build_proofs
 from rlfleet.tasks import make_task
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
 from tests.runs import bundle_yaml, rlrun
@@ -58,7 +58,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    from rlfleet.services.rollout.engines import make_engine
+    from rlfleet.engines import make_engine
 
     engine = make_engine("vllm", models[0], 0)
     yield engine
@@ -153,7 +153,7 @@ def test_the_capture_self_check_passes_where_every_step_runs_eagerly(engine):
 
 def batched_groups(engine, spec, seeds: list[int], indices: list[int]) -> list[RolloutGroup]:
     """The groups of tasks `indices` with group seeds `seeds`, generated in ONE generate_groups call."""
-    from rlfleet.services.rollout.engines.base import GroupRequest
+    from rlfleet.engines.base import GroupRequest
 
     s, t = spec.sampling, spec.verifier.toploc
     task = make_task(spec.task)
@@ -182,7 +182,7 @@ def test_several_groups_in_one_call_give_what_one_group_at_a_time_gives(engine, 
     """Continuous batching of several groups (different prompts and seeds, one llm.generate): the same
     completions and logprobs as one group per call, every prompt and completion row captured, and
     the gate's checks pass."""
-    from rlfleet.services.rollout.engines.vllm_pin import cpu_build
+    from rlfleet.engines.vllm_pin import cpu_build
 
     spec = parse_bundle(bundle_yaml(vllm_run(models[0], tmp_path / "store"))).run.spec
     engine.load_weights(models[0], 0)
@@ -216,7 +216,7 @@ SAMPLING_VARIANTS = [(1.0, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 8), (0.7, 0.85, 6)
 
 def draw_requests(engine, seed: int) -> list:
     """One group request per sampling variant, each its own prompt and group seed; the last asks for samples 2..4."""
-    from rlfleet.services.rollout.engines.base import GroupRequest
+    from rlfleet.engines.base import GroupRequest
 
     task = make_task(parse_bundle(bundle_yaml(vllm_run(Path("unused"), Path("unused")))).run.spec.task)
     out = []
@@ -232,7 +232,7 @@ def test_vllm_draws_the_torch_engines_tokens_for_the_same_seeds(engine, models):
     completions for the same seeds, whether groups are batched in one call or generated one at a time,
     with logprobs and the hidden rows of every position (so of every token vLLM fed back) as the torch
     engine's."""
-    from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+    from rlfleet.engines.torch_engine import TorchEngine
 
     engine.load_weights(models[0], 0)
     reference = TorchEngine(models[0], 0)
@@ -312,7 +312,7 @@ def test_the_heartbeat_is_read_here_when_the_engine_core_runs_in_another_process
     to 0 on CPU only); the heartbeat still beats in the worker's process, on every engine step of a group."""
     environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(REPO)}
     run = subprocess.run(
-        [sys.executable, "-m", "tests.rollout.vllm_core_process", str(models[0])],
+        [sys.executable, "-m", "tests.engines.vllm_core_process", str(models[0])],
         env=environ, cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -321,7 +321,7 @@ def test_the_heartbeat_is_read_here_when_the_engine_core_runs_in_another_process
     # more beats than requests (4 and an EOS continuation at most): every engine step beats, not each request's end
     assert seen["beats"] > len(seen["lengths"]) + 1 and max(seen["lengths"]) > 1, seen
     # the sampling contract holds in the core's process too: the torch engine's tokens for the same seed
-    from rlfleet.services.rollout.engines.torch_engine import TorchEngine
+    from rlfleet.engines.torch_engine import TorchEngine
 
     reference = TorchEngine(models[0], 0)
     want = reference.generate(reference.tokenizer("12+7=")["input_ids"], SamplingParams(**seen["params"]), 4)
@@ -333,7 +333,7 @@ def test_the_pinned_release_and_cpu_head_sizes_are_the_installed_vllms():
     import vllm
     from vllm.platforms import current_platform
 
-    from rlfleet.services.rollout.engines import vllm_pin
+    from rlfleet.engines import vllm_pin
 
     assert vllm.__version__ == vllm_pin.VLLM_VERSION
     assert vllm_pin.cpu_build() == current_platform.is_cpu()
@@ -345,7 +345,7 @@ def test_the_pinned_release_and_cpu_head_sizes_are_the_installed_vllms():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size limit is that of vLLM's CPU attention")
 def test_an_unsupported_head_size_is_refused_with_the_fix(tmp_path):
-    from rlfleet.services.rollout.engines.vllm_engine import check_supported
+    from rlfleet.engines.vllm_engine import check_supported
 
     head_16 = tiny_policy_dir(tmp_path / "h16", seed=0)  # the builtin tiny-arithmetic's shape
     with pytest.raises(ValueError, match=r"head size is 16.*use engine: torch"):
@@ -356,8 +356,8 @@ def test_an_unsupported_head_size_is_refused_with_the_fix(tmp_path):
 def test_the_builtin_tiny_math_passes_the_head_size_check(tmp_path, monkeypatch):
 
     from rlfleet.config import load_bundle
+    from rlfleet.engines.vllm_engine import check_supported
     from rlfleet.models.sources import resolve_model_path
-    from rlfleet.services.rollout.engines.vllm_engine import check_supported
 
     root = REPO
     spec = load_bundle(root / "examples" / "math" / "rlrun-vllm.yaml").run.spec

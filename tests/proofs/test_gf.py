@@ -1,4 +1,4 @@
-"""GF(p) arithmetic of TOPLOC proofs (rlfleet/services/toploc/gf.py) and the many-sample proof calls:
+"""GF(p) arithmetic of TOPLOC proofs (rlfleet/proofs/gf.py) and the many-sample proof calls:
 the closed-form interpolation and the baby-step giant-step evaluation agree with the textbook loops,
 and proofs of several samples at once are those of one sample at a time."""
 
@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.services.toploc import gf
-from rlfleet.services.toploc.proof import (
-    ProofFormatError,
-    build_proofs,
-    build_proofs_many,
-    verify_proofs,
-    verify_proofs_many,
-)
+from rlfleet.proofs.toploc import ProofFormatError, build_proofs, build_proofs_many, verify_proofs, verify_proofs_many
+from rlfleet.proofs import gf
 
 
 def horner(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
