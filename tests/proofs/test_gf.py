@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.proofs.toploc import ProofFormatError, build_proofs, build_proofs_many, verify_proofs, verify_proofs_many
 from rlfleet.proofs import gf
+from rlfleet.proofs.toploc import ProofFormatError, build_proofs, build_proofs_many, verify_proofs, verify_proofs_many
 
 
 def horner(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ def test_the_worker_redraws_retired_prompts(tmp_path, redis_client, assignment):
     prompt_of = {}  # prompt text -> key, for the four prompts
     for i in range(200):
         problem = worker.task.problem(f"arith-0-{i}")
-        prompt_of[problem.prompt] = prompt_key(worker.prompt_ids(problem.task_id))
+        prompt_of[problem.prompt] = prompt_key(worker.draws.prompt_ids(worker.loaded.tokenizer, problem.task_id))
     assert sorted(prompt_of) == ["0+0=", "0+1=", "1+0=", "1+1="]
     redis_client.rpush(keys.retired_prompts, *(prompt_of[p] for p in ("0+0=", "0+1=", "1+0=")))
 

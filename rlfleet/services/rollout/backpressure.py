@@ -28,8 +28,6 @@ import time
 import redis
 from prometheus_client import Gauge
 
-from rlfleet.config import RLRunSpec
-from rlfleet.engines import Engine
 from rlfleet.fleet.window import AsyncWindow
 from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.wire.runtime import Context, announced_version
@@ -69,38 +67,25 @@ def others_sampling(record: dict[bytes, bytes], worker_id: str, now: float) -> f
 
 
 class Backpressure:
-    """A worker's backpressure and its sampling record (a base of main.Worker, which sets these attributes)."""
+    """A worker's backpressure and its sampling record (the module docstring); main.Worker asks it before each batch.
 
-    ctx: Context
-    spec: RLRunSpec
-    worker_id: str
-    ingest_url: str | None
-    reader: redis.Redis | None
-    follower: VersionFollower
-    max_pending: int
-    sent_share: float = 1.0  # running share of sampled groups sent (SENT_SHARE_*)
-    batch_seconds: float = 0.0  # wall time of the last batch, sampling to last send
-    clock_offset: float = 0.0  # the Redis server's clock less this machine's, as `room` last read it
+    A worker behind an ingest (`reader` None) reads no Redis: only its version lag pauses it, from what its
+    `follower` saw announced; the ingest bounds its backlog."""
 
-    @property
-    def window(self) -> AsyncWindow:
-        """The run's async window (rlfleet/fleet/window.py): how far behind the newest version sampling may lag."""
-        return AsyncWindow.of(self.spec)
+    def __init__(
+        self, ctx: Context, worker_id: str, reader: redis.Redis | None, follower: VersionFollower, max_pending: int
+    ):
+        self.ctx, self.spec, self.worker_id = ctx, ctx.bundle.run.spec, worker_id
+        self.reader, self.follower, self.max_pending = reader, follower, max_pending
+        self.window = AsyncWindow.of(self.spec)
+        self.sent_share = 1.0  # running share of sampled groups sent (SENT_SHARE_*)
+        self.batch_seconds = 0.0  # wall time of the last batch, sampling to last send
+        self.clock_offset = 0.0  # the Redis server's clock less this machine's, as `room` last read it
+        self._batch_started = 0.0
 
-    @property
-    def loaded(self) -> Engine:
-        raise NotImplementedError  # the worker's engine (main.Worker)
-
-    @property
-    def in_flight(self) -> int:
-        raise NotImplementedError  # K (main.Worker)
-
-    def paused(self) -> str | None:
-        """Why generation should wait now, or None (`room`'s reason)."""
-        return self.room()[0]
-
-    def room(self) -> tuple[str | None, int]:
-        """(why generation should wait now, or None; how many groups the next batch may take, at most K).
+    def room(self, loaded_version: int, in_flight: int) -> tuple[str | None, int]:
+        """(why generation should wait now, or None; how many groups the next batch may take, at most K =
+        `in_flight`), for a worker whose engine holds `loaded_version`.
         An ingest worker's backlog is the ingest's to refuse. The room is what keeps each reason below
         from arising within one batch, so a batch never overshoots the queue (and goes stale in it).
 
@@ -116,12 +101,11 @@ class Backpressure:
           and go stale;
         - `backlog`: the inbox holds more than the pool's maxPending.
         The room left is what is still wanted divided by `sent_share` (the module docstring), at most K."""
-        if self.ingest_url:
+        if self.reader is None:  # behind an ingest
             newest = self.follower.announced or 0
-            LAG.set(newest - self.loaded.version)
-            return ("version_lag", 0) if self.window.is_stale(self.loaded.version, newest) else (None, self.in_flight)
+            LAG.set(newest - loaded_version)
+            return ("version_lag", 0) if self.window.is_stale(loaded_version, newest) else (None, in_flight)
         keys = self.ctx.keys
-        assert self.reader is not None  # a worker without an ingest reads Redis
         with self.reader.pipeline(transaction=False) as pipe:  # one round trip, every 20 ms while paused
             pipe.xrevrange(keys.policy, count=1)
             pipe.hmget(keys.demand, ["oldest", "need", "held", "kept"])
@@ -133,15 +117,15 @@ class Backpressure:
         now = seconds + micros / 1e6
         self.clock_offset = now - time.time()
         newest = announced_version(newest_entry) or 0
-        LAG.set(newest - self.loaded.version)
-        if self.window.is_stale(self.loaded.version, newest):
+        LAG.set(newest - loaded_version)
+        if self.window.is_stale(loaded_version, newest):
             return "version_lag", 0
-        if oldest is not None and self.loaded.version < int(oldest):
+        if oldest is not None and loaded_version < int(oldest):
             return "batch_full", 0
-        room = self.in_flight
+        room = in_flight
         if need is not None:
             ahead = queued + verified - int(held or 0) + others_sampling(record, self.worker_id, now)
-            later = self.loaded.version > int(oldest)  # still trainable once the trainer's step advances
+            later = loaded_version > int(oldest)  # still trainable once the trainer's step advances
             # In groups read: the trainer keeps a share `kept` of them (repeats of trained work dropped).
             wanted = (int(need) + later * self.spec.trainer.batch_size) / float(kept or 1) - ahead
             if wanted <= 0:
@@ -155,7 +139,7 @@ class Backpressure:
         """Record in the pool's sampling record that a batch of `groups` is being sampled (no record behind an
         ingest: its workers read no demand)."""
         self._batch_started = time.monotonic()
-        if self.ingest_url:
+        if self.reader is None:
             return
         ttl = max(RECORD_FLOOR_SECONDS, RECORD_BATCHES * self.batch_seconds)
         expected = groups * self.sent_share
@@ -169,5 +153,5 @@ class Backpressure:
         if groups:
             blended = (1 - SENT_SHARE_WEIGHT) * self.sent_share + SENT_SHARE_WEIGHT * sent / groups
             self.sent_share = max(SENT_SHARE_FLOOR, blended)
-        if not self.ingest_url:
+        if self.reader is not None:
             self.ctx.client.hdel(self.ctx.keys.sampling, self.worker_id)

@@ -28,20 +28,17 @@ resend the same group; a group is never dropped.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import requests
 from prometheus_client import Counter, Gauge
 
 from rlfleet.config import worker_dtype
 from rlfleet.engines import Engine, make_engine
 from rlfleet.engines.base import GroupRequest
-from rlfleet.fleet.prompt_filter import RetiredPrompts
 from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sampling import completion_text
 from rlfleet.models.sources import local_model_path, resolve_model_path
@@ -52,7 +49,7 @@ from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
 from rlfleet.services.rollout.repeats import holds_flat, worth_sending
 from rlfleet.services.rollout.timing import LAPS
-from rlfleet.services.rollout.work import WorkSource
+from rlfleet.services.rollout.work import IngestLink, WorkSource
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import check_chat_templates, encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
@@ -107,43 +104,45 @@ def worker_token(pool: str, worker_id: str) -> str:
     return token
 
 
-class Worker(WorkSource, Backpressure):
+class Worker:
+    """One worker's loop (the module docstring): its engine, the versions it follows, what it draws (`draws`) and
+    when it pauses (`backpressure`)."""
+
     def __init__(self, ctx: Context, options: RolloutOptions):
         self.ctx = ctx
         self.spec = ctx.bundle.run.spec
         pool_name, pool = ctx.bundle.pool(options.pool, str(options.config))
         self.engine_kind, self.vllm = pool.engine, pool.vllm  # make_engine's kind and vLLM settings
         self.dtype = pool.dtype or worker_dtype(self.spec)  # the run admits no other (config._pool_problems)
-        self.max_pending = pool.max_pending
         self.max_in_flight = pool.max_groups_in_flight  # None: the engine's default_groups_in_flight
-        self.ingest_url = rollouts_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
-        self.tickets_url = tickets_url(pool.ingest_url, ctx.run_name) if pool.ingest_url else None
         self.worker_id = options.worker_id
-        self.token = worker_token(pool_name, self.worker_id) if self.ingest_url else ""
-        if not self.ingest_url and ctx.redis is None:
+        self.ingest: IngestLink | None = None
+        if pool.ingest_url:
+            self.ingest = IngestLink(
+                requests.Session(),
+                rollouts_url(pool.ingest_url, ctx.run_name),
+                tickets_url(pool.ingest_url, ctx.run_name),
+                worker_token(pool_name, self.worker_id),
+            )
+        elif ctx.redis is None:
             raise SystemExit(
                 f"rlfleet rollout: pool {pool_name} writes to the run's Redis: set spec.redis.url, --redis-url or "
                 f"{env.REDIS_URL} (or give the pool spec.ingestUrl)"
             )
-        self.session = requests.Session()  # the ingest's connections (no socket opens until one is used)
         self.task = make_run_task(self.spec)
-        seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{self.worker_id}".encode()).digest()[:8], "little")
-        self.rng = np.random.default_rng(seed)
         # Redis users per job (rlfleet/wire/redis_acl.py): ctx.redis only adds to the inbox; reads and tickets
         # go through their own users when the launcher or the operator gives them (else ctx.redis).
-        self.reader = self.tickets = None
-        if not self.ingest_url:
+        self.reader = tickets = None
+        if not self.ingest:
             read_url, tickets_url_ = env.get(env.REDIS_READ_URL), env.get(env.REDIS_TICKETS_URL)
             self.reader = connect_redis(read_url) if read_url else ctx.redis
-            self.tickets = connect_redis(tickets_url_) if tickets_url_ else ctx.redis
-        # The online filter's retired prompts (prompt_filter.py); a worker of an ingest reads no Redis.
-        online_filter = self.spec.sampling.online_filter
-        self.retired = RetiredPrompts(self.reader, ctx.keys) if self.reader and online_filter else None
-        self.max_redraws = online_filter.max_redraws if online_filter else 1
+            tickets = connect_redis(tickets_url_) if tickets_url_ else ctx.redis
+        self.draws = WorkSource(ctx, self.task, self.worker_id, self.ingest, tickets, self.reader)
         self.hold_flat = holds_flat(self.spec)
         self.follower = VersionFollower(
             ctx, options.relay_urls, options.cache_dir, self.spec.shardcast.keep_versions, reader=self.reader
         )
+        self.backpressure = Backpressure(ctx, self.worker_id, self.reader, self.follower, pool.max_pending)
         self.engine: Engine | None = None  # made by start() (see `loaded`)
         self.liveness = engine_liveness(ctx, lambda: self.engine)  # /healthz: generations and swaps hold working()
 
@@ -217,6 +216,18 @@ class Worker(WorkSource, Backpressure):
     def in_flight(self) -> int:
         """K: the most groups one batch takes (the pool's maxGroupsInFlight, else the engine's default)."""
         return self.max_in_flight or self.loaded.default_groups_in_flight
+
+    def room(self) -> tuple[str | None, int]:
+        """(why generation should wait now, or None; how many groups the next batch may take): backpressure.py."""
+        return self.backpressure.room(self.loaded.version, self.in_flight)
+
+    def paused(self) -> str | None:
+        """Why generation should wait now, or None (`room`'s reason)."""
+        return self.room()[0]
+
+    def take_work(self, room: int) -> list[tuple[str, int, int | None]] | None:
+        """Up to `room` pieces of work (task id, group seed, ticket), drawn past retired prompts (work.py)."""
+        return self.draws.take_work(room, self.loaded.tokenizer)
 
     def make_groups(self, work: list[tuple[str, int, int | None]]) -> list[RolloutGroup]:
         """The groups of `work` ((task id, group seed, ticket) each, next_work's) to send, sampled in ONE engine
@@ -296,10 +307,11 @@ class Worker(WorkSource, Backpressure):
             return self._send(group)
 
     def _send(self, group: RolloutGroup) -> bool:
-        if self.ingest_url:
+        if self.ingest:
             fields = group.encode()[MESSAGE_FIELD]
             on_wait = PAUSED.labels(components.INGEST).inc
-            if post_group(self.session, self.ingest_url, self.token, fields, self.ctx.stop, on_wait=on_wait) is None:
+            ingest, stop = self.ingest, self.ctx.stop
+            if post_group(ingest.session, ingest.rollouts_url, ingest.token, fields, stop, on_wait=on_wait) is None:
                 return False
         else:
             # Never trimmed (no MAXLEN): the inbox holds only unverified groups; maxPending bounds it.
@@ -322,14 +334,14 @@ class Worker(WorkSource, Backpressure):
             if work is None:
                 return  # stopped while the ingest held a ticket back
             sent = 0
-            self.begin_batch(len(work))
+            self.backpressure.begin_batch(len(work))
             try:
                 for group in self.make_groups(work):
                     if not self.send(group):
                         return  # stopped while the ingest held it back
                     sent += 1
             finally:
-                self.end_batch(len(work), sent)
+                self.backpressure.end_batch(len(work), sent)
 
 
 def main(options: RolloutOptions) -> int:

@@ -6,13 +6,15 @@ ticket (`assignment: run`, from Redis or the ingest; rlfleet/fleet/assignment.py
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import numpy as np
 import redis
 import requests
 from prometheus_client import Counter
 
-from rlfleet.config import RLRunSpec
-from rlfleet.engines import Engine
 from rlfleet.fleet.assignment import assigned_work, issue_ticket
 from rlfleet.fleet.prompt_filter import RetiredPrompts, draw_unretired, prompt_key
 from rlfleet.services.ingest.client import request_ticket
@@ -21,37 +23,55 @@ from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.wire.runtime import Context
 
+if TYPE_CHECKING:  # the worker's engine loads transformers; this module needs only the name
+    from transformers import PreTrainedTokenizerBase
+
 FILTERED = Counter("rlfleet_rollout_filtered_draws_total", "Draws skipped: the online filter retired their prompt")
 
 
-class WorkSource:
-    """A worker's draws (a base of main.Worker, which sets these attributes)."""
+@dataclass(frozen=True)
+class IngestLink:
+    """How a worker of a pool with `ingestUrl` reaches its run's ingest: it never touches Redis, and sends its groups
+    and asks for its work tickets over HTTP with its own token (rlfleet/services/ingest/)."""
 
-    ctx: Context
-    spec: RLRunSpec
-    task: TaskSource
-    rng: np.random.Generator
-    worker_id: str
-    ingest_url: str | None
-    tickets_url: str | None
+    session: requests.Session  # the ingest's connections (no socket opens until one is used)
+    rollouts_url: str
+    tickets_url: str
     token: str
-    session: requests.Session
-    tickets: redis.Redis | None
-    retired: RetiredPrompts | None
-    max_redraws: int
 
-    @property
-    def loaded(self) -> Engine:
-        raise NotImplementedError  # the worker's engine (main.Worker)
+
+class WorkSource:
+    """A worker's draws: the next pieces of work (task id, group seed, ticket), redrawn past retired prompts.
+
+    `tickets` is the worker's Redis user for run-assigned work and `reader` the one it reads the retired prompts
+    with; a worker behind an ingest has neither and takes its tickets through `ingest`."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        task: TaskSource,
+        worker_id: str,
+        ingest: IngestLink | None,
+        tickets: redis.Redis | None,
+        reader: redis.Redis | None,
+    ):
+        self.ctx, self.spec, self.task, self.worker_id = ctx, ctx.bundle.run.spec, task, worker_id
+        self.ingest, self.tickets = ingest, tickets
+        # Each worker draws its own sequence, reproducible from the run's task seed and its id.
+        seed = int.from_bytes(hashlib.sha256(f"{self.spec.task.seed}:{worker_id}".encode()).digest()[:8], "little")
+        self.rng = np.random.default_rng(seed)
+        # The online filter's retired prompts (prompt_filter.py); a worker of an ingest reads no Redis.
+        online_filter = self.spec.sampling.online_filter
+        self.retired = RetiredPrompts(reader, ctx.keys) if reader and online_filter else None
+        self.max_redraws = online_filter.max_redraws if online_filter else 1
 
     def next_work(self) -> tuple[str, int, int | None] | None:
         """(task id, group seed, ticket) of the next group: drawn here, or assigned by the run
         (spec.sampling.assignment: run; a ticket from Redis or the ingest). None if stopped meanwhile."""
         if self.spec.sampling.assignment == "worker":
             return self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31)), None
-        if self.ingest_url:
-            assert self.tickets_url is not None  # made with ingest_url
-            ticket = request_ticket(self.session, self.tickets_url, self.token, self.ctx.stop)
+        if self.ingest:
+            ticket = request_ticket(self.ingest.session, self.ingest.tickets_url, self.ingest.token, self.ctx.stop)
             if ticket is None:
                 return None
         else:
@@ -60,31 +80,32 @@ class WorkSource:
         task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
         return task_id, seed, ticket
 
-    def work_prompt_key(self, piece: tuple[str, int, int | None] | None) -> str:
-        """The online filter's key of a draw: its prompt tokens as the group will carry them (chat template
-        included); "" (never retired) when a user environment fails to make the problem, which make_groups
-        then skips."""
-        assert piece is not None  # draw_unretired asks only for the key of a draw
-        try:
-            return prompt_key(self.prompt_ids(piece[0]))
-        except EnvironmentFailure:
-            return ""
-
-    def prompt_ids(self, task_id: str) -> list[int]:
+    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, task_id: str) -> list[int]:
         """The prompt tokens of `task_id`'s problem, as the group carries them (chat template included)."""
-        return encode_prompt(self.loaded.tokenizer, self.task.problem(task_id))
+        return encode_prompt(tokenizer, self.task.problem(task_id))
 
-    def take_work(self, room: int) -> list[tuple[str, int, int | None]] | None:
-        """Up to `room` pieces of work (next_work's), redrawing prompts the online filter retired; None if
-        stopped meanwhile (a ticket held back)."""
+    def take_work(self, room: int, tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, int, int | None]] | None:
+        """Up to `room` pieces of work (next_work's), redrawing prompts the online filter retired (a prompt is its
+        tokens under `tokenizer`, the loaded version's); None if stopped meanwhile (a ticket held back)."""
         if self.retired is not None:
             self.retired.refresh()
+
+        def key_of(piece: tuple[str, int, int | None] | None) -> str:
+            """The online filter's key of a draw: its prompt tokens as the group will carry them (chat template
+            included); "" (never retired) when a user environment fails to make the problem, which the worker's
+            make_groups then skips."""
+            assert piece is not None  # draw_unretired asks only for the key of a draw
+            try:
+                return prompt_key(self.prompt_ids(tokenizer, piece[0]))
+            except EnvironmentFailure:
+                return ""
+
         work = []
         for _ in range(room):
             if self.retired is None:
                 piece = self.next_work()
             else:
-                piece, skipped = draw_unretired(self.next_work, self.work_prompt_key, self.retired, self.max_redraws)
+                piece, skipped = draw_unretired(self.next_work, key_of, self.retired, self.max_redraws)
                 FILTERED.inc(skipped)
             if piece is None:
                 return None
