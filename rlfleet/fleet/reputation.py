@@ -12,8 +12,8 @@ reason seed_replay): the per-group share (calibration.py) bounds one group, this
 stays just under it on every group.
 Worker ids come from untrusted messages and may hold any character; counters never hold `|`, so
 a field splits at its last `|`. Bans live in `RunKeys.banned`: worker id -> JSON record of the
-rejection that triggered it. The gate writes both inside its commit script (gate.py), so a
-verdict, its counters and a ban are applied together, once.
+rejection that triggered it. The gate writes both inside its commit script
+(rlfleet/services/toploc/main.py), so a verdict, its counters and a ban are applied together, once.
 
 `is_banned` is the check the ingest calls before accepting a submission; the gate repeats it.
 """
