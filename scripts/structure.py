@@ -36,7 +36,14 @@ def module_imports(repo: Path, roots: tuple[str, ...] = SOURCE_FOLDERS) -> dict[
     """Module -> the modules it imports, for the modules under `roots` (folders of the repository),
     function-level and TYPE_CHECKING imports included (a lazy import still ties the two modules
     together; a type-only one still makes the reader go round). Relative imports are resolved; in a
-    script folder a bare name of a sibling file is that file."""
+    script folder a bare name of a sibling file is that file.
+
+    A package and its own module that import each other are a circle too: `from pkg import x` in
+    pkg/mod.py reads pkg's namespace, which pkg/__init__.py is still building when it is the one that
+    imports pkg.mod (at its top or in a function). So `from pkg import x` (or `from . import x`) in pkg's
+    own module is an arrow to pkg when pkg/__init__.py imports that module back. Otherwise it is only an
+    arrow to x: the import system hands over a submodule without the package's `__init__` being done, so
+    a sibling imported through the package, or by its full name, ties the two siblings and no more."""
     modules = {}
     for root in roots:
         for path in sorted((repo / root).rglob("*.py")):
@@ -45,12 +52,15 @@ def module_imports(repo: Path, roots: tuple[str, ...] = SOURCE_FOLDERS) -> dict[
                 continue
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
 
+    packages = {m for m, path in modules.items() if path.name == "__init__.py"}
+
     def resolve(name: str) -> str | None:
         while name and name not in modules:
             name = name.rpartition(".")[0]
         return name or None
 
     edges: dict[str, set[str]] = {m: set() for m in modules}
+    own_package: dict[str, str] = {}  # module -> its package, named by a `from pkg import x` in it
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         sibling = package if package in SCRIPT_FOLDERS else None
@@ -58,17 +68,23 @@ def module_imports(repo: Path, roots: tuple[str, ...] = SOURCE_FOLDERS) -> dict[
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
-                base = f"{base}.{node.module}" if node.module else base
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                    base = f"{base}.{node.module}" if node.module else base
+                else:
+                    base = node.module or ""
                 targets = [f"{base}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                targets = [f"{node.module}.{a.name}" for a in node.names]
+                if base in packages and module.startswith(f"{base}."):
+                    own_package[module] = base
             if sibling:
                 targets = [f"{sibling}.{t}" if f"{sibling}.{t.partition('.')[0]}" in modules else t for t in targets]
             for target in filter(None, map(resolve, targets)):
                 if target != module:
                     edges[module].add(target)
+    for module, package in own_package.items():
+        if module in edges[package]:
+            edges[module].add(package)
     return edges
 
 

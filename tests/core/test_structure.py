@@ -25,6 +25,48 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_module_that_imports_its_own_package_back_is_a_circle(tmp_path):
+    """`from pkg import sibling` in pkg/mod.py runs pkg/__init__.py, which imports pkg.mod (here lazily): the
+    package and its module import each other. An import of a submodule by its full name is no such edge."""
+    repo = write_tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "def make():\n    from pkg.mod import Thing\n    return Thing()\n",
+            "pkg/mod.py": "from pkg import helper\n\nclass Thing:\n    pass\n",
+            "pkg/helper.py": "VALUE = 1\n",
+        },
+    )
+    edges = structure.module_imports(repo, ("pkg",))
+    assert edges["pkg.mod"] == {"pkg", "pkg.helper"}
+    assert find_cycle(edges) == ["pkg", "pkg.mod", "pkg"]
+    (repo / "pkg/mod.py").write_text("from pkg.helper import VALUE\n\nclass Thing:\n    pass\n")
+    edges = structure.module_imports(repo, ("pkg",))
+    assert edges["pkg.mod"] == {"pkg.helper"}
+    assert find_cycle(edges) is None
+
+
+def test_a_package_importing_its_modules_that_import_each_other_is_no_circle(tmp_path):
+    repo = write_tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.a import A\nfrom .b import B\n",
+            "pkg/a.py": "A = 1\n",
+            "pkg/b.py": "from pkg.a import A\nfrom .a import A as again\nfrom .c import C\n\nB = A + again + C\n",
+            "pkg/c.py": "from . import a\n\nC = a.A\n",  # through the package, which imports c only by way of b
+        },
+    )
+    edges = structure.module_imports(repo, ("pkg",))
+    assert edges == {"pkg": {"pkg.a", "pkg.b"}, "pkg.a": set(), "pkg.b": {"pkg.a", "pkg.c"}, "pkg.c": {"pkg.a"}}
+    assert find_cycle(edges) is None
+
+
 def test_no_import_circle_in_rlfleet():
     edges = module_imports()
     assert "rlfleet.engines.torch_engine" in edges["rlfleet.engines"]
