@@ -70,7 +70,6 @@ from typing import Any
 import torch
 
 from rlfleet.config import VLLMSpec
-from rlfleet.engines import vllm_worker
 from rlfleet.engines.adapters import MergedDirs
 from rlfleet.engines.base import Engine, Generation, GroupRequest
 from rlfleet.engines.vllm_capture import CaptureError, assemble, decode_capture
@@ -83,6 +82,7 @@ from rlfleet.engines.vllm_pin import (
     stop_ids,
     tensor_names,
 )
+from rlfleet.engines.vllm_worker import SEED_ARG, CaptureExtension
 from rlfleet.models.policy import DTYPES, load_tokenizer
 from rlfleet.models.sampling import sample_seed
 from rlfleet.wire import env
@@ -171,7 +171,7 @@ class VLLMEngine(Engine):
             # LLM's annotation names only dtype strings; its ModelConfig takes a torch.dtype as well.
             dtype=DTYPES[dtype],  # type: ignore[arg-type]
             enable_prefix_caching=True,
-            worker_extension_cls=f"{vllm_worker.__name__}.CaptureExtension",
+            worker_extension_cls=f"{CaptureExtension.__module__}.{CaptureExtension.__qualname__}",
             **args,
             **memory,
             **backend,
@@ -239,7 +239,7 @@ class VLLMEngine(Engine):
                 top_k=requests[k].params.top_k,
                 max_tokens=limits[k] + 1,  # the extra token's decode step feeds the last one (docstring)
                 # drawn by rlfleet's rule in the worker (vllm_worker.py); vLLM's own draw is replaced
-                extra_args={vllm_worker.SEED_ARG: sample_seed(requests[k].params.seed, requests[k].first + i)},
+                extra_args={SEED_ARG: sample_seed(requests[k].params.seed, requests[k].first + i)},
                 stop_token_ids=sorted(self.stop_ids),
                 detokenize=False,
                 skip_reading_prefix_cache=(i == 0),  # a group's first request computes its prompt rows

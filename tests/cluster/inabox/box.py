@@ -52,14 +52,14 @@ class Cluster:
 
     def service_endpoint(self, namespace: str, service: str, timeout: float = 60) -> Host:
         """The host of a ready pod behind a Service (waits for one)."""
-        from . import controllers
+        from .controllers import endpoints
 
         deadline = time.monotonic() + timeout
         while True:
             svc = self.runner.api.get("Service", namespace, service)
             with self.runner._lock:
                 alive = [p for p in self.runner.pods.values() if p.terminating_since is None]
-                behind = controllers.endpoints(svc, alive) if svc else []
+                behind = endpoints(svc, alive) if svc else []
             if behind:
                 return behind[0].host
             assert time.monotonic() < deadline, f"no ready endpoint of Service {namespace}/{service}"
