@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
 import time
@@ -54,16 +53,9 @@ from rlfleet.config import ConfigError, IngestSpec
 from rlfleet.fleet.assignment import issue_ticket
 from rlfleet.fleet.reputation import is_banned
 from rlfleet.services.ingest.client import JOIN_PATH, ROLLOUTS_PATH, RUN_PATH, TICKETS_PATH
-from rlfleet.services.ingest.door import (
-    BANNED_REFUSALS,
-    JOIN_BODY_MAX_BYTES,
-    JOINS,
-    Door,
-    Refusal,
-    make_door,
-    read_secret_file,
-)
+from rlfleet.services.ingest.door import BANNED_REFUSALS, JOIN_BODY_MAX_BYTES, JOINS, Door, Refusal, make_door
 from rlfleet.services.ingest.limits import BodyBudget, RateLimiter, RedisWatch, guarded_protocol
+from rlfleet.services.ingest.tokens import TokenBook, load_tokens
 from rlfleet.wire import components, tls
 from rlfleet.wire.asgi import TLSServer
 from rlfleet.wire.runtime import ComponentOptions
@@ -92,38 +84,6 @@ redis.call('SET', KEYS[2], id, 'EX', ARGV[3])
 redis.call('ZADD', KEYS[3], 'XX', ARGV[4], ARGV[5])
 return {'ok', id}
 """
-
-
-def load_tokens(path: str | Path) -> dict[str, str]:
-    """Read a YAML/JSON `{worker_id: token}` file; raise ConfigError naming what is wrong."""
-    source = str(path)
-    data = read_secret_file(path, "tokens")
-    if not isinstance(data, dict) or not data:
-        raise ConfigError(source, ["tokens file must be a non-empty mapping {workerId: token}"])
-    problems = [
-        f"{worker!r}: token must be a non-empty string"
-        for worker, token in data.items()
-        if not isinstance(token, str) or not token
-    ]
-    if not problems and len(set(data.values())) != len(data):
-        problems.append("two workers share a token; give each worker its own")
-    if problems:
-        raise ConfigError(source, problems)
-    return {str(worker): token for worker, token in data.items()}
-
-
-class TokenBook:
-    """token -> worker id, looked up in constant time per entry (hmac.compare_digest, every entry)."""
-
-    def __init__(self, tokens: dict[str, str]):
-        self._entries = [(token.encode(), worker) for worker, token in tokens.items()]
-
-    def worker_for(self, token: str) -> str | None:
-        presented, found = token.encode(), None
-        for known, worker in self._entries:
-            if hmac.compare_digest(presented, known):
-                found = worker
-        return found
 
 
 def _refuse(code: int, detail: str, retry_after: float | None = None) -> JSONResponse:
