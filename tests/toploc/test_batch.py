@@ -108,7 +108,7 @@ def run_entries(ctx, origin_url, cache, entries: list[dict], batched: bool) -> d
     read = gate.read(count=len(entries), block_ms=100)
     assert len(read) == len(entries)
     if batched:
-        batch.handle_batch(gate, read)
+        gate.inbox.handle_batch(read)
     else:
         for msg_id, fields in read:
             gate.handle(msg_id, fields)

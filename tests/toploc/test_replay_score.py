@@ -15,7 +15,7 @@ import torch
 from rlfleet.config import BanPolicySpec
 from rlfleet.fleet.reputation import field, one_worker_stats, replay_plan
 from rlfleet.models.sampling import draw, keep_mask, sample_seed, sample_uniforms
-from rlfleet.services.toploc.main import _COMMIT
+from rlfleet.services.toploc.commit import COMMIT_SCRIPT
 from rlfleet.services.toploc.replay import ReplayScore, group_score
 from rlfleet.wire.streams import RunKeys
 
@@ -62,7 +62,7 @@ def test_surprise_is_near_zero_for_honest_groups_and_negative_for_greedy():
 
 def test_a_worker_under_the_group_share_is_banned_by_its_running_share(redis_url):
     client, keys = redis.Redis.from_url(redis_url), RunKeys("score")
-    commit = client.register_script(_COMMIT)
+    commit = client.register_script(COMMIT_SCRIPT)
     policy = BanPolicySpec(min_replay_positions=200)
     client.xgroup_create(keys.rollouts, keys.verifier_group, id="0", mkstream=True)
     answers = []

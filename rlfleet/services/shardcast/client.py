@@ -83,9 +83,14 @@ log = logging.getLogger("rlfleet.shardcast.client")
 __all__ = ["FetchError", "FetchSettings", "Fetcher", "VersionGone", "fetch_version", "wait_for_version"]
 
 RECV_CHUNK = 1 << 20  # bytes per readinto/hash step; a broken connection keeps all it received
-# One shard's download, kept across a broken connection: bytes received, their running sha256, the attempt.
-# (The functional form: the class form's 6 more lines would put this file over the 400-line budget.)
-_Received = TypedDict("_Received", {"have": int, "hash": "hashlib._Hash", "attempt": int})  # noqa: UP013
+
+
+class _Received(TypedDict):
+    """One shard's download, kept across a broken connection."""
+
+    have: int  # bytes received
+    hash: hashlib._Hash  # their running sha256
+    attempt: int
 
 
 class Fetcher:

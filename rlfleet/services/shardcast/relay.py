@@ -44,24 +44,30 @@ from rlfleet.services.shardcast.protocol import (
 )
 from rlfleet.services.shardcast.pull import Pull, stream
 from rlfleet.services.shardcast.relay_cache import BYTES_OUT, CLIENTS, DiskBoundError, NotUpstream, Relay, RelaySettings
-from rlfleet.versions.manifest import MANIFEST_NAME, ManifestError, parse_manifest
+from rlfleet.versions.manifest import MANIFEST_NAME, Manifest, ManifestError, parse_manifest
 from rlfleet.wire import components, tls
 from rlfleet.wire.runtime import ComponentOptions
 
 RELAY = web.AppKey(components.RELAY, Relay)
 
 
-def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -> web.Application:
-    """The relay's aiohttp application; `app[RELAY]` is its Relay. With `redis_client`, it
-    prefetches every version announced on the run's policy stream. With `settings.public_key`,
-    manifests must carry a valid signature."""
-    relay, run = Relay(settings), settings.run
+class RelayRoutes:
+    """The relay's route handlers and its start and stop (`lifecycle`), over its `relay`. With
+    `redis_client`, it prefetches every version announced on the run's policy stream; without, it
+    follows its upstream's long-poll."""
 
-    async def latest(request: web.Request) -> web.Response:
+    def __init__(self, relay: Relay, redis_client: redis.Redis | None = None):
+        self.relay, self.run, self.redis_client = relay, relay.run, redis_client
+
+    async def latest(self, request: web.Request) -> web.Response:
+        """Upstream's latest (and starts pulling it), or the newest held version if upstream is down;
+        `latest?after=N` is a long poll (module docstring)."""
+        relay, run = self.relay, self.run
         check_run(request, run)
         poll = long_poll_args(request)
         if poll is not None:
             return await answer_long_poll(relay.board, *poll)
+
         held = relay.held()
         try:
             body = await relay.ask_upstream(latest_path(run))
@@ -78,36 +84,19 @@ def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -
             raise web.HTTPNotFound(text=f"run {run!r} has no published version yet\n")
         return web.json_response({"version": max([*held, *([version] if version is not None else [])])})
 
-    async def serve_file(request: web.Request) -> web.StreamResponse:
-        check_run(request, run)
+    async def serve_file(self, request: web.Request) -> web.StreamResponse:
+        """A file of a version: its manifest from memory or disk, another file from this disk, or
+        cut-through from a pull still under way."""
+        check_run(request, self.run)
         version, name = request_version(request)
-        bad_gateway = f"could not pull v{version} from {relay.upstream}"
-        try:
-            where = await relay.locate(version, probe=True)
-            if isinstance(where, Pull):
-                await where.wait(lambda: where.raw is not None)
-                raw, manifest = where.raw, where.manifest
-                assert raw is not None and manifest is not None  # a pull sets both at once, and raw was awaited
-            else:  # verified when it was pulled; read back from this disk, its shape is checked again
-                raw = (where / MANIFEST_NAME).read_bytes()
-                manifest = parse_manifest(raw, run, version)
-        except VersionGone as exc:  # before FetchError, which it is: waiting will not bring it back
-            raise web.HTTPGone(text=f"{exc}\n") from None
-        except NotUpstream as exc:
-            raise web.HTTPNotFound(text=f"{exc}\n") from None
-        except (FetchError, DiskBoundError) as exc:
-            raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
-        except FileNotFoundError:  # pruned between the check and the read
-            raise web.HTTPGone(text=f"v{version} was just dropped by retention\n") from None
-        except ManifestError as exc:  # this relay's own disk holds a damaged manifest
-            raise web.HTTPInternalServerError(text=f"held v{version}: {exc}\n") from None
+        where, raw, manifest = await self.manifest_of(version)
         if name == MANIFEST_NAME:
             return await send_range(request, len(raw), lambda s, e: iter([raw[s:e]]), "application/json", BYTES_OUT.inc)
         index = next((i for i, f in enumerate(manifest.files) if f.name == name), None)
         if index is None:
-            raise web.HTTPNotFound(text=f"run {run!r} v{version} has no file {name!r}\n")
+            raise web.HTTPNotFound(text=f"run {self.run!r} v{version} has no file {name!r}\n")
 
-        size, open_file = manifest.files[index].size, lambda: relay.open_file(version, name)
+        size, open_file = manifest.files[index].size, lambda: self.relay.open_file(version, name)
         CLIENTS.inc()
         try:
             if isinstance(where, Pull) and not where.complete:
@@ -118,14 +107,44 @@ def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -
                 except VersionGone as exc:  # upstream dropped it while it was pulled
                     raise web.HTTPGone(text=f"{exc}\n") from None
                 except (FetchError, DiskBoundError, OSError) as exc:  # the pull failed
-                    raise web.HTTPBadGateway(text=f"{bad_gateway}: {exc}\n") from None
+                    raise web.HTTPBadGateway(text=f"{self.bad_gateway(version)}: {exc}\n") from None
             return await send_file(request, size, open_file, BYTES_OUT.inc)
         except FileNotFoundError:  # pruned between the check and the open
             raise web.HTTPGone(text=f"v{version} was just dropped by retention\n") from None
         finally:
             CLIENTS.dec()
 
-    async def lifecycle(app: web.Application):
+    async def manifest_of(self, version: int) -> tuple[Path | Pull, bytes, Manifest]:
+        """Where `version` is (its directory here, or its pull), and its manifest's bytes and parsed
+        form; an HTTP error when it cannot be had."""
+        try:
+            where = await self.relay.locate(version, probe=True)
+            if isinstance(where, Pull):
+                await where.wait(lambda: where.raw is not None)
+                raw, manifest = where.raw, where.manifest
+                assert raw is not None and manifest is not None  # a pull sets both at once, and raw was awaited
+            else:  # verified when it was pulled; read back from this disk, its shape is checked again
+                raw = (where / MANIFEST_NAME).read_bytes()
+                manifest = parse_manifest(raw, self.run, version)
+        except VersionGone as exc:  # before FetchError, which it is: waiting will not bring it back
+            raise web.HTTPGone(text=f"{exc}\n") from None
+        except NotUpstream as exc:
+            raise web.HTTPNotFound(text=f"{exc}\n") from None
+        except (FetchError, DiskBoundError) as exc:
+            raise web.HTTPBadGateway(text=f"{self.bad_gateway(version)}: {exc}\n") from None
+        except FileNotFoundError:  # pruned between the check and the read
+            raise web.HTTPGone(text=f"v{version} was just dropped by retention\n") from None
+        except ManifestError as exc:  # this relay's own disk holds a damaged manifest
+            raise web.HTTPInternalServerError(text=f"held v{version}: {exc}\n") from None
+        return where, raw, manifest
+
+    def bad_gateway(self, version: int) -> str:
+        return f"could not pull v{version} from {self.relay.upstream}"
+
+    async def lifecycle(self, app: web.Application):
+        """The relay's start (a clean cache, the upstream session, the announcements it follows) and,
+        after the yield, its stop."""
+        relay = self.relay
         relay.board.bind(app)
 
         async def on_shutdown(app: web.Application) -> None:
@@ -134,12 +153,13 @@ def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -
         app.on_shutdown.append(on_shutdown)
         relay.open_upstream()
         await asyncio.to_thread(relay.clean_start)
+
         stop = threading.Event()
         listener = follower = None
-        if redis_client is not None:
+        if self.redis_client is not None:
             listener = threading.Thread(
                 target=relay.listen,
-                args=(redis_client, asyncio.get_running_loop(), stop),
+                args=(self.redis_client, asyncio.get_running_loop(), stop),
                 name="relay-policy-listener",
                 daemon=True,
             )
@@ -147,6 +167,7 @@ def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -
         else:
             follower = asyncio.create_task(relay.follow_upstream())
         yield
+
         stop.set()
         relay.closing.set()
         if listener is not None:
@@ -156,13 +177,19 @@ def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -
         for task in list(relay._tasks):
             task.cancel()
 
+
+def make_app(settings: RelaySettings, redis_client: redis.Redis | None = None) -> web.Application:
+    """The relay's aiohttp application; `app[RELAY]` is its Relay. With `redis_client`, it
+    prefetches every version announced on the run's policy stream. With `settings.public_key`,
+    manifests must carry a valid signature."""
+    routes = RelayRoutes(Relay(settings), redis_client)
     app = web.Application()
-    app[RELAY] = relay
-    app.cleanup_ctx.append(lifecycle)
+    app[RELAY] = routes.relay
+    app.cleanup_ctx.append(routes.lifecycle)
     app.router.add_get(ROUTE_HEALTH, healthz)
     app.router.add_get(ROUTE_METRICS, metrics)
-    app.router.add_get(ROUTE_LATEST, latest)
-    app.router.add_get(ROUTE_FILE, serve_file)
+    app.router.add_get(ROUTE_LATEST, routes.latest)
+    app.router.add_get(ROUTE_FILE, routes.serve_file)
     return app
 
 

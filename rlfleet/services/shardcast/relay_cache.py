@@ -9,6 +9,7 @@
     a failed attempt is cut off, so a poisoned upstream never gets a complete response relayed;
   - v{N} exists only complete (`.complete` inside): shards land in `.v{N}.partial/`, renamed
     to v{N} after the last one, before the last shard is announced as ready.
+
   pull          one pull per version at a time (a thread running client.Fetcher against the
                 upstream, `parallel` shards at once); concurrent requests share it and are
                 served from its `Pull` byte by byte as the shards they need arrive (pull.py)
@@ -21,13 +22,18 @@
                 then each new one) and pulls every announced version before anyone asks; a
                 restarted relay catches up the same way. Without a stream, a task long-polls the
                 upstream's `latest?after=N` instead (no timer: upstream answers on a new version)
-  shutdown      a hung upstream cannot hold a stopping relay: probes and `latest` use an aiohttp session
-                closed at shutdown, and the pulls' Fetchers are aborted (blocked reads return at once)
-  retention     the newest `keep_versions` complete versions and the versions their delta chains pass through
-                (chain.py); with `max_disk_bytes` their bytes plus pulls in flight stay under it: older ones are
-                dropped (renamed away first) before a pull starts, a larger one is refused; a dropped one is 410
+  shutdown      a hung upstream cannot hold a stopping relay: probes and `latest` use an aiohttp
+                session closed at shutdown, and the pulls' Fetchers are aborted (blocked reads
+                return at once)
+  retention     the newest `keep_versions` complete versions and every version their delta chains
+                pass through (rlfleet/versions/chain.py); with `max_disk_bytes` their bytes plus
+                pulls in flight stay under it: older versions are dropped (renamed away first)
+                before a pull starts, and a version larger than the bound is refused. A version
+                dropped (or one that would be dropped as soon as it was pulled) is 410 Gone.
+
 Metrics: rlfleet_relay_bytes_in_total, rlfleet_relay_bytes_out_total, rlfleet_relay_versions_held,
-rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds, rlfleet_relay_fetch_seconds.
+rlfleet_relay_disk_bytes, rlfleet_relay_clients, rlfleet_relay_shard_seconds,
+rlfleet_relay_fetch_seconds.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ FETCH_SECONDS = Histogram(
     "Seconds to pull and verify one version from upstream",
     buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
 )
+
 FOLLOW_WAIT = 30  # seconds one long-poll of upstream may hang
 FOLLOW_TIMEOUT = aiohttp.ClientTimeout(total=FOLLOW_WAIT + 30)
 
@@ -110,6 +117,7 @@ class Relay:
         self.root = Path(settings.cache_dir) / settings.run
         self.keep = settings.keep_versions
         self.max_disk = settings.max_disk_bytes
+
         self.closing = threading.Event()  # aborts pulls in flight at shutdown
         self.fetch = FetchSettings.over(  # every pull's: one upstream, its bytes counted, aborted at shutdown
             [self.upstream],
@@ -120,6 +128,7 @@ class Relay:
             on_bytes=BYTES_IN.inc,
             stop=self.closing,
         )
+
         self.http: aiohttp.ClientSession | None = None  # upstream probes and `latest`; open while serving
         self._fetchers: set[Fetcher] = set()  # the pulls' downloads in flight, aborted at shutdown
         self.board = VersionBoard()  # what long-polls of `latest` are told
@@ -143,7 +152,9 @@ class Relay:
         found = (parse_version_dir(p.name) for p in self.root.iterdir() if (p / COMPLETE_MARKER).exists())
         return sorted(v for v in found if v is not None)
 
-    def retention(self, version: int) -> Retention:  # chain.dir_retention beside the versions held here
+    def retention(self, version: int) -> Retention:
+        """Whether `version` is kept beside the versions held here, would be dropped, or cannot be told
+        yet (rlfleet/versions/chain.py `dir_retention`)."""
         return dir_retention(self.root, self.held(), self.keep, version)
 
     def partials(self) -> dict[int, Path]:
@@ -162,6 +173,7 @@ class Relay:
         self.root.mkdir(parents=True, exist_ok=True)
         newest = max(self.held(), default=-1)
         keep = {p for v, p in self.partials().items() if v > newest}
+
         for p in self.root.iterdir():
             if p.is_dir() and not (p / COMPLETE_MARKER).exists() and p not in keep:
                 shutil.rmtree(p)
@@ -197,15 +209,17 @@ class Relay:
         self.http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(ssl=tls.client_context()))
 
     async def ask_upstream(self, path: str, version: int | None = None) -> bytes | None:
-        """The body of a GET of `path` upstream, None on HTTP 404; VersionGone on 410 when `path` is a file of
-        `version`; FetchError for anything else."""
+        """The body of a GET of `path` upstream, None on HTTP 404; VersionGone on 410 when `path` is a
+        file of `version`; FetchError for anything else."""
         if self.http is None or self.http.closed:
             raise FetchError("the relay is shutting down")
+
         try:
             async with self.http.get(self.upstream + path) as r:
                 body = await r.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise FetchError(f"upstream {self.upstream} did not answer {path}: {tls.describe(exc)}") from None
+
         if r.status == 410 and version is not None:
             raise VersionGone(f"upstream {self.upstream} no longer keeps v{version}", version)
         if r.status not in (200, 404):
@@ -221,6 +235,7 @@ class Relay:
             raise VersionGone(f"v{version} is older than the newest {self.keep} versions this relay keeps", version)
         if verdict == "unsure":
             raise NotUpstream(f"v{version} may be on a chain this relay is still pulling; ask again")
+
         if (
             version not in self._pulls
             and probe
@@ -229,6 +244,7 @@ class Relay:
             raise NotUpstream(f"upstream {self.upstream} has no v{version} (yet)")
         if self.has(version):  # finished while we probed
             return self.version_dir(version)
+
         pull = self._pulls.get(version)
         if pull is None:
             pull = self._pulls[version] = Pull(version, asyncio.get_running_loop())
@@ -264,6 +280,7 @@ class Relay:
                 if other < version and other not in self._pulls:
                     shutil.rmtree(path, ignore_errors=True)
             self.prune(room_for=size)
+
             done = journal.resume(raw, manifest.files)
             pull.size = size
             pull.ready |= done
@@ -272,6 +289,7 @@ class Relay:
             if len(done) == total:  # everything was already here (or only empty files)
                 self._finish(pull)
             pull.notify()
+
             lock = threading.Lock()
 
             def on_shard(i: int, j: int) -> None:
@@ -294,6 +312,7 @@ class Relay:
             self._fetchers.discard(fetcher)
             journal.close()
             fetcher.close()
+
         FETCH_SECONDS.observe(time.monotonic() - started)
         log.info(
             "v%d pulled and verified in %.2f s (%d shards were already here)",
@@ -327,6 +346,7 @@ class Relay:
         them at once (event-loop thread): aiohttp waits for open requests before it stops, and the
         process waits for the pull threads; a hung upstream would hold both for READ_TIMEOUT."""
         self.closing.set()
+
         for fetcher in list(self._fetchers):
             fetcher.abort()
         for pull in list(self._pulls.values()):
@@ -395,6 +415,7 @@ class Relay:
                     log.info("upstream offers v%d; prefetching", version)
                     self.prefetch(version)
                 except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-                    log.log(tls.level(exc), "long-poll %s: %s; again in %.1fs", self.upstream, tls.describe(exc), pause)
+                    level, cause = tls.level(exc), tls.describe(exc)
+                    log.log(level, "long-poll of %s: %s; again in %.1f s", self.upstream, cause, pause)
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, BACKOFF_MAX)
