@@ -13,7 +13,7 @@ stays just under it on every group.
 Worker ids come from untrusted messages and may hold any character; counters never hold `|`, so
 a field splits at its last `|`. Bans live in `RunKeys.banned`: worker id -> JSON record of the
 rejection that triggered it. The gate writes both inside its commit script
-(rlfleet/services/toploc/main.py), so a verdict, its counters and a ban are applied together, once.
+(rlfleet/services/toploc/commit.py), so a verdict, its counters and a ban are applied together, once.
 
 `is_banned` is the check the ingest calls before accepting a submission; the gate repeats it.
 """
