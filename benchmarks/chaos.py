@@ -4,17 +4,22 @@
 
 `rlfleet run` (the launcher restarts what dies, with back-off) trains the arithmetic example while
 this script SIGKILLs a random component every ~`--interval` seconds: a rollout worker, the
-verifier, a relay, the origin, the trainer or Redis. An auditor follows the `verified` stream the
-whole time (a plain XREAD, no consumer group, so it takes nothing from the trainer) and records
-every accepted group as it is forwarded. At the end the run is stopped, Redis is started once more
-on the run's append-only file, and the audit compares:
+verifier, a relay, the origin, the trainer or Redis. It finds them in the run's record of what the
+launcher started (RUN_DIR/processes.json, rewritten on each restart); a kind of process the run has
+that it cannot find for PATIENCE_S stops it with exit status 1 and a message naming the kind.
+An auditor follows the `verified` stream the whole time (a plain XREAD, no consumer group, so it
+takes nothing from the trainer) and records every accepted group as it is forwarded. At the end the
+run is stopped, Redis is started once more on the run's append-only file, and the audit compares:
   accepted      groups the gate forwarded (seen by the auditor)
   trained       rollout ids in metrics.jsonl, one record per optimizer step
   dropped       ids the trainer dropped by design (too stale for maxAsyncLevel, duplicate, zero advantage)
   queued        entries still in `verified` (pending or new) after the stop
   lost          accepted, neither trained, dropped nor queued   (must be 0)
   trained_twice a rollout id, or the same work under two ids, in two steps (must be 0)
-  versions      every step's policy version is the step number: no version lost or repeated
+  versions      steps 1..N, each once, each at a policy version above the one before: none repeated
+                or out of order (a version may run ahead of its step after the trainer restarts between
+                two resume saves: the restored weights are published as the next version, as
+                docs/local-runs.md says)
 It also samples Redis's used memory and the run directory's size, and prints the reward of the
 first and last tenth of steps. The identity of "the same work" is the group's content digest
 (rlfleet.wire.streams.group_digest) where the streams module has one, else the rollout id.
@@ -40,11 +45,14 @@ from _paths import ROOT
 
 from rlfleet.config import load_bundle
 from rlfleet.local.redis_server import EmbeddedRedis
+from rlfleet.local.supervisor import RECORD, run_processes
 from rlfleet.services.trainer.summary import read_metrics, summarize
 from rlfleet.wire import streams
 from rlfleet.wire.streams import RolloutGroup, RunKeys
 
-KINDS = ("rollout", "verifier", "relay", "origin", "trainer", "redis")
+# Seconds a kind of process the run has may go unseen (restarting after a kill, with its back-off of up to 30 s,
+# then starting up) before the benchmark stops: a kind it cannot find is a kind it never kills.
+PATIENCE_S = 120.0
 
 
 def identity(group: RolloutGroup) -> str:
@@ -52,24 +60,32 @@ def identity(group: RolloutGroup) -> str:
     return digest(group) if digest else group.rollout_id
 
 
-def run_processes(run_dir: Path) -> dict[str, list[int]]:
-    """Live processes of the run by kind (a component's command line names the run's config; Redis
-    renames its command line, so it is found by its working directory)."""
-    config, found = str(run_dir / "rlrun.yaml"), {k: [] for k in KINDS}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            state = (entry / "stat").read_text().split(") ", 1)[1][0]
-            cwd = (entry / "cwd").resolve() if "redis" in argv[0] else None
-        except (OSError, IndexError):
-            continue
-        if state == "Z":
-            continue
-        if config in argv and len(argv) > 3 and argv[3] in KINDS:
-            found[argv[3]].append(int(entry.name))
-        elif cwd == (run_dir / "redis").resolve():
-            found["redis"].append(int(entry.name))
-    return found
+class Finder:
+    """The run's live processes by kind, read from the run's record of what it started (RUN_DIR/processes.json,
+    rewritten by the supervisor on each start: rlfleet/local/supervisor.py). Every kind the record names is a key,
+    with an empty list while none of its processes runs; when a kind has had none for `patience_s`, or the run
+    kept no record, the benchmark stops with a message naming what it could not find (SystemExit: exit status 1)."""
+
+    def __init__(self, run_dir: Path, patience_s: float = PATIENCE_S):
+        self.run_dir, self.patience_s = run_dir, patience_s
+        self.last_seen: dict[str, float] = {}
+
+    def live(self) -> dict[str, list[int]]:
+        processes, now = run_processes(self.run_dir), time.monotonic()
+        if not processes:
+            raise SystemExit(f"chaos: no record of the run's processes in {self.run_dir / RECORD}")
+        found: dict[str, list[int]] = {}
+        for name, pid in processes.items():
+            found.setdefault(name.split("/")[0], []).extend([pid] if pid is not None else [])
+        for kind, pids in found.items():
+            if pids:
+                self.last_seen[kind] = now
+            elif now - self.last_seen.setdefault(kind, now) > self.patience_s:
+                raise SystemExit(
+                    f"chaos: no live {kind} process of the run for {self.patience_s:.0f}s "
+                    f"(the run's record: {self.run_dir / RECORD}); it cannot be killed"
+                )
+        return found
 
 
 class Auditor(threading.Thread):
@@ -115,6 +131,37 @@ def leftovers(run_dir: Path, run: str) -> set[str]:
         return {identity(RolloutGroup.decode(f)) for _, f in client.xrange(RunKeys(run).verified)}
 
 
+def versions_in_order(records: list[dict]) -> bool:
+    """Steps 1..N each once, at strictly increasing policy versions, none below its step."""
+    steps, versions = [r["step"] for r in records], [r["policy_version"] for r in records]
+    increasing = all(earlier < later for earlier, later in zip(versions, versions[1:]))
+    return steps == list(range(1, len(records) + 1)) and increasing and all(v >= s for v, s in zip(versions, steps))
+
+
+def kill_at_random(
+    run_dir: Path, launcher: subprocess.Popen, seconds: float, interval: float, rng: random.Random
+) -> tuple[Counter[str], int]:
+    """SIGKILL a random live process of a random kind every ~`interval` seconds for `seconds`; the kills by kind
+    and the run directory's peak size. Every kind the run has must be found (Finder), or this exits."""
+    finder, kills, peak_disk = Finder(run_dir), Counter[str](), 0
+    started = time.monotonic()
+    next_kill = started + rng.expovariate(1 / interval)
+    while time.monotonic() - started < seconds:
+        assert launcher.poll() is None, "the run stopped: " + (run_dir.parent / "launcher.log").read_text()[-2000:]
+        live = finder.live()
+        if time.monotonic() >= next_kill:
+            candidates = sorted(kind for kind, pids in live.items() if pids)  # a kind may be restarting just now
+            if candidates:
+                kind = rng.choice(candidates)
+                os.kill(rng.choice(live[kind]), signal.SIGKILL)
+                kills[kind] += 1
+                print(f"{time.monotonic() - started:7.1f}s  killed {kind}", flush=True)
+            next_kill = time.monotonic() + rng.expovariate(1 / interval)
+        peak_disk = max(peak_disk, disk_bytes(run_dir))
+        time.sleep(1)
+    return kills, peak_disk
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -144,26 +191,14 @@ def main() -> int:
     while not read_metrics(run_dir / "metrics.jsonl"):  # kills start once the run trains
         assert launcher.poll() is None, (run_dir.parent / "launcher.log").read_text()
         time.sleep(1)
-    kills: Counter[str] = Counter()
-    peak_disk, started = 0, time.monotonic()
-    next_kill = started + rng.expovariate(1 / args.interval)
-    while time.monotonic() - started < args.minutes * 60:
-        assert launcher.poll() is None, "the run stopped: " + (run_dir.parent / "launcher.log").read_text()[-2000:]
-        if time.monotonic() >= next_kill:
-            live = run_processes(run_dir)
-            candidates = [k for k in KINDS if live[k]]  # all may be restarting at this very moment
-            if candidates:
-                kind = rng.choice(candidates)
-                os.kill(rng.choice(live[kind]), signal.SIGKILL)
-                kills[kind] += 1
-                print(f"{time.monotonic() - started:7.1f}s  killed {kind}", flush=True)
-            next_kill = time.monotonic() + rng.expovariate(1 / args.interval)
-        peak_disk = max(peak_disk, disk_bytes(run_dir))
-        time.sleep(1)
-    launcher.send_signal(signal.SIGINT)
-    launcher.wait(300)
-    stop.set()
-    auditor.join(10)
+    started = time.monotonic()
+    try:
+        kills, peak_disk = kill_at_random(run_dir, launcher, args.minutes * 60, args.interval, rng)
+    finally:  # stopped by a failure too: no run is left behind
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(300)
+        stop.set()
+        auditor.join(10)
 
     records = read_metrics(run_dir / "metrics.jsonl")
     trained = Counter(rid for r in records for rid in r["rollout_ids"])
@@ -173,9 +208,7 @@ def main() -> int:
     queued = leftovers(run_dir, str(run))
     lost = [i for i in auditor.accepted if i not in trained_idents and i not in dropped and i not in queued]
     twice = [i for i, n in trained_idents.items() if n > 1]
-    versions_ok = (
-        [r["policy_version"] for r in records] == [r["step"] for r in records] == list(range(1, len(records) + 1))
-    )
+    versions_ok = versions_in_order(records)
     summary = summarize(records, time.monotonic() - started)
     result = {
         "minutes": args.minutes,

@@ -2,7 +2,8 @@
 
 The same multi-document YAML is read by `rlfleet run FILE` on one machine and applied with
 `kubectl apply -f FILE` on a cluster. Field names are camelCase in YAML (Kubernetes style) and
-snake_case in Python. Unknown fields are errors, so a typo never becomes a silent default.
+snake_case in Python. Unknown fields are errors, so a typo never becomes a silent default, and so is a key
+given twice in one mapping (strict_yaml.py), so a second value never silently replaces the first.
 `load_bundle` collects every error of every document, each with its field path.
 
 The models live in this package's modules, one per part of the spec (tasks, training, verifier,
@@ -17,6 +18,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from rlfleet.config import strict_yaml
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, Metadata, Spec
 from rlfleet.config.evaluation import EvalSpec
 from rlfleet.config.infra import AdmissionSpec, DeltaSpec, IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
@@ -191,8 +193,10 @@ def parse_bundle(text: str, source: str = "<config>") -> Bundle:
     """Parse a multi-document YAML string into a Bundle, or raise ConfigError listing every problem."""
     problems: list[str] = []
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in strict_yaml.load_all(text) if d is not None]
         parsed = [_parse_document(i, d, problems) for i, d in enumerate(docs)]
+    except strict_yaml.DuplicateKeyError as exc:
+        raise ConfigError(source, [str(exc)]) from None
     except yaml.YAMLError as exc:
         raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
     except RecursionError:

@@ -43,7 +43,7 @@ from rlfleet.local.prometheus import LocalPrometheus, write_targets
 from rlfleet.local.prometheus import start as start_prometheus
 from rlfleet.local.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
 from rlfleet.local.run_report import write_html_report
-from rlfleet.local.supervisor import Component, Supervisor
+from rlfleet.local.supervisor import RECORD, Component, Supervisor
 from rlfleet.services.trainer.summary import read_metrics, reward_trend, write_reports
 from rlfleet.services.trainer.tracking import missing_packages
 from rlfleet.wire import env
@@ -216,9 +216,8 @@ class LocalRun:
                 print(f"rlfleet: --prometheus: {exc}; the run goes on without it", file=sys.stderr)
         comps = [p.component() for p in self.processes]
         preload = Preload(p.kind for p in self.processes)
-        started = Started(
-            Supervisor([redis_comp, *comps], environ, preload=preload), redis=redis_comp, trainer=comps[-1]
-        )
+        supervisor = Supervisor([redis_comp, *comps], environ, preload=preload, record=self.path / RECORD)
+        started = Started(supervisor, redis=redis_comp, trainer=comps[-1])
         if self.interrupts.requested:
             print("rlfleet: interrupted before the run started", file=sys.stderr)
             return 130

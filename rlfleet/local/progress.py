@@ -49,7 +49,12 @@ def startup_status(client, keys: RunKeys, batch_size: int) -> str:
     verified, inbox = client.xlen(keys.verified), client.xlen(keys.rollouts)
     if not verified and not inbox:
         return "version 0 published; workers loading it and sampling their first groups"
-    return f"first batch: {verified}/{batch_size} groups verified, {inbox} waiting for the verifier"
+    if verified < batch_size:
+        return f"first batch: {verified}/{batch_size} groups verified, {inbox} waiting for the verifier"
+    # Workers outpaced the first step: what is verified beyond its batch is for the steps after it.
+    return (
+        f"first batch: {batch_size}/{batch_size} groups verified ({verified} so far); the trainer is on its first step"
+    )
 
 
 class Progress:

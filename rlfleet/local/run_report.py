@@ -2,8 +2,9 @@
 
 Everything on it is read from the run directory, never from a live process:
   metrics.jsonl   reward, accuracy and reward as sampled; eval scores (any `eval/...` field, or an `eval` section);
-                  verdicts by reason (cumulative counts, the last record's); staleness and dropped groups; the step
-                  time split into wait (for a batch), compute (the GRPO update) and publish (the new version)
+                  verdicts by reason (cumulative counts, the last record's); staleness and dropped groups; each
+                  step's time by the parts of its `split` (rlfleet/services/trainer/split.py), stacked, against its
+                  `step_seconds` (records of a run from before the split: wait, compute and publish)
   logs/rollout-*  broadcast times: each worker's "S s after its announcement, now generating with version V" line
                   (rlfleet/services/rollout/main.py), the time from the trainer announcing V to the worker using it
   workers.json    per-worker reputation (verdict counters and ban record), which `rlfleet run` snapshots from Redis
@@ -24,7 +25,8 @@ from pathlib import Path
 from rlfleet.services.trainer.summary import read_metrics
 
 BROADCAST_LINE = re.compile(r"([0-9.]+)s after its announcement, now generating with version (\d+)")
-PHASES = (("wait_seconds", "wait for a batch"), ("compute_seconds", "GRPO update"), ("publish_seconds", "publish"))
+# What a record from before the split carried: a step's wait for its batch, its GRPO update and its publish.
+COARSE_PHASES = ("wait_seconds", "compute_seconds", "publish_seconds")
 
 
 def eval_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -50,20 +52,25 @@ def broadcast_times(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def _figure(dest: Path, title: str, ylabel: str, draw) -> str:
+def _figure(dest: Path, title: str, ylabel: str, draw, legend_beside: bool = False) -> str:
+    """Draw a chart into `dest`; `legend_beside`: a wider figure with the legend to the right of the axes (for a
+    chart of many series, whose legend would cover it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    fig, ax = plt.subplots(figsize=(11, 4.5) if legend_beside else (8, 4), dpi=100)
     draw(ax)
     ax.set_title(title)
     ax.set_xlabel("trainer step" if "version" not in ylabel else "policy version")
     ax.set_ylabel(ylabel.replace("version:", ""))
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="best", fontsize="small")
+        if legend_beside:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="x-small", ncol=2, frameon=False)
+        else:
+            ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
     fig.savefig(dest)
     plt.close(fig)
@@ -154,24 +161,44 @@ def staleness_section(records: list[dict], out: Path) -> str:
     return _section("Staleness", _image(chart, "staleness against step"))
 
 
+def step_split(records: list[dict]) -> dict[str, list[float]]:
+    """Each step's seconds by part: the parts of the records' `split`, named and in the order the records give them
+    (a part a record lacks counts 0 there); for records without a split, the coarse phases (wait, compute,
+    publish)."""
+    parts = list(dict.fromkeys(part for r in records for part in r.get("split", {})))
+    if parts:
+        return {part: [float(r.get("split", {}).get(part, 0.0)) for r in records] for part in parts}
+    phases = [key for key in COARSE_PHASES if any(key in r for r in records)]
+    return {key.removesuffix("_seconds"): [float(r.get(key, 0.0)) for r in records] for key in phases}
+
+
 def step_time_section(records: list[dict], out: Path) -> str:
+    """A step's time stacked by part (those that took any), its step_seconds over them; a table of each part and
+    of the time no part covers (split.py: the loop's own lines, the gap between step_seconds and the parts)."""
     steps = [r["step"] for r in records]
-    phases = [(key, label) for key, label in PHASES if any(key in r for r in records)]
+    split = {part: values for part, values in step_split(records).items() if any(values)}
+    totals = [float(r["step_seconds"]) for r in records if "step_seconds" in r]  # every record's, or fewer
 
     def draw(ax):
-        bottom = [0.0] * len(records)
-        for key, label in phases:
-            values = [float(r.get(key, 0.0)) for r in records]
-            ax.bar(steps, values, bottom=bottom, label=label)
-            bottom = [b + v for b, v in zip(bottom, values)]
+        if split:
+            import matplotlib
 
-    rows = []
-    for key, label in phases:
-        values = [float(r.get(key, 0.0)) for r in records]
-        rows.append([label, sum(values) / len(values), max(values), sum(values)])
-    chart = _figure(out / "step_time.png", "Step time by phase", "seconds", draw)
-    table = _table(["phase", "mean s", "max s", "total s"], rows)
-    return _section("Step time: wait, train, publish", _image(chart, "step time by phase") + table)
+            # up to 40 distinct colours: the split has ~23 parts, more than one palette of 10 or 20
+            palette = [matplotlib.colormaps[name](i) for name in ("tab20", "tab20b") for i in range(20)]
+            colors = [palette[i % len(palette)] for i in range(len(split))]
+            ax.stackplot(steps, *split.values(), labels=list(split), colors=colors, step="mid")
+        if totals:
+            timed = [r["step"] for r in records if "step_seconds" in r]
+            ax.plot(timed, totals, color="black", linewidth=0.8, label="step_seconds")
+
+    rows = [[part, sum(v) / len(v), max(v), sum(v)] for part, v in split.items()]
+    if len(totals) == len(records):
+        covered = [sum(values) for values in zip(*split.values())] if split else [0.0] * len(records)
+        rest = [t - c for t, c in zip(totals, covered)]
+        rows.append(["not in any part", sum(rest) / len(rest), max(rest), sum(rest)])
+    chart = _figure(out / "step_time.png", "Step time by part (stacked)", "seconds", draw, legend_beside=True)
+    table = _table(["part", "mean s", "max s", "total s"], rows)
+    return _section("Step time by part", _image(chart, "step time by part") + table)
 
 
 def broadcast_section(run_dir: Path, out: Path) -> str:

@@ -18,10 +18,15 @@ that exits takes its process group with it (SIGKILL to what is left, as the kube
 container's processes): a trainer replica is a group of rank processes under one parent
 (rlfleet/services/trainer/ranks.py) that is restarted whole, since a torch.distributed group cannot
 lose one member and go on.
+The run's record, RUN_DIR/processes.json (`RECORD`), names every component and the process that runs it now; the
+supervisor rewrites it on each start and restart, and `run_processes` reads it. It is the one place a benchmark or
+a test finds a component's process: a forked component's command line is one retitled string (forking.py) and
+Redis renames its own, so neither is found reliably by reading command lines.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +39,7 @@ from pathlib import Path
 from rlfleet.local.forking import ForkedProcess, Preload, forkable
 
 STOP_GRACE_S = 20  # inside a pod's default 30 s; the vLLM engine needs up to 15 s to stop
+RECORD = "processes.json"  # in the run directory: {component name: {"pid", "started"} or null}
 
 
 @dataclass(frozen=True)
@@ -67,28 +73,44 @@ class Supervisor:
     """Starts, restarts and stops the components of one run (see the module docstring for the policy)."""
 
     def __init__(self, comps: list[Component], environ: dict[str, str], policy: RestartPolicy = RestartPolicy(),
-                 say: Callable[[str], None] | None = None, preload: Preload | None = None):  # fmt: skip
+                 say: Callable[[str], None] | None = None, preload: Preload | None = None,
+                 record: Path | None = None):  # fmt: skip
         self.comps, self.environ, self.policy = comps, environ, policy
+        self.record = record  # the run's record of its processes (RECORD in the run directory), if kept
         self.preload = preload  # once loaded, components are forked from it (rlfleet/local/forking.py)
         self.say = say or (lambda text: print(f"rlfleet: {text}", file=sys.stderr, flush=True))
 
     def start(self, comp: Component) -> subprocess.Popen | ForkedProcess:
-        """Start `comp`, its output appended to its log; its process."""
+        """Start `comp`, its output appended to its log; its process (written to the run's record)."""
         comp.log.parent.mkdir(parents=True, exist_ok=True)
         if self.preload is not None and self.preload.ready and forkable(comp.argv):
             comp.proc = self.preload.start(comp.argv, {**self.environ, **comp.env}, comp.log)
-            comp.started_at, comp.restart_at = time.monotonic(), None
-            return comp.proc
-        with open(comp.log, "ab") as log:
-            proc = comp.proc = subprocess.Popen(
-                comp.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**self.environ, **comp.env},
-            )
+        else:
+            with open(comp.log, "ab") as log:
+                comp.proc = subprocess.Popen(
+                    comp.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env={**self.environ, **comp.env},
+                )
         comp.started_at, comp.restart_at = time.monotonic(), None
-        return proc
+        self.write_record()
+        return comp.proc
+
+    def write_record(self) -> None:
+        """Rewrite the run's record: each component's name and its latest process (pid and start time, which tell
+        it from a later process given the same pid), null for one never started. Replaced whole, never half
+        written."""
+        if self.record is None:
+            return
+        entries = {}
+        for comp in self.comps:
+            pid = comp.proc.pid if comp.proc is not None else None
+            entries[comp.name] = {"pid": pid, "started": _start_time(pid)} if pid is not None else None
+        partial = self.record.with_name(self.record.name + ".partial")
+        partial.write_text(json.dumps(entries, indent=2) + "\n")
+        os.replace(partial, self.record)
 
     def poll(self) -> Component | None:
         """Restart what is due; the first crash-looping component, if any (the run must stop)."""
@@ -144,3 +166,38 @@ def _signal_group(proc: subprocess.Popen | ForkedProcess, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass  # the group is gone already
+
+
+def run_processes(run_dir: Path) -> dict[str, int | None]:
+    """Every component of the run in `run_dir` by name, with the pid of its live process, None while it has none
+    (not started, exited, restarting, stopped, or killed and not yet reaped); {} when the run kept no record."""
+    try:
+        entries = json.loads((run_dir / RECORD).read_text())
+    except FileNotFoundError:
+        return {}
+    return {name: _live(entry["pid"], entry["started"]) if entry else None for name, entry in entries.items()}
+
+
+def _live(pid: int, started: int | None) -> int | None:
+    """`pid` if that process still runs (not a zombie, and started when recorded: not a later process with its pid)."""
+    if started is None:  # recorded without /proc (not Linux): the pid's existence is all there is to go on
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return pid
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after the command's name
+    except OSError:
+        return None
+    return pid if fields[0] != "Z" and int(fields[19]) == started else None
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None without /proc."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None

@@ -300,3 +300,43 @@ def test_a_pool_dtype_the_run_does_not_admit_is_an_error_naming_both_fields():
         parse_bundle(_doc(RUN + "  verifier: {workerDtype: bfloat16}\n", POOL + "  dtype: float32\n"))
     plain = parse_bundle(_doc(RUN, POOL))
     assert plain.pool(None)[1].dtype is None and worker_dtype(plain.run.spec) == "float32", "empty: the model's"
+
+
+# The example's sampling block with groupSize given twice: before the strict loader, the second one won silently.
+TWICE = RUN + "  sampling:\n    groupSize: 8\n    temperature: 1.0\n    groupSize: 4\n"
+
+
+def test_a_key_given_twice_is_an_error_naming_the_key_and_both_lines_through_the_cli(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text(TWICE)
+    proc = _validate(path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        f'{path}: line 13: key "groupSize" is already set at line 11 of this mapping; give each key once'
+    )
+
+
+def test_a_key_given_twice_anywhere_in_any_document_is_refused_and_merge_keys_still_override():
+    twice_in_pool = _doc(RUN, POOL + "  replicas: 1\n  maxPending: 4\n  replicas: 2\n")
+    [problem] = _problems(twice_in_pool)
+    assert problem == 'line 19: key "replicas" is already set at line 17 of this mapping; give each key once'
+    with pytest.raises(ConfigError, match='line 2: key "metadata" is already set at line 1'):
+        parse_bundle("metadata: {name: a}\nmetadata: {name: b}\n")
+    # The same key in two mappings, or a key a merge (<<) brings in and the mapping sets again, is no repeat.
+    merged = RUN + "  sampling: &s {groupSize: 8}\n  trainer:\n    <<: {batchSize: 16, steps: 3}\n    steps: 5\n"
+    spec = parse_bundle(merged).run.spec
+    assert spec.sampling.group_size == 8 and spec.trainer.batch_size == 16 and spec.trainer.steps == 5
+
+
+def test_the_strict_loader_reads_what_safe_load_reads_and_refuses_a_repeated_key_with_both_marks():
+    from rlfleet.config.strict_yaml import DuplicateKeyError, load, load_all
+
+    text = "a: 1\nb: [x, {c: 2}]\nd: {1: one, 1.5: two}\n"
+    assert load(text) == {"a": 1, "b": ["x", {"c": 2}], "d": {1: "one", 1.5: "two"}}
+    assert list(load_all("a: 1\n---\nb: 2\n")) == [{"a": 1}, {"b": 2}]
+    with pytest.raises(DuplicateKeyError) as info:
+        load("outer:\n  x: 1\n  inner: {y: 1, y: 2}\n")
+    assert (info.value.key, info.value.line, info.value.first_line) == ("y", 3, 3)
+    with pytest.raises(DuplicateKeyError, match='line 3: key "1" is already set at line 1'):
+        load("1: a\n2: b\n1: c\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rlfleet.local.forking import ForkedProcess, Preload, forkable
 from rlfleet.local.redis_server import free_port
-from rlfleet.local.supervisor import Component, Supervisor
+from rlfleet.local.supervisor import RECORD, Component, Supervisor, run_processes
 from rlfleet.services.shardcast.protocol import ROUTE_HEALTH
 from rlfleet.wire import env
 from rlfleet.wire.components import ORIGIN
@@ -46,7 +46,8 @@ def forked_origin(tmp_path: Path, redis_url: str) -> tuple[Component, Supervisor
     preload.load(environ)
     port = free_port()
     comp = Component(ORIGIN, origin_argv(config, port), tmp_path / "logs" / "origin.log")
-    return comp, Supervisor([comp], environ, FAST, say=lambda _: None, preload=preload), port
+    sup = Supervisor([comp], environ, FAST, say=lambda _: None, preload=preload, record=tmp_path / RECORD)
+    return comp, sup, port
 
 
 def test_a_forked_origin_serves_in_its_own_session_with_its_environment_and_stops_on_sigterm(tmp_path, redis_url):
@@ -84,10 +85,13 @@ def test_a_killed_forked_component_reports_the_signal_and_is_started_again(tmp_p
     comp, sup, port = forked_origin(tmp_path, redis_url)
     first = sup.start(comp)
     wait_for("the first start", lambda: answers(port), timeout=30)
+    # A forked component rewrites its command line (one string, forking.py): the run's record still finds it.
+    assert run_processes(tmp_path) == {ORIGIN: first.pid}
     first.send_signal(signal.SIGKILL)
     poll_until(sup, lambda _: comp.restarts == 1)
     assert first.returncode == -signal.SIGKILL and comp.proc is not first and isinstance(comp.proc, ForkedProcess)
     wait_for("the second start", lambda: answers(port), timeout=30)
+    assert run_processes(tmp_path) == {ORIGIN: comp.proc.pid}
     sup.stop_all()
     assert comp.proc.returncode == 0
     assert comp.log.read_text().count("serving on") == 2

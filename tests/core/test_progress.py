@@ -19,6 +19,19 @@ def test_startup_status_follows_the_streams(redis_client):
     assert startup_status(redis_client, keys, 16) == "first batch: 1/16 groups verified, 3 waiting for the verifier"
 
 
+def test_workers_that_outpace_the_first_step_never_read_as_more_than_a_whole_batch(redis_client):
+    """Verified groups beyond the batch are the next steps' (before: "first batch: 12/4 groups verified")."""
+    keys = RunKeys("fast")
+    redis_client.xadd(keys.policy, encode_json({"version": 0}))
+    for _ in range(12):
+        redis_client.xadd(keys.verified, {b"m": b"{}"})
+    redis_client.xadd(keys.rollouts, {b"m": b"{}"})
+    assert startup_status(redis_client, keys, 4) == (
+        "first batch: 4/4 groups verified (12 so far); the trainer is on its first step"
+    )
+    assert startup_status(redis_client, keys, 12).startswith("first batch: 12/12 groups verified (12 so far)")
+
+
 def test_without_a_terminal_a_wait_is_never_silent(capsys, monkeypatch):
     bar = Progress(total=5, enabled=False)
     bar.waiting("starting")

@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from rlfleet.cli import main as cli_main
-from rlfleet.local.run_report import broadcast_times, eval_series, write_html_report
+from rlfleet.local.run_report import broadcast_times, eval_series, step_split, write_html_report
 
 
 class Page(HTMLParser):
@@ -51,6 +51,18 @@ def check_page(path: Path) -> Page:
     return page
 
 
+# A step's split as the trainer records it (rlfleet/services/trainer/split.py): step 2 of a run of the arithmetic
+# example, its parts in the record's order, the coarse fields their sums.
+REAL_SPLIT = {
+    "record_write": 0.00147, "demand": 0.00693, "wait": 0.00280, "decode": 0.00162, "dedup": 0.00976,
+    "outcomes": 0.0, "broadcast": 0.00001, "prepare": 0.01451, "forward_backward": 0.18367, "optimizer": 0.00811,
+    "gather": 0.00678, "stats": 0.00386, "record": 0.00046, "resume_save": 0.0, "ack": 0.0, "publish_save": 0.01640,
+    "eval": 0.0, "publish_delta": 0.02415, "publish_hash": 0.00542, "publish_sign": 0.00028, "publish_store": 0.02485,
+    "prune": 0.00085, "announce": 0.01025,
+}  # fmt: skip
+REAL_STEP_SECONDS = 0.32516  # the parts' sum and 0.00058 s no part covers
+
+
 def write_run_dir(run_dir: Path, steps: int = 6) -> None:
     """A run directory as `rlfleet run` leaves it: metrics.jsonl (with eval scores every other step, a rejection),
     a worker's log with its weight swaps, workers.json, summary.json."""
@@ -72,6 +84,8 @@ def write_run_dir(run_dir: Path, steps: int = 6) -> None:
             "wait_seconds": 0.5,
             "compute_seconds": 0.25,
             "publish_seconds": 0.125,
+            "step_seconds": REAL_STEP_SECONDS * s,
+            "split": {part: seconds * s for part, seconds in REAL_SPLIT.items()},
         }
         if s % 2 == 0:
             record["eval/accuracy"] = s / 8
@@ -102,7 +116,7 @@ def test_the_page_shows_every_section_and_each_image_exists(tmp_path):
         "Reward and evaluation",
         "Accepted and rejected groups",
         "Staleness",
-        "Step time: wait, train, publish",
+        "Step time by part",
         "Broadcast times",
         "Worker reputation",
     ]
@@ -135,3 +149,20 @@ def test_the_command_writes_the_page_and_refuses_a_directory_that_is_not_a_run(t
     assert capsys.readouterr().out.strip() == str(run_dir / "report" / "index.html")
     assert cli_main(["report", str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_the_step_time_plot_stacks_the_parts_of_the_split_the_records_carry(tmp_path):
+    run_dir = tmp_path / "run"
+    write_run_dir(run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    split = step_split(records)
+    assert list(split) == list(REAL_SPLIT), "the parts, named and ordered as in the records"
+    assert split["forward_backward"] == [REAL_SPLIT["forward_backward"] * s for s in range(1, 7)]
+    cells = check_page(write_html_report(run_dir)).text  # a table cell is one piece of text
+    for part, seconds in REAL_SPLIT.items():
+        assert (part in cells) == (seconds > 0), part  # a part that never took time is left out of the chart
+    assert "not in any part" in cells
+    assert "wait for a batch" not in cells and "GRPO update" not in cells, "the coarse phases are gone"
+    # A run recorded before steps carried a split still shows the coarse phases.
+    old = [{k: v for k, v in r.items() if k not in ("split", "step_seconds")} for r in records]
+    assert step_split(old) == {"wait": [0.5] * 6, "compute": [0.25] * 6, "publish": [0.125] * 6}

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlfleet.local.supervisor import Component, RestartPolicy, Supervisor
+from rlfleet.local.supervisor import RECORD, Component, RestartPolicy, Supervisor, run_processes
 
 FAST = RestartPolicy(backoff_start_s=0.05, backoff_max_s=0.2, stable_s=1.0, crash_loop=3)
 
@@ -136,3 +136,28 @@ def test_a_component_that_dies_takes_what_it_started_with_it(tmp_path: Path):
         assert time.monotonic() < deadline, "the component's child outlived it"
         time.sleep(0.02)
     sup.stop_all()
+
+
+def test_the_run_record_names_each_components_live_process_through_restarts(tmp_path: Path):
+    """RUN_DIR/processes.json, rewritten by the supervisor on every start, is where a benchmark or a test finds a
+    component's process: by the component's name, the process running now, none while it is down or stopped."""
+    sleeper = python("import time; time.sleep(60)")
+    redis = Component("redis", sleeper, tmp_path / "logs" / "redis.log", stop_last=True)
+    worker = Component("rollout/pool-0", sleeper, tmp_path / "logs" / "rollout-pool-0.log")
+    sup = Supervisor([redis, worker], dict(os.environ), FAST, say=lambda _: None, record=tmp_path / RECORD)
+    assert run_processes(tmp_path) == {}, "no record yet"
+    sup.start(redis)
+    assert run_processes(tmp_path) == {"redis": redis.proc.pid, "rollout/pool-0": None}, "planned, not started"
+    sup.start(worker)
+    first = worker.proc.pid
+    assert run_processes(tmp_path) == {"redis": redis.proc.pid, "rollout/pool-0": first}
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while run_processes(tmp_path)["rollout/pool-0"] is not None:  # killed, not yet reaped: a zombie is not live
+        assert time.monotonic() < deadline, "a killed process still counts as live"
+        time.sleep(0.02)
+    poll_until(sup, lambda _: worker.restarts == 1)
+    assert worker.proc.pid != first
+    assert run_processes(tmp_path) == {"redis": redis.proc.pid, "rollout/pool-0": worker.proc.pid}
+    sup.stop_all()
+    assert run_processes(tmp_path) == {"redis": None, "rollout/pool-0": None}

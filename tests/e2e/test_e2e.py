@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from rlfleet.local.supervisor import run_processes
 from rlfleet.services.rollout import timing as rollout_timing
 from rlfleet.services.shardcast.sources import READ_TIMEOUT
 from rlfleet.services.toploc import metrics as verifier_metrics
@@ -83,19 +85,12 @@ def seconds_by_part(samples: list[dict[tuple[str, frozenset], float]], name: str
     return {part: sum(s[(name, frozenset({"part": part}.items()))] for s in samples) for part in parts}
 
 
-def component_pids(run_dir: Path, *words: str) -> list[int]:
-    """Live processes started for this run (their command line names its config copy), read from /proc. A component
-    forked by the launcher shows its command line as one string, spaces between the arguments (forking.py)."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().decode(errors="replace").replace("\0", " ").split()
-            state = (cmdline.parent / "stat").read_text().split(") ", 1)[1][0]
-        except (OSError, IndexError):
-            continue  # the process ended while we looked
-        if str(run_dir / "rlrun.yaml") in argv and state != "Z" and all(w in argv for w in words):
-            pids.append(int(cmdline.parent.name))
-    return pids
+def running(run_dir: Path) -> dict[str, int]:
+    """The run's components that have a live process now, by name, read from the run's record of what it started
+    (rlfleet/local/supervisor.py). The record must exist, so "none running" cannot pass on a run that kept none."""
+    processes = run_processes(run_dir)
+    assert processes, f"no record of the run's processes in {run_dir}"
+    return {name: pid for name, pid in processes.items() if pid is not None}
 
 
 @pytest.mark.slow
@@ -157,19 +152,7 @@ def test_example_learns_end_to_end_and_every_second_of_a_step_is_accounted_for(t
         "rollout-arithmetic-cpu-1.log",
         "relay-arithmetic-tier0-0.log",
     } <= set(logs)
-    assert component_pids(run_dir) == [], "every component stopped"
-
-
-def redis_pids(run_dir: Path) -> list[int]:
-    """The run's redis-server processes (it renames its command line, so found by working directory)."""
-    pids = []
-    for cwd in Path("/proc").glob("[0-9]*/cwd"):
-        try:
-            if cwd.resolve() == (run_dir / "redis").resolve():
-                pids.append(int(cwd.parent.name))
-        except OSError:
-            continue
-    return pids
+    assert running(run_dir) == {}, "every component stopped"
 
 
 def trained_ids(run_dir: Path) -> list[str]:
@@ -183,10 +166,10 @@ def test_killed_components_and_redis_are_restarted_and_the_run_finishes(tmp_path
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--steps", "14")
     wait_for_steps(run_dir, proc, 3, seconds=600)
-    [worker] = component_pids(run_dir, "--worker-id", "arithmetic-cpu-1")
+    worker = running(run_dir)["rollout/arithmetic-cpu-1"]
     os.kill(worker, signal.SIGKILL)
     wait_for_steps(run_dir, proc, 6, seconds=300)
-    [redis_server] = redis_pids(run_dir)
+    redis_server = running(run_dir)["redis"]
     os.kill(redis_server, signal.SIGKILL)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
@@ -196,7 +179,7 @@ def test_killed_components_and_redis_are_restarted_and_the_run_finishes(tmp_path
     assert [r["step"] for r in records] == list(range(1, 15)), "every step recorded once"
     ids = trained_ids(run_dir)
     assert len(ids) == len(set(ids)) == 14 * 16, "no rollout trained twice"
-    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+    assert running(run_dir) == {}
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -216,7 +199,8 @@ def test_a_trainer_replica_of_two_ranks_restarts_whole_when_one_rank_is_killed(t
     argv = [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
     proc = subprocess.Popen([*argv, "--steps", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for_steps(run_dir, proc, 4, seconds=900)
-    ranks = {int(environ_of(pid).get("LOCAL_RANK", -1)): pid for pid in component_pids(run_dir, "--ranks", "2")}
+    replica = psutil.Process(running(run_dir)["trainer"])
+    ranks = {int(environ_of(p.pid).get("LOCAL_RANK", -1)): p.pid for p in [replica, *replica.children()]}
     assert set(ranks) == {-1, 0, 1}, "the replica's process and its 2 ranks"
     os.kill(ranks[1], signal.SIGKILL)
     out, _ = proc.communicate(timeout=900)
@@ -228,7 +212,7 @@ def test_a_trainer_replica_of_two_ranks_restarts_whole_when_one_rank_is_killed(t
     assert [r["step"] for r in records] == list(range(1, 9)), "every step recorded once"
     ids = trained_ids(run_dir)
     assert len(ids) == len(set(ids)) == 8 * 16, "no rollout trained twice"
-    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+    assert running(run_dir) == {}
 
 
 CRASHING_POOL = pool("outside", "arithmetic", replicas=1, ingestUrl="http://127.0.0.1:9/")
@@ -252,7 +236,7 @@ def test_a_crash_looping_component_stops_the_run_and_is_named(tmp_path):
     assert f"component rollout/outside-0 keeps failing (exit code 1, 5 times in a row); see {log}" in out
     assert "set env RLFLEET_WORKER_TOKEN" in log.read_text()
     assert (run_dir / "summary.json").exists()
-    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+    assert running(run_dir) == {}
 
 
 @pytest.mark.slow
@@ -287,7 +271,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     assert "interrupted" in out
-    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+    assert running(run_dir) == {}
     assert (run_dir / "summary.json").exists()
 
 
@@ -300,7 +284,7 @@ def test_ctrl_c_with_a_hung_origin_stops_every_other_component_without_a_kill(tm
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--steps", "1000")
     wait_for_steps(run_dir, proc, 1, seconds=600)
-    [origin] = component_pids(run_dir, "origin")
+    origin = running(run_dir)["origin"]
     os.kill(origin, signal.SIGSTOP)
     # Something now reads from the hung origin: the relay pulling a version the trainer published after
     # the freeze, or the verifier fetching a version a worker had taken before it (then no step
@@ -316,7 +300,7 @@ def test_ctrl_c_with_a_hung_origin_stops_every_other_component_without_a_kill(tm
     assert proc.returncode == 130, out
     killed = [line for line in out.splitlines() if "did not stop within" in line]
     assert [line.split()[1] for line in killed] == ["origin"], out
-    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+    assert running(run_dir) == {}
 
 
 @pytest.mark.slow
@@ -333,7 +317,7 @@ def test_ctrl_c_while_the_run_starts_leaves_no_process_behind(tmp_path, delay):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     assert "Traceback" not in out, out
-    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+    assert not any(run_processes(run_dir).values()), "no record when interrupted before anything started"
 
 
 @pytest.mark.slow
@@ -348,7 +332,7 @@ def test_a_second_ctrl_c_kills_what_is_still_stopping_and_the_summary_is_written
     assert proc.returncode == 130, out
     assert "Traceback" not in out, out
     assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
-    assert component_pids(run_dir) == [] and redis_pids(run_dir) == []
+    assert running(run_dir) == {}
 
 
 def vllm_run(model: Path) -> list[dict]:
@@ -395,4 +379,4 @@ def test_a_vllm_worker_serves_the_run_through_weight_swaps_and_stops_cleanly(tmp
     assert swapped and max(swapped) >= 2, worker_log
     assert summary["accepted"] >= 4 * 2, summary
     assert "force killing" not in worker_log and "Traceback" not in worker_log, worker_log
-    assert component_pids(run_dir) == [], "every component stopped"
+    assert running(run_dir) == {}, "every component stopped"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.test_e2e import EXAMPLE, component_pids, vllm_run
+from tests.e2e.test_e2e import EXAMPLE, running, vllm_run
 from tests.runs import write_rlrun
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -31,7 +31,7 @@ def run(config: Path, run_dir: Path, timeout: float) -> dict:
     )
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out
-    assert component_pids(run_dir) == [], "every component stopped"
+    assert running(run_dir) == {}, "every component stopped"
     return json.loads((run_dir / "summary.json").read_text())
 
 

@@ -216,6 +216,10 @@ def test_tokens_file_and_config(tmp_path):
     empty.write_text("w1: ''\n")
     with pytest.raises(ConfigError, match="non-empty string"):
         load_tokens(empty)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("w1: abc\nw2: def\nw1: ghi\n")  # w1's first token would be lost without a word
+    with pytest.raises(ConfigError, match='line 3: key "w1" is already set at line 1 of this mapping'):
+        load_tokens(twice)
     ingest_spec = {"tokensFile": "t.yaml", "maxBodyBytes": 2048, "ratePerMinute": 5, "maxBacklog": 7}
     bundle = parse_bundle(
         bundle_yaml(rlrun(RUN, ingest=ingest_spec), pool("outside", RUN, ingestUrl="https://ingest.example.org"))

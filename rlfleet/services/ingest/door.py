@@ -36,7 +36,7 @@ import redis
 import yaml
 from prometheus_client import Counter, Gauge
 
-from rlfleet.config import API_VERSION, ConfigError, IngestSpec
+from rlfleet.config import API_VERSION, ConfigError, IngestSpec, strict_yaml
 from rlfleet.services.ingest.client import JOIN_PATH, ROLLOUTS_PATH, RUN_PATH, TICKETS_PATH
 from rlfleet.services.ingest.limits import RateLimiter
 from rlfleet.versions.signing import KeyConfigError, public_key_text, run_public_key
@@ -91,7 +91,7 @@ def read_secret_file(path: str | Path, what: str) -> object:
     """The YAML/JSON content of a mounted secrets file (`what`: "tokens", "invites"); ConfigError naming the file
     when it cannot be read or parsed."""
     try:
-        return yaml.safe_load(Path(path).read_text())
+        return strict_yaml.load(Path(path).read_text())  # a worker id given twice: an error, not a lost token
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read {what} file: {exc.strerror}"]) from None
     except yaml.YAMLError as exc:
