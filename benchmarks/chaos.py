@@ -40,8 +40,8 @@ from _paths import ROOT
 
 from rlfleet.config import load_bundle
 from rlfleet.local.redis_server import EmbeddedRedis
-from rlfleet.services.trainer.summary import read_metrics, summarize
 from rlfleet.wire import streams
+from rlfleet.wire.run_summary import read_metrics, summarize
 from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 KINDS = ("rollout", "verifier", "relay", "origin", "trainer", "redis")

@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from rlfleet.services.trainer.summary import read_metrics
+from rlfleet.wire.run_summary import read_metrics
 
 BROADCAST_LINE = re.compile(r"([0-9.]+)s after its announcement, now generating with version (\d+)")
 PHASES = (("wait_seconds", "wait for a batch"), ("compute_seconds", "GRPO update"), ("publish_seconds", "publish"))

@@ -203,7 +203,7 @@ class Trackers:
     def finish(self, metrics_file: Path | None) -> None:
         """Log the summary and reward.png of metrics.jsonl (rlfleet/services/trainer/summary.py computes both), then end
         every tracker's run."""
-        from rlfleet.services.trainer.summary import plot, read_metrics, summarize
+        from rlfleet.wire.run_summary import plot, read_metrics, summarize
 
         records = read_metrics(metrics_file) if metrics_file else []
         wall = records[-1]["wall_seconds"] if records else time.monotonic() - self.started
