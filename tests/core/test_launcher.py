@@ -216,10 +216,7 @@ def test_the_components_started_are_the_kinds_of_the_plan_in_its_order(tmp_path)
     from tests.runs import extended, pool, relay_tier, rlrun, write_rlrun
 
     example = (ROOT / "examples" / "arithmetic" / "rlrun.yaml").read_text()
-    bundles = {
-        "example": example,
-        "relays": extended(example, relay_tier("t0", replicas=2)),
-    }
+    bundles = {"example": example, "relays": extended(example, relay_tier("t0", replicas=2))}
     for name, text in bundles.items():
         (tmp_path / f"{name}.yaml").write_text(text)
     write_rlrun(tmp_path / "open.yaml", rlrun(ingest={"admission": {"mode": "open"}}), pool(replicas=0))
