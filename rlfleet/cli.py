@@ -1,5 +1,6 @@
 """`rlfleet` command line: one subcommand per process, plus `run`, `report`, `validate`, `filter`, `join`, `render`,
-`crds` and `toploc`.
+`crds` and `toploc`. The operator's own subcommands (`operator`, `operator-uninstall`, `render`, `crds`) are
+declared beside it, in rlfleet/operator/commands.py.
 
 Each subcommand parses its arguments and hands off to one function; a component's `main` takes
 its typed options (a dataclass whose fields are the argument names), and heavy imports (torch)
@@ -15,6 +16,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from rlfleet.operator import commands as operator_commands
 from rlfleet.wire.components import COMPONENTS, INGEST, ORIGIN, RELAY, ROLLOUT, TRAINER, VERIFIER
 
 
@@ -175,111 +177,10 @@ def _join_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics and /healthz port (0 = none)")
 
 
-def _operator_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable; default: all)"
-    )
-    p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    p.add_argument("--verbose", action="store_true")
-    p.add_argument(
-        "--peering",
-        default=None,
-        metavar="NAME",
-        help="run as one of several replicas: kopf peering through ClusterKopfPeering NAME, the oldest acts",
-    )
-    p.add_argument(
-        "--peering-lifetime",
-        type=int,
-        default=None,
-        metavar="SECONDS",
-        help="with --peering: a replica silent this long counts as dead and a standby takes over (default 20)",
-    )
-    p.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus /metrics of the operator's reconciles (0 = none)"
-    )
-
-
-def _uninstall_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--release", required=True, help="Helm release name (its runs carry app.kubernetes.io/instance)")
-    p.add_argument(
-        "--namespace", "-n", action="append", default=[], help="namespace the operator watches (default: all)"
-    )
-    p.add_argument("--delete-runs", default="release", choices=["release", "all"], help="release: refuse other runs")
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for the operator to let the runs go")
-
-
-def _render_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="multi-document RLRun YAML, with what a cluster needs (spec.redis, spec.store, ...)")
-    p.add_argument("--namespace", "-n", default="default", help="namespace of the objects (default: default)")
-    p.add_argument("--image", default=None, help="image of components that name none (the operator's RLFLEET_IMAGE)")
-    p.add_argument("--gpu-image", default=None, help="image of components with GPUs (RLFLEET_GPU_IMAGE)")
-    p.add_argument("--pull-policy", default=None, choices=["Always", "IfNotPresent", "Never"], help="imagePullPolicy")
-    p.add_argument(
-        "--pull-secret", dest="pull_secrets", action="append", default=[], help="imagePullSecrets name (repeatable)"
-    )
-
-
-def _crds_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--out", default=None, help="directory to write one YAML file per CRD into (default: print to stdout)"
-    )
-
-
 def _toploc_args(p: argparse.ArgumentParser) -> None:
     tsub = p.add_subparsers(dest="toploc_command", required=True)
     c = tsub.add_parser("conformance", help="check this implementation against a directory of reference case files")
     c.add_argument("dir")
-
-
-# The subcommands around the components': name, one-line help, its arguments. `run`, `report`, `filter` and
-# `validate` come before the components' subcommands (COMPONENTS), the rest after them.
-_BEFORE_COMPONENTS = (
-    ("run", "run a whole RLRun on this machine (embedded Redis, local store)", _run_args),
-    ("report", "write RUN_DIR/report/index.html (and its PNGs) from a run directory", _report_args),
-    ("filter", "sample the base model on the run's dataset and write the rows with their solve rates", _filter_args),
-    ("validate", "check a config file and print every error with its field path", _validate_args),
-)
-_AFTER_COMPONENTS = (
-    ("join", "join a run through its ingest and work for it (from the run document URL alone)", _join_args),
-    ("operator", "Kubernetes operator (kopf): reconciles RLRun, InferencePool and RelayTier", _operator_args),
-    (
-        "operator-uninstall",
-        "the Helm chart's pre-delete hook: delete the release's RLRuns and wait while the operator cleans them up",
-        _uninstall_args,
-    ),
-    (
-        "render",
-        "print every Kubernetes object the operator would create for a config file (like helm template)",
-        _render_args,
-    ),
-    ("crds", "write the CustomResourceDefinitions generated from the config models", _crds_args),
-    ("toploc", "TOPLOC tools", _toploc_args),
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlfleet", description="Asynchronous decentralized RL for language models.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text, add_args in _BEFORE_COMPONENTS:
-        add_args(sub.add_parser(name, help=help_text))
-    for spec in COMPONENTS.values():  # one subcommand per component of the registry, in its order
-        p = sub.add_parser(spec.name, help=spec.help)
-        _add_component_args(p)
-        COMPONENT_ARGS[spec.name](p)
-    for name, help_text, add_args in _AFTER_COMPONENTS:
-        add_args(sub.add_parser(name, help=help_text))
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from rlfleet.config import ConfigError
-
-    try:
-        return _dispatch(args)
-    except ConfigError as exc:
-        print(exc.report(), file=sys.stderr)
-        return 2
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -338,78 +239,63 @@ def _join(args: argparse.Namespace) -> int:
     return join_main(JoinOptions(args.url, args.code, args.engine, args.work_dir, args.metrics_port, args.ca_file))
 
 
-def _operator(args: argparse.Namespace) -> int:
-    from rlfleet.operator.handlers import run_operator
-    from rlfleet.operator.options import OperatorOptions
-
-    options = OperatorOptions.from_env(
-        args.namespace, args.liveness, args.verbose, args.peering, args.peering_lifetime, args.metrics_port
-    )
-    return run_operator(options)
-
-
-def _operator_uninstall(args: argparse.Namespace) -> int:
-    from rlfleet.operator.kube import connect
-    from rlfleet.operator.uninstall import uninstall
-
-    client = connect()
-    try:
-        return uninstall(client, args.release, tuple(args.namespace), args.delete_runs, args.timeout)
-    finally:
-        client.close()
-
-
-def _render(args: argparse.Namespace) -> int:
-    from rlfleet.config import load_bundle
-    from rlfleet.operator import names
-    from rlfleet.operator.pods import ClusterDefaults
-    from rlfleet.operator.render import render_text
-
-    defaults = ClusterDefaults(
-        image=args.image or names.DEFAULT_IMAGE,
-        gpu_image=args.gpu_image or names.DEFAULT_GPU_IMAGE,
-        pull_policy=args.pull_policy,
-        pull_secrets=tuple(args.pull_secrets),
-    )
-    print(render_text(load_bundle(args.file), args.namespace, defaults, args.file), end="")
-    return 0
-
-
-def _crds(args: argparse.Namespace) -> int:
-    from rlfleet.operator.crd import crd_files, write_crds
-
-    if args.out:
-        for path in write_crds(args.out):
-            print(path)
-    else:
-        print("---\n".join(crd_files().values()), end="")
-    return 0
-
-
 def _toploc(args: argparse.Namespace) -> int:
     from rlfleet.proofs.conformance import run_conformance_cli
 
     return run_conformance_cli(args.dir)
 
 
-# What each subcommand that is not a component does (each imports what it needs only once it is chosen).
-_COMMANDS = {
-    "validate": _validate,
-    "run": _run,
-    "report": _report,
-    "filter": _filter,
-    "join": _join,
-    "operator": _operator,
-    "operator-uninstall": _operator_uninstall,
-    "render": _render,
-    "crds": _crds,
-    "toploc": _toploc,
-}
+# The subcommands around the components': name, one-line help, its arguments, what it runs (each action
+# imports what it needs only once its subcommand is chosen). `run`, `report`, `filter` and
+# `validate` come before the components' subcommands (COMPONENTS), the rest after them.
+_BEFORE_COMPONENTS = (
+    ("run", "run a whole RLRun on this machine (embedded Redis, local store)", _run_args, _run),
+    ("report", "write RUN_DIR/report/index.html (and its PNGs) from a run directory", _report_args, _report),
+    (
+        "filter",
+        "sample the base model on the run's dataset and write the rows with their solve rates",
+        _filter_args,
+        _filter,
+    ),
+    ("validate", "check a config file and print every error with its field path", _validate_args, _validate),
+)
+_AFTER_COMPONENTS = (
+    ("join", "join a run through its ingest and work for it (from the run document URL alone)", _join_args, _join),
+    *operator_commands.SUBCOMMANDS,
+    ("toploc", "TOPLOC tools", _toploc_args, _toploc),
+)
+
+_ACTIONS = {name: action for name, _, _, action in (*_BEFORE_COMPONENTS, *_AFTER_COMPONENTS)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet", description="Asynchronous decentralized RL for language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text, add_args, _ in _BEFORE_COMPONENTS:
+        add_args(sub.add_parser(name, help=help_text))
+    for spec in COMPONENTS.values():  # one subcommand per component of the registry, in its order
+        p = sub.add_parser(spec.name, help=spec.help)
+        _add_component_args(p)
+        COMPONENT_ARGS[spec.name](p)
+    for name, help_text, add_args, _ in _AFTER_COMPONENTS:
+        add_args(sub.add_parser(name, help=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rlfleet.config import ConfigError
+
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(exc.report(), file=sys.stderr)
+        return 2
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.command in _COMMANDS:
-        return _COMMANDS[args.command](args)
+    if args.command in _ACTIONS:
+        return _ACTIONS[args.command](args)
     spec = COMPONENTS[args.command]  # argparse rejects any other command
     module = importlib.import_module(spec.module)
     options_cls = getattr(module, spec.options)
