@@ -46,8 +46,8 @@ from _paths import ROOT
 from rlfleet.config import load_bundle
 from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.local.supervisor import RECORD, run_processes
-from rlfleet.services.trainer.summary import read_metrics, summarize
 from rlfleet.wire import streams
+from rlfleet.wire.run_summary import read_metrics, summarize
 from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 # Seconds a kind of process the run has may go unseen (restarting after a kill, with its back-off of up to 30 s,

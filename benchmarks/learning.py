@@ -22,7 +22,7 @@ from pathlib import Path
 
 from _paths import ROOT
 
-from rlfleet.services.trainer.summary import read_metrics
+from rlfleet.wire.run_summary import read_metrics
 
 
 def smooth(values: list[float], window: int) -> list[float]:

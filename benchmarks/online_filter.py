@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 from _paths import ROOT
 
-from rlfleet.services.trainer.summary import read_metrics
+from rlfleet.wire.run_summary import read_metrics
 
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
 DROPS = ("dropped_stale", "dropped_duplicate", "dropped_malformed", "dropped_zero_advantage")

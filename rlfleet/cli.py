@@ -1,5 +1,6 @@
 """`rlfleet` command line: one subcommand per process, plus `run`, `report`, `validate`, `filter`, `join`, `render`,
-`crds` and `toploc`.
+`crds` and `toploc`. The operator's own subcommands (`operator`, `operator-uninstall`, `render`, `crds`) are
+declared beside it, in rlfleet/operator/commands.py.
 
 Each subcommand parses its arguments and hands off to one function; a component's `main` takes
 its typed options (a dataclass whose fields are the argument names), and heavy imports (torch)
@@ -15,6 +16,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from rlfleet.operator import commands as operator_commands
 from rlfleet.wire.components import COMPONENTS, INGEST, ORIGIN, RELAY, ROLLOUT, TRAINER, VERIFIER
 
 
@@ -125,11 +127,7 @@ COMPONENT_ARGS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlfleet", description="Asynchronous decentralized RL for language models.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("run", help="run a whole RLRun on this machine (embedded Redis, local store)")
+def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="multi-document RLRun YAML")
     p.add_argument(
         "--run-dir", default=None, help="where logs, metrics and the summary go (default runs/NAME-TIMESTAMP)"
@@ -142,12 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="start `prometheus` (when installed) on 127.0.0.1 beside the run to scrape every component; print its URL",
     )
 
-    p = sub.add_parser("report", help="write RUN_DIR/report/index.html (and its PNGs) from a run directory")
+
+def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="a run directory of `rlfleet run` (metrics.jsonl, workers.json, logs/)")
 
-    p = sub.add_parser(
-        "filter", help="sample the base model on the run's dataset and write the rows with their solve rates"
-    )
+
+def _filter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="RLRun YAML with a math or code task (its model, dataset and sampling)")
     p.add_argument("--out", required=True, type=Path, help="JSONL file the rated rows are written to")
     p.add_argument("-k", type=int, default=8, help="completions per row (default 8)")
@@ -158,15 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pass-reward", type=float, default=1.0, help="a completion passes at this reward or more")
     p.add_argument("--seed", type=int, default=0, help="seed of row 0's completions (row i: seed + i)")
 
-    p = sub.add_parser("validate", help="check a config file and print every error with its field path")
+
+def _validate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("file")
 
-    for spec in COMPONENTS.values():  # one subcommand per component of the registry, in its order
-        p = sub.add_parser(spec.name, help=spec.help)
-        _add_component_args(p)
-        COMPONENT_ARGS[spec.name](p)
 
-    p = sub.add_parser("join", help="join a run through its ingest and work for it (from the run document URL alone)")
+def _join_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="the run document: http(s)://INGEST/v1/RUN")
     p.add_argument("--code", default=None, help="invite code (runs with spec.ingest.admission.mode: invite)")
     p.add_argument(
@@ -181,61 +176,109 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics and /healthz port (0 = none)")
 
-    p = sub.add_parser("operator", help="Kubernetes operator (kopf): reconciles RLRun, InferencePool and RelayTier")
-    p.add_argument(
-        "--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable; default: all)"
-    )
-    p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    p.add_argument("--verbose", action="store_true")
-    p.add_argument(
-        "--peering",
-        default=None,
-        metavar="NAME",
-        help="run as one of several replicas: kopf peering through ClusterKopfPeering NAME, the oldest acts",
-    )
-    p.add_argument(
-        "--peering-lifetime",
-        type=int,
-        default=None,
-        metavar="SECONDS",
-        help="with --peering: a replica silent this long counts as dead and a standby takes over (default 20)",
-    )
-    p.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus /metrics of the operator's reconciles (0 = none)"
-    )
 
-    p = sub.add_parser(
-        "operator-uninstall",
-        help="the Helm chart's pre-delete hook: delete the release's RLRuns and wait while the operator cleans them up",
-    )
-    p.add_argument("--release", required=True, help="Helm release name (its runs carry app.kubernetes.io/instance)")
-    p.add_argument(
-        "--namespace", "-n", action="append", default=[], help="namespace the operator watches (default: all)"
-    )
-    p.add_argument("--delete-runs", default="release", choices=["release", "all"], help="release: refuse other runs")
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for the operator to let the runs go")
-
-    p = sub.add_parser(
-        "render", help="print every Kubernetes object the operator would create for a config file (like helm template)"
-    )
-    p.add_argument("file", help="multi-document RLRun YAML, with what a cluster needs (spec.redis, spec.store, ...)")
-    p.add_argument("--namespace", "-n", default="default", help="namespace of the objects (default: default)")
-    p.add_argument("--image", default=None, help="image of components that name none (the operator's RLFLEET_IMAGE)")
-    p.add_argument("--gpu-image", default=None, help="image of components with GPUs (RLFLEET_GPU_IMAGE)")
-    p.add_argument("--pull-policy", default=None, choices=["Always", "IfNotPresent", "Never"], help="imagePullPolicy")
-    p.add_argument(
-        "--pull-secret", dest="pull_secrets", action="append", default=[], help="imagePullSecrets name (repeatable)"
-    )
-
-    p = sub.add_parser("crds", help="write the CustomResourceDefinitions generated from the config models")
-    p.add_argument(
-        "--out", default=None, help="directory to write one YAML file per CRD into (default: print to stdout)"
-    )
-
-    p = sub.add_parser("toploc", help="TOPLOC tools")
+def _toploc_args(p: argparse.ArgumentParser) -> None:
     tsub = p.add_subparsers(dest="toploc_command", required=True)
     c = tsub.add_parser("conformance", help="check this implementation against a directory of reference case files")
     c.add_argument("dir")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from rlfleet.config import load_bundle
+    from rlfleet.wire.topology import bundle_graph
+
+    bundle = load_bundle(args.file)
+    bundle_graph(bundle, args.file)
+    print(
+        f"{args.file}: valid: RLRun {bundle.run.metadata.name}, "
+        f"{len(bundle.pools)} InferencePool, {len(bundle.relays)} RelayTier"
+    )
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rlfleet.local.launcher import run_local
+    from rlfleet.models.sources import ModelSourceError
+
+    try:
+        return run_local(
+            args.file, run_dir=args.run_dir, steps=args.steps, progress=not args.no_progress, prometheus=args.prometheus
+        )
+    except ModelSourceError as exc:  # before any component started: nothing to stop, nothing lost
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before any component started (e.g. while the builtin model is built)
+        print("rlfleet: interrupted before the run started", file=sys.stderr)
+        return 130
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rlfleet.local.run_report import write_html_report
+
+    if not (args.run_dir / "metrics.jsonl").is_file():
+        print(
+            f"rlfleet report: {args.run_dir}: no metrics.jsonl; give a run directory of `rlfleet run`", file=sys.stderr
+        )
+        return 2
+    print(write_html_report(args.run_dir))
+    return 0
+
+
+def _filter(args: argparse.Namespace) -> int:
+    from rlfleet.services.rollout.difficulty import FilterOptions
+    from rlfleet.services.rollout.difficulty import main as filter_main
+
+    fields = [f.name for f in dataclasses.fields(FilterOptions)]
+    return filter_main(FilterOptions(**{name: getattr(args, name) for name in fields}))
+
+
+def _join(args: argparse.Namespace) -> int:
+    from rlfleet.services.rollout.join import JoinOptions
+    from rlfleet.services.rollout.join import main as join_main
+
+    return join_main(JoinOptions(args.url, args.code, args.engine, args.work_dir, args.metrics_port, args.ca_file))
+
+
+def _toploc(args: argparse.Namespace) -> int:
+    from rlfleet.proofs.conformance import run_conformance_cli
+
+    return run_conformance_cli(args.dir)
+
+
+# The subcommands around the components': name, one-line help, its arguments, what it runs (each action
+# imports what it needs only once its subcommand is chosen). `run`, `report`, `filter` and
+# `validate` come before the components' subcommands (COMPONENTS), the rest after them.
+_BEFORE_COMPONENTS = (
+    ("run", "run a whole RLRun on this machine (embedded Redis, local store)", _run_args, _run),
+    ("report", "write RUN_DIR/report/index.html (and its PNGs) from a run directory", _report_args, _report),
+    (
+        "filter",
+        "sample the base model on the run's dataset and write the rows with their solve rates",
+        _filter_args,
+        _filter,
+    ),
+    ("validate", "check a config file and print every error with its field path", _validate_args, _validate),
+)
+_AFTER_COMPONENTS = (
+    ("join", "join a run through its ingest and work for it (from the run document URL alone)", _join_args, _join),
+    *operator_commands.SUBCOMMANDS,
+    ("toploc", "TOPLOC tools", _toploc_args, _toploc),
+)
+
+_ACTIONS = {name: action for name, _, _, action in (*_BEFORE_COMPONENTS, *_AFTER_COMPONENTS)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet", description="Asynchronous decentralized RL for language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text, add_args, _ in _BEFORE_COMPONENTS:
+        add_args(sub.add_parser(name, help=help_text))
+    for spec in COMPONENTS.values():  # one subcommand per component of the registry, in its order
+        p = sub.add_parser(spec.name, help=spec.help)
+        _add_component_args(p)
+        COMPONENT_ARGS[spec.name](p)
+    for name, help_text, add_args, _ in _AFTER_COMPONENTS:
+        add_args(sub.add_parser(name, help=help_text))
     return parser
 
 
@@ -251,101 +294,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "validate":
-        from rlfleet.config import load_bundle
-        from rlfleet.wire.topology import bundle_graph
-
-        bundle = load_bundle(args.file)
-        bundle_graph(bundle, args.file)
-        print(
-            f"{args.file}: valid: RLRun {bundle.run.metadata.name}, "
-            f"{len(bundle.pools)} InferencePool, {len(bundle.relays)} RelayTier"
-        )
-        return 0
-    if args.command == "run":
-        from rlfleet.local.launcher import run_local
-        from rlfleet.models.sources import ModelSourceError
-
-        try:
-            return run_local(
-                args.file,
-                run_dir=args.run_dir,
-                steps=args.steps,
-                progress=not args.no_progress,
-                prometheus=args.prometheus,
-            )
-        except ModelSourceError as exc:  # before any component started: nothing to stop, nothing lost
-            print(f"{args.file}: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:  # before any component started (e.g. while the builtin model is built)
-            print("rlfleet: interrupted before the run started", file=sys.stderr)
-            return 130
-    if args.command == "report":
-        from rlfleet.local.run_report import write_html_report
-
-        if not (args.run_dir / "metrics.jsonl").is_file():
-            print(
-                f"rlfleet report: {args.run_dir}: no metrics.jsonl; give a run directory of `rlfleet run`",
-                file=sys.stderr,
-            )
-            return 2
-        print(write_html_report(args.run_dir))
-        return 0
-    if args.command == "filter":
-        from rlfleet.services.rollout.difficulty import FilterOptions
-        from rlfleet.services.rollout.difficulty import main as filter_main
-
-        fields = [f.name for f in dataclasses.fields(FilterOptions)]
-        return filter_main(FilterOptions(**{name: getattr(args, name) for name in fields}))
-    if args.command == "join":
-        from rlfleet.services.rollout.join import JoinOptions
-        from rlfleet.services.rollout.join import main as join_main
-
-        return join_main(JoinOptions(args.url, args.code, args.engine, args.work_dir, args.metrics_port, args.ca_file))
-    if args.command == "operator":
-        from rlfleet.operator.handlers import run_operator
-        from rlfleet.operator.options import OperatorOptions
-
-        options = OperatorOptions.from_env(
-            args.namespace, args.liveness, args.verbose, args.peering, args.peering_lifetime, args.metrics_port
-        )
-        return run_operator(options)
-    if args.command == "operator-uninstall":
-        from rlfleet.operator.kube import connect
-        from rlfleet.operator.uninstall import uninstall
-
-        client = connect()
-        try:
-            return uninstall(client, args.release, tuple(args.namespace), args.delete_runs, args.timeout)
-        finally:
-            client.close()
-    if args.command == "render":
-        from rlfleet.config import load_bundle
-        from rlfleet.operator import names
-        from rlfleet.operator.pods import ClusterDefaults
-        from rlfleet.operator.render import render_text
-
-        defaults = ClusterDefaults(
-            image=args.image or names.DEFAULT_IMAGE,
-            gpu_image=args.gpu_image or names.DEFAULT_GPU_IMAGE,
-            pull_policy=args.pull_policy,
-            pull_secrets=tuple(args.pull_secrets),
-        )
-        print(render_text(load_bundle(args.file), args.namespace, defaults, args.file), end="")
-        return 0
-    if args.command == "crds":
-        from rlfleet.operator.crd import crd_files, write_crds
-
-        if args.out:
-            for path in write_crds(args.out):
-                print(path)
-        else:
-            print("---\n".join(crd_files().values()), end="")
-        return 0
-    if args.command == "toploc":
-        from rlfleet.proofs.conformance import run_conformance_cli
-
-        return run_conformance_cli(args.dir)
+    if args.command in _ACTIONS:
+        return _ACTIONS[args.command](args)
     spec = COMPONENTS[args.command]  # argparse rejects any other command
     module = importlib.import_module(spec.module)
     options_cls = getattr(module, spec.options)

@@ -37,18 +37,17 @@ from pathlib import Path
 
 from rlfleet.config import Bundle, ConfigError, load_bundle
 from rlfleet.local.forking import Preload
-from rlfleet.local.plan import Process, check_local_size, endpoints, join_url, plan, redis_env
+from rlfleet.local.plan import Process, check_local_size, components_started, endpoints, join_url, plan, redis_env
 from rlfleet.local.progress import BuildProgress, Progress, startup_status
 from rlfleet.local.prometheus import LocalPrometheus, write_targets
 from rlfleet.local.prometheus import start as start_prometheus
 from rlfleet.local.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
 from rlfleet.local.run_report import write_html_report
 from rlfleet.local.supervisor import RECORD, Component, Supervisor
-from rlfleet.services.trainer.summary import read_metrics, reward_trend, write_reports
-from rlfleet.services.trainer.tracking import missing_packages
 from rlfleet.wire import env
-from rlfleet.wire.components import TRAINER
+from rlfleet.wire.components import COMPONENTS, TRAINER
 from rlfleet.wire.redis_acl import ADMIN, RunAcl
+from rlfleet.wire.run_summary import read_metrics, reward_trend, write_reports
 from rlfleet.wire.streams import RunKeys
 from rlfleet.wire.topology import bundle_graph
 
@@ -81,15 +80,7 @@ def run_local(
 ) -> int:
     bundle = load_bundle(file)
     bundle_graph(bundle, file)  # a relay tree that cannot be built fails before anything starts
-    tracking_problems = missing_packages(bundle.run.spec.tracking)
-    if tracking_problems:
-        raise ConfigError(file, tracking_problems)
-    from rlfleet.services.ingest.door import local_admission_problems
-    from rlfleet.tasks.held_out import held_out_problems
-
-    # a missing eval.dataset or invites file fails before the run starts
-    if problems := held_out_problems(bundle.run.spec) + local_admission_problems(bundle.run.spec):
-        raise ConfigError(file, problems)
+    prerun_checks(bundle, file)  # so do a tracker not installed, a missing eval.dataset or invites file
     name = bundle.run.metadata.name
     run_path = Path(run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_path / "logs").mkdir(parents=True, exist_ok=True)
@@ -129,6 +120,19 @@ def run_local(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def prerun_checks(bundle: Bundle, source: str) -> None:
+    """Run the pre-run check of every component the run starts (its registry record's `prerun`,
+    rlfleet/wire/components.py), in start order; one ConfigError naming `source` lists all their problems.
+    The launcher knows the checks by the registry alone: it imports no service."""
+    problems = []
+    for kind in components_started(bundle):
+        check = COMPONENTS[kind].prerun_check()
+        if check is not None:
+            problems += check(bundle)
+    if problems:
+        raise ConfigError(source, problems)
 
 
 def check_task(spec) -> None:

@@ -16,14 +16,14 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from rlfleet.config import Bundle, ConfigError
+from rlfleet.config import Bundle, ConfigError, TrainerSpec
 from rlfleet.local.redis_server import free_port
 from rlfleet.local.supervisor import Component
 from rlfleet.wire import env
 from rlfleet.wire.components import COMPONENTS, INGEST, ORIGIN, RELAY, ROLLOUT, TRAINER, VERIFIER, ComponentSpec
 from rlfleet.wire.redis_acl import WORKER_ROLES, RunAcl
 from rlfleet.wire.topology import ORIGIN as ORIGIN_NODE
-from rlfleet.wire.topology import URL, Node, bundle_graph
+from rlfleet.wire.topology import URL, Node, RelayGraph, bundle_graph
 
 # `rlfleet run` starts one process per replica; more than this on one machine is a mistake, not a run.
 MAX_LOCAL_PROCESSES = 64
@@ -101,90 +101,146 @@ def plan(bundle: Bundle, config: Path, run_dir: Path, steps: int | None = None) 
     `steps` overrides spec.trainer.steps (each trainer rank's --steps)."""
     spec = bundle.run.spec
     graph = bundle_graph(bundle, str(config))
-    logs, cache = run_dir / "logs", run_dir / "cache"
-
-    def process(kind: str, instance: str = "", **options) -> Process:
-        spec = COMPONENTS[kind]  # every process serves /metrics on 127.0.0.1 (a Prometheus can scrape the run)
-        return Process(spec, config, logs, instance, **options, metrics_port=free_port() if spec.metrics else None)
-
-    origin = process(ORIGIN, port=free_port())
-    replica_urls = {
-        t.metadata.name: [f"http://127.0.0.1:{free_port()}" for _ in range(t.spec.replicas)] for t in bundle.relays
-    }
-
-    def urls(node: Node) -> list[str]:
-        if node.kind == URL:
-            return [node.name]
-        return [f"http://127.0.0.1:{origin.port}"] if node.kind == ORIGIN else replica_urls[node.name]
-
-    out = [origin]
-    for relay in sorted(bundle.relays, key=lambda r: (r.spec.tier, r.metadata.name)):
-        upstream = urls(graph.upstream(relay.metadata.name))
-        for i, url in enumerate(replica_urls[relay.metadata.name]):
-            name = f"{relay.metadata.name}-{i}"
-            out.append(
-                process(
-                    RELAY,
-                    name,
-                    port=int(url.rsplit(":", 1)[1]),
-                    upstream=upstream[i % len(upstream)],
-                    cache_dir=cache / name,
-                    keep_versions=relay.spec.keep_versions or None,
-                )
-            )
+    place = _Place(config, run_dir / "logs", run_dir / "cache")
+    origin = place.process(ORIGIN, port=free_port())
+    addresses = _Addresses(
+        f"http://127.0.0.1:{origin.port}",
+        {t.metadata.name: [f"http://127.0.0.1:{free_port()}" for _ in range(t.spec.replicas)] for t in bundle.relays},
+    )
+    out = [origin, *_relays(bundle, graph, addresses, place)]
     for i in range(spec.verifier.replicas):
         out.append(
-            process(
+            place.process(
                 VERIFIER,
                 str(i),
                 consumer=f"{VERIFIER}-{i}",
-                origin_url=urls(ORIGIN_NODE)[0],
-                cache_dir=cache / f"{VERIFIER}-{i}",
+                origin_url=addresses.urls(ORIGIN_NODE)[0],
+                cache_dir=place.cache / f"{VERIFIER}-{i}",
                 api_port=free_port(),
             )
         )
     if serves_ingest(spec):
         # Outside workers join here (`rlfleet join`, door.py); unless the spec names public relays, the run document
         # announces those this run's own default pool downloads from, whose ports only this plan knows.
-        relays = [] if spec.ingest.admission.relay_urls else [u for node in graph.default_sources for u in urls(node)]
-        out.append(process(INGEST, port=free_port(), relay_urls=relays))
-    # A file without InferencePool documents still gets the default pool (its workers take no --pool).
+        relays = (
+            []
+            if spec.ingest.admission.relay_urls
+            else [u for node in graph.default_sources for u in addresses.urls(node)]
+        )
+        out.append(place.process(INGEST, port=free_port(), relay_urls=relays))
+    out += _workers(bundle, graph, addresses, place)
+    out += _trainers(spec.trainer, place, run_dir, steps)
+    return out
+
+
+def components_started(bundle: Bundle) -> list[str]:
+    """The components `plan` starts for `bundle`, in its order, found without planning (no port is taken): the
+    launcher runs their pre-run checks before the run directory exists. A test holds it to `plan`'s kinds."""
+    spec = bundle.run.spec
+    workers = sum(p.spec.replicas for p in bundle.pools) if bundle.pools else bundle.pool(None)[1].replicas
+    starts = {
+        ORIGIN: True,
+        RELAY: any(t.spec.replicas for t in bundle.relays),
+        VERIFIER: spec.verifier.replicas > 0,
+        INGEST: serves_ingest(spec),
+        ROLLOUT: workers > 0,
+        TRAINER: True,
+    }
+    return [kind for kind, started in starts.items() if started]
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a plan's processes read and write: the run's config file, its logs and cache folders."""
+
+    config: Path
+    logs: Path
+    cache: Path
+
+    def process(self, kind: str, instance: str = "", **options) -> Process:
+        spec = COMPONENTS[kind]  # every process serves /metrics on 127.0.0.1 (a Prometheus can scrape the run)
+        return Process(
+            spec, self.config, self.logs, instance, **options, metrics_port=free_port() if spec.metrics else None
+        )
+
+
+@dataclass(frozen=True)
+class _Addresses:
+    """The URLs a plan's relay tree nodes serve at: the origin's, each relay tier's replicas' by tier name."""
+
+    origin: str
+    replicas: dict[str, list[str]]
+
+    def urls(self, node: Node) -> list[str]:
+        if node.kind == URL:
+            return [node.name]
+        return [self.origin] if node.kind == ORIGIN else self.replicas[node.name]
+
+
+def _relays(bundle: Bundle, graph: RelayGraph, addresses: _Addresses, place: _Place) -> list[Process]:
+    """Every relay replica, tier by tier from the origin down."""
+    out = []
+    for relay in sorted(bundle.relays, key=lambda r: (r.spec.tier, r.metadata.name)):
+        upstream = addresses.urls(graph.upstream(relay.metadata.name))
+        for i, url in enumerate(addresses.replicas[relay.metadata.name]):
+            name = f"{relay.metadata.name}-{i}"
+            out.append(
+                place.process(
+                    RELAY,
+                    name,
+                    port=int(url.rsplit(":", 1)[1]),
+                    upstream=upstream[i % len(upstream)],
+                    cache_dir=place.cache / name,
+                    keep_versions=relay.spec.keep_versions or None,
+                )
+            )
+    return out
+
+
+def _workers(bundle: Bundle, graph: RelayGraph, addresses: _Addresses, place: _Place) -> list[Process]:
+    """Every rollout worker, pool by pool; a file without InferencePool documents still gets the default pool
+    (its workers take no --pool)."""
     pools: list[tuple[str, int, str | None, list[Node]]] = [
         (p.metadata.name, p.spec.replicas, p.metadata.name, graph.pool_sources(p.metadata.name)) for p in bundle.pools
     ]
     if not pools:
         name, default_pool = bundle.pool(None)
         pools = [(name, default_pool.replicas, None, graph.default_sources)]
+    out = []
     for pool_name, replicas, pool, sources in pools:
-        relay_urls = [url for node in sources for url in urls(node)]
+        relay_urls = [url for node in sources for url in addresses.urls(node)]
         for i in range(replicas):
             worker = f"{pool_name}-{i}"
             out.append(
-                process(ROLLOUT, worker, worker_id=worker, pool=pool, relay_urls=relay_urls, cache_dir=cache / worker)
+                place.process(
+                    ROLLOUT, worker, worker_id=worker, pool=pool, relay_urls=relay_urls, cache_dir=place.cache / worker
+                )
             )
-    # One process per trainer replica, each a group of `ranks` rank processes (--ranks N: it starts them,
-    # rlfleet/services/trainer/ranks.py), with the torchrun-style environment the operator gives trainer pods:
-    # GROUP_RANK is the replica, RANK = GROUP_RANK x ranks + LOCAL_RANK. Replica 0 (no instance, named like the
-    # component; last in the list) holds rank 0, which reads the streams and publishes.
-    t = spec.trainer
+    return out
+
+
+def _trainers(t: TrainerSpec, place: _Place, run_dir: Path, steps: int | None) -> list[Process]:
+    """One process per trainer replica, each a group of `ranks` rank processes (--ranks N: it starts them,
+    rlfleet/services/trainer/ranks.py), with the torchrun-style environment the operator gives trainer pods:
+    GROUP_RANK is the replica, RANK = GROUP_RANK x ranks + LOCAL_RANK. Replica 0 (no instance, named like the
+    component; last in the list) holds rank 0, which reads the streams and publishes."""
     master = (
         {env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(free_port()), env.WORLD_SIZE: str(t.world)}
         if t.world > 1
         else {}
     )
-    for replica in range(t.replicas - 1, -1, -1):
-        out.append(
-            process(
-                TRAINER,
-                str(replica) if replica else "",
-                rank=replica * t.ranks,
-                env={**master, env.GROUP_RANK: str(replica)} if t.world > 1 else {},
-                output_dir=run_dir,
-                steps=steps,
-                ranks=t.ranks if t.ranks > 1 else None,
-            )
+    return [
+        place.process(
+            TRAINER,
+            str(replica) if replica else "",
+            rank=replica * t.ranks,
+            env={**master, env.GROUP_RANK: str(replica)} if t.world > 1 else {},
+            output_dir=run_dir,
+            steps=steps,
+            ranks=t.ranks if t.ranks > 1 else None,
         )
-    return out
+        for replica in range(t.replicas - 1, -1, -1)
+    ]
 
 
 def serves_ingest(spec) -> bool:

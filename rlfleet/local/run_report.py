@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from rlfleet.services.trainer.summary import read_metrics
+from rlfleet.wire.run_summary import read_metrics
 
 BROADCAST_LINE = re.compile(r"([0-9.]+)s after its announcement, now generating with version (\d+)")
 # What a record from before the split carried: a step's wait for its batch, its GRPO update and its publish.

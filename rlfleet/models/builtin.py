@@ -199,7 +199,7 @@ def build_builtin(
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlfleet.models.warm_start import supervised_warm_start
+    from rlfleet.models.warm_start import WarmStart, supervised_warm_start
     from rlfleet.tasks import make_task
 
     builtin = BUILTINS[name]
@@ -222,16 +222,8 @@ def build_builtin(
     try:
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-        supervised_warm_start(
-            model,
-            tokenizer,
-            task,
-            steps=steps,
-            seed=seed,
-            label_noise=builtin.label_noise,
-            demonstration=builtin.demonstration,
-            progress=progress,
-        )
+        recipe = WarmStart(steps, seed, label_noise=builtin.label_noise, demonstration=builtin.demonstration)
+        supervised_warm_start(model, tokenizer, task, recipe, progress=progress)
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(dest, safe_serialization=True)

@@ -12,6 +12,8 @@ policy puts most of its mass on the right answer but samples plausible wrong one
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,28 +62,33 @@ def demonstrate(problem: Problem, demonstration: str, rng: np.random.Generator, 
     return demonstration.format(answer=noisy_answer(problem.answer, rng) if noisy else problem.answer)
 
 
+@dataclass(frozen=True)
+class WarmStart:
+    """A warm start's recipe: `steps` AdamW steps at learning rate `lr` on batches of `batch_size` problems drawn
+    with `seed`; `demonstration` writes an answer as the completion to imitate, e.g. `\\boxed{{{answer}}}`, and
+    a fraction `label_noise` of the demonstrations is a near miss."""
+
+    steps: int
+    seed: int
+    label_noise: float = 0.0
+    batch_size: int = 64
+    lr: float = 3e-3
+    demonstration: str = "{answer}"
+
+
 def supervised_warm_start(
-    model,
-    tokenizer,
-    task,
-    steps: int,
-    seed: int,
-    label_noise: float = 0.0,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    demonstration: str = "{answer}",
-    progress=None,
+    model, tokenizer, task, recipe: WarmStart, progress: Callable[[int, int], None] | None = None
 ) -> None:
-    """`demonstration` writes an answer as the completion to imitate, e.g. `\\boxed{{{answer}}}`;
-    `progress(done, total)` is called before the first step and after every step."""
-    rng = np.random.default_rng(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    """Train `model` on `task`'s demonstrations by `recipe`; `progress(done, total)` is called before the first
+    step and after every step."""
+    steps, rng = recipe.steps, np.random.default_rng(recipe.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     model.train()
     if progress:
         progress(0, steps)
     for step in range(steps):
-        problems = [task.problem(task.sample_id(rng)) for _ in range(batch_size)]
-        pairs = [(p, demonstrate(p, demonstration, rng, label_noise)) for p in problems]
+        problems = [task.problem(task.sample_id(rng)) for _ in range(recipe.batch_size)]
+        pairs = [(p, demonstrate(p, recipe.demonstration, rng, recipe.label_noise)) for p in problems]
         ids, mask, labels = encode_pairs(tokenizer, pairs)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)

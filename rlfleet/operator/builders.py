@@ -19,11 +19,15 @@ suspended, else 0. Every pod is behind exactly one Service with a `metrics` port
 
 from __future__ import annotations
 
-from rlfleet.config import RLRun
+from dataclasses import dataclass, field
+
+from rlfleet.config import IngestSpec, RLRun
+from rlfleet.config.workload import OriginSpec
 from rlfleet.operator import kueue, names, podconfig
 from rlfleet.operator.certificates import server_tls
 from rlfleet.operator.pods import (
     ClusterDefaults,
+    ContainerParts,
     Owner,
     build_container,
     deployment,
@@ -126,16 +130,18 @@ def build_trainer_statefulset(
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     main = build_container(
         run,
-        names.TRAINER,
-        ["--output-dir", f"{names.CACHE_DIR}/trainer", "--hold-when-done"]
-        + (["--ranks", str(t.ranks)] if t.ranks > 1 else []),
-        defaults.image_for(run, t.gpus),
         defaults,
-        t.resources,
-        gpus=t.gpus,
-        gpu_resource=t.gpu_resource,
-        extra_env=dist,
-        mounts=mounts or None,
+        ContainerParts(
+            names.TRAINER,
+            ["--output-dir", f"{names.CACHE_DIR}/trainer", "--hold-when-done"]
+            + (["--ranks", str(t.ranks)] if t.ranks > 1 else []),
+            defaults.image_for(run, t.gpus),
+            t.resources,
+            gpus=t.gpus,
+            gpu_resource=t.gpu_resource,
+            extra_env=dist,
+            mounts=mounts,
+        ),
     )
     if t.world > 1:
         main["ports"].insert(0, {"name": "torch", "containerPort": names.TORCH_MASTER_PORT})
@@ -182,35 +188,41 @@ def shm_volume(ranks: int) -> dict:
     return {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{ranks}Gi"}}
 
 
+@dataclass(frozen=True)
+class _Server:
+    """A one-replica HTTP server of a run (origin, ingest) on the Shardcast port: its component, its
+    Deployment's name, the run spec section with its resources and pod template, its own arguments after
+    --host and --port, what it mounts, and `https`: it serves HTTPS only."""
+
+    component: str
+    name: str
+    spec: OriginSpec | IngestSpec
+    args: list[str] = field(default_factory=list)
+    mounts: list[dict] = field(default_factory=list)
+    volumes: list[dict] | None = None
+    https: bool = False
+
+
 def _server_deployment(
-    run: RLRun,
-    component: str,
-    name: str,
-    extra_args: list[str],
-    namespace: str,
-    owner: Owner | None,
-    defaults: ClusterDefaults,
-    active: bool,
-    spec,
-    mounts: list[dict] | None = None,
-    volumes: list[dict] | None = None,
-    https: bool = False,
+    run: RLRun, server: _Server, namespace: str, owner: Owner | None, defaults: ClusterDefaults, active: bool
 ) -> dict:
-    """A one-replica HTTP server of a run (origin, ingest) on the Shardcast port (`https`: HTTPS only)."""
-    r = run.metadata.name
+    """The Deployment of `server`, one replica while the run is active."""
+    r, component = run.metadata.name, server.component
     port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
-    args = ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT), *extra_args]
+    args = ["--host", "0.0.0.0", "--port", str(names.SHARDCAST_PORT), *server.args]
     image = defaults.image_for(run, 0)
-    main = build_container(
-        run, component, args, image, defaults, spec.resources, ports=[port], mounts=mounts, https=https
+    parts = ContainerParts(
+        component, args, image, server.spec.resources, ports=[port], mounts=server.mounts, https=server.https
     )
     return deployment(
-        name,
+        server.name,
         namespace,
         names.labels("RLRun", r, component, r),
         names.selector("RLRun", r, component, r),
         scale(run, 1, active),
-        _run_pod(run, component, main, defaults, spec.pod_template, volumes),
+        _run_pod(
+            run, component, build_container(run, defaults, parts), defaults, server.spec.pod_template, server.volumes
+        ),
         owner,
     )
 
@@ -233,8 +245,8 @@ def build_origin_deployment(
     run: RLRun, namespace: str, owner: Owner | None = None, defaults: ClusterDefaults = DEFAULTS, active: bool = True
 ) -> dict:
     """The origin serves the store: with the trainer, the pods that always get its credentials (credentials.py)."""
-    name = names.origin(run.metadata.name)
-    return _server_deployment(run, names.ORIGIN, name, [], namespace, owner, defaults, active, run.spec.origin)
+    origin = _Server(names.ORIGIN, names.origin(run.metadata.name), run.spec.origin)
+    return _server_deployment(run, origin, namespace, owner, defaults, active)
 
 
 def build_origin_service(run: RLRun, namespace: str, owner: Owner | None = None) -> dict:
@@ -268,20 +280,16 @@ def build_ingest_deployment(
         mounts.append({"name": "ingest-invites", "mountPath": names.INGEST_INVITES_DIR, "readOnly": True})
         volumes.append(secret_volume("ingest-invites", invites, [names.INGEST_INVITES_KEY]))
     tls_args, tls_mounts, tls_volumes = server_tls(ingest.tls)
-    return _server_deployment(
-        run,
+    server = _Server(
         names.INGEST,
         names.ingest(run.metadata.name),
-        args + tls_args,
-        namespace,
-        owner,
-        defaults,
-        active,
         ingest,
+        args + tls_args,
         mounts=mounts + tls_mounts,
         volumes=volumes + tls_volumes,
         https=bool(tls_args),
     )
+    return _server_deployment(run, server, namespace, owner, defaults, active)
 
 
 def build_ingest_service(run: RLRun, namespace: str, owner: Owner | None = None) -> dict:
@@ -304,13 +312,10 @@ def build_verifier_deployment(
     ]
     main = build_container(
         run,
-        names.VERIFIER,
-        args,
-        defaults.image_for(run, v.gpus),
         defaults,
-        v.resources,
-        gpus=v.gpus,
-        gpu_resource=v.gpu_resource,
+        ContainerParts(
+            names.VERIFIER, args, defaults.image_for(run, v.gpus), v.resources, gpus=v.gpus, gpu_resource=v.gpu_resource
+        ),
     )
     return deployment(
         names.verifier(r),

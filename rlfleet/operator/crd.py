@@ -8,6 +8,7 @@ cross-field rules that a JSON schema cannot say are CEL rules (`x-kubernetes-val
 from __future__ import annotations
 
 import json
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -48,111 +49,93 @@ RUN_RULES = [
 ]
 
 
-def _status_schema(scalable: bool) -> dict:
-    condition = {
-        "type": "object",
-        "description": "One observation of the object's state (Kubernetes condition conventions).",
-        "required": ["type", "status"],
-        "properties": {
-            "type": {
-                "type": "string",
-                "description": "Condition type: Ready, Suspended, Complete, Failed, TrainerStarted, PodsHealthy, "
-                "StateLost (pools and tiers: Ready, Failed).",
-            },
-            "status": {
-                "type": "string",
-                "enum": ["True", "False", "Unknown"],
-                "description": "True, False or Unknown.",
-            },
-            "reason": {
-                "type": "string",
-                "description": "CamelCase reason, e.g. Running, Pending, StepsDone, InvalidSpec, SecretKeyMissing, "
-                "DeadlineExceeded, StartupDeadlineExceeded, ApplyFailed, ImagePullBackOff, CrashLoopBackOff, "
-                "OOMKilled, Unschedulable, RedisStateLost, RunNotFound.",
-            },
-            "message": {
-                "type": "string",
-                "description": "Human-readable detail: for InvalidSpec the field path and the fix.",
-            },
-            "lastTransitionTime": {"type": "string", "format": "date-time", "description": "When status last changed."},
-            "observedGeneration": {
-                "type": "integer",
-                "format": "int64",
-                "description": "metadata.generation this condition was computed from.",
-            },
-        },
-    }
-    props = {
-        "phase": {
+# The status schema (`_status_schema`): a condition, the fields every kind has, then the scale subresource's
+# (pools and tiers) or the run's progress (RLRun).
+_CONDITION_SCHEMA = {
+    "type": "object",
+    "description": "One observation of the object's state (Kubernetes condition conventions).",
+    "required": ["type", "status"],
+    "properties": {
+        "type": {
             "type": "string",
-            "description": "Pending, Running, Suspended, Failed, Succeeded (pools and tiers: Complete with their run).",
+            "description": "Condition type: Ready, Suspended, Complete, Failed, TrainerStarted, PodsHealthy, "
+            "StateLost (pools and tiers: Ready, Failed).",
         },
+        "status": {"type": "string", "enum": ["True", "False", "Unknown"], "description": "True, False or Unknown."},
+        "reason": {
+            "type": "string",
+            "description": "CamelCase reason, e.g. Running, Pending, StepsDone, InvalidSpec, SecretKeyMissing, "
+            "DeadlineExceeded, StartupDeadlineExceeded, ApplyFailed, ImagePullBackOff, CrashLoopBackOff, "
+            "OOMKilled, Unschedulable, RedisStateLost, RunNotFound.",
+        },
+        "message": {
+            "type": "string",
+            "description": "Human-readable detail: for InvalidSpec the field path and the fix.",
+        },
+        "lastTransitionTime": {"type": "string", "format": "date-time", "description": "When status last changed."},
         "observedGeneration": {
             "type": "integer",
             "format": "int64",
-            "description": "metadata.generation the operator last reconciled.",
+            "description": "metadata.generation this condition was computed from.",
         },
-        "conditions": {
-            "type": "array",
-            "description": "Latest observations; one per type.",
-            "items": condition,
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["type"],
-        },
-        "readyReplicas": {
-            "type": "integer",
-            "format": "int32",
-            "description": "Pods of the main workload that are ready.",
-        },
-    }
-    if scalable:
-        props["replicas"] = {
-            "type": "integer",
-            "format": "int32",
-            "description": "Current replicas (scale subresource).",
-        }
-        props["selector"] = {"type": "string", "description": "Label selector of the pods (scale subresource, HPA)."}
-    else:
-        props.update(
-            {
-                "step": {
-                    "type": "integer",
-                    "format": "int64",
-                    "description": "Trainer steps committed (each publishes one policy version).",
-                },
-                "policyVersion": {
-                    "type": "integer",
-                    "format": "int64",
-                    "description": "Newest policy version announced on the policy stream.",
-                },
-                "reward": {
-                    "type": "number",
-                    "description": "Mean reward of the newest step, when the trainer announces it.",
-                },
-                "suspendedSeconds": {
-                    "type": "integer",
-                    "format": "int64",
-                    "description": "Seconds the run spent suspended (ended suspensions); spec.activeDeadlineSeconds "
-                    "does not count them.",
-                },
-                "completionTime": {
-                    "type": "string",
-                    "format": "date-time",
-                    "description": "When the run completed or failed; spec.ttlSecondsAfterFinished counts from it.",
-                },
-                "accepted": {
-                    "type": "integer",
-                    "format": "int64",
-                    "description": "Rollout groups the verifier accepted.",
-                },
-                "rejected": {
-                    "type": "integer",
-                    "format": "int64",
-                    "description": "Rollout groups the verifier rejected.",
-                },
-            }
-        )
-    return {"type": "object", "description": "Observed state, written by the operator.", "properties": props}
+    },
+}
+_STATUS_PROPERTIES = {
+    "phase": {
+        "type": "string",
+        "description": "Pending, Running, Suspended, Failed, Succeeded (pools and tiers: Complete with their run).",
+    },
+    "observedGeneration": {
+        "type": "integer",
+        "format": "int64",
+        "description": "metadata.generation the operator last reconciled.",
+    },
+    "conditions": {
+        "type": "array",
+        "description": "Latest observations; one per type.",
+        "items": _CONDITION_SCHEMA,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["type"],
+    },
+    "readyReplicas": {"type": "integer", "format": "int32", "description": "Pods of the main workload that are ready."},
+}
+_SCALE_STATUS_PROPERTIES = {
+    "replicas": {"type": "integer", "format": "int32", "description": "Current replicas (scale subresource)."},
+    "selector": {"type": "string", "description": "Label selector of the pods (scale subresource, HPA)."},
+}
+_RUN_STATUS_PROPERTIES = {
+    "step": {
+        "type": "integer",
+        "format": "int64",
+        "description": "Trainer steps committed (each publishes one policy version).",
+    },
+    "policyVersion": {
+        "type": "integer",
+        "format": "int64",
+        "description": "Newest policy version announced on the policy stream.",
+    },
+    "reward": {"type": "number", "description": "Mean reward of the newest step, when the trainer announces it."},
+    "suspendedSeconds": {
+        "type": "integer",
+        "format": "int64",
+        "description": "Seconds the run spent suspended (ended suspensions); spec.activeDeadlineSeconds "
+        "does not count them.",
+    },
+    "completionTime": {
+        "type": "string",
+        "format": "date-time",
+        "description": "When the run completed or failed; spec.ttlSecondsAfterFinished counts from it.",
+    },
+    "accepted": {"type": "integer", "format": "int64", "description": "Rollout groups the verifier accepted."},
+    "rejected": {"type": "integer", "format": "int64", "description": "Rollout groups the verifier rejected."},
+}
+
+
+def _status_schema(scalable: bool) -> dict:
+    """The status of a scalable kind (pools, tiers: the scale subresource's fields) or of an RLRun (its progress);
+    a fresh copy each time, so no two CRDs share a mapping."""
+    props = {**_STATUS_PROPERTIES, **(_SCALE_STATUS_PROPERTIES if scalable else _RUN_STATUS_PROPERTIES)}
+    return deepcopy({"type": "object", "description": "Observed state, written by the operator.", "properties": props})
 
 
 def _columns(kind: names.KindInfo) -> list[dict]:

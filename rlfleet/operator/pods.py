@@ -182,51 +182,56 @@ def resource_requirements(resources: ResourcesSpec, gpus: int = 0, gpu_resource:
     return out
 
 
-def build_container(
-    run: RLRun,
-    component: str,
-    args: list[str],
-    image: str,
-    defaults: ClusterDefaults,
-    resources: ResourcesSpec,
-    *,
-    gpus: int = 0,
-    gpu_resource: str = "nvidia.com/gpu",
-    pool: InferencePool | None = None,
-    ports: list[dict] | None = None,
-    extra_env: list[dict] | None = None,
-    mounts: list[dict] | None = None,
-    redis: bool = True,
-    https: bool = False,
-) -> dict:
-    """The `rlfleet <component>` container with the launcher's arguments, on the fixed pod ports; `https`: its
-    first port serves only HTTPS (certificates.py), so the probes on it ask with scheme HTTPS."""
+@dataclass(frozen=True)
+class ContainerParts:
+    """What one component's container has of its own (build_container adds what every container has): its
+    `rlfleet <component>` arguments after --config and --metrics-port, image, resources and GPUs, the pool a
+    worker serves (its secrets), its ports (the first is the one probed), env, mounts, whether it reaches Redis,
+    and `https`: its first port serves only HTTPS (certificates.py), so the probes on it ask with scheme HTTPS."""
+
+    component: str
+    args: list[str]
+    image: str
+    resources: ResourcesSpec
+    gpus: int = 0
+    gpu_resource: str = "nvidia.com/gpu"
+    pool: InferencePool | None = None
+    ports: list[dict] = field(default_factory=list)
+    extra_env: list[dict] = field(default_factory=list)
+    mounts: list[dict] = field(default_factory=list)
+    redis: bool = True
+    https: bool = False
+
+
+def build_container(run: RLRun, defaults: ClusterDefaults, parts: ContainerParts) -> dict:
+    """The `rlfleet <component>` container of `parts` with the launcher's arguments, on the fixed pod ports."""
+    component, ports = parts.component, parts.ports
     c = {
         "name": component,
-        "image": image,
+        "image": parts.image,
         "command": ["rlfleet", component],
-        "args": ["--config", names.CONFIG_PATH, "--metrics-port", str(names.METRICS_PORT), *args],
-        "env": pod_env(run, redis, component)
+        "args": ["--config", names.CONFIG_PATH, "--metrics-port", str(names.METRICS_PORT), *parts.args],
+        "env": pod_env(run, parts.redis, component)
         + torch_env(component)
         + signing_env(run, component)
         + tracking_env(run, component)
         + credentials.hub_env(run, component)
         + security.writable_env()
-        + (extra_env or []),
-        "ports": [*(ports or []), {"name": "metrics", "containerPort": names.METRICS_PORT}],
-        "resources": resource_requirements(resources, gpus, gpu_resource),
+        + parts.extra_env,
+        "ports": [*ports, {"name": "metrics", "containerPort": names.METRICS_PORT}],
+        "resources": resource_requirements(parts.resources, parts.gpus, parts.gpu_resource),
         "volumeMounts": [
             {"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
             {"name": "cache", "mountPath": names.CACHE_DIR},
             security.TMP_MOUNT,
-            *(mounts or []),
+            *parts.mounts,
         ],
         "securityContext": deepcopy(dict(defaults.container_security)),
-        **_probes(component, ports[0]["name"] if ports else None, https),
+        **_probes(component, ports[0]["name"] if ports else None, parts.https),
     }
     if defaults.pull_policy:
         c["imagePullPolicy"] = defaults.pull_policy
-    secrets = credentials.secrets_from(run, component, pool)  # the store's and the data's (credentials.py)
+    secrets = credentials.secrets_from(run, component, parts.pool)  # the store's and the data's (credentials.py)
     mlflow = run.spec.tracking.mlflow
     if component == names.TRAINER and mlflow and mlflow.credentials_secret:  # MLflow's credentials: the trainer's only
         secrets = [*secrets, mlflow.credentials_secret]

@@ -18,6 +18,7 @@ from rlfleet.operator import kueue, names, podconfig
 from rlfleet.operator.certificates import client_trust
 from rlfleet.operator.pods import (
     ClusterDefaults,
+    ContainerParts,
     Owner,
     build_container,
     deployment,
@@ -83,17 +84,19 @@ def build_rollout_workload(
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}})
     main = build_container(
         run,
-        names.ROLLOUT,
-        args,
-        defaults.image_for(run, spec.gpus, spec.image),
         defaults,
-        spec.resources,
-        gpus=spec.gpus,
-        gpu_resource=spec.gpu_resource,
-        pool=pool,
-        extra_env=token_env + ca_env,
-        mounts=mounts,
-        redis=not spec.ingest_url,
+        ContainerParts(
+            names.ROLLOUT,
+            args,
+            defaults.image_for(run, spec.gpus, spec.image),
+            spec.resources,
+            gpus=spec.gpus,
+            gpu_resource=spec.gpu_resource,
+            pool=pool,
+            extra_env=token_env + ca_env,
+            mounts=mounts,
+            redis=not spec.ingest_url,
+        ),
     )
     config = podconfig.pool_config_text(run, pool, defaults.views)
     template = pod_template(

@@ -1,26 +1,29 @@
-"""Reconciling one object: the steps behind the kopf handlers (handlers.py), written against the API adapter so the
-handlers stay thin. Each function returns what to write on the object (its status, and for a pool or tier its
-metadata) and posts the Events of what changed.
+"""Reconciling one object: the steps behind the kopf handlers (handlers.py), written against the API
+adapter so the handlers stay thin. Each function returns what to write on the object (its status,
+and for a pool or tier its metadata) and posts the Events of what changed.
 
-RLRun: parse and check the spec (invalid: Ready False / Failed True, reason InvalidSpec, a Warning Event, nothing
-applied); check the Secrets its pods need (secrets.py); read progress from its Redis; decide its state
-(lifecycle.py); server-side apply its children (replicas 0 unless active); and, from its timer, reconcile every pool
-and tier of the run, so a change of the run (suspend, completion, image, config) reaches them within one resync
-interval and their status stays current without a timer (and so a finalizer) of their own. A finished run past its
-TTL is deleted.
-InferencePool / RelayTier: the same against the parent run. While the run is missing or invalid, or an upstream tier
-it names is missing, the object waits in phase Pending (Ready False, reason RunNotFound, RunNotValid or
-MissingDependency) and the run's timer reconciles it once that is fixed.
-After a spec change, children the object no longer wants (an ingest whose tokens were removed, a pool's Deployment
-after it became a StatefulSet) are deleted.
+RLRun: parse and check the spec (invalid: Ready False / Failed True, reason InvalidSpec, a Warning
+Event, nothing applied); check the Secrets its pods need (secrets.py); read progress from its Redis;
+decide its state (lifecycle.py); server-side apply its children (replicas 0 unless active); and, from
+its timer, reconcile every pool and tier of the run, so a change of the run (suspend, completion,
+image, config) reaches them within one resync interval and their status stays current without a
+timer (and so a finalizer) of their own. A finished run past its TTL is deleted.
+
+InferencePool / RelayTier: the same against the parent run. While the run is missing or invalid, or an
+upstream tier it names is missing, the object waits in phase Pending (Ready False, reason RunNotFound,
+RunNotValid or MissingDependency) and the run's timer reconciles it once that is fixed.
+
+After a spec change, children the object no longer wants (an ingest whose tokens were removed, a
+pool's Deployment after it became a StatefulSet) are deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from rlfleet.config import InferencePool, RelayTier, RLRun
 from rlfleet.operator import builders, conditions, health, lifecycle, metrics, names, rundefaults, secrets
@@ -189,6 +192,7 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
         status = _invalid_status(ctx, body, exc.problems)
         await announce_changes(ctx, body, old, status)
         return Outcome(status=status)
+
     namespace, generation = body["metadata"]["namespace"], body["metadata"].get("generation")
     unmade = await rundefaults.make_secrets(ctx.kube, body, filled, ctx.run_defaults) if filled else None
     blocked, secret_data = await secrets.check_secrets(ctx.kube, namespace, secrets.run_secrets(run))
@@ -200,6 +204,7 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
         pods = await ctx.kube.list("Pod", namespace, label_selector=_run_pods(run.metadata.name))
     if spec_changed:
         ctx.backoff.forget(body["metadata"].get("uid", ""))
+
     seen = lifecycle.Observation(
         now=ctx.now,
         created=lifecycle.parse_time(body["metadata"].get("creationTimestamp")),
@@ -214,10 +219,11 @@ async def reconcile_run(ctx: Ctx, body: dict, spec_changed: bool = False) -> Out
     children = builders.build_run_children(run, namespace, owner_of(body), ctx.defaults, state.active)
     _live, refused = await apply_children(ctx, body, children)
     if refused and not (seen.blocked or not state.active):  # a child refused: say so where Ready says why
-        seen = replace(seen, blocked=("ApplyFailed", "; ".join(refused)))
+        seen = dataclasses.replace(seen, blocked=("ApplyFailed", "; ".join(refused)))
         state = lifecycle.run_state(run, generation, seen)
     if spec_changed:
         await prune(ctx, body, children)
+
     status = {"phase": state.phase, "conditions": state.conditions, "readyReplicas": _ready(trainer)}
     if progress and (state.active or progress.get("step", 0) >= int(old.get("step") or 0)):
         status.update(progress)  # a finished run keeps its recorded progress when Redis comes back with less
@@ -322,6 +328,7 @@ async def reconcile_scalable(
         status = _invalid_status(ctx, body, exc.problems)
         await announce_changes(ctx, body, old, status)
         return Outcome(status=status)
+
     namespace, generation = body["metadata"]["namespace"], body["metadata"].get("generation")
     try:
         run_body, run = run_pair or await parent_run(ctx, namespace, obj.spec.run)
@@ -329,6 +336,7 @@ async def reconcile_scalable(
         return _waiting(ctx, body, exc.reason, str(exc))
     tiers = await run_tiers(ctx, namespace) if tiers is None else tiers
     active = run_is_active(run_body)
+
     try:
         if isinstance(obj, InferencePool):
             children = builders.build_pool_children(run, obj, tiers, namespace, owner_of(body), ctx.defaults, active)
@@ -343,6 +351,7 @@ async def reconcile_scalable(
         status = _invalid_status(ctx, body, exc.problems)
         await announce_changes(ctx, body, old, status)
         return Outcome(status=status, metadata=tie_to_run(body, run_body))
+
     if spec_changed:
         ctx.backoff.forget(body["metadata"].get("uid", ""))
     live, refused = await apply_children(ctx, body, children)
@@ -352,6 +361,7 @@ async def reconcile_scalable(
     key = (desired["kind"], desired["metadata"]["name"])
     workload = live.get(key) or await ctx.kube.find(key[0], namespace, key[1]) or {}  # {}: refused, not made yet
     ready = _ready(workload)
+
     if refused:
         phase, reason, message = "Pending", "ApplyFailed", "; ".join(refused)
     elif run.spec.suspend:

@@ -8,6 +8,7 @@ from rlfleet.operator import kueue, names, podconfig
 from rlfleet.operator.certificates import client_trust, server_tls
 from rlfleet.operator.pods import (
     ClusterDefaults,
+    ContainerParts,
     Owner,
     build_container,
     deployment,
@@ -78,15 +79,17 @@ def build_relay_deployment(
     port = {"name": "http", "containerPort": names.SHARDCAST_PORT}
     main = build_container(
         run,
-        names.RELAY,
-        args + tls_args,
-        defaults.image_for(run, 0),
         defaults,
-        tier.spec.resources,
-        ports=[port],
-        extra_env=ca_env,
-        mounts=tls_mounts + ca_mounts,
-        https=bool(tls_args),
+        ContainerParts(
+            names.RELAY,
+            args + tls_args,
+            defaults.image_for(run, 0),
+            tier.spec.resources,
+            ports=[port],
+            extra_env=ca_env,
+            mounts=tls_mounts + ca_mounts,
+            https=bool(tls_args),
+        ),
     )
     template = pod_template(
         labels,

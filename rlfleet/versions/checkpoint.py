@@ -119,6 +119,15 @@ def _local_files(local_dir: Path, shard_size: int) -> tuple[FileEntry, ...]:
     return tuple(entries)
 
 
+@dataclasses.dataclass(frozen=True)
+class VersionSections:
+    """The optional sections of a version's manifest, signed with the rest: `delta` a delta version's,
+    `adapter` an adapter version's (rlfleet/versions/manifest.py)."""
+
+    delta: DeltaSection | None = None
+    adapter: AdapterSection | None = None
+
+
 def publish_version(
     store: CheckpointStore,
     run: str,
@@ -126,13 +135,12 @@ def publish_version(
     local_dir: Path,
     signer: Callable[[bytes], str] | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
-    delta: DeltaSection | None = None,
-    adapter: AdapterSection | None = None,
+    sections: VersionSections = VersionSections(),
     laps: Laps | None = None,
 ) -> Manifest:
     """Upload every file of `local_dir` to `{run}/policy/v{N}/`, then manifest.json; return the manifest.
-    `delta` is a delta version's section, `adapter` an adapter version's (each signed with the rest). `laps`
-    (the trainer's step parts) gets the hashing of the files (publish_hash) and the signing (publish_sign)."""
+    `sections`: its delta or adapter section, if any. `laps` (the trainer's step parts) gets the hashing of the
+    files (publish_hash) and the signing (publish_sign)."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     local_dir = Path(local_dir)
@@ -146,7 +154,8 @@ def publish_version(
             f"run {run!r} version {version} is already published with different files; "
             "published versions are immutable, publish a new version number"
         )
-    manifest = Manifest(run, version, shard_size, files, datetime.now(UTC).isoformat(), delta, adapter=adapter)
+    created = datetime.now(UTC).isoformat()
+    manifest = Manifest(run, version, shard_size, files, created, sections.delta, adapter=sections.adapter)
     manifest = Manifest.from_json(manifest.to_json(), run, version)  # an ill-formed delta never reaches the store
     for entry in files:
         store.put_file(version_key(run, version, entry.name), local_dir / entry.name)

@@ -41,6 +41,7 @@ from rlfleet.versions.checkpoint import (
     DEFAULT_SHARD_SIZE,
     MANIFEST_NAME,
     VersionExistsError,
+    VersionSections,
     publish_version,
     read_manifest,
     sha256_file,
@@ -164,8 +165,7 @@ class PolicyPublisher:
             src,
             signer=self.signer,
             shard_size=self.shard_size,
-            delta=delta,
-            adapter=adapter,
+            sections=VersionSections(delta, adapter),
             laps=self.laps,
         )
         self.chain_bytes = self.chain_bytes + sent if kind == "delta" else 0.0

@@ -76,3 +76,44 @@ def test_the_api_version_is_spelled_once():
     ]
     assert hits == ["rlfleet/config/base.py"]
     assert names.API_VERSION == f"{names.GROUP}/{names.VERSION}" == "rlfleet.io/v1alpha1"
+
+
+def test_a_component_s_pre_run_check_is_found_from_its_registry_record_and_run_by_the_launcher(tmp_path):
+    from rlfleet.config import ConfigError, load_bundle
+    from rlfleet.local.launcher import prerun_checks
+    from tests.runs import pool, rlrun, write_rlrun
+
+    checks = {name: spec.prerun_check() for name, spec in COMPONENTS.items()}
+    assert {name for name, check in checks.items() if check is not None} == {"trainer", "ingest"}
+    config = write_rlrun(tmp_path / "rlrun.yaml", rlrun(ingest={"admission": {"mode": "invite"}}), pool())
+    bundle = load_bundle(config)
+    [problem] = checks["ingest"](bundle)
+    assert problem.startswith("spec.ingest.admission.invitesFile: mode invite needs a YAML/JSON list of invite codes")
+    assert checks["trainer"](bundle) == []
+    with pytest.raises(ConfigError) as err:
+        prerun_checks(bundle, str(config))  # the launcher finds the ingest's check by the registry alone
+    assert err.value.problems == [problem]
+    good = write_rlrun(tmp_path / "good.yaml", rlrun(), pool())
+    prerun_checks(load_bundle(good), str(good))
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("rlfleet.services.ingest.prerun:no_such_check", "names no function 'no_such_check'"),
+        ("rlfleet.services.ingest.no_such_module:prerun_problems", "names no module"),
+        ("rlfleet.services.ingest.prerun", "is not `module:function`"),
+    ],
+)
+def test_a_wrong_pre_run_check_path_in_the_registry_fails_loudly(tmp_path, monkeypatch, path, message):
+    from rlfleet.config import load_bundle
+    from rlfleet.local.launcher import prerun_checks
+    from tests.runs import pool, rlrun, write_rlrun
+
+    wrong = dataclasses.replace(COMPONENTS["ingest"], prerun=path)
+    with pytest.raises(RuntimeError, match=f"component ingest: its pre-run check {re.escape(repr(path))}.*{message}"):
+        wrong.prerun_check()
+    monkeypatch.setitem(COMPONENTS, "ingest", wrong)
+    config = write_rlrun(tmp_path / "rlrun.yaml", rlrun(ingest={"admission": {"mode": "open"}}), pool())
+    with pytest.raises(RuntimeError, match=message):
+        prerun_checks(load_bundle(config), str(config))

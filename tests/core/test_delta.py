@@ -27,6 +27,7 @@ from rlfleet.versions.chain import (
 )
 from rlfleet.versions.checkpoint import (
     VersionExistsError,
+    VersionSections,
     list_versions,
     prune_versions,
     publish_version,
@@ -268,7 +269,7 @@ def test_manifest_delta_sections_are_checked(tmp_path, keys):
         with pytest.raises(ManifestError, match=message):
             check_manifest(bad, "r", 1)
     with pytest.raises(ManifestError, match="format 1"):
-        publish_version(store, "r", 5, versions[0], delta=DeltaSection(0, (), format=9))
+        publish_version(store, "r", 5, versions[0], sections=VersionSections(delta=DeltaSection(0, (), format=9)))
     assert read_manifest(store, "r", 5) is None
 
 

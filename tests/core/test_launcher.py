@@ -209,3 +209,21 @@ def test_a_run_that_admits_outside_workers_plans_an_ingest_announcing_its_own_re
     (tmp_path / "codes.yaml").write_text("{not: a list}")
     bundle, _ = planned({"mode": "invite", "invitesFile": str(tmp_path / "codes.yaml")}, replicas=1)
     assert "must be a non-empty list of invite codes" in local_admission_problems(bundle.run.spec)[0]
+
+
+def test_the_components_started_are_the_kinds_of_the_plan_in_its_order(tmp_path):
+    from rlfleet.local.plan import components_started
+    from tests.runs import extended, pool, relay_tier, rlrun, write_rlrun
+
+    example = (ROOT / "examples" / "arithmetic" / "rlrun.yaml").read_text()
+    bundles = {"example": example, "relays": extended(example, relay_tier("t0", replicas=2))}
+    for name, text in bundles.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    write_rlrun(tmp_path / "open.yaml", rlrun(ingest={"admission": {"mode": "open"}}), pool(replicas=0))
+    write_rlrun(tmp_path / "default-pool.yaml", rlrun(ingest={"tokensFile": "tokens.yaml"}))
+    for config in sorted(tmp_path.glob("*.yaml")):
+        bundle = load_bundle(config)
+        kinds = list(dict.fromkeys(p.kind for p in plan(bundle, config, tmp_path)))
+        assert components_started(bundle) == kinds, config.name
+    assert components_started(load_bundle(tmp_path / "open.yaml")) == ["origin", "verifier", "ingest", "trainer"]
+    assert "relay" in components_started(load_bundle(tmp_path / "relays.yaml"))

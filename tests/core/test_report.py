@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rlfleet.services.trainer.summary import plot, reward_trend, summarize, write_reports
+from rlfleet.wire.run_summary import plot, reward_trend, summarize, write_reports
 
 
 def record(step: int, reward: float, sampled: float | None) -> dict:

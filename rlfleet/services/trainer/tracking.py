@@ -201,9 +201,9 @@ class Trackers:
                 log.warning("%s: step %s not logged: %s", name, record["step"], exc)
 
     def finish(self, metrics_file: Path | None) -> None:
-        """Log the summary and reward.png of metrics.jsonl (rlfleet/services/trainer/summary.py computes both), then end
+        """Log the summary and reward.png of metrics.jsonl (rlfleet/wire/run_summary.py computes both), then end
         every tracker's run."""
-        from rlfleet.services.trainer.summary import plot, read_metrics, summarize
+        from rlfleet.wire.run_summary import plot, read_metrics, summarize
 
         records = read_metrics(metrics_file) if metrics_file else []
         wall = records[-1]["wall_seconds"] if records else time.monotonic() - self.started

@@ -1,7 +1,15 @@
 """A run's summary: `summary.json` and `reward.png` (reward and accuracy against step), both computed from the
 trainer's `metrics.jsonl` records (never written in by hand). Pure functions of the records, so the trainer's
-trackers log the same figures on a cluster (tracking.py) that `rlfleet run` writes into the run directory
-(rlfleet/local/launcher.py) and `rlfleet report` reads (rlfleet/local/run_report.py)."""
+trackers log the same figures on a cluster (rlfleet/services/trainer/tracking.py) that `rlfleet run` writes into
+the run directory (rlfleet/local/launcher.py) and `rlfleet report` reads (rlfleet/local/run_report.py).
+
+Why it stands on the wire floor and not in the trainer: metrics.jsonl is a contract between the trainer, which
+writes it, and the readers that are not the trainer: the launcher reads it every half second while the run
+goes on (its progress line) and writes the summary once every component has stopped, the report and the
+benchmarks read it after the run. None of them may import the trainer's inside (the import contracts in
+pyproject.toml), and a hook of the trainer's registry record would hide that dependency rather than state
+it; a contract that both sides import is what rlfleet/wire holds. matplotlib is imported only by `plot`.
+"""
 
 from __future__ import annotations
 
