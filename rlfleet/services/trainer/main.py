@@ -401,6 +401,7 @@ class Trainer:
                             for k, v in publishable_weights(self.model, model_state).items()
                         },
                     )
+
             shardcast = self.spec.shardcast
             self._publisher = self._publisher or PolicyPublisher(
                 self.store,
@@ -414,10 +415,12 @@ class Trainer:
                 with laps.part("eval"):
                     self.evaluator.offer(self.version, Path(tmp), final)
             self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
+
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.window.versions_to_keep())
         with laps.part("prune"):
             prune_versions(self.store, self.ctx.run_name, keep)
+
         announcement = {"version": self.version, "time": time.time(), "step": self.step_done}
         if self.last_reward is not None:  # shown by the operator's status and printer columns
             announcement["reward"] = self.last_reward
