@@ -6,8 +6,8 @@ version older than maxAsyncLevel behind the version being trained), a repeat of 
 digest in the trained set, in the steps not yet committed or in this batch), undecodable, or, with
 skipZeroAdvantageGroups, one whose rewards are all equal. Every dropped rollout id is kept for the step's
 audit trail. The demand the trainer writes (`set_demand`) is what lets workers pause rather than sample
-groups that would arrive stale, and, through the share of the groups it reads that it keeps (`kept_share`), sample
-enough that the groups it will drop as repeats do not leave its step waiting.
+groups that would arrive stale, and, through the share of the groups it reads that it keeps (`kept_share`),
+sample enough that the groups it will drop as repeats do not leave its step waiting.
 """
 
 from __future__ import annotations

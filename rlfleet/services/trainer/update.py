@@ -1,28 +1,26 @@
 """One GRPO update, single-process or data-parallel over `torch.distributed`.
 
-Every rank holds the whole batch (rank 0 reads it from the stream and broadcasts it); rank r
-computes the loss of completions r, r + W, r + 2W, ... (of those computed) divided by the whole batch's token (or
-completion) count, gradients are summed with all-reduce, then clipped and applied identically on
-every rank, so all ranks keep the same weights and the update equals the single-process one up
-to float summation order. With `trainer.sharding: fsdp` the model is sharded (sharding.py): the
-same split and the same sum, done by FSDP's reduce-scatter in the backward instead of the
-all-reduce here. The batch statistics (loss, ratio, clip fraction, entropy, KL) are the whole
-batch's on every rank; the per-token ones over the rows computed. Rows of zero advantage are not computed when
-the loss has no entropy or KL term (`rows_with_gradient`): they add nothing to it or its gradient, and late in a
-run most groups of solved prompts are all correct.
+Every rank holds the whole batch (rank 0 reads it from the stream and broadcasts it); rank r computes the
+loss of completions r, r + W, r + 2W, ... (of those computed) divided by the whole batch's token (or
+completion) count, gradients are summed with all-reduce, then clipped and applied identically on every rank,
+so all ranks keep the same weights and the update equals the single-process one up to float summation order.
+With `trainer.sharding: fsdp` the model is sharded (sharding.py): the same split and the same sum, done by
+FSDP's reduce-scatter in the backward instead of the all-reduce here. The batch statistics (loss, ratio,
+clip fraction, entropy, KL) are the whole batch's on every rank; the per-token ones over the rows computed.
+Rows of zero advantage are not computed when the loss has no entropy or KL term (`rows_with_gradient`): they
+add nothing to it or its gradient, and late in a run most groups of solved prompts are all correct.
 
-Bounded memory per step: each rank sorts its rows by length and packs them into micro-batches of
-at most `trainer.microBatchTokens` padded tokens (`micro_batches`); every micro-batch is one
-forward and backward, gradients accumulate, and one optimizer step follows. Each micro-batch's
-loss is divided by the whole batch's count (tokens or completions, over all ranks), so the
-accumulated gradient is exactly the one-batch gradient (loss.py). Token logprobs are taken
-`trainer.logprobChunk` positions at a time (rlfleet/models/logprobs.py), so no tensor of a
-micro-batch's positions by the vocabulary exists. Under FSDP every rank runs as many passes as the
-rank with the most micro-batches (all ranks hold the batch, so each computes every plan), the
-extra ones on a zero-weight placeholder. Before the first update, without gradients and in the
-same micro-batches: the frozen reference's logprobs (klCoef > 0) and, with `trainer.offPolicy`
-tis/mis, the trainer's own logprobs, from which loss.py's importance weights come. `compute_dtype`
-autocasts the forwards (fp32 master weights computing in bf16, precision.py).
+Bounded memory per step: each rank sorts its rows by length and packs them into micro-batches of at most
+`trainer.microBatchTokens` padded tokens (`micro_batches`); every micro-batch is one forward and backward,
+gradients accumulate, and one optimizer step follows. Each micro-batch's loss is divided by the whole
+batch's count (tokens or completions, over all ranks), so the accumulated gradient is exactly the one-batch
+gradient (loss.py). Token logprobs are taken `trainer.logprobChunk` positions at a time
+(rlfleet/models/logprobs.py), so no tensor of a micro-batch's positions by the vocabulary exists. Under FSDP
+every rank runs as many passes as the rank with the most micro-batches (all ranks hold the batch, so each
+computes every plan), the extra ones on a zero-weight placeholder. Before the first update, without
+gradients and in the same micro-batches: the frozen reference's logprobs (klCoef > 0) and, with
+`trainer.offPolicy` tis/mis, the trainer's own logprobs, from which loss.py's importance weights come.
+`compute_dtype` autocasts the forwards (fp32 master weights computing in bf16, precision.py).
 
 The ranks and their process group are distributed.py's; the learning-rate schedule is schedule.py's.
 
