@@ -101,7 +101,7 @@ def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path, lora: 
     from rlfleet.models.policy import load_policy
     from rlfleet.models.sources import resolve_model_path
     from rlfleet.services.trainer.lora import attach
-    from rlfleet.services.trainer.update import grpo_update
+    from rlfleet.services.trainer.update import UpdateSettings, grpo_update
     from rlfleet.tasks import make_run_task
     from rlfleet.versions.checkpoint import save_model_dir
     from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
@@ -146,7 +146,7 @@ def make_series(kind: str, dtype: str, lr: float, steps: int, work: Path, lora: 
                 rewards = [float(r) for r in rng.integers(0, 2, len(gens))]
             samples = [Sample(x.completion_ids, x.logprobs, [], r, x.finish_reason) for x, r in zip(gens, rewards)]
             batch.append(RolloutGroup(problem.task_id, "bench", v - 1, prompt, params, samples, rollout_id=f"{v}-{g}"))
-        grpo_update(model, optimizer, batch, trainer, s.temperature, tokenizer.pad_token_id)
+        grpo_update(model, optimizer, batch, UpdateSettings.of(trainer, s.temperature, tokenizer.pad_token_id))
         paths.append(work / f"v{v}")
         save(paths[-1])
         if adapters is not None:  # no manifest here to check the base by: the engine's merge itself

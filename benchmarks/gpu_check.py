@@ -58,7 +58,7 @@ from rlfleet.services.shardcast.client import FetchSettings, fetch_version
 from rlfleet.services.toploc.batch import prefill_verdicts
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.main import READ_BATCH
-from rlfleet.services.trainer.update import grpo_update
+from rlfleet.services.trainer.update import UpdateSettings, grpo_update
 from rlfleet.tasks.arithmetic import ArithmeticTask
 from rlfleet.versions.checkpoint import publish_version, save_model_dir
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
@@ -259,7 +259,8 @@ def trainer_rows(spec, model_dir: Path, dtype: str, device, groups: list[Rollout
             s.reward = float(torch.rand((), generator=rewards))
     # Warm-up, untimed: kernels, cuBLAS handles and the allocator's pools, and AdamW's moments, which
     # exist from the first step on, so every measured step sees the steady state a trainer runs in.
-    grpo_update(model, optimizer, groups[:1], spec.trainer, spec.sampling.temperature, tok.pad_token_id)
+    settings = UpdateSettings.of(spec.trainer, spec.sampling.temperature, tok.pad_token_id)
+    grpo_update(model, optimizer, groups[:1], settings)
     out: dict[str, dict] = {}
     for k in (1, 4, 16):
         batch = groups[:k]
@@ -272,7 +273,7 @@ def trainer_rows(spec, model_dir: Path, dtype: str, device, groups: list[Rollout
         try:
             sync(device)
             t0 = time.perf_counter()
-            grpo_update(model, optimizer, batch, spec.trainer, spec.sampling.temperature, tok.pad_token_id)
+            grpo_update(model, optimizer, batch, settings)
             sync(device)
             seconds = time.perf_counter() - t0
         except torch.cuda.OutOfMemoryError:

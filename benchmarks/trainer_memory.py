@@ -105,7 +105,7 @@ def child(cfg: dict) -> dict:
     from rlfleet.models.device import choose_device
     from rlfleet.models.policy import Prefill
     from rlfleet.services.trainer.precision import prepare_for_training
-    from rlfleet.services.trainer.update import grpo_update
+    from rlfleet.services.trainer.update import UpdateSettings, grpo_update
 
     device = choose_device()
     micro, chunked, checkpointing = LEVERS[cfg["lever"]]
@@ -125,7 +125,7 @@ def child(cfg: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    grpo_update(Prefill(model), optimizer, batch, spec, 1.0, 0)
+    grpo_update(Prefill(model), optimizer, batch, UpdateSettings.of(spec, 1.0, 0))
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()

@@ -7,7 +7,7 @@ GPU, else the CPU. `rank` is the process's GPU index among the pod's GPUs: LOCAL
 ranks (torchrun-style), 0 for everything else (a rollout worker or a verifier uses its first GPU;
 vLLM spreads tensor-parallel ranks over the others itself).
 
-Who asks: the trainer (`training_device`, rlfleet/services/trainer/update.py), the rollout engines
+Who asks: the trainer (`training_device`, rlfleet/services/trainer/distributed.py), the rollout engines
 (`make_engine`, rlfleet/engines/__init__.py: the torch engine's model lives there;
 vLLM must agree with it) and the verifier (its prefill, rlfleet/services/toploc/main.py). Nothing
 else calls torch.cuda to decide.

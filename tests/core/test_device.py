@@ -12,7 +12,7 @@ import torch
 from rlfleet.engines import make_engine
 from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.device import TORCH_CUDA, Cuda, DeviceError, choose_device, decide
-from rlfleet.services.trainer.update import training_device
+from rlfleet.services.trainer.distributed import training_device
 from rlfleet.wire import env
 from tests.support import tiny_policy_dir
 

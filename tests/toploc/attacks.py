@@ -245,7 +245,7 @@ def half_engine(policy_dir, version: int = 0) -> TorchEngine:
 def one_step_later(policy_dir, dest, spec, groups: list[RolloutGroup]):
     """The policy after one GRPO step on `groups` (the run's trainer settings), saved as an HF directory."""
     from rlfleet.models.policy import load_policy
-    from rlfleet.services.trainer.update import grpo_update
+    from rlfleet.services.trainer.update import UpdateSettings, grpo_update
     from rlfleet.versions.checkpoint import save_model_dir
 
     model, tokenizer = load_policy(policy_dir)
@@ -256,6 +256,6 @@ def one_step_later(policy_dir, dest, spec, groups: list[RolloutGroup]):
             for k, s in enumerate(g.samples):
                 s.reward = float(k % 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
-    grpo_update(model, optimizer, groups, t, spec.sampling.temperature, tokenizer.pad_token_id)
+    grpo_update(model, optimizer, groups, UpdateSettings.of(t, spec.sampling.temperature, tokenizer.pad_token_id))
     save_model_dir(model, tokenizer, dest)
     return dest

@@ -182,7 +182,8 @@ def test_verified_groups_train_once_even_when_redelivered(system):
     trainer = Trainer(as_(ctx, TRAINER), output_dir=None)
     trained = []
     for _ in range(2):
-        groups, ack, _ = trainer.collect()
+        batch = trainer.read_batch()
+        groups, ack = batch.groups, batch.ack
         trainer.step(groups)
         trainer.version += 1
         commit = Commit()
@@ -195,9 +196,9 @@ def test_verified_groups_train_once_even_when_redelivered(system):
     fresh = honest_group(engine, ctx, 5)
     fresh.policy_version = trainer.version
     r.xadd(keys.verified, fresh.encode())
-    groups, _, drops = trainer.collect()
-    assert [g.rollout_id for g in groups] == [fresh.rollout_id]
-    assert drops["duplicate"] == 2
+    batch = trainer.read_batch()
+    assert [g.rollout_id for g in batch.groups] == [fresh.rollout_id]
+    assert batch.drops["duplicate"] == 2
 
 
 def test_stale_groups_are_rejected(system):

@@ -55,7 +55,8 @@ def test_each_component_works_with_its_own_redis_user(tmp_path):
             api.stop()
 
         trainer = Trainer(dataclasses.replace(as_(ctx, TRAINER), redis=as_role["trainer"]), output_dir=None)
-        groups, ack, _ = trainer.collect()
+        batch = trainer.read_batch()
+        groups, ack = batch.groups, batch.ack
         trainer.step(groups)
         trainer.version += 1
         commit = Commit()

@@ -42,8 +42,7 @@ def test_verified_groups_carry_the_recomputed_logprobs(tmp_path, redis_url, spot
             torch.testing.assert_close(torch.tensor(s.logprobs), want, rtol=0, atol=1e-5)
 
         trainer = Trainer(as_(ctx, TRAINER), output_dir=None)
-        groups, _, _ = trainer.collect()
-        stats = trainer.step(groups)
+        stats = trainer.step(trainer.read_batch().groups)
         # The first step's ratio is new/old policy = exactly the behaviour policy: 1 on the gate's logprobs.
         expected = 1.0 if spot_check else float(torch.exp(torch.tensor(-SHIFT)))
         assert stats["ratio_mean"] == pytest.approx(expected, abs=2e-3)

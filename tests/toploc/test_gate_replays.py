@@ -74,13 +74,14 @@ def test_identical_honest_work_from_other_seeds_is_accepted_and_trained_once(tmp
         assert verified_ids(ctx) == [first.rollout_id, second.rollout_id]
         assert rejections(ctx) == {copy.rollout_id: "replay"}
         trainer = Trainer(as_(ctx, TRAINER), output_dir=None)  # batchSize 1
-        groups, ack, _ = trainer.collect()
-        _commit(trainer, groups, ack, 1)
+        batch = trainer.read_batch()
+        groups = batch.groups
+        _commit(trainer, groups, batch.ack, 1)
         fresh = attacks.honest(engine, spec, 3)
         ctx.redis.xadd(ctx.keys.verified, fresh.encode())
-        more, _, drops = trainer.collect()
-        assert [g.rollout_id for g in groups + more] == [first.rollout_id, fresh.rollout_id]
-        assert drops["duplicate"] == 1  # the second copy of the content
+        more = trainer.read_batch()
+        assert [g.rollout_id for g in groups + more.groups] == [first.rollout_id, fresh.rollout_id]
+        assert more.drops["duplicate"] == 1  # the second copy of the content
 
 
 def test_the_trainer_trains_the_same_work_once_under_any_ids(system):
@@ -96,12 +97,12 @@ def test_the_trainer_trains_the_same_work_once_under_any_ids(system):
     trainer = Trainer(as_(ctx, TRAINER), output_dir=None)  # batchSize 1
     trained, duplicates = [], 0
     for _ in range(2):
-        groups, ack, drops = trainer.collect()
-        trainer.step(groups)
+        batch = trainer.read_batch()
+        trainer.step(batch.groups)
         trainer.version += 1
-        _commit(trainer, groups, ack, trainer.version)
-        trained += [g.rollout_id for g in groups]
-        duplicates += drops["duplicate"]
+        _commit(trainer, batch.groups, batch.ack, trainer.version)
+        trained += [g.rollout_id for g in batch.groups]
+        duplicates += batch.drops["duplicate"]
     assert trained == [original.rollout_id, fresh.rollout_id]
     assert duplicates == 5
     assert r.xlen(keys.verified) == 0

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from rlfleet.services.trainer.loss import group_advantages, grpo_loss
+from rlfleet.services.trainer.loss import LossInput, LossSettings, group_advantages, grpo_loss
 
 EPS_LOW, EPS_HIGH, DELTA = 0.2, 0.28, 4.0
+SETTINGS = LossSettings(eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=DELTA)
 
 
 def reference_token(ratio: float, adv: float) -> tuple[float, float]:
@@ -49,9 +51,10 @@ def run_loss(ratios, advs, mask, old=None):
     if old is None:
         old = -1.0 - 0.1 * torch.arange(ratios_t.numel(), dtype=torch.float64).reshape(ratios_t.shape)
     logprobs = (old + torch.log(ratios_t)).clone().requires_grad_(True)
-    loss, stats = grpo_loss(
-        logprobs, old, torch.tensor(advs, dtype=torch.float64), torch.tensor(mask), EPS_LOW, EPS_HIGH, DELTA
+    inputs = LossInput(
+        logprobs=logprobs, old_logprobs=old, advantages=torch.tensor(advs, dtype=torch.float64), mask=torch.tensor(mask)
     )
+    loss, stats = grpo_loss(inputs, SETTINGS)
     loss.backward()
     return loss, logprobs.grad, stats
 
@@ -70,8 +73,15 @@ MASK = [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
 def test_a_positive_coefficient_without_its_input_names_it(coef, missing):
     ratios_t = torch.tensor(RATIOS, dtype=torch.float64)
     with pytest.raises(ValueError, match=f"{coef} > 0 needs {'the entropy' if missing == 'entropy' else missing}"):
-        grpo_loss(ratios_t.log(), ratios_t * 0, torch.tensor(ADVS), torch.tensor(MASK), EPS_LOW, EPS_HIGH, DELTA,
-                  **{coef: 0.1})  # fmt: skip
+        grpo_loss(
+            LossInput(
+                logprobs=ratios_t.log(),
+                old_logprobs=ratios_t * 0,
+                advantages=torch.tensor(ADVS),
+                mask=torch.tensor(MASK),
+            ),
+            dataclasses.replace(SETTINGS, **{coef: 0.1}),
+        )
 
 
 def test_loss_and_gradient_match_per_token_formula():

@@ -16,7 +16,7 @@ from rlfleet.config import TrainerSpec
 from rlfleet.models.policy import Prefill, score
 from rlfleet.services.trainer.loss import off_policy_weights
 from rlfleet.services.trainer.precision import precision_for
-from rlfleet.services.trainer.update import grpo_update, micro_batches
+from rlfleet.services.trainer.update import UpdateSettings, grpo_update, micro_batches
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
 
 
@@ -53,7 +53,7 @@ def groups(vocab: int, count: int = 3, size: int = 4, prompt: int = 5, seed: int
 def gradients(model, spec: TrainerSpec, batch, reference=None) -> dict[str, torch.Tensor]:
     """The accumulated gradient of one update (SGD at lr 0 leaves the weights; no clipping)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    grpo_update(Prefill(model), optimizer, batch, spec, 0.9, 0, reference)
+    grpo_update(Prefill(model), optimizer, batch, UpdateSettings.of(spec, 0.9, 0), reference)
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -116,7 +116,7 @@ def largest_in_update(spec: TrainerSpec, vocab: int, batch) -> int:
     model = qwen(vocab=vocab, hidden=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with LargestTensor() as tracker:
-        grpo_update(Prefill(model), optimizer, batch, spec, 1.0, 0)
+        grpo_update(Prefill(model), optimizer, batch, UpdateSettings.of(spec, 1.0, 0))
     return tracker.largest
 
 
@@ -156,7 +156,7 @@ def test_fp32_master_weights_keep_an_update_that_bf16_weights_round_away():
     for name, model, compute in (("bf16", bf16, None), ("master", master, precision.compute_dtype)):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate)
-        grpo_update(Prefill(model), optimizer, batch, spec, 1.0, 0, compute_dtype=compute)
+        grpo_update(Prefill(model), optimizer, batch, UpdateSettings.of(spec, 1.0, 0, compute))
         results[name] = changed_fraction(before, model)
     assert results["bf16"] < 0.05, results  # AdamW moves by ~1e-6: below bf16 resolution but for weights near 0
     assert results["master"] > 0.5, results
@@ -188,7 +188,7 @@ def test_an_off_policy_update_reports_the_ratio_and_weighs_the_gradient():
     base = dict(max_grad_norm=1e9)
     tis = TrainerSpec(off_policy={"mode": "tis", "cap": 2.0}, **base)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    stats = grpo_update(Prefill(model), optimizer, batch, tis, 0.9, 0)
+    stats = grpo_update(Prefill(model), optimizer, batch, UpdateSettings.of(tis, 0.9, 0))
     tokens = sum(len(s.completion_ids) for g in batch for s in g.samples)
     assert stats["offpolicy_ratio_max"] == pytest.approx(1.0, abs=1e-6)
     assert stats["offpolicy_ratio_mean"] == pytest.approx((tokens - 3 + 3 * 0.5) / tokens, abs=1e-5)

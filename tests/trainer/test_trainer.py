@@ -12,9 +12,10 @@ import torch
 
 from rlfleet.config import parse_bundle
 from rlfleet.services.trainer.batches import KEPT_SHARE_FLOOR
-from rlfleet.services.trainer.loss import grpo_loss
+from rlfleet.services.trainer.loss import LossInput, LossSettings, grpo_loss
 from rlfleet.services.trainer.main import Trainer
-from rlfleet.services.trainer.update import grpo_update, lr_factor
+from rlfleet.services.trainer.schedule import lr_factor
+from rlfleet.services.trainer.update import UpdateSettings, grpo_update
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams
 from rlfleet.wire.views import VIEWS, view_bundle
@@ -67,10 +68,11 @@ def test_zero_advantage_and_stale_groups_are_dropped_and_the_batch_still_fills(t
         group("b", [0.0, 1.0], 1),
     ):
         r.xadd(keys.verified, g.encode())
-    groups, ack, drops = trainer.collect()
-    assert [g.rollout_id for g in groups] == ["a", "b"]
-    assert drops["zero_advantage"] == 2 and drops["stale"] == 1
-    assert len(ack) == 5, "dropped messages are acknowledged too"
+    batch = trainer.read_batch()
+    assert [g.rollout_id for g in batch.groups] == ["a", "b"]
+    assert batch.drops["zero_advantage"] == 2 and batch.drops["stale"] == 1
+    assert batch.dropped_ids == {"stale": ["stale"], "duplicate": [], "zero_advantage": ["flat", "flat0"]}
+    assert len(batch.ack) == 5, "dropped messages are acknowledged too"
 
 
 def test_a_step_with_entropy_and_kl_moves_the_policy_away_from_the_reference(trainer):
@@ -98,18 +100,8 @@ def test_loss_options_match_a_direct_formula():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([1.0, -1.0])
     loss, stats = grpo_loss(
-        lp,
-        old,
-        adv,
-        mask,
-        0.2,
-        0.28,
-        4.0,
-        normalization="sequence",
-        entropy=ent,
-        entropy_coef=0.1,
-        ref_logprobs=ref,
-        kl_coef=0.5,
+        LossInput(logprobs=lp, old_logprobs=old, advantages=adv, mask=mask, entropy=ent, ref_logprobs=ref),
+        LossSettings(eps_low=0.2, eps_high=0.28, delta=4.0, normalization="sequence", entropy_coef=0.1, kl_coef=0.5),
     )
 
     def token(logp, o, rf, e, a):
@@ -133,10 +125,10 @@ def test_a_restarted_trainer_holding_fewer_pending_messages_than_a_batch_goes_on
     fewer than batchSize 2. It must take that one and then read new ones, not re-read it forever."""
     keys, r = trainer.ctx.keys, trainer.ctx.redis
     r.xadd(keys.verified, group("held", [1.0, 0.0]).encode())
-    r.xreadgroup(keys.trainer_group, trainer.consumer, {keys.verified: ">"}, count=1)  # the dead trainer's read
+    r.xreadgroup(keys.trainer_group, trainer.reader.consumer, {keys.verified: ">"}, count=1)  # the dead trainer's read
     r.xadd(keys.verified, group("new", [0.0, 1.0]).encode())
     result = {}
-    worker = threading.Thread(target=lambda: result.update(batch=trainer.collect()[0]), daemon=True)
+    worker = threading.Thread(target=lambda: result.update(batch=trainer.read_batch().groups), daemon=True)
     worker.start()
     worker.join(60)
     trainer.ctx.stop.set()  # ends a livelocked collect() so the test can report it
@@ -193,19 +185,20 @@ def test_the_demand_tells_the_workers_the_share_of_what_it_reads_that_the_traine
     """A step that reads 3 groups and drops 1 as a repeat of trained work keeps 2/3; the demand's `kept` is the
     running mean (batches.KEPT_SHARE_WEIGHT) a worker divides its need by (rollout/main.py Worker.room)."""
     keys, r = trainer.ctx.keys, trainer.ctx.redis
-    trainer.set_demand(0, 2, 0)
+    trainer.reader.set_demand(0, 2, 0)
     assert r.hget(keys.demand, "kept") == b"1.0000", "nothing read yet: every group counts"
     repeat = dataclasses.replace(group("a", [1.0, 0.0]), rollout_id="a-again")  # the same content, another id
     for g in (group("a", [1.0, 0.0]), repeat, group("b", [0.0, 1.0])):
         r.xadd(keys.verified, g.encode())
-    batch, _, drops = trainer.collect()
-    assert [g.rollout_id for g in batch] == ["a", "b"] and drops["duplicate"] == 1
-    assert trainer.kept_share == pytest.approx(0.5 * 1.0 + 0.5 * 2 / 3)
-    trainer.set_demand(1, 2, 0)
+    batch = trainer.read_batch()
+    assert [g.rollout_id for g in batch.groups] == ["a", "b"] and batch.drops["duplicate"] == 1
+    assert batch.dropped_ids["duplicate"] == ["a-again"]
+    assert trainer.reader.kept_share == pytest.approx(0.5 * 1.0 + 0.5 * 2 / 3)
+    trainer.reader.set_demand(1, 2, 0)
     assert float(r.hget(keys.demand, "kept")) == pytest.approx(0.8333, abs=1e-4)
     for _ in range(20):  # a long run of nothing but repeats stops at the floor
-        trainer.update_kept_share(0, 5)
-    assert trainer.kept_share == KEPT_SHARE_FLOOR
+        trainer.reader.update_kept_share(0, 5)
+    assert trainer.reader.kept_share == KEPT_SHARE_FLOOR
 
 
 def test_epochs_are_that_many_updates_on_the_same_batch(tmp_path, redis_url):
@@ -224,17 +217,20 @@ def test_epochs_are_that_many_updates_on_the_same_batch(tmp_path, redis_url):
         )
         return Trainer(ctx, output_dir=None)
 
+    def settings(trainer: Trainer) -> UpdateSettings:
+        return UpdateSettings.of(trainer.spec.trainer, 1.0, trainer.tokenizer.pad_token_id)
+
     groups = [group("a", [1.0, 0.0]), group("b", [0.0, 1.0, 1.0])]
     once, twice = make(1), make(2)
     assert twice.spec.trainer.epochs == 2
     for _ in range(2):
-        grpo_update(once.prefill, once.optimizer, groups, once.spec.trainer, 1.0, once.tokenizer.pad_token_id)
+        grpo_update(once.prefill, once.optimizer, groups, settings(once))
     first = dict(once.model.state_dict())
-    stats = grpo_update(twice.prefill, twice.optimizer, groups, twice.spec.trainer, 1.0, twice.tokenizer.pad_token_id)
+    stats = grpo_update(twice.prefill, twice.optimizer, groups, settings(twice))
     assert stats["samples"] == 5
     for name, tensor in twice.model.state_dict().items():
         torch.testing.assert_close(tensor, first[name], rtol=0, atol=0)
     single = make(1)
-    grpo_update(single.prefill, single.optimizer, groups, single.spec.trainer, 1.0, single.tokenizer.pad_token_id)
+    grpo_update(single.prefill, single.optimizer, groups, settings(single))
     assert any(not torch.equal(t, first[n]) for n, t in single.model.state_dict().items())
     client.close()

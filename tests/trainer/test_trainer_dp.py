@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from rlfleet.config import TrainerSpec
 from rlfleet.local.redis_server import free_port
 from rlfleet.models.policy import load_policy
-from rlfleet.services.trainer.update import grpo_update
+from rlfleet.services.trainer.distributed import Ranks
+from rlfleet.services.trainer.update import UpdateSettings, grpo_update
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
 from tests.support import tiny_policy_dir
 
@@ -45,16 +46,17 @@ def update_once(policy_dir, spec: TrainerSpec, rank: int = 0, world: int = 1) ->
     # Plain SGD and no clipping: the update is proportional to the gradient, so any error in how the
     # ranks split and normalize the batch shows in the weights (Adam's first step would hide a scale).
     optimizer = torch.optim.SGD(model.parameters(), lr=spec.learning_rate)
-    stats = grpo_update(model, optimizer, batch(), spec, 1.0, tokenizer.pad_token_id, reference, rank=rank, world=world)
+    settings = UpdateSettings.of(spec, 1.0, tokenizer.pad_token_id)
+    stats = grpo_update(model, optimizer, batch(), settings, reference, Ranks(rank, world))
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, stats
 
 
 def _rank_main(rank: int, world: int, port: int, policy_dir: str, spec_json: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from rlfleet.services.trainer.update import init_distributed, leave_distributed
+    from rlfleet.services.trainer.distributed import init_distributed, leave_distributed
 
-    assert init_distributed() == (rank, world)
+    assert init_distributed() == Ranks(rank, world)
     weights, stats = update_once(Path(policy_dir), TrainerSpec.model_validate_json(spec_json), rank, world)
     save_file(weights, f"{out}/rank{rank}.safetensors")
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(stats))

@@ -21,10 +21,11 @@ from rlfleet.models.policy import load_policy, load_weights_in_place
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
+from rlfleet.services.trainer.distributed import Ranks
 from rlfleet.services.trainer.precision import prepare_for_training
 from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
 from rlfleet.services.trainer.state import load_checkpoint, save_checkpoint
-from rlfleet.services.trainer.update import grpo_update
+from rlfleet.services.trainer.update import UpdateSettings, grpo_update
 from rlfleet.versions.checkpoint import save_model_dir
 from rlfleet.versions.store import open_store
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, group_digest
@@ -70,14 +71,16 @@ def _rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> N
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from rlfleet.services.trainer.update import init_distributed
+    from rlfleet.services.trainer.distributed import init_distributed
 
-    assert init_distributed() == (rank, world)
+    assert init_distributed() == Ranks(rank, world)
     model, tokenizer = load_policy(policy_dir)
     prepare_for_training(model, FIRST)
     prefill = shard_policy(model, world)
     optimizer = sgd(model)
-    grpo_update(prefill, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id, rank=rank, world=world)
+    grpo_update(
+        prefill, optimizer, batch(), UpdateSettings.of(FIRST, 1.0, tokenizer.pad_token_id), ranks=Ranks(rank, world)
+    )
     weights = full_model_state(model)
     if rank == 0:
         save_model_dir(model, tokenizer, f"{out}/published", state_dict=publishable_weights(model, weights))
@@ -90,7 +93,11 @@ def _rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> N
     optimizer = sgd(model)
     load_checkpoint(store, key, model, optimizer)
     stats = grpo_update(
-        prefill, optimizer, single_completion(), SECOND, 1.0, tokenizer.pad_token_id, rank=rank, world=world
+        prefill,
+        optimizer,
+        single_completion(),
+        UpdateSettings.of(SECOND, 1.0, tokenizer.pad_token_id),
+        ranks=Ranks(rank, world),
     )
     weights = full_model_state(model)
     if rank == 0:
@@ -106,9 +113,9 @@ def test_two_sharded_processes_update_like_one_and_publish_a_whole_checkpoint(tm
     prepare_for_training(model, FIRST)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = sgd(model)
-    grpo_update(model, optimizer, batch(), FIRST, 1.0, tokenizer.pad_token_id)
+    grpo_update(model, optimizer, batch(), UpdateSettings.of(FIRST, 1.0, tokenizer.pad_token_id))
     after_first = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    stats = grpo_update(model, optimizer, single_completion(), SECOND, 1.0, tokenizer.pad_token_id)
+    stats = grpo_update(model, optimizer, single_completion(), UpdateSettings.of(SECOND, 1.0, tokenizer.pad_token_id))
     after_second = {k: v.detach().clone() for k, v in model.state_dict().items()}
     assert stats["grad_norm"] > SECOND.max_grad_norm, "the second step is clipped"
 
@@ -189,8 +196,8 @@ def _mixed_rank_main(rank: int, world: int, port: int, policy_dir: str, out: str
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    from rlfleet.services.trainer.distributed import init_distributed
     from rlfleet.services.trainer.precision import precision_for
-    from rlfleet.services.trainer.update import init_distributed
 
     init_distributed()
     spec = TrainerSpec(learning_rate=1e-6, micro_batch_tokens=24)
@@ -199,7 +206,9 @@ def _mixed_rank_main(rank: int, world: int, port: int, policy_dir: str, out: str
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     prefill = shard_policy(model, world, precision.fsdp_policy())
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate)
-    grpo_update(prefill, optimizer, batch(), spec, 1.0, tokenizer.pad_token_id, rank=rank, world=world)
+    grpo_update(
+        prefill, optimizer, batch(), UpdateSettings.of(spec, 1.0, tokenizer.pad_token_id), ranks=Ranks(rank, world)
+    )
     weights = full_model_state(model)
     if rank == 0:
         changed = sum(int((weights[k] != v).sum()) for k, v in initial.items())

@@ -6,19 +6,20 @@ version older than maxAsyncLevel behind the version being trained), a repeat of 
 digest in the trained set, in the steps not yet committed or in this batch), undecodable, or, with
 skipZeroAdvantageGroups, one whose rewards are all equal. Every dropped rollout id is kept for the step's
 audit trail. The demand the trainer writes (`set_demand`) is what lets workers pause rather than sample
-groups that would arrive stale, and, through the share of the groups it reads that it keeps (`kept_share`), sample
-enough that the groups it will drop as repeats do not leave its step waiting.
+groups that would arrive stale, and, through the share of the groups it reads that it keeps (`kept_share`),
+sample enough that the groups it will drop as repeats do not leave its step waiting.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
-from rlfleet.config import RLRunSpec
 from rlfleet.fleet.prompt_filter import OutcomeRecorder
 from rlfleet.fleet.window import AsyncWindow
+from rlfleet.services.trainer.metrics import DROP_REASONS
 from rlfleet.services.trainer.state import Commit
-from rlfleet.wire.runtime import Context
+from rlfleet.wire.runtime import Context, ensure_group
 from rlfleet.wire.streams import MessageError, RolloutGroup, group_digest, rewards_all_equal, stream_reply
 from rlfleet.wire.timing import Laps
 
@@ -32,73 +33,122 @@ KEPT_SHARE_WEIGHT = 0.5
 KEPT_SHARE_FLOOR = 0.1
 
 
+DROPS_RECORDED = ("stale", "duplicate", "zero_advantage")  # the reasons whose rollout ids the step record lists
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's read of the verified stream (rank 0's; the other ranks hold `Batch.empty()`)."""
+
+    groups: list[RolloutGroup]  # the batchSize groups to train, in the order read
+    ack: list[bytes]  # every message id read, kept or dropped: acknowledged when the step is committed
+    drops: dict[str, int]  # how many groups were dropped, by reason (metrics.DROP_REASONS)
+    dropped_ids: dict[str, list[str]]  # the rollout ids dropped, by reason (DROPS_RECORDED): the step's audit trail
+    read_groups: list[tuple[str, list[float]]]  # (task id, rewards) of every group read, dropped ones too
+
+    @classmethod
+    def empty(cls) -> Batch:
+        return cls([], [], {}, {}, [])
+
+
 class BatchReader:
-    """The verified stream's side of the trainer (a base of main.Trainer, which sets these attributes)."""
+    """The verified stream's side of the trainer: reads a step's batch as consumer `consumer` of the trainer's
+    group, drops what the module docstring says, and tells the workers what it still wants (`set_demand`).
 
-    ctx: Context
-    spec: RLRunSpec
-    consumer: str
-    version: int
-    pending: Commit
-    outcomes: OutcomeRecorder | None
-    dropped_ids: dict[str, list[str]]
-    read_groups: list[tuple[str, list[float]]]  # (task id, rewards) of every group the step read, dropped ones too
-    _pending_cursor: bytes | str | None
-    laps: Laps  # the step's parts (split.py): demand, wait, decode, dedup, outcomes
-    kept_share: float  # running share of read groups kept (KEPT_SHARE_* below): what workers scale their demand by
+    It owns what carries over from one read to the next: the cursor over the messages this consumer held
+    unacknowledged when it started, the share of the groups read that it keeps, and the online filter's
+    outcome recorder. What the trainer has trained but not yet committed (its `Commit`) is the trainer's,
+    read here to drop repeats of it and to count what is held."""
 
-    def collect(self) -> tuple[list[RolloutGroup], list[bytes], dict[str, int]]:
-        """Block until batchSize fresh groups are held; return them, every message id to ack, and drop counts."""
-        keys, r = self.ctx.keys, self.ctx.client
-        want, oldest = self.spec.trainer.batch_size, self.oldest_trained(self.version)
-        skip_flat = self.spec.trainer.skip_zero_advantage_groups
-        batch: list[RolloutGroup] = []
+    def __init__(self, ctx: Context, window: AsyncWindow, laps: Laps, record_outcomes: bool = True):
+        """A reader for the run of `ctx` that drops what is older than `window` and times its parts in `laps`
+        (the step's: demand, wait, decode, dedup, outcomes; split.py). Every rank makes one, so every rank makes
+        sure the trainer's consumer group exists; only rank 0 reads, and only it records outcomes
+        (`record_outcomes`) for the online prompt filter (spec.sampling.onlineFilter, fleet/prompt_filter.py)."""
+        self.ctx = ctx
+        self.window = window
+        self.laps = laps
+        self.consumer = "trainer-0"
+        spec = ctx.bundle.run.spec
+        self.batch_size = spec.trainer.batch_size
+        self.skip_flat = spec.trainer.skip_zero_advantage_groups
+
+        # First the messages this consumer read but never acknowledged (a restart), walked once by id, then new
+        # ones (">"); reading pending entries from "0" again would return the same ones forever.
+        self.pending_cursor: bytes | str | None = "0"
+        self.kept_share = 1.0  # running share of read groups kept (KEPT_SHARE_*): nothing read yet
+
+        ensure_group(ctx.client, ctx.keys.verified, ctx.keys.trainer_group)
+        f = spec.sampling.online_filter  # the trainer records outcomes; workers skip what it retires
+        self.outcomes = OutcomeRecorder(f, ctx.client, ctx.keys) if f and record_outcomes else None
+
+    def collect(self, version: int, pending: Commit) -> Batch:
+        """Block until batchSize fresh groups are held for the step taken while holding `version`, or until stopped.
+        `pending`: what the steps since the last save trained, not yet committed (repeats of it are dropped)."""
+        want, oldest = self.batch_size, self.window.oldest(version)
+        batch = Batch([], [], dict.fromkeys(DROP_REASONS, 0), {reason: [] for reason in DROPS_RECORDED}, [])
         batch_digests: set[str] = set()
-        ack: list[bytes] = []
-        drops = {"stale": 0, "duplicate": 0, "malformed": 0, "zero_advantage": 0}
-        self.dropped_ids = {"stale": [], "duplicate": [], "zero_advantage": []}  # the audit trail of drops
-        self.read_groups = []
-        laps = self.laps
-        while len(batch) < want and not self.ctx.stop.is_set():
-            with laps.part("demand"):
-                self.set_demand(oldest, want - len(batch), len(ack) + len(self.pending.message_ids))
-            # After a restart, first the messages this consumer read but never acknowledged, walked
-            # once by id (reading pending entries from "0" again would return the same ones forever).
-            start = self._pending_cursor or ">"
-            with laps.part("wait"):
-                resp = stream_reply(
-                    r.xreadgroup(
-                        keys.trainer_group, self.consumer, {keys.verified: start}, count=want - len(batch), block=500
-                    )
-                )
-            if self._pending_cursor is not None:
-                pending = [msg_id for _, entries in resp or [] for msg_id, _ in entries]
-                self._pending_cursor = pending[-1] if pending else None
-            read: list[RolloutGroup] = []
-            for _, entries in resp or []:
-                for msg_id, fields in entries:
-                    with laps.part("decode"):  # and what was read noted
-                        ack.append(msg_id)
-                        try:
-                            group = RolloutGroup.decode(fields)
-                        except MessageError as exc:
-                            log.error("undecodable verified message %s: %s", msg_id, exc)
-                            drops["malformed"] += 1
-                            continue
-                        self.read_groups.append((group.task_id, [s.reward for s in group.samples]))
-                        read.append(group)
-                    if self.outcomes:
-                        with laps.part("outcomes"):
-                            self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])
-            with laps.part("dedup"):
+        while len(batch.groups) < want and not self.ctx.stop.is_set():
+            with self.laps.part("demand"):
+                self.set_demand(oldest, want - len(batch.groups), len(batch.ack) + len(pending.message_ids))
+            read = self._read(want - len(batch.groups), batch)
+            with self.laps.part("dedup"):
                 # One round trip for the whole read (ZMSCORE), not one per group: late in a run most groups
                 # read are repeats, about 24 reads per step of 16.
                 digests = [group_digest(g) for g in read]
-                trained = r.zmscore(keys.trained, digests) if digests else []
+                trained = self.ctx.client.zmscore(self.ctx.keys.trained, digests) if digests else []
                 for group, digest, score in zip(read, digests, trained, strict=True):
-                    self._admit(group, digest, score is not None, batch, batch_digests, oldest, skip_flat, drops)
-        self.update_kept_share(len(batch), drops["duplicate"] + drops["zero_advantage"])
-        return batch, ack, drops
+                    repeat = score is not None or digest in pending.digests or digest in batch_digests
+                    if self._admit(group, repeat, oldest, batch):
+                        batch_digests.add(digest)
+        self.update_kept_share(len(batch.groups), batch.drops["duplicate"] + batch.drops["zero_advantage"])
+        return batch
+
+    def _read(self, count: int, batch: Batch) -> list[RolloutGroup]:
+        """Up to `count` groups from the stream (waiting up to half a second), their message ids added to
+        `batch.ack` and what they are to `batch.read_groups`; an undecodable one is counted as malformed."""
+        keys, r = self.ctx.keys, self.ctx.client
+        start = self.pending_cursor or ">"
+        with self.laps.part("wait"):
+            resp = stream_reply(
+                r.xreadgroup(keys.trainer_group, self.consumer, {keys.verified: start}, count=count, block=500)
+            )
+        if self.pending_cursor is not None:
+            pending = [msg_id for _, entries in resp or [] for msg_id, _ in entries]
+            self.pending_cursor = pending[-1] if pending else None
+        read: list[RolloutGroup] = []
+        for _, entries in resp or []:
+            for msg_id, fields in entries:
+                with self.laps.part("decode"):  # and what was read noted
+                    batch.ack.append(msg_id)
+                    try:
+                        group = RolloutGroup.decode(fields)
+                    except MessageError as exc:
+                        log.error("undecodable verified message %s: %s", msg_id, exc)
+                        batch.drops["malformed"] += 1
+                        continue
+                    batch.read_groups.append((group.task_id, [s.reward for s in group.samples]))
+                    read.append(group)
+                if self.outcomes:
+                    with self.laps.part("outcomes"):
+                        self.outcomes.observe(group.prompt_ids, [s.reward for s in group.samples])
+        return read
+
+    def _admit(self, group: RolloutGroup, repeat: bool, oldest: int, batch: Batch) -> bool:
+        """Append `group` to `batch.groups` and return True, or count and record why it is dropped (the module
+        docstring's reasons) and return False. `repeat`: its content was trained, is pending or is in the batch."""
+        if repeat:
+            reason = "duplicate"
+        elif group.policy_version < oldest:
+            reason = "stale"
+        elif self.skip_flat and rewards_all_equal(group):
+            reason = "zero_advantage"
+        else:
+            batch.groups.append(group)
+            return True
+        batch.drops[reason] += 1
+        batch.dropped_ids[reason].append(group.rollout_id)
+        return False
 
     def update_kept_share(self, kept: int, dropped_for_content: int) -> None:
         """Fold one step's reads into `kept_share` (KEPT_SHARE_WEIGHT, KEPT_SHARE_FLOOR)."""
@@ -106,36 +156,6 @@ class BatchReader:
             share = kept / (kept + dropped_for_content)
             blended = (1 - KEPT_SHARE_WEIGHT) * self.kept_share + KEPT_SHARE_WEIGHT * share
             self.kept_share = max(KEPT_SHARE_FLOOR, blended)
-
-    def _admit(
-        self,
-        group: RolloutGroup,
-        digest: str,
-        was_trained: bool,
-        batch: list[RolloutGroup],
-        batch_digests: set[str],
-        oldest: int,
-        skip_flat: bool,
-        drops: dict[str, int],
-    ) -> None:
-        """Append `group` (content digest `digest`; `was_trained`: in the run's trained set) to `batch`, or count
-        and record why it is dropped (the module docstring's reasons). `batch_digests`: the batch's digests."""
-        if was_trained or digest in self.pending.digests or digest in batch_digests:
-            drops["duplicate"] += 1
-            self.dropped_ids["duplicate"].append(group.rollout_id)
-        elif group.policy_version < oldest:
-            drops["stale"] += 1
-            self.dropped_ids["stale"].append(group.rollout_id)
-        elif skip_flat and rewards_all_equal(group):
-            drops["zero_advantage"] += 1
-            self.dropped_ids["zero_advantage"].append(group.rollout_id)
-        else:
-            batch.append(group)
-            batch_digests.add(digest)
-
-    def oldest_trained(self, version: int) -> int:
-        """The oldest policy version a step taken while holding `version` trains (maxAsyncLevel back)."""
-        return AsyncWindow.of(self.spec).oldest(version)
 
     def set_demand(self, oldest: int, need: int, held: int) -> None:
         """Tell the workers what this trainer still wants (`keys.demand`): the oldest policy version it

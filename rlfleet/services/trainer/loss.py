@@ -42,7 +42,54 @@ divergence" (k3).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
 import torch
+
+if TYPE_CHECKING:
+    from rlfleet.config import TrainerSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSettings:
+    """The loss's constants, from the run's TrainerSpec (`of`), made once per trainer: the clip range
+    1 - eps_low .. 1 + eps_high, the cap `delta` on the ratio of negative-advantage tokens, the
+    normalization (token or sequence) and the weights of the entropy bonus and of the KL penalty."""
+
+    eps_low: float
+    eps_high: float
+    delta: float
+    normalization: Literal["token", "sequence"] = "token"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+
+    @classmethod
+    def of(cls, t: TrainerSpec) -> LossSettings:
+        """The settings of TrainerSpec `t` (epsLow, epsHigh, delta, normalization, entropyCoef, klCoef)."""
+        return cls(
+            eps_low=t.eps_low,
+            eps_high=t.eps_high,
+            delta=t.delta,
+            normalization=t.normalization,
+            entropy_coef=t.entropy_coef,
+            kl_coef=t.kl_coef,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossInput:
+    """One micro-batch's tensors, B completions by T positions, aligned on their completion tokens (update.py
+    puts each completion's tokens at their positions in its row and zeros elsewhere)."""
+
+    logprobs: torch.Tensor  # (B, T) under the policy being trained, with gradients
+    old_logprobs: torch.Tensor  # (B, T) under the policy that sampled (or the trainer's own before the update)
+    advantages: torch.Tensor  # (B,), or (B, T) per token (importance-weighted, off_policy_weights)
+    mask: torch.Tensor  # (B, T) 1 on completion tokens
+    entropy: torch.Tensor | None = None  # (B, T) policy entropy per position, when entropy_coef > 0
+    ref_logprobs: torch.Tensor | None = None  # (B, T) under the frozen reference, when kl_coef > 0
+    # Data parallel and micro-batches: the whole batch's tokens (token) or completions (sequence); None: this one's.
+    denominator: float | None = None
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -54,54 +101,47 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)
 
 
-def grpo_loss(
-    logprobs: torch.Tensor,  # (B, T) under the policy being trained
-    old_logprobs: torch.Tensor,  # (B, T) under the policy that sampled
-    advantages: torch.Tensor,  # (B,), or (B, T) per token (importance-weighted, off_policy_weights)
-    mask: torch.Tensor,  # (B, T) 1 on completion tokens
-    eps_low: float,
-    eps_high: float,
-    delta: float,
-    normalization: str = "token",
-    entropy: torch.Tensor | None = None,  # (B, T) policy entropy per position, when entropy_coef > 0
-    entropy_coef: float = 0.0,
-    ref_logprobs: torch.Tensor | None = None,  # (B, T) under the frozen reference, when kl_coef > 0
-    kl_coef: float = 0.0,
-    denominator: float | None = None,  # data parallel: the whole batch's tokens (token) or completions (sequence)
-) -> tuple[torch.Tensor, dict[str, float]]:
-    ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(ratio)
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+def grpo_loss(batch: LossInput, settings: LossSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of `batch` (the module docstring's per-token loss, normalized) and its statistics: ratio_mean,
+    clip_fraction, and entropy_mean and kl_mean when those terms are on, as means over its completion tokens."""
+    s = settings
+    ratio = torch.exp(batch.logprobs - batch.old_logprobs)
+    adv = batch.advantages if batch.advantages.dim() == 2 else batch.advantages[:, None].expand_as(ratio)
+    clipped = torch.clamp(ratio, 1.0 - s.eps_low, 1.0 + s.eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
-    objective = torch.where(adv < 0, torch.maximum(objective, delta * adv), objective)
+    objective = torch.where(adv < 0, torch.maximum(objective, s.delta * adv), objective)
     per_token = -objective
     stats: dict[str, float] = {}
-    if entropy_coef > 0:
-        if entropy is None:
+
+    if s.entropy_coef > 0:
+        if batch.entropy is None:
             raise ValueError("grpo_loss: entropy_coef > 0 needs the entropy (score(..., want_entropy=True))")
-        per_token = per_token - entropy_coef * entropy
-    if kl_coef > 0:
-        if ref_logprobs is None:
+        per_token = per_token - s.entropy_coef * batch.entropy
+    if s.kl_coef > 0:
+        if batch.ref_logprobs is None:
             raise ValueError("grpo_loss: kl_coef > 0 needs ref_logprobs (the frozen reference's scores)")
-        log_ratio = ref_logprobs - logprobs
+        log_ratio = batch.ref_logprobs - batch.logprobs
         k3 = torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, 0.0, 10.0)
-        per_token = per_token + kl_coef * k3
-    mask = mask.to(per_token.dtype)
+        per_token = per_token + s.kl_coef * k3
+
+    mask = batch.mask.to(per_token.dtype)
     tokens = mask.sum().clamp(min=1.0)
-    if normalization == "token":
+    denominator = batch.denominator
+    if s.normalization == "token":
         loss = (per_token * mask).sum() / (denominator or tokens)
-    elif normalization == "sequence":
+    elif s.normalization == "sequence":
         per_seq = mask.sum(-1)
         has = per_seq > 0
         loss = ((per_token * mask).sum(-1)[has] / per_seq[has]).sum() / (denominator or has.sum().clamp(min=1))
     else:
-        raise ValueError(f"spec.trainer.normalization: {normalization!r} is not token or sequence")
+        raise ValueError(f"spec.trainer.normalization: {s.normalization!r} is not token or sequence")
+
     with torch.no_grad():
-        clipped_frac = (((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).to(mask.dtype) * mask).sum() / tokens
+        clipped_frac = (((ratio < 1 - s.eps_low) | (ratio > 1 + s.eps_high)).to(mask.dtype) * mask).sum() / tokens
         stats.update(ratio_mean=float((ratio * mask).sum() / tokens), clip_fraction=float(clipped_frac))
-        if entropy is not None:
-            stats["entropy_mean"] = float((entropy * mask).sum() / tokens)
-        if kl_coef > 0:
+        if batch.entropy is not None:
+            stats["entropy_mean"] = float((batch.entropy * mask).sum() / tokens)
+        if s.kl_coef > 0:
             stats["kl_mean"] = float((k3 * mask).sum() / tokens)
     return loss, stats
 

@@ -14,9 +14,14 @@ One step:
      XACK their messages; until then they stay pending, so a crash redelivers them and they are trained
      again from the weights saved before them, never on top of their own update (state.py has the
      whole protocol).
+
 Each step's record (metrics.jsonl) says where its wall time went, part by part (split.py).
 A replica of several ranks is started by ranks.py (`--ranks`); every rank runs this loop, rank 0 alone
-reads the streams, publishes and commits.
+reads the streams, publishes and commits (distributed.py).
+
+This module reads in the order of the process's life: `main` starts the ranks and builds the `Trainer`, which
+loads the policy, resumes from the saved state (`resume`), then takes its steps (`run`, `take_step`): read
+a batch (batches.py), update (update.py), record, save when due, publish.
 """
 
 from __future__ import annotations
@@ -31,17 +36,18 @@ from typing import cast
 import numpy as np
 import torch
 
-from rlfleet.fleet.prompt_filter import OutcomeRecorder
 from rlfleet.fleet.repeats import RepeatTally, Tally
 from rlfleet.fleet.window import AsyncWindow
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.models.sources import ModelSourceError, resolve_model_path
-from rlfleet.services.trainer.batches import BatchReader
+from rlfleet.services.trainer.batches import Batch, BatchReader
+from rlfleet.services.trainer.distributed import broadcast, init_distributed, leave_distributed, training_device
 from rlfleet.services.trainer.evaluation import Evaluator
 from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, source_record, withdraw
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
+from rlfleet.services.trainer.schedule import lr_factor
 from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
 from rlfleet.services.trainer.split import StepSplit
 from rlfleet.services.trainer.state import (
@@ -53,37 +59,76 @@ from rlfleet.services.trainer.state import (
     save_state,
 )
 from rlfleet.services.trainer.tracking import open_trackers
-from rlfleet.services.trainer.update import (
-    broadcast,
-    grpo_update,
-    init_distributed,
-    leave_distributed,
-    lr_factor,
-    training_device,
-)
+from rlfleet.services.trainer.update import UpdateSettings, grpo_update
 from rlfleet.versions.checkpoint import prune_versions, save_model_dir
 from rlfleet.versions.publish import PolicyPublisher
 from rlfleet.versions.signing import run_signer
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
-from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group, fail_run
+from rlfleet.wire.runtime import ComponentOptions, Context, component_context, fail_run
 from rlfleet.wire.streams import RolloutGroup, encode_json, group_digest
 
 log = logging.getLogger("rlfleet.trainer")
+
 TRAINED_DIGESTS_KEPT = 200_000
 
 
-class Trainer(BatchReader):
+@dataclass(frozen=True, kw_only=True)
+class TrainerOptions(ComponentOptions):
+    output_dir: Path | None = None  # where metrics.jsonl is written
+    steps: int | None = None  # overrides spec.trainer.steps
+    hold_when_done: bool = False  # after the last step, wait for SIGTERM instead of exiting (in a pod)
+    ranks: int = 1  # rank processes of this replica (ranks.py): with more than 1 this process starts them
+
+
+def main(options: TrainerOptions) -> int:
+    """The trainer process: start the replica's ranks (or become one), build the Trainer, take every step."""
+    if is_group_parent(options.ranks):
+        return run_group(options.ranks)
+    become_rank(options.ranks)
+    if env.get_int(env.LOCAL_RANK, 0) > 0:
+        options = replace(options, metrics_port=0)  # the replica's /metrics port is local rank 0's
+
+    ctx = component_context(options, components.TRAINER)
+    configure_torch_threads()
+    if options.output_dir:
+        options.output_dir.mkdir(parents=True, exist_ok=True)
+
+    try:
+        try:
+            trainer = Trainer(ctx, options.output_dir)
+        except ModelSourceError as exc:  # the config names a model that cannot be had: no restart fixes it
+            return fail_run(ctx, "ModelUnavailable", str(exc), hold=options.hold_when_done)
+        try:
+            trainer.run(options.steps or ctx.bundle.run.spec.trainer.steps)
+        finally:
+            trainer.records.close()  # the trackers get the summary and reward.png, and their runs end
+
+        if options.hold_when_done and not ctx.stop.is_set():
+            # A StatefulSet restarts a container that exits, even with 0; the operator scales it down instead.
+            log.info("every step is done; holding until stopped")
+            ctx.stop.wait()
+    finally:
+        leave_distributed()
+    return 0
+
+
+class Trainer:
+    """One rank of the trainer: the policy it trains, its optimizer and schedule, and where the run stands (the
+    version it holds, the steps trained since the last save). Rank 0 also holds the batch reader's reads, the
+    metrics log and trackers, the publisher and the evaluator."""
+
     def __init__(self, ctx: Context, output_dir: Path | None):
         self.ctx = ctx
         self.spec = ctx.bundle.run.spec
+        self.window = AsyncWindow.of(self.spec)  # what a step trains and what the store keeps (fleet/window.py)
         self.store = open_run_store(ctx)
-        self.consumer = "trainer-0"
-        self.rank, self.world = init_distributed()  # only rank 0 reads streams, publishes and commits
-        if self.rank != 0:
+        self.ranks = init_distributed()  # only rank 0 reads streams, publishes and commits
+        if not self.ranks.is_lead:
             withdraw()  # its series would read 0 and halve every average over the trainer pods
-        trackers = open_trackers(ctx.bundle, self.store, output_dir) if self.rank == 0 else None
+        trackers = open_trackers(ctx.bundle, self.store, output_dir) if self.ranks.is_lead else None
         self.records = MetricsLog(output_dir / "metrics.jsonl" if output_dir else None, trackers)
+
         base = resolve_model_path(
             self.spec.model,
             self.spec.task,
@@ -91,6 +136,32 @@ class Trainer(BatchReader):
             store_endpoint=self.spec.store.endpoint_url,
             caller=components.TRAINER,
         )
+        self._load_policy(base)
+        self.settings = UpdateSettings.of(
+            self.spec.trainer,
+            self.spec.sampling.temperature,
+            self.tokenizer.pad_token_id,
+            None if self.sharded else self.precision.compute_dtype,  # FSDP's own policy casts when sharded
+        )
+
+        self.version = 0
+        self.saved_step = 0  # the step of the last saved state
+        self.step_done = 0  # the step whose weights the model holds (announced with each version)
+        self.pending = Commit()  # what the steps since then trained (rank 0), committed at the next save
+        self.last_record: dict | None = None
+        self.last_reward: float | None = None
+        self.started = time.monotonic()
+        self.split = StepSplit()  # each step's record says where its seconds went (split.py)
+        self.laps = self.split.laps
+        self.repeats = RepeatTally()  # what workers hold back: repeats of trained work, flat groups (fleet/repeats.py)
+        self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
+
+        self.reader = BatchReader(ctx, self.window, self.laps, record_outcomes=self.ranks.is_lead)
+        self.evaluator = Evaluator(self.spec, base) if self.spec.eval and self.ranks.is_lead else None  # spec.eval
+
+    def _load_policy(self, base: Path) -> None:
+        """The policy from `base` on this rank's device, its LoRA adapters (lora.py), its shard under FSDP
+        (sharding.py), the optimizer and schedule over what trains, and the KL reference when the penalty is on."""
         t = self.spec.trainer
         self.precision = precision_for(self.spec.model.dtype, t)  # fp32 master weights for bf16 (precision.py)
         self.model, self.tokenizer = load_policy(base, self.precision.load_dtype)
@@ -99,42 +170,218 @@ class Trainer(BatchReader):
         self.device = training_device()
         self.model.to(self.device)
         torch.manual_seed(t.seed)
-        self.sharded = t.sharding == "fsdp" and self.world > 1
+
+        world = self.ranks.world
+        self.sharded = t.sharding == "fsdp" and world > 1
         # What the loss scores through: the whole policy, or its shard of it under FSDP (sharding.py).
         self.prefill = (
-            shard_policy(self.model, self.world, self.precision.fsdp_policy()) if self.sharded else Prefill(self.model)
+            shard_policy(self.model, world, self.precision.fsdp_policy()) if self.sharded else Prefill(self.model)
         )
-        if self.world > 1:
-            log.info("rank %d of %d, %s", self.rank, self.world, "FSDP-sharded" if self.sharded else "replicated")
+        if world > 1:
+            log.info("rank %d of %d, %s", self.ranks.rank, world, "FSDP-sharded" if self.sharded else "replicated")
+
         trained = self.lora.parameters() if self.lora else self.model.parameters()
         self.optimizer = torch.optim.AdamW(trained, lr=t.learning_rate, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(t.warmup_steps, t.lr_schedule, t.steps)
         )
+
         # The KL reference is the starting policy, frozen (sharded like the policy); kept only when the penalty is on.
         self.reference = None
         if t.kl_coef > 0:
             reference = load_policy(base, self.spec.model.dtype)[0].to(self.device)
-            self.reference = shard_policy(reference, self.world) if self.sharded else reference
-        self.version = 0
-        self.saved_step = 0  # the step of the last saved state
-        self.step_done = 0  # the step whose weights the model holds (announced with each version)
-        self.pending = Commit()  # what the steps since then trained (rank 0), committed at the next save
-        self.last_record: dict | None = None
-        self.started = time.monotonic()
-        self.split = StepSplit()  # each step's record says where its seconds went (split.py)
-        self.laps = self.split.laps
-        self.dropped_ids = {}
-        self.read_groups = []
-        self.kept_share = 1.0  # nothing read yet (batches.py)
-        self.repeats = RepeatTally()  # what workers hold back: repeats of trained work, flat groups (fleet/repeats.py)
-        self._pending_cursor = "0"  # re-read what this consumer holds unacknowledged, then new ones (batches.py)
-        self.last_reward: float | None = None
-        self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
-        ensure_group(ctx.client, ctx.keys.verified, ctx.keys.trainer_group)
-        f = self.spec.sampling.online_filter  # the trainer records outcomes; workers skip what it retires
-        self.outcomes = OutcomeRecorder(f, ctx.client, ctx.keys) if f and self.rank == 0 else None
-        self.evaluator = Evaluator(self.spec, base) if self.spec.eval and self.rank == 0 else None  # spec.eval
+            self.reference = shard_policy(reference, world) if self.sharded else reference
+
+    def resume(self) -> int:
+        """Restore the saved state if there is one (see state.py); return the next step to take."""
+        state = load_state(self.store, self.ctx.run_name)  # every rank reads it
+        if state is not None:
+            load_checkpoint(self.store, state["checkpoint"], self.model, self.optimizer)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.version = state["version"]
+            self.saved_step = self.step_done = state["step"]
+        if self.ranks.is_lead:  # versions published after the state came from weights lost with the crash
+            self.version = resume_version(self.store, self.ctx.run_name, self.version)
+        self.version = broadcast(self.version, self.ranks)
+
+        weights = full_model_state(self.model)  # every rank: a collective under FSDP
+        if self.ranks.is_lead:
+            self.publish(weights)  # idempotent for a version already in the store; announces it again
+            self.records.forget_after(self.saved_step)  # those steps are trained again
+        if state is None:
+            return 1
+
+        if self.ranks.is_lead:
+            self.commit(Commit.from_dict(state["commit"]))
+            if state.get("record") and self.records.last_step() < state["step"]:
+                self.records.append(state["record"])  # the crash came between saving the step and recording it
+        log.info("resumed after step %d at version %d", state["step"], self.version)
+        return state["step"] + 1
+
+    def run(self, steps: int) -> None:
+        """Take the steps after the saved state's up to step `steps` (every rank), or stop early when told to."""
+        for step in range(self.resume(), steps + 1):
+            if not self.take_step(step, last=step == steps):
+                return
+
+    def take_step(self, step: int, last: bool) -> bool:
+        """Step `step` (every rank; `last`: the run's last): read and share the batch, update, then rank 0 records,
+        saves when due and publishes. False when stopped before the step (what was trained is saved first)."""
+        laps = self.laps
+        self.split.begin()
+        batch = self.read_batch() if self.ranks.is_lead else Batch.empty()
+        with laps.part("broadcast"):
+            stopping = broadcast(self.ctx.stop.is_set(), self.ranks)
+        if stopping:
+            log.info("stopping before step %d; %d unacknowledged groups will be redelivered", step, len(batch.groups))
+            if self.saved_step < step - 1:
+                self.save(step - 1)  # what was trained since the last save is kept, not trained again
+            return False
+
+        if self.ranks.is_lead:  # the batch is held: the next step trains from one version newer
+            held = len(batch.ack) + len(self.pending.message_ids)
+            with laps.part("demand"):
+                self.reader.set_demand(self.window.oldest(self.version + 1), self.spec.trainer.batch_size, held)
+        with laps.part("broadcast"):
+            groups = broadcast(batch.groups, self.ranks)
+
+        stats = self.step(groups)
+        lags = [self.version - g.policy_version for g in groups]
+        self.version += 1
+        self.step_done = step
+        self.last_reward = stats["reward_mean"]
+
+        # The whole weights to publish on rank 0; every rank joins (a collective under FSDP).
+        with laps.part("gather"):
+            model_state = full_model_state(self.model)
+        if not self.ranks.is_lead:
+            if self.save_due(step, last):
+                self.save(step)
+            return True
+        self.finish_step(step, last, batch, stats, lags, model_state)
+        return True
+
+    def read_batch(self) -> Batch:
+        """Rank 0: the batch of the step taken while holding `self.version` (batches.py)."""
+        return self.reader.collect(self.version, self.pending)
+
+    def step(self, groups: list[RolloutGroup]) -> dict:
+        """One GRPO update on `groups` (on every rank); returns its statistics."""
+        stats = grpo_update(self.prefill, self.optimizer, groups, self.settings, self.reference, self.ranks, self.laps)
+        with self.laps.part("optimizer"):
+            stats["learning_rate"] = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+        return stats
+
+    def finish_step(self, step: int, last: bool, batch: Batch, stats: dict, lags: list[int], model_state: dict) -> None:
+        """Rank 0, after the update of step `step` on `batch` (`stats`, the groups' `lags` behind the version
+        trained): its record, held as pending; the resume state when due; the new version `model_state`
+        published; then the record, complete, appended to metrics.jsonl."""
+        laps = self.laps
+        with laps.part("stats"), self.ctx.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.ctx.keys.stats)
+            pipe.hgetall(self.ctx.keys.repeats)
+            run_stats, repeats = cast(list[dict[bytes, bytes]], pipe.execute())
+        with laps.part("record"):
+            record = self.step_record(step, stats, batch, lags, run_stats, self.repeats.take(repeats))
+            self.pending.add(record["rollout_ids"], [group_digest(g) for g in batch.groups], self.version, batch.ack)
+            self.last_record = record
+
+        if self.save_due(step, last):
+            self.save(step)  # before the version is published: a restart never finds it newer than the state
+        self.publish(model_state, final=last)
+
+        record.update(wall_seconds=time.monotonic() - self.started)
+        if self.evaluator:
+            with laps.part("eval"):
+                record.update(self.evaluator.take(wait=last, stop=self.ctx.stop))
+        record.update(self.split.end())  # the step ends here; writing its record is the next one's first part
+        with laps.part("record_write"):
+            self.records.append(record)
+            log.info(
+                "step %d version %d reward %.3f staleness %.2f",
+                step,
+                self.version,
+                stats["reward_mean"],
+                record["staleness_mean"],
+            )
+
+    def step_record(
+        self, step: int, stats: dict, batch: Batch, lags: list[int], run_stats: dict, repeats: dict[str, Tally]
+    ) -> dict:
+        """Step `step`'s record for metrics.jsonl, its timing fields at 0 until the step ends (split.py).
+        `repeats`: what workers held back (repeats of trained work, flat groups) since the last step
+        (fleet/repeats.py)."""
+        groups = batch.groups
+        counts = {k.decode(): int(v) for k, v in run_stats.items()}
+        read_rewards = [r for _, rewards in batch.read_groups for r in rewards]
+        held_back = sum(r.samples for r in repeats.values())
+        outcomes = self.reader.outcomes
+        return {
+            "step": step,
+            "policy_version": self.version,
+            **stats,
+            # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
+            # dropped and what workers held back, late in a run mostly repeats of solved prompts (all correct).
+            "sampled_reward_mean": (sum(read_rewards) + sum(r.reward_sum for r in repeats.values()))
+            / max(1, len(read_rewards) + held_back),
+            "repeated_groups": self.repeats.total_repeats(),
+            "flat_groups_held_back": self.repeats.total_flat(),
+            **source_record(self.spec.task.type == "mixture", groups, batch.read_groups, repeats),
+            "staleness_mean": float(np.mean(lags)),
+            "staleness_max": max(lags),
+            **{f"dropped_{reason}": batch.drops[reason] for reason in DROP_REASONS},
+            "accepted": counts.get("accepted", 0),
+            "rejected": counts.get("rejected", 0),
+            "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
+            "wait_seconds": 0.0,
+            "compute_seconds": 0.0,
+            "publish_seconds": 0.0,
+            "step_seconds": 0.0,
+            "split": {},
+            "wall_seconds": time.monotonic() - self.started,
+            "rollout_ids": [g.rollout_id for g in groups],
+            "worker_ids": [g.worker_id for g in groups],  # the worker of each trained rollout, in the same order
+            "dropped_rollout_ids": batch.dropped_ids,
+            **({f"prompts_retired_{k}": v for k, v in outcomes.retired.items()} if outcomes else {}),
+        }
+
+    def save_due(self, step: int, last: bool) -> bool:
+        """Whether the resume state is saved after step `step`: every checkpointEvery steps, and at the last."""
+        return step % self.spec.trainer.checkpoint_every == 0 or last
+
+    def save(self, step: int) -> None:
+        """Save the resume state of `step` (every rank), then commit what the steps since the last save trained."""
+        with self.laps.part("resume_save"):
+            key = save_checkpoint(self.store, self.ctx.run_name, step, self.model, self.optimizer)
+            self.saved_step = step
+            if not self.ranks.is_lead:
+                return
+            save_state(
+                self.store,
+                self.ctx.run_name,
+                step=step,
+                version=self.version,
+                checkpoint=key,
+                scheduler=self.scheduler,
+                commit=self.pending,
+                record=self.last_record,
+            )
+        with self.laps.part("ack"):
+            self.commit(self.pending)
+        self.pending = Commit()
+
+    def commit(self, commit: Commit) -> None:
+        """Record `commit`'s groups (content digests) as trained and acknowledge its messages (idempotent)."""
+        keys, r = self.ctx.keys, self.ctx.client
+        with r.pipeline(transaction=True) as pipe:
+            if commit.digests:
+                pipe.zadd(keys.trained, commit.digests)
+                pipe.zremrangebyrank(keys.trained, 0, -TRAINED_DIGESTS_KEPT - 1)
+            if commit.message_ids:
+                pipe.xack(keys.verified, keys.trainer_group, *commit.message_ids)
+                pipe.xdel(keys.verified, *commit.message_ids)
+            pipe.execute()
 
     def publish(self, model_state: dict, final: bool = False) -> None:
         """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
@@ -154,6 +401,7 @@ class Trainer(BatchReader):
                             for k, v in publishable_weights(self.model, model_state).items()
                         },
                     )
+
             shardcast = self.spec.shardcast
             self._publisher = self._publisher or PolicyPublisher(
                 self.store,
@@ -167,227 +415,15 @@ class Trainer(BatchReader):
                 with laps.part("eval"):
                     self.evaluator.offer(self.version, Path(tmp), final)
             self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
+
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
-        keep = max(self.spec.shardcast.keep_versions, AsyncWindow.of(self.spec).versions_to_keep())
+        keep = max(self.spec.shardcast.keep_versions, self.window.versions_to_keep())
         with laps.part("prune"):
             prune_versions(self.store, self.ctx.run_name, keep)
+
         announcement = {"version": self.version, "time": time.time(), "step": self.step_done}
         if self.last_reward is not None:  # shown by the operator's status and printer columns
             announcement["reward"] = self.last_reward
         with laps.part("announce"):  # redis-py asks for Dict[FieldT, EncodableT], invariant (Mapping would pass)
             self.ctx.client.xadd(self.ctx.keys.policy, encode_json(announcement), maxlen=1000, approximate=True)  # type: ignore[arg-type]
         VERSION.set(self.version)
-
-    def step(self, groups: list[RolloutGroup]) -> dict:
-        """One GRPO update on `groups` (on every rank); returns its statistics."""
-        stats = grpo_update(
-            self.prefill,
-            self.optimizer,
-            groups,
-            self.spec.trainer,
-            self.spec.sampling.temperature,
-            self.tokenizer.pad_token_id,
-            self.reference,
-            self.rank,
-            self.world,
-            None if self.sharded else self.precision.compute_dtype,  # FSDP's own policy casts when sharded
-            self.laps,
-        )
-        with self.laps.part("optimizer"):
-            stats["learning_rate"] = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-        return stats
-
-    def commit(self, commit: Commit) -> None:
-        """Record `commit`'s groups (content digests) as trained and acknowledge its messages (idempotent)."""
-        keys, r = self.ctx.keys, self.ctx.client
-        with r.pipeline(transaction=True) as pipe:
-            if commit.digests:
-                pipe.zadd(keys.trained, commit.digests)
-                pipe.zremrangebyrank(keys.trained, 0, -TRAINED_DIGESTS_KEPT - 1)
-            if commit.message_ids:
-                pipe.xack(keys.verified, keys.trainer_group, *commit.message_ids)
-                pipe.xdel(keys.verified, *commit.message_ids)
-            pipe.execute()
-
-    def save(self, step: int) -> None:
-        """Save the resume state of `step` (every rank), then commit what the steps since the last save trained."""
-        with self.laps.part("resume_save"):
-            key = save_checkpoint(self.store, self.ctx.run_name, step, self.model, self.optimizer)
-            self.saved_step = step
-            if self.rank != 0:
-                return
-            save_state(
-                self.store,
-                self.ctx.run_name,
-                step=step,
-                version=self.version,
-                checkpoint=key,
-                scheduler=self.scheduler,
-                commit=self.pending,
-                record=self.last_record,
-            )
-        with self.laps.part("ack"):
-            self.commit(self.pending)
-        self.pending = Commit()
-
-    def resume(self) -> int:
-        """Restore the saved state if there is one (see state.py); return the next step to take."""
-        state = load_state(self.store, self.ctx.run_name)  # every rank reads it
-        if state is not None:
-            load_checkpoint(self.store, state["checkpoint"], self.model, self.optimizer)
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.version = state["version"]
-            self.saved_step = self.step_done = state["step"]
-        if self.rank == 0:  # versions published after the state came from weights lost with the crash
-            self.version = resume_version(self.store, self.ctx.run_name, self.version)
-        self.version = broadcast(self.version, self.rank, self.world)
-        weights = full_model_state(self.model)  # every rank: a collective under FSDP
-        if self.rank == 0:
-            self.publish(weights)  # idempotent for a version already in the store; announces it again
-            self.records.forget_after(self.saved_step)  # those steps are trained again
-        if state is None:
-            return 1
-        if self.rank == 0:
-            self.commit(Commit.from_dict(state["commit"]))
-            if state.get("record") and self.records.last_step() < state["step"]:
-                self.records.append(state["record"])  # the crash came between saving the step and recording it
-        log.info("resumed after step %d at version %d", state["step"], self.version)
-        return state["step"] + 1
-
-    def run(self, steps: int) -> None:
-        every, laps = self.spec.trainer.checkpoint_every, self.laps
-        for step in range(self.resume(), steps + 1):
-            self.split.begin()
-            groups, ack, drops = self.collect() if self.rank == 0 else ([], [], {})
-            with laps.part("broadcast"):
-                stopping = broadcast(self.ctx.stop.is_set(), self.rank, self.world)
-            if stopping:
-                log.info("stopping before step %d; %d unacknowledged groups will be redelivered", step, len(groups))
-                if self.saved_step < step - 1:
-                    self.save(step - 1)  # what was trained since the last save is kept, not trained again
-                return
-            if self.rank == 0:  # the batch is held: the next step trains from one version newer
-                held = len(ack) + len(self.pending.message_ids)
-                with laps.part("demand"):
-                    self.set_demand(self.oldest_trained(self.version + 1), self.spec.trainer.batch_size, held)
-            with laps.part("broadcast"):
-                groups = broadcast(groups, self.rank, self.world)
-            stats = self.step(groups)
-            lags = [self.version - g.policy_version for g in groups]
-            self.version += 1
-            self.step_done = step
-            self.last_reward = stats["reward_mean"]
-            # The whole weights to publish on rank 0; every rank joins (a collective under FSDP).
-            with laps.part("gather"):
-                model_state = full_model_state(self.model)
-            if self.rank != 0:
-                if step % every == 0 or step == steps:
-                    self.save(step)
-                continue
-            with laps.part("stats"), self.ctx.client.pipeline(transaction=False) as pipe:
-                pipe.hgetall(self.ctx.keys.stats)
-                pipe.hgetall(self.ctx.keys.repeats)
-                run_stats, repeats = cast(list[dict[bytes, bytes]], pipe.execute())
-            with laps.part("record"):
-                record = self.step_record(step, stats, groups, lags, drops, run_stats, self.repeats.take(repeats))
-                self.pending.add(record["rollout_ids"], [group_digest(g) for g in groups], self.version, ack)
-                self.last_record = record
-            if step % every == 0 or step == steps:
-                self.save(step)  # before the version is published: a restart never finds it newer than the state
-            self.publish(model_state, final=step == steps)
-            record.update(wall_seconds=time.monotonic() - self.started)
-            if self.evaluator:
-                with laps.part("eval"):
-                    record.update(self.evaluator.take(wait=step == steps, stop=self.ctx.stop))
-            record.update(self.split.end())  # the step ends here; writing its record is the next one's first part
-            with laps.part("record_write"):
-                self.records.append(record)
-                log.info(
-                    "step %d version %d reward %.3f staleness %.2f",
-                    step,
-                    self.version,
-                    stats["reward_mean"],
-                    record["staleness_mean"],
-                )
-
-    def step_record(
-        self,
-        step: int,
-        stats: dict,
-        groups: list[RolloutGroup],
-        lags: list[int],
-        drops: dict,
-        run_stats: dict,
-        repeats: dict[str, Tally],
-    ) -> dict:
-        """Step `step`'s record for metrics.jsonl, its timing fields at 0 until the step ends (split.py).
-        `repeats`: what workers held back (repeats of trained work, flat groups) since the last step
-        (fleet/repeats.py)."""
-        counts = {k.decode(): int(v) for k, v in run_stats.items()}
-        read_rewards = [r for _, rewards in self.read_groups for r in rewards]
-        held_back = sum(r.samples for r in repeats.values())
-        return {
-            "step": step,
-            "policy_version": self.version,
-            **stats,
-            # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
-            # dropped and what workers held back, late in a run mostly repeats of solved prompts (all correct).
-            "sampled_reward_mean": (sum(read_rewards) + sum(r.reward_sum for r in repeats.values()))
-            / max(1, len(read_rewards) + held_back),
-            "repeated_groups": self.repeats.total_repeats(),
-            "flat_groups_held_back": self.repeats.total_flat(),
-            **source_record(self.spec.task.type == "mixture", groups, self.read_groups, repeats),
-            "staleness_mean": float(np.mean(lags)),
-            "staleness_max": max(lags),
-            **{f"dropped_{reason}": drops[reason] for reason in DROP_REASONS},
-            "accepted": counts.get("accepted", 0),
-            "rejected": counts.get("rejected", 0),
-            "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
-            "wait_seconds": 0.0,
-            "compute_seconds": 0.0,
-            "publish_seconds": 0.0,
-            "step_seconds": 0.0,
-            "split": {},
-            "wall_seconds": time.monotonic() - self.started,
-            "rollout_ids": [g.rollout_id for g in groups],
-            "worker_ids": [g.worker_id for g in groups],  # the worker of each trained rollout, in the same order
-            "dropped_rollout_ids": self.dropped_ids,
-            **({f"prompts_retired_{k}": v for k, v in self.outcomes.retired.items()} if self.outcomes else {}),
-        }
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerOptions(ComponentOptions):
-    output_dir: Path | None = None  # where metrics.jsonl is written
-    steps: int | None = None  # overrides spec.trainer.steps
-    hold_when_done: bool = False  # after the last step, wait for SIGTERM instead of exiting (in a pod)
-    ranks: int = 1  # rank processes of this replica (ranks.py): with more than 1 this process starts them
-
-
-def main(options: TrainerOptions) -> int:
-    if is_group_parent(options.ranks):
-        return run_group(options.ranks)
-    become_rank(options.ranks)
-    if env.get_int(env.LOCAL_RANK, 0) > 0:
-        options = replace(options, metrics_port=0)  # the replica's /metrics port is local rank 0's
-    ctx = component_context(options, components.TRAINER)
-    configure_torch_threads()
-    if options.output_dir:
-        options.output_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        try:
-            trainer = Trainer(ctx, options.output_dir)
-        except ModelSourceError as exc:  # the config names a model that cannot be had: no restart fixes it
-            return fail_run(ctx, "ModelUnavailable", str(exc), hold=options.hold_when_done)
-        try:
-            trainer.run(options.steps or ctx.bundle.run.spec.trainer.steps)
-        finally:
-            trainer.records.close()  # the trackers get the summary and reward.png, and their runs end
-        if options.hold_when_done and not ctx.stop.is_set():
-            # A StatefulSet restarts a container that exits, even with 0; the operator scales it down instead.
-            log.info("every step is done; holding until stopped")
-            ctx.stop.wait()
-    finally:
-        leave_distributed()
-    return 0
