@@ -33,10 +33,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
-import numpy as np
 import torch
 
-from rlfleet.fleet.repeats import RepeatTally, Tally
 from rlfleet.fleet.window import AsyncWindow
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.models.sources import ModelSourceError, resolve_model_path
@@ -44,9 +42,10 @@ from rlfleet.services.trainer.batches import Batch, BatchReader
 from rlfleet.services.trainer.distributed import broadcast, init_distributed, leave_distributed, training_device
 from rlfleet.services.trainer.evaluation import Evaluator
 from rlfleet.services.trainer.lora import attach
-from rlfleet.services.trainer.metrics import DROP_REASONS, VERSION, MetricsLog, source_record, withdraw
+from rlfleet.services.trainer.metrics import VERSION, MetricsLog, withdraw
 from rlfleet.services.trainer.precision import precision_for, prepare_for_training
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
+from rlfleet.services.trainer.records import StepRecorder
 from rlfleet.services.trainer.schedule import lr_factor
 from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
 from rlfleet.services.trainer.split import StepSplit
@@ -150,13 +149,12 @@ class Trainer:
         self.pending = Commit()  # what the steps since then trained (rank 0), committed at the next save
         self.last_record: dict | None = None
         self.last_reward: float | None = None
-        self.started = time.monotonic()
         self.split = StepSplit()  # each step's record says where its seconds went (split.py)
         self.laps = self.split.laps
-        self.repeats = RepeatTally()  # what workers hold back: repeats of trained work, flat groups (fleet/repeats.py)
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
 
         self.reader = BatchReader(ctx, self.window, self.laps, record_outcomes=self.ranks.is_lead)
+        self.recorder = StepRecorder(self.spec.task.type == "mixture", self.reader.outcomes)
         self.evaluator = Evaluator(self.spec, base) if self.spec.eval and self.ranks.is_lead else None  # spec.eval
 
     def _load_policy(self, base: Path) -> None:
@@ -283,7 +281,8 @@ class Trainer:
             pipe.hgetall(self.ctx.keys.repeats)
             run_stats, repeats = cast(list[dict[bytes, bytes]], pipe.execute())
         with laps.part("record"):
-            record = self.step_record(step, stats, batch, lags, run_stats, self.repeats.take(repeats))
+            hashes = {"stats": run_stats, "repeats": repeats}
+            record = self.recorder.record(step, self.version, stats, batch, lags, hashes)
             self.pending.add(record["rollout_ids"], [group_digest(g) for g in batch.groups], self.version, batch.ack)
             self.last_record = record
 
@@ -291,7 +290,7 @@ class Trainer:
             self.save(step)  # before the version is published: a restart never finds it newer than the state
         self.publish(model_state, final=last)
 
-        record.update(wall_seconds=time.monotonic() - self.started)
+        record.update(wall_seconds=time.monotonic() - self.recorder.started)
         if self.evaluator:
             with laps.part("eval"):
                 record.update(self.evaluator.take(wait=last, stop=self.ctx.stop))
@@ -305,46 +304,6 @@ class Trainer:
                 stats["reward_mean"],
                 record["staleness_mean"],
             )
-
-    def step_record(
-        self, step: int, stats: dict, batch: Batch, lags: list[int], run_stats: dict, repeats: dict[str, Tally]
-    ) -> dict:
-        """Step `step`'s record for metrics.jsonl, its timing fields at 0 until the step ends (split.py).
-        `repeats`: what workers held back (repeats of trained work, flat groups) since the last step
-        (fleet/repeats.py)."""
-        groups = batch.groups
-        counts = {k.decode(): int(v) for k, v in run_stats.items()}
-        read_rewards = [r for _, rewards in batch.read_groups for r in rewards]
-        held_back = sum(r.samples for r in repeats.values())
-        outcomes = self.reader.outcomes
-        return {
-            "step": step,
-            "policy_version": self.version,
-            **stats,
-            # The policy's reward as sampled: the trained batch's reward_mean leaves out what the trainer
-            # dropped and what workers held back, late in a run mostly repeats of solved prompts (all correct).
-            "sampled_reward_mean": (sum(read_rewards) + sum(r.reward_sum for r in repeats.values()))
-            / max(1, len(read_rewards) + held_back),
-            "repeated_groups": self.repeats.total_repeats(),
-            "flat_groups_held_back": self.repeats.total_flat(),
-            **source_record(self.spec.task.type == "mixture", groups, batch.read_groups, repeats),
-            "staleness_mean": float(np.mean(lags)),
-            "staleness_max": max(lags),
-            **{f"dropped_{reason}": batch.drops[reason] for reason in DROP_REASONS},
-            "accepted": counts.get("accepted", 0),
-            "rejected": counts.get("rejected", 0),
-            "rejected_by_reason": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("rejected:")},
-            "wait_seconds": 0.0,
-            "compute_seconds": 0.0,
-            "publish_seconds": 0.0,
-            "step_seconds": 0.0,
-            "split": {},
-            "wall_seconds": time.monotonic() - self.started,
-            "rollout_ids": [g.rollout_id for g in groups],
-            "worker_ids": [g.worker_id for g in groups],  # the worker of each trained rollout, in the same order
-            "dropped_rollout_ids": batch.dropped_ids,
-            **({f"prompts_retired_{k}": v for k, v in outcomes.retired.items()} if outcomes else {}),
-        }
 
     def save_due(self, step: int, last: bool) -> bool:
         """Whether the resume state is saved after step `step`: every checkpointEvery steps, and at the last."""
