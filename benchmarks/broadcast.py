@@ -257,7 +257,7 @@ def sha256_rate() -> float:
 def run_rlfleet(
     column: str, args, work: Path, env: dict, public: str, store, manifest: tuple[str, bytes], redis_client
 ) -> float:
-    from rlfleet.local.redis_server import free_port
+    from rlfleet.wire.ports import free_port
     from rlfleet.wire.streams import RunKeys, encode_json
 
     cli = [sys.executable, "-m", "rlfleet.cli"]
@@ -307,7 +307,7 @@ def run_rlfleet(
 def run_reference(poll: int, args, work: Path, source: Path) -> float:
     import shardcast
 
-    from rlfleet.local.redis_server import free_port
+    from rlfleet.wire.ports import free_port
 
     package = Path(shardcast.__file__).parent
     dummy = os.urandom(1 << 20)
@@ -455,7 +455,7 @@ def main() -> int:
                 "PYTHONPATH": str(ROOT),
             }
             with Procs(env, work) as procs:  # the bounds, measured against the origin alone
-                from rlfleet.local.redis_server import free_port
+                from rlfleet.wire.ports import free_port
 
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"

@@ -9,7 +9,8 @@ import time
 import pytest
 import requests
 
-from rlfleet.local.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis
+from rlfleet.wire.ports import free_port
 from tests.support import redis_from_url
 
 

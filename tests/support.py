@@ -18,8 +18,8 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlfleet.local.redis_server import free_port
 from rlfleet.services.shardcast.protocol import serve_until
+from rlfleet.wire.ports import free_port
 from tests.runs import bundle_yaml, rlrun
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root

@@ -41,11 +41,12 @@ from rlfleet.local.plan import Process, check_local_size, components_started, en
 from rlfleet.local.progress import BuildProgress, Progress, startup_status
 from rlfleet.local.prometheus import LocalPrometheus, write_targets
 from rlfleet.local.prometheus import start as start_prometheus
-from rlfleet.local.redis_server import free_port, redis_server_argv, wait_until_ready, write_acl_file
+from rlfleet.local.redis_server import redis_server_argv, wait_until_ready, write_acl_file
 from rlfleet.local.run_report import write_html_report
 from rlfleet.local.supervisor import RECORD, Component, Supervisor
 from rlfleet.wire import env
 from rlfleet.wire.components import COMPONENTS, TRAINER
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.redis_acl import ADMIN, RunAcl
 from rlfleet.wire.run_summary import read_metrics, reward_trend, write_reports
 from rlfleet.wire.streams import RunKeys

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from rlfleet.config import Bundle, ConfigError, TrainerSpec
-from rlfleet.local.redis_server import free_port
 from rlfleet.local.supervisor import Component
 from rlfleet.wire import env
 from rlfleet.wire.components import COMPONENTS, INGEST, ORIGIN, RELAY, ROLLOUT, TRAINER, VERIFIER, ComponentSpec
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.redis_acl import WORKER_ROLES, RunAcl
 from rlfleet.wire.topology import ORIGIN as ORIGIN_NODE
 from rlfleet.wire.topology import URL, Node, RelayGraph, bundle_graph

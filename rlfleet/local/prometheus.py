@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfleet.local.plan import Process
-from rlfleet.local.redis_server import free_port
 from rlfleet.wire.components import RELAY, ROLLOUT
+from rlfleet.wire.ports import free_port
 
 NAMESPACE = "local"
 SCRAPE_INTERVAL_S = 1  # a short run's rates need several samples a minute

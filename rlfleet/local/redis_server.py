@@ -14,7 +14,6 @@ file (the default user off), and EmbeddedRedis's `url` carries the credentials o
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -24,14 +23,10 @@ from urllib.parse import quote
 
 import redis
 
+from rlfleet.wire.ports import free_port
+
 if TYPE_CHECKING:
     from rlfleet.local.forking import ForkedProcess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def redis_server_binary() -> str:

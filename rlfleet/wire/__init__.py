@@ -6,6 +6,8 @@ runtime.py     what every component process does first: config, Redis, logging, 
 env.py         every environment variable rlfleet reads or sets
 topology.py    the relay tree: which node each tier pulls from and each pool downloads from
 asgi.py        an HTTP app served from a thread of a component process
+ports.py       free TCP ports for the servers a run starts, outside the range outgoing connections take
+run_summary.py a run's summary and reward plot, computed from the trainer's metrics.jsonl
 Nothing here imports a service, the operator or the local runtime. The rules the fleet's work follows
 (reputation, assignment, repeats, the prompt filter, the async window) are in rlfleet/fleet/.
 """

@@ -13,11 +13,11 @@ import urllib.request
 from pathlib import Path
 
 from rlfleet.local.forking import ForkedProcess, Preload, forkable
-from rlfleet.local.redis_server import free_port
 from rlfleet.local.supervisor import RECORD, Component, Supervisor, run_processes
 from rlfleet.services.shardcast.protocol import ROUTE_HEALTH
 from rlfleet.wire import env
 from rlfleet.wire.components import ORIGIN
+from rlfleet.wire.ports import free_port
 from tests.core.test_supervisor import FAST, poll_until, python
 from tests.support import REPO, wait_for
 

@@ -18,8 +18,8 @@ import requests
 
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.config.tasks import ArithmeticTaskSpec, ModelSpec
-from rlfleet.local.redis_server import free_port
 from rlfleet.models.sources import ModelSourceError, local_model_path, resolve_model_path
+from rlfleet.wire.ports import free_port
 from tests.hub_server import Hub
 from tests.runs import bundle_yaml, pool, rlrun, write_rlrun
 from tests.support import serving, tiny_policy_dir, wait_for

@@ -19,11 +19,11 @@ import redis
 import requests
 
 from rlfleet.config import ConfigError, IngestSpec, parse_bundle
-from rlfleet.local.redis_server import free_port
 from rlfleet.services.ingest.client import post_group, rollouts_url
 from rlfleet.services.ingest.main import make_app
 from rlfleet.services.ingest.tokens import load_tokens
 from rlfleet.wire.asgi import BackgroundServer
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import MESSAGE_FIELD, SCHEMA_VERSION, RolloutGroup, RunKeys, Sample, SamplingParams
 from tests.runs import bundle_yaml, pool, rlrun, write_rlrun
 from tests.support import redis_from_url, wait_for

@@ -21,8 +21,9 @@ import requests
 import yaml
 
 from rlfleet.config import ConfigError, parse_bundle
-from rlfleet.local.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.services.ingest.client import rollouts_url
+from rlfleet.wire.ports import free_port
 from tests.ingest.test_ingest import KEYS, RUN, TOKENS, group_bytes, post
 from tests.runs import bundle_yaml, pool, rlrun, write_rlrun
 from tests.support import redis_from_url, wait_for

@@ -14,13 +14,13 @@ import pytest
 import requests
 
 from rlfleet.config import ConfigError, IngestSpec
-from rlfleet.local.redis_server import free_port
 from rlfleet.services.ingest.client import post_group, rollouts_url
 from rlfleet.services.ingest.door import make_door
 from rlfleet.services.ingest.main import make_app, server_config
 from rlfleet.services.rollout.join import JoinOptions, prepare
 from rlfleet.wire import env, tls
 from rlfleet.wire.asgi import BackgroundServer, TLSServer
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys
 from tests.certs import TestCA
 from tests.ingest.test_ingest import TOKENS, group_bytes

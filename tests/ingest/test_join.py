@@ -18,12 +18,12 @@ import requests
 
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.fleet.reputation import on_probation
-from rlfleet.local.redis_server import free_port
 from rlfleet.services.ingest.client import join_url, run_document_url, tickets_url
 from rlfleet.services.ingest.door import make_door
 from rlfleet.services.ingest.main import make_app
 from rlfleet.versions.signing import generate_keypair
 from rlfleet.wire.asgi import BackgroundServer
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys
 from tests.ingest.test_ingest import group_bytes, post
 from tests.runs import bundle_yaml, rlrun

@@ -17,7 +17,6 @@ import pytest
 
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.fleet.reputation import one_worker_stats
-from rlfleet.local.redis_server import free_port
 from rlfleet.services.ingest.client import run_document_url
 from rlfleet.services.ingest.door import make_door
 from rlfleet.services.ingest.main import make_app
@@ -27,6 +26,7 @@ from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.versions.store import FileStore
 from rlfleet.wire.asgi import BackgroundServer
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.runtime import Context
 from rlfleet.wire.streams import RolloutGroup, RunKeys, encode_json
 from rlfleet.wire.views import VIEWS, view_bundle

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from rlfleet.local.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis
+from rlfleet.wire.ports import free_port
 from tests.operator.cluster import EmulatedCluster
 
 RESYNC_INTERVAL_S = "1"  # timers every second

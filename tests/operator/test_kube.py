@@ -92,7 +92,7 @@ def test_errors_are_typed(kube, emulator):
 
 
 def test_an_unreachable_server_is_unavailable(tmp_path):
-    from rlfleet.local.redis_server import free_port
+    from rlfleet.wire.ports import free_port
     from tests.operator.cluster import write_kubeconfig
 
     nowhere = k.Kube(k.connect(str(write_kubeconfig(tmp_path / "config", f"http://127.0.0.1:{free_port()}"))))

@@ -21,11 +21,12 @@ import pytest
 import requests
 from cryptography.hazmat.primitives import serialization
 
-from rlfleet.local.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.operator import uninstall
 from rlfleet.operator.kube import connect
 from rlfleet.operator.options import OperatorOptions
 from rlfleet.versions.signing import public_key_text
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.operator.cluster import EmulatedCluster
 from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, stop_operator, wait_until_healthy

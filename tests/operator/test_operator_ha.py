@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from rlfleet.local.redis_server import free_port
 from rlfleet.operator import peering
 from rlfleet.operator.options import OperatorOptions
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.operator.cluster import EmulatedCluster
 from tests.operator.conftest import CHART_ENV, RESYNC_INTERVAL_S, stop_operator, wait_until_healthy

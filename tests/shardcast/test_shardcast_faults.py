@@ -22,7 +22,6 @@ import pytest
 import requests
 from aiohttp import web
 
-from rlfleet.local.redis_server import free_port
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchError, FetchSettings, fetch_version
 from rlfleet.services.shardcast.protocol import file_path, healthz, latest_path
@@ -31,6 +30,7 @@ from rlfleet.versions.checkpoint import COMPLETE_MARKER, MANIFEST_NAME, publish_
 from rlfleet.versions.manifest import signing_bytes
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.versions.store import open_store
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys, encode_json
 from tests.runs import bundle_yaml, rlrun
 from tests.support import serving, wait_for

@@ -11,13 +11,14 @@ import redis
 import requests
 
 from rlfleet.engines.torch_engine import TorchEngine
-from rlfleet.local.redis_server import EmbeddedRedis, free_port
+from rlfleet.local.redis_server import EmbeddedRedis
 from rlfleet.operator.names import TRAINER, VERIFIER
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.main import Gate
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.sharding import full_model_state
 from rlfleet.services.trainer.state import Commit
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.redis_acl import ADMIN, RunAcl, user_name
 from rlfleet.wire.streams import group_digest
 from tests.support import redis_from_url

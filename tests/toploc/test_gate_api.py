@@ -8,10 +8,10 @@ import re
 import httpx
 
 from rlfleet.engines.torch_engine import TorchEngine
-from rlfleet.local.redis_server import free_port
 from rlfleet.operator.names import VERIFIER
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.main import Gate
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import SCHEMA_VERSION
 from tests.support import tiny_policy_dir
 from tests.toploc.test_gate import as_, gate_system, honest_group, run_gate, verified_ids

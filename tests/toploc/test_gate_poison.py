@@ -13,10 +13,10 @@ import time
 from prometheus_client import REGISTRY
 
 from rlfleet.engines.torch_engine import TorchEngine
-from rlfleet.local.redis_server import free_port
 from rlfleet.operator.names import VERIFIER
 from rlfleet.services.toploc.api import serve_in_thread
 from rlfleet.services.toploc.main import Gate
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import MESSAGE_FIELD, decode_json
 from tests.toploc.test_gate import as_, gate_system, honest_group, run_gate, verified_ids
 

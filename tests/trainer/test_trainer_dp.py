@@ -13,10 +13,10 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from rlfleet.config import TrainerSpec
-from rlfleet.local.redis_server import free_port
 from rlfleet.models.policy import load_policy
 from rlfleet.services.trainer.distributed import Ranks
 from rlfleet.services.trainer.update import UpdateSettings, grpo_update
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
 from tests.support import tiny_policy_dir
 

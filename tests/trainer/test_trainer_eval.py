@@ -11,7 +11,7 @@ from dataclasses import replace
 import yaml
 
 from rlfleet.fleet.prompt_filter import prompt_key
-from rlfleet.local.redis_server import free_port
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys
 from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
 from tests.trainer.test_trainer import group

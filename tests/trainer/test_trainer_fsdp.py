@@ -16,7 +16,6 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from rlfleet.config import TrainerSpec
-from rlfleet.local.redis_server import free_port
 from rlfleet.models.policy import load_policy, load_weights_in_place
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
@@ -28,6 +27,7 @@ from rlfleet.services.trainer.state import load_checkpoint, save_checkpoint
 from rlfleet.services.trainer.update import UpdateSettings, grpo_update
 from rlfleet.versions.checkpoint import save_model_dir
 from rlfleet.versions.store import open_store
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, group_digest
 from tests.support import serving, start_trainer, tiny_policy_dir, trainer_run_config
 from tests.trainer.test_trainer import group

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rlfleet.local.redis_server import free_port
 from rlfleet.services.trainer.split import SPLIT_PARTS
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys
 from tests.support import scrape, start_trainer, tiny_policy_dir, trainer_run_config
 from tests.trainer.test_trainer import group

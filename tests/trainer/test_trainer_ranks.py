@@ -15,9 +15,9 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlfleet.local.redis_server import free_port
 from rlfleet.models.policy import load_policy
 from rlfleet.versions.store import open_store
+from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys, group_digest
 from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
 from tests.trainer.test_trainer import group

@@ -26,13 +26,13 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
 
 from rlfleet.wire import env
+from rlfleet.wire.ports import free_port
 
 PR_SET_PDEATHSIG = 1
 
@@ -66,12 +66,6 @@ def become_rank(ranks: int) -> None:
         os.environ.update(rank_env(os.environ, int(os.environ.get(env.LOCAL_RANK, "0")), ranks))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     # Linux only; elsewhere a child outlives a killed parent (the supervisor's group kill still ends it).
     try:
@@ -86,7 +80,7 @@ def run_group(ranks: int, argv: list[str] | None = None, poll_s: float = 0.2) ->
     argv = argv or [sys.executable, "-m", "rlfleet.cli", *sys.argv[1:]]
     base = dict(os.environ)
     if env.MASTER_ADDR not in base and int(base.get(env.WORLD_SIZE, ranks)) == ranks:
-        base.update({env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(_free_port())})  # one replica, by hand
+        base.update({env.MASTER_ADDR: "127.0.0.1", env.MASTER_PORT: str(free_port())})  # one replica, by hand
     envs = [{**base, **rank_env(base, i, ranks)} for i in range(ranks)]
     procs = [subprocess.Popen(argv, env=e, preexec_fn=_die_with_parent) for e in envs]
 
