@@ -109,8 +109,12 @@ def test_a_failed_setup_is_torn_down_too():
     assert not [ns for ns in namespaces() if ns.startswith(tb.tag)]
 
 
+# The owner answers SIGINT as an interactive Python does, whatever it inherited: a test run started in the
+# background of a non-interactive shell (nohup, `cmd &`) passes SIGINT on as ignored, and Python then installs no
+# handler for it.
 OWNER = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from testbed import Testbed
 with Testbed() as tb:
     tb.host("a", down=10e6); tb.host("b", up=10e6)
