@@ -27,6 +27,7 @@ a batch (batches.py), update (update.py), record, save when due, publish.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -346,15 +347,16 @@ class Trainer:
         """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
         delta against the previous version; with LoRA the adapter alone, lora.py), then announce it."""
         laps = self.laps
-        with tempfile.TemporaryDirectory(prefix="rlfleet-publish-") as tmp:
+        tmp = Path(tempfile.mkdtemp(prefix="rlfleet-publish-"))
+        try:
             with laps.part("publish_save"):
                 if self.lora:
-                    self.lora.save(model_state, Path(tmp))
+                    self.lora.save(model_state, tmp)
                 else:
                     save_model_dir(
                         self.model,
                         self.tokenizer,
-                        Path(tmp),
+                        tmp,
                         state_dict={
                             k: v.to(self.precision.publish_dtype)  # the run's dtype, whatever the masters are
                             for k, v in publishable_weights(self.model, model_state).items()
@@ -372,8 +374,11 @@ class Trainer:
             )
             if self.evaluator:  # evaluates the version when due, on a copy (publishing moves the files), in a thread
                 with laps.part("eval"):
-                    self.evaluator.offer(self.version, Path(tmp), final)
-            self._publisher.publish(self.version, Path(tmp), self.lora.section if self.lora else None)
+                    self.evaluator.offer(self.version, tmp, final)
+            self._publisher.publish(self.version, tmp, self.lora.section if self.lora else None)
+        finally:  # timed: removing what the publisher left took 2-18 ms a step here, 5 % of a short step
+            with laps.part("publish_store"):
+                shutil.rmtree(tmp, ignore_errors=True)
 
         # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
         keep = max(self.spec.shardcast.keep_versions, self.window.versions_to_keep())

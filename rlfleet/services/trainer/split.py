@@ -41,7 +41,10 @@ SPLIT_PARTS = {
     "publish_delta": "encoding the version as a delta against the previous one (hashes included)",
     "publish_hash": "the manifest's file entries (sha256 of each file and shard)",
     "publish_sign": "signing the manifest",
-    "publish_store": "store I/O of the publish: existence check, uploads, the manifest, keeping the files as base",
+    "publish_store": (
+        "store I/O of the publish: existence check, uploads, the manifest, keeping the files as base, removing the"
+        " publish directory"
+    ),
     "prune": "deleting versions no consumer can still ask for from the store",
     "announce": "announcing the version on the policy stream (XADD)",
 }
