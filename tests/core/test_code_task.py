@@ -10,6 +10,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 from rlfleet.config import CodeTaskSpec
@@ -64,10 +65,18 @@ def test_hostile_programs_score_zero_within_the_time_limit(program, mode, tmp_pa
     assert time.monotonic() - start < LIMITS.timeout_seconds * len(PAIRS) + 3
     assert list(tmp_path.iterdir()) == []
     time.sleep(0.2)
-    leftover = subprocess.run(
-        ["pgrep", "-f", "program_path, tests_path"], capture_output=True, text=True
-    ).stdout.split()
-    assert leftover == [], "a sandboxed process outlived its run"
+    assert sandboxed_processes_in(tmp_path) == [], "a sandboxed process outlived its run"
+
+
+def sandboxed_processes_in(root) -> list[int]:
+    """The harness's processes (their command line names `program_path, tests_path`) whose working directory is
+    under `root`: this test's own, not those of a run another test, or another pytest worker, has going."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        command, cwd = " ".join(proc.info["cmdline"] or ()), proc.info["cwd"] or ""
+        if "program_path, tests_path" in command and cwd.startswith(str(root)):
+            found.append(proc.pid)
+    return found
 
 
 @pytest.mark.parametrize("mode", MODES)
