@@ -21,9 +21,11 @@ run: setup
 	$(BIN)/rlfleet run examples/arithmetic/rlrun.yaml
 
 # The whole suite, end-to-end, vLLM and cluster-in-a-box runs included, the 30 slowest tests listed at
-# the end (CI as root: about 50 minutes on 2 cores, images included; the install takes about 4).
+# the end. TEST_WORKERS pytest-xdist workers share it out file by file, the slow files first
+# (tests/conftest.py); TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -ra --durations=30
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -ra --durations=30
 
 # Everything except the end-to-end runs marked slow.
 test-fast: setup

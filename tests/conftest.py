@@ -1,7 +1,9 @@
-"""Shared fixtures: a real redis-server and a real S3 API endpoint (moto's server over HTTP)."""
+"""Shared fixtures: a real redis-server and a real S3 API endpoint (moto's server over HTTP); and the order in which
+`make test`'s parallel workers take the test files (below)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -73,3 +75,31 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---- parallel runs ---------------------------------------------------------------------------------------------
+# `make test` runs pytest-xdist workers with `--dist loadfile`: a file's tests run one after another on one worker
+# (its module fixtures are made once) and a worker takes the next file from a queue. xdist's queue follows the
+# collection order (`--no-loadscope-reorder`; its own reordering counts tests, not seconds), so on a worker the files
+# are put in order of their expected cost: a file of slow end-to-end runs first, the many short files last, so that
+# no long run starts when the other worker has nothing left and the two finish close together. Nothing else is
+# shared between workers: ports are free ports, files are under tmp_path, Redis and moto are the worker's own, and
+# testbeds and cluster boxes name their namespaces after their owner process (testbed/bed.py).
+SLOW_TEST_SECONDS, TEST_SECONDS = 60.0, 0.5  # what a test marked slow and any other one cost, roughly, on 2 cores
+
+
+def expected_seconds(items: list[pytest.Item]) -> float:
+    """A rough cost of a file's tests, enough to order the files."""
+    return sum(SLOW_TEST_SECONDS if item.get_closest_marker("slow") else TEST_SECONDS for item in items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # one process: the collection order (short tests first, a failure shows early)
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    # Stable: equal costs keep the collection order, the same on every worker (xdist checks the collections agree).
+    order = sorted(files.values(), key=expected_seconds, reverse=True)
+    items[:] = [item for file_items in order for item in file_items]
