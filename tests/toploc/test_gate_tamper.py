@@ -17,6 +17,7 @@ import torch
 from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.fleet.reputation import is_banned, one_worker_stats
 from rlfleet.proofs.toploc import build_proofs
+from rlfleet.services.toploc import replay as seed_replay
 from rlfleet.services.toploc.checks import possible_tokens
 from rlfleet.tasks import make_task
 from rlfleet.wire.streams import SCHEMA_VERSION, RolloutGroup, SamplingParams, decode_json
@@ -63,7 +64,12 @@ def outside_top_k(engine: TorchEngine, ctx, worker: str) -> RolloutGroup:
     raise AssertionError("no seed sampled a token outside the top-k")
 
 
-def test_every_tamper_class_is_rejected_with_its_reason(tmp_path, redis_url):
+@pytest.mark.parametrize("chunk", ["as many rows as fit", "one row"])
+def test_every_tamper_class_is_rejected_with_its_reason(tmp_path, redis_url, monkeypatch, chunk):
+    """Every verdict of the table whatever the chunk of rows the prefill and the seed replay take at once
+    (replay.py CHUNK_ELEMENTS): the default, one chunk for the tiny model's rows, and a row at a time."""
+    if chunk == "one row":
+        monkeypatch.setattr(seed_replay, "CHUNK_ELEMENTS", 1)
     with gate_system(tmp_path, redis_url, sampling=SAMPLING, verifier=STRICT) as (ctx, policy, origin_url, tmp):
         r, keys = ctx.redis, ctx.keys
         engine = TorchEngine(policy, 0)

@@ -16,7 +16,7 @@ from rlfleet.config import BanPolicySpec
 from rlfleet.fleet.reputation import field, one_worker_stats, replay_plan
 from rlfleet.models.sampling import draw, keep_mask, sample_seed, sample_uniforms
 from rlfleet.services.toploc.commit import COMMIT_SCRIPT
-from rlfleet.services.toploc.replay import ReplayScore, group_score
+from rlfleet.services.toploc.replay import GroupReplay, ReplayScore, completion_chunks, group_score
 from rlfleet.wire.streams import RunKeys
 
 V, T, G = 50, 40, 4
@@ -47,6 +47,27 @@ def test_honest_draws_replay_exactly_and_a_changed_token_is_counted():
     assert (one.mismatches, one.first) == (1, (2, 5))
     assert one.rejected(0.0) and not one.rejected(0.05)  # CPU: any mismatch; a GPU share tolerates it
     assert ReplayScore(100, 6).rejected(0.05) and not ReplayScore(100, 5).rejected(0.05)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40, 41, 160])
+def test_a_replay_by_chunks_of_rows_scores_as_the_whole_group(rows):
+    """Chunks that split samples anywhere (3 rows: every sample boundary inside a chunk) give the score of one
+    pass, mismatches on either side of a chunk boundary and the first one's place included."""
+    gen = torch.Generator().manual_seed(4)
+    logits = [torch.randn(T, V, generator=gen) * 2 for _ in range(G)]
+    group = _group(logits, seed=9, top_p=0.9, top_k=20)
+    for i, t in [(1, 38), (1, 39), (2, 0), (3, 17)]:  # the last rows of a sample, the first of the next
+        group.samples[i].completion_ids[t] = (group.samples[i].completion_ids[t] + 1) % V
+    whole = group_score(logits, group, 1e-3)
+    assert (whole.positions, whole.mismatches, whole.first) == (G * T, 4, (1, 38))
+    replay = GroupReplay(group, 1e-3)
+    starts = []
+    for start, chunk in completion_chunks(logits, rows):
+        assert chunk.shape == (min(rows, G * T - start), V)
+        starts.append(start)
+        replay.add(start, chunk)
+    assert starts == list(range(0, G * T, rows))
+    assert replay.score() == ReplayScore(G * T, 4, pytest.approx(whole.surprise), (1, 38))
 
 
 def test_surprise_is_near_zero_for_honest_groups_and_negative_for_greedy():
@@ -107,9 +128,9 @@ def test_a_tolerated_mismatch_must_still_be_a_possible_token(redis_url):
     order = logits[0][3].argsort(descending=True)
     drawn = group.samples[0].completion_ids[3]
     group.samples[0].completion_ids[3] = int(order[0] if drawn != order[0] else order[1])  # inside the nucleus
-    got = checker.sampling_checks(group, logits, cal)
+    got = checker.sampling_checks(group, completion_chunks(logits), cal)
     assert (got.mismatches, got.first) == (1, (0, 3))
     group.samples[0].completion_ids[3] = int(order[-1])  # the least likely token: outside top-p 0.9
     with pytest.raises(Rejection) as caught:
-        checker.sampling_checks(group, logits, cal)
+        checker.sampling_checks(group, completion_chunks(logits), cal)
     assert caught.value.reason == "impossible_token"

@@ -42,7 +42,7 @@ from rlfleet.models.policy import Scored, score
 from rlfleet.services.toploc.checks import Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.commit import Committer
 from rlfleet.services.toploc.metrics import LAPS
-from rlfleet.services.toploc.replay import ReplayScore
+from rlfleet.services.toploc.replay import ReplayScore, logits_chunk_rows
 from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 # Padded positions per prefill: bounds its activations (positions x hidden) and logits (positions x
@@ -83,7 +83,9 @@ def score_groups(model, groups: list[RolloutGroup], temperature: float, pad_id: 
     for batch in batches:
         ids = [groups[gi].prompt_ids + groups[gi].samples[si].completion_ids for _, gi, si in batch]
         with torch.inference_mode(), LAPS.part("prefill"):
-            scored = score(model, ids, temperature, pad_id, want_hidden=True)
+            scored = score(
+                model, ids, temperature, pad_id, want_hidden=True, chunk=logits_chunk_rows(model.lm_head.out_features)
+            )
         for (_, gi, si), hidden, logprobs in zip(batch, scored.hidden, scored.logprobs):
             out[gi].hidden[si], out[gi].logprobs[si] = hidden, logprobs
     return out

@@ -39,7 +39,7 @@ the CPU.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import get_args
 
@@ -56,7 +56,7 @@ from rlfleet.services.toploc.calibration import Calibration, calibration
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.guards import ticket_replay, work_replay
 from rlfleet.services.toploc.metrics import LAPS
-from rlfleet.services.toploc.replay import ReplayScore, group_score
+from rlfleet.services.toploc.replay import GroupReplay, ReplayScore, logits_chunk_rows
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
@@ -288,7 +288,14 @@ class Checker:
         if scored is None:
             rows = [group.prompt_ids + s.completion_ids for s in group.samples]
             with torch.inference_mode(), LAPS.part("prefill"):
-                scored = score(model, rows, sp.temperature, tokenizer.pad_token_id, want_hidden=True)
+                scored = score(
+                    model,
+                    rows,
+                    sp.temperature,
+                    tokenizer.pad_token_id,
+                    want_hidden=True,
+                    chunk=logits_chunk_rows(model.lm_head.out_features),
+                )
         try:  # every sample's chunks in one vectorised pass; an error names its sample
             per_sample = verify_proofs_many(
                 scored.hidden,
@@ -312,38 +319,57 @@ class Checker:
                     "logprob_mismatch",
                     f"samples[{i}]: max |claimed - recomputed| = {err:.3g} > {cal.logprob_tolerance}",
                 )
-        with torch.inference_mode():  # one lm_head over every sample's completion rows, then split per sample
+        with torch.inference_mode():  # the lm_head a chunk of every sample's completion rows at a time
             completion_rows = torch.cat([scored.hidden[i][prompt_len - 1 : -1] for i in range(len(group.samples))])
-            lengths = [len(s.completion_ids) for s in group.samples]
-            logits = list((model.lm_head(completion_rows).float() / sp.temperature).split(lengths))  # (T_i, V) each
-            replay = self.sampling_checks(group, logits, cal)
+            step = logits_chunk_rows(model.lm_head.out_features)
+            chunks = (
+                (start, model.lm_head(completion_rows[start : start + step]).float() / sp.temperature)
+                for start in range(0, len(completion_rows), step)
+            )
+            replay = self.sampling_checks(group, chunks, cal)
         return [r.tolist() for r in recomputed], replay
 
-    def sampling_checks(self, group: RolloutGroup, logits: list[torch.Tensor], cal: Calibration) -> ReplayScore:
+    def sampling_checks(
+        self, group: RolloutGroup, chunks: Iterable[tuple[int, torch.Tensor]], cal: Calibration
+    ) -> ReplayScore:
         """Check 4 after the logprobs, on every group whatever its engine: the seed replay and its score
         (replay.py); where the calibration tolerates some mismatches, also the possible-token check, so
-        a tolerated mismatch is at least a token top-k / top-p could have left."""
+        a tolerated mismatch is at least a token top-k / top-p could have left. `chunks`: (start, logits) of the
+        completion rows laid end to end, divided by the temperature (replay.py `completion_chunks`); both checks
+        read each chunk once, and no more than a chunk of logits is held."""
         sp = group.sampling
-        replay = group_score(logits, group, cal.replay_tolerance)
-        if replay.rejected(cal.max_mismatch_share):
-            i, pos = replay.first or (0, 0)
+        replay = GroupReplay(group, cal.replay_tolerance)
+        # an exact replay proves every token drawable; so does sampling from the whole vocabulary
+        possible = cal.max_mismatch_share > 0 and (sp.top_p < 1.0 or sp.top_k > 0)
+        impossible: int | None = None  # the first row whose token top-k / top-p could not have left
+        for start, logits in chunks:
+            replay.add(start, logits)
+            if possible and impossible is None:
+                tokens = replay.tokens[start : start + len(logits)]
+                ok = possible_tokens(
+                    torch.log_softmax(logits, -1),
+                    tokens,
+                    sp.top_p,
+                    sp.top_k,
+                    cal.logprob_tolerance,
+                    cal.top_p_tolerance,
+                )
+                if not bool(ok.all()):
+                    impossible = start + int((~ok).nonzero()[0])
+        score = replay.score()
+        if score.rejected(cal.max_mismatch_share):
+            i, pos = score.first or (0, 0)
             raise Rejection(
                 "seed_replay",
-                f"{replay.mismatches}/{replay.positions} tokens are not the ones their seeds draw (share "
-                f"{replay.share:.3g} > {cal.max_mismatch_share}); first: samples[{i}] token {pos} "
+                f"{score.mismatches}/{score.positions} tokens are not the ones their seeds draw (share "
+                f"{score.share:.3g} > {cal.max_mismatch_share}); first: samples[{i}] token {pos} "
                 f"({group.samples[i].completion_ids[pos]})",
             )
-        if cal.max_mismatch_share == 0 or (sp.top_p >= 1.0 and sp.top_k == 0):
-            return replay  # an exact replay already proved every token drawable
-        for i, sample in enumerate(group.samples):
-            tokens = torch.tensor(sample.completion_ids, device=logits[i].device)
-            ok = possible_tokens(
-                torch.log_softmax(logits[i], -1), tokens, sp.top_p, sp.top_k, cal.logprob_tolerance, cal.top_p_tolerance
+        if impossible is not None:
+            i, pos = replay.where(impossible)
+            raise Rejection(
+                "impossible_token",
+                f"samples[{i}] token {pos} ({group.samples[i].completion_ids[pos]}) is outside top-k {sp.top_k} / "
+                f"top-p {sp.top_p}",
             )
-            if not bool(ok.all()):
-                pos = int((~ok).nonzero()[0])
-                raise Rejection(
-                    "impossible_token",
-                    f"samples[{i}] token {pos} ({int(tokens[pos])}) is outside top-k {sp.top_k} / top-p {sp.top_p}",
-                )
-        return replay
+        return score

@@ -4,11 +4,11 @@ every spot-checked group, whatever engine it claims)
 Both engines draw token t of sample i as the inverse CDF of the filtered distribution at the
 uniform u_t of the sample's own stream (rlfleet/models/sampling.py; vLLM through its worker's sampler
 hook). The gate holds the same distribution from its prefill (logits (T, V) of the claimed version
-at the run's temperature) and the same uniforms from the seed, so it re-draws every position at
-once, no decoding. A position *matches* when u_t * mass falls in the claimed token's CDF interval
-widened by `tolerance`, under the gate's top-k/top-p set or that set with its boundaries moved by
-+-`tolerance` (a near tie at the k-th logit or at the top_p mass): the float noise of another
-batch shape, thread count, engine or precision.
+at the run's temperature) and the same uniforms from the seed, so it re-draws the positions a chunk
+of rows at a time (`GroupReplay`, CHUNK_ELEMENTS), no decoding. A position *matches* when u_t * mass
+falls in the claimed token's CDF interval widened by `tolerance`, under the gate's top-k/top-p set
+or that set with its boundaries moved by +-`tolerance` (a near tie at the k-th logit or at the top_p
+mass): the float noise of another batch shape, thread count, engine or precision.
 
 Score of a group (`ReplayScore`), over its P positions:
   mismatch share  m / P, m = positions that do not match. The group is rejected (`seed_replay`) when
@@ -31,6 +31,7 @@ likes (grinding); the run can assign seeds and tasks instead (rlfleet/fleet/assi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,43 +87,91 @@ def _replay_rows(
     return ok, nll - entropy
 
 
-def replay_sample(
-    logits: torch.Tensor, tokens: list[int], seed: int, top_p: float, top_k: int, tolerance: float
-) -> tuple[torch.Tensor, float]:
-    """((T,) bool: positions whose token `seed` draws from `logits` (T, V), already divided by the temperature;
-    the sample's surprise)."""
-    device = logits.device  # the prefill's (a GPU's when the verifier has one): the draw is redone there
-    toks = torch.tensor(tokens, dtype=torch.long, device=device)
-    u = torch.from_numpy(sample_uniforms(seed, len(tokens))).to(device)
-    ok, surprise = _replay_rows(logits, toks, u, top_p, top_k, tolerance)
-    return ok, float(surprise.sum())
+# Entries of a (rows, vocabulary) logits chunk replayed at once (the gate's prefill scores its logprobs in chunks
+# of as many rows too). The replay makes several tensors of a chunk's shape (softmax, float64 CDF, masks,
+# log-probabilities): 0.75 GiB at its peak whatever the group's length (benchmarks/replay_memory.py), where the
+# replay of all rows at once peaked at about 9x the group's logits, 40 GB alone at 16 x 4,096 rows of a 152k
+# vocabulary in fp32.
+CHUNK_ELEMENTS = 1 << 24
 
 
-def replay_mismatch(
-    logits: torch.Tensor, tokens: list[int], seed: int, top_p: float, top_k: int, tolerance: float
-) -> int | None:
-    """The first position whose token is not the one `seed` draws from `logits` (T, V), or None."""
-    ok, _ = replay_sample(logits, tokens, seed, top_p, top_k, tolerance)
-    bad = (~ok).nonzero()
-    return int(bad[0]) if len(bad) else None
+def logits_chunk_rows(vocab: int) -> int:
+    """Rows of a logits chunk at this vocabulary (at least one)."""
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def completion_chunks(logits: list[torch.Tensor], rows: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, chunk) of the samples' completion rows `logits` (T_i, V) taken as one (sum T_i, V) sequence, `rows`
+    rows a chunk (default logits_chunk_rows): chunk rows [start, start + len) of it. For logits already held whole."""
+    if not logits:
+        return
+    rows = rows or logits_chunk_rows(logits[0].shape[-1])
+    bounds = np.cumsum([0, *(len(x) for x in logits)])
+    for start in range(0, int(bounds[-1]), rows):
+        stop = min(start + rows, int(bounds[-1]))
+        parts = []
+        for i, x in enumerate(logits):  # the slices of the samples that overlap [start, stop)
+            lo, hi = max(start, int(bounds[i])), min(stop, int(bounds[i + 1]))
+            if lo < hi:
+                parts.append(x[lo - int(bounds[i]) : hi - int(bounds[i])])
+        yield start, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class GroupReplay:
+    """The replay of one group fed its completion rows' logits a chunk at a time (`add`), then its `score`.
+
+    Row t of the group is token t of the samples' completions laid end to end (sample 0's first). Every row is
+    replayed alone (`_replay_rows`), so chunking changes no verdict: the score is the one of all rows at once. The
+    tokens and uniforms of every row are held (a few bytes a row, on the device of the first chunk: the prefill's,
+    a GPU's when the verifier has one, where the draws are redone); logits only a chunk at a time."""
+
+    def __init__(self, group, tolerance: float):
+        sp = group.sampling
+        self.top_p, self.top_k, self.tolerance = sp.top_p, sp.top_k, tolerance
+        lengths = [len(s.completion_ids) for s in group.samples]
+        self.starts = np.cumsum([0, *lengths])
+        self.tokens = torch.tensor([t for s in group.samples for t in s.completion_ids], dtype=torch.long)
+        uniforms = [sample_uniforms(sample_seed(sp.seed, i), n) for i, n in enumerate(lengths)]
+        self.uniforms = torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))
+        self.mismatches, self.surprise = 0, 0.0
+        self.first_row: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.starts[-1])
+
+    def where(self, row: int) -> tuple[int, int]:
+        """(sample, position) of row `row`."""
+        i = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return i, row - int(self.starts[i])
+
+    def add(self, start: int, logits: torch.Tensor) -> None:
+        """Replay rows [start, start + len(logits)) from their logits (already divided by the temperature); each row
+        once (a row added twice would be counted twice)."""
+        if self.tokens.device != logits.device:
+            self.tokens, self.uniforms = self.tokens.to(logits.device), self.uniforms.to(logits.device)
+        stop = start + logits.shape[0]
+        ok, surprise = _replay_rows(
+            logits, self.tokens[start:stop], self.uniforms[start:stop], self.top_p, self.top_k, self.tolerance
+        )
+        bad = (~ok).nonzero()[:, 0]
+        if len(bad):  # chunks may come in any order
+            row = start + int(bad[0])
+            self.first_row = row if self.first_row is None else min(self.first_row, row)
+        self.mismatches += len(bad)
+        self.surprise += float(surprise.sum())
+
+    def score(self) -> ReplayScore:
+        first = self.where(self.first_row) if self.first_row is not None else None
+        return ReplayScore(self.rows, self.mismatches, self.surprise, first)
 
 
 def group_score(logits: list[torch.Tensor], group, tolerance: float) -> ReplayScore:
-    """The replay score of `group` (module docstring); logits[i] (T_i, V) of sample i. Every sample's rows are
-    replayed in one pass (`_replay_rows`), each with its own seed's uniforms."""
-    sp = group.sampling
+    """The replay score of `group` (module docstring); logits[i] (T_i, V) of sample i, replayed a chunk of rows at
+    a time (GroupReplay)."""
     if not group.samples:
         return ReplayScore()
-    device = logits[0].device
-    lengths = [len(s.completion_ids) for s in group.samples]
-    toks = torch.tensor([t for s in group.samples for t in s.completion_ids], dtype=torch.long, device=device)
-    uniforms = [sample_uniforms(sample_seed(sp.seed, i), n) for i, n in enumerate(lengths)]
-    u = torch.from_numpy(np.concatenate(uniforms)).to(device)
-    ok, surprise = _replay_rows(torch.cat(list(logits)), toks, u, sp.top_p, sp.top_k, tolerance)
-    bad = (~ok).nonzero()[:, 0].tolist()
-    first = None
-    if bad:
-        starts = np.cumsum([0, *lengths])
-        i = int(np.searchsorted(starts, bad[0], side="right")) - 1
-        first = (i, bad[0] - int(starts[i]))
-    return ReplayScore(len(ok), len(bad), float(surprise.sum()), first)
+    replay = GroupReplay(group, tolerance)
+    for start, chunk in completion_chunks(logits):
+        replay.add(start, chunk)
+    return replay.score()
