@@ -2,7 +2,7 @@
 
 Streams (keys built only by `RunKeys`):
   rollouts  inbox: one message per group from the workers (untrusted)
-  verified  groups the verifier accepted, with trusted rewards (consumed by the trainer)
+  verified  groups the verifier accepted, with trusted rewards and no proofs (consumed by the trainer)
   rejected  groups refused, with the reason (audit)
   policy    one message per published policy version: {version, time, step (the trainer step whose weights
             it is; it lags the version after a resume that republished, services/trainer/state.py), reward}

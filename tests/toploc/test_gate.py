@@ -32,7 +32,16 @@ from rlfleet.versions.signing import generate_keypair, load_private_key, make_si
 from rlfleet.versions.store import open_store
 from rlfleet.wire import env
 from rlfleet.wire.runtime import Context
-from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, decode_json, encode_json, group_digest
+from rlfleet.wire.streams import (
+    MESSAGE_FIELD,
+    RolloutGroup,
+    RunKeys,
+    Sample,
+    SamplingParams,
+    decode_json,
+    encode_json,
+    group_digest,
+)
 from rlfleet.wire.views import VIEWS, view_bundle
 from tests.runs import bundle_yaml, rlrun
 from tests.support import redis_from_url, serving, tiny_policy_dir
@@ -177,6 +186,13 @@ def test_verified_groups_train_once_even_when_redelivered(system):
     assert rejections(ctx) == {honest.rollout_id: "replay"}
     assert sorted(verified_ids(ctx)) == sorted([honest.rollout_id, other.rollout_id])
     assert r.xlen(keys.rollouts) == 0, "every handled inbox entry is deleted"
+    # What the trainer reads: the checked tokens without their proofs, which nobody reads after the gate.
+    for _, fields in r.xrange(keys.verified):
+        verified = RolloutGroup.decode(fields)
+        sent = {g.rollout_id: g for g in (honest, other)}[verified.rollout_id]
+        assert all(s.proofs == [] for s in verified.samples) and all(s.proofs for s in sent.samples)
+        assert [s.completion_ids for s in verified.samples] == [s.completion_ids for s in sent.samples]
+        assert len(fields[MESSAGE_FIELD]) < len(sent.encode()[MESSAGE_FIELD])
 
     # The trainer sees each verified group once; a redelivered copy of a trained group is skipped.
     trainer = Trainer(as_(ctx, TRAINER), output_dir=None)

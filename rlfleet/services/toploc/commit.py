@@ -72,9 +72,11 @@ return 1
 def forward_trusted(group: RolloutGroup, outcome: Outcome) -> None:
     """What the trainer gets of an accepted group: the trusted rewards and, where the prefill ran, the
     recomputed token logprobs instead of the worker's (a shift inside the tolerance would skew every
-    importance ratio)."""
+    importance ratio); no TOPLOC proofs, which nobody reads after the gate and which are about half of a
+    long group's message (258 bytes per 32 tokens, base64: as many bytes as its token ids and logprobs)."""
     for i, (sample, reward) in enumerate(zip(group.samples, outcome.rewards)):
         sample.reward = reward
+        sample.proofs = []
         if outcome.logprobs is not None:
             sample.logprobs = outcome.logprobs[i]
 
