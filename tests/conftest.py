@@ -93,6 +93,14 @@ def expected_seconds(items: list[pytest.Item]) -> float:
     return sum(SLOW_TEST_SECONDS if item.get_closest_marker("slow") else TEST_SECONDS for item in items)
 
 
+def pytest_configure(config):
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # A worker computes beside another on two cores: one OpenMP thread each (torch's intra-op pool, and what the
+        # processes a test starts inherit), not two each whose spinning waits take turns on the same cores. A test
+        # that wants more threads sets them itself (torch.set_num_threads), as the launcher's components do.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     if "PYTEST_XDIST_WORKER" not in os.environ:
