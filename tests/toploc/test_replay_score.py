@@ -109,7 +109,8 @@ def test_a_worker_under_the_group_share_is_banned_by_its_running_share(redis_url
     assert np.isclose(ReplayScore(100, 4).share, 0.04)
 
 
-def test_a_tolerated_mismatch_must_still_be_a_possible_token(redis_url):
+@pytest.mark.parametrize("rows", [None, 1, 7])  # one chunk, a row at a time, chunks across samples
+def test_a_tolerated_mismatch_must_still_be_a_possible_token(redis_url, rows):
     """Where the calibration tolerates a share of mismatches (bf16, GPU), a mismatched token inside top-p
     passes with its mismatch counted, and one outside top-p is `impossible_token`."""
     from dataclasses import replace
@@ -128,9 +129,9 @@ def test_a_tolerated_mismatch_must_still_be_a_possible_token(redis_url):
     order = logits[0][3].argsort(descending=True)
     drawn = group.samples[0].completion_ids[3]
     group.samples[0].completion_ids[3] = int(order[0] if drawn != order[0] else order[1])  # inside the nucleus
-    got = checker.sampling_checks(group, completion_chunks(logits), cal)
+    got = checker.sampling_checks(group, completion_chunks(logits, rows), cal)
     assert (got.mismatches, got.first) == (1, (0, 3))
     group.samples[0].completion_ids[3] = int(order[-1])  # the least likely token: outside top-p 0.9
     with pytest.raises(Rejection) as caught:
-        checker.sampling_checks(group, completion_chunks(logits), cal)
+        checker.sampling_checks(group, completion_chunks(logits, rows), cal)
     assert caught.value.reason == "impossible_token"
