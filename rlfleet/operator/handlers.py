@@ -180,6 +180,20 @@ async def member_changed(body, patch, memo, **_) -> None:
     _write(await reconcile.reconcile_scalable(_ctx(memo), dict(body), spec_changed=True), patch)
 
 
+async def tier_changed(body, patch, memo, logger, **_) -> None:
+    """The tier, then its run's pools, whose relay URLs follow the tiers (reconcile.reconcile_run_pools). An
+    API error on a pool is logged: the run's timer re-applies the pools within one interval anyway."""
+    ctx = _ctx(memo)
+    _write(await reconcile.reconcile_scalable(ctx, dict(body), spec_changed=True), patch)
+    run_name = (body.get("spec") or {}).get("run")
+    if isinstance(run_name, str) and run_name:
+        try:
+            await reconcile.reconcile_run_pools(ctx, body["metadata"]["namespace"], run_name)
+        except ApiError as exc:
+            tier = body["metadata"]["name"]
+            logger.warning(f"the pools of run {run_name} not re-applied after RelayTier {tier} changed: {exc}")
+
+
 # ---- registration and the process --------------------------------------------------------------
 
 
@@ -192,7 +206,7 @@ def register(registry: kopf.OperatorRegistry, options: OperatorOptions) -> kopf.
     for plural, changed in (
         (names.RLRUN.plural, run_changed),
         (names.INFERENCE_POOL.plural, member_changed),
-        (names.RELAY_TIER.plural, member_changed),
+        (names.RELAY_TIER.plural, tier_changed),
     ):
         kopf.on.resume(G, V, plural, registry=registry)(changed)
         kopf.on.create(G, V, plural, registry=registry)(changed)

@@ -387,9 +387,11 @@ async def reconcile_scalable(
     return Outcome(status=status, metadata=tie_to_run(body, run_body))
 
 
-async def reconcile_run_members(ctx: Ctx, run_body: dict) -> None:
-    """Every pool and tier of the run: apply their children, write their status and run tie (the run's
-    timer calls this; pools and tiers have no timer of their own)."""
+async def reconcile_run_members(
+    ctx: Ctx, run_body: dict, kinds: tuple[str, ...] = ("RelayTier", "InferencePool")
+) -> None:
+    """Every pool and tier of the run (those of `kinds`): apply their children, write their status and run
+    tie (the run's timer calls this; pools and tiers have no timer of their own)."""
     namespace, run_name = run_body["metadata"]["namespace"], run_body["metadata"]["name"]
     try:
         run, _ = rundefaults.fill(run_body, builders.parse_as(run_body, RLRun), ctx.run_defaults)
@@ -397,7 +399,7 @@ async def reconcile_run_members(ctx: Ctx, run_body: dict) -> None:
     except builders.SpecError:
         return  # the members wait for their run to be fixed
     tiers = await run_tiers(ctx, namespace)
-    for kind in ("RelayTier", "InferencePool"):
+    for kind in kinds:
         for body in await ctx.kube.list(kind, namespace):
             if (body.get("spec") or {}).get("run") != run_name:
                 continue
@@ -408,3 +410,13 @@ async def reconcile_run_members(ctx: Ctx, run_body: dict) -> None:
                     await ctx.kube.patch(kind, namespace, body["metadata"]["name"], {"metadata": outcome.metadata})
             except ApiError as exc:
                 log.warning(f"{kind} {body['metadata']['name']} of run {run_name} not reconciled: {exc}")
+
+
+async def reconcile_run_pools(ctx: Ctx, namespace: str, run_name: str) -> None:
+    """A tier of run `run_name` was created or changed: the run's pools download from its top tier (or the
+    one they name), so their workloads are re-applied now, not on the run's next timer. Applied in file order
+    (run, pool, tier), a pool is first built before its tier exists and points at the origin; without this its
+    workers would start there and restart one resync interval later."""
+    run_body = await ctx.kube.find("RLRun", namespace, run_name)
+    if run_body is not None:
+        await reconcile_run_members(ctx, run_body, kinds=("InferencePool",))

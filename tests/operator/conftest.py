@@ -4,6 +4,7 @@ whole session; a real redis-server for the runs' streams. Each test uses its own
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -57,6 +58,27 @@ def stop_operator(process) -> None:
         process.wait()
 
 
+@contextlib.contextmanager
+def operator_process(kubeconfig: Path, log_path: Path, resync_interval_s: str = RESYNC_INTERVAL_S, *args: str):
+    """`rlfleet operator` logged in through `kubeconfig` with the chart's settings (CHART_ENV), its output in
+    `log_path`, answering /healthz before this yields; stopped (SIGTERM, then SIGKILL) afterwards."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}  # not in a pod
+    env.update(KUBECONFIG=str(kubeconfig), RLFLEET_RESYNC_INTERVAL=resync_interval_s, PYTHONUNBUFFERED="1", **CHART_ENV)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rlfleet.cli", "operator", "--liveness", f"http://127.0.0.1:{port}/healthz", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        wait_until_healthy(process, port, log_path, "rlfleet operator")
+        yield process
+    finally:
+        stop_operator(process)
+
+
 @pytest.fixture(scope="session")
 def emulator():
     with EmulatedCluster() as emulated:
@@ -101,25 +123,9 @@ def operator_metrics(tmp_path_factory) -> str:
 def api(emulator, operator_log, operator_metrics, tmp_path_factory):
     """Base URL of the emulator, with `rlfleet operator` running against it."""
     kubeconfig = emulator.kubeconfig(tmp_path_factory.mktemp("kube") / "config")
-    port = free_port()
     metrics_port = operator_metrics.rsplit(":", 1)[1].split("/")[0]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}  # not in a pod
-    env.update(KUBECONFIG=str(kubeconfig), RLFLEET_RESYNC_INTERVAL=RESYNC_INTERVAL_S, PYTHONUNBUFFERED="1", **CHART_ENV)
-    with open(operator_log, "ab") as log:
-        process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "rlfleet.cli", "operator"),
-                *("--liveness", f"http://127.0.0.1:{port}/healthz", "--metrics-port", metrics_port),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        wait_until_healthy(process, port, operator_log, "rlfleet operator")
+    with operator_process(kubeconfig, operator_log, RESYNC_INTERVAL_S, "--metrics-port", metrics_port):
         yield emulator.url
-    finally:
-        stop_operator(process)
 
 
 @pytest.fixture(scope="session")

@@ -46,11 +46,18 @@ def test_example_crs_become_children_with_owners_and_status(api, redis_url):
         child = wait_for(f"{kind} {name}", lambda: get(api, kind, ns, name))
         assert child["metadata"]["ownerReferences"][0]["uid"] == run["metadata"]["uid"]
         assert child["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlfleet"
-    rollout = wait_for("rollout Deployment", lambda: get(api, "Deployment", ns, "arithmetic-cpu-rollout"))
-    assert rollout["spec"]["replicas"] == 2
-    assert (
-        f"http://arithmetic-tier0-relay.{ns}.svc:8080" in rollout["spec"]["template"]["spec"]["containers"][0]["args"]
+    # Applied in file order, the pool is first built before its tier exists (pointing at the origin); the
+    # tier's creation repoints it (test_relay_order.py), so this waits for that rather than the first write.
+    tier0 = f"http://arithmetic-tier0-relay.{ns}.svc:8080"
+    rollout = wait_for(
+        "rollout Deployment downloading from tier 0",
+        lambda: (
+            (o := get(api, "Deployment", ns, "arithmetic-cpu-rollout"))
+            and tier0 in o["spec"]["template"]["spec"]["containers"][0]["args"]
+            and o
+        ),
     )
+    assert rollout["spec"]["replicas"] == 2
     relay = wait_for("relay Deployment", lambda: get(api, "Deployment", ns, "arithmetic-tier0-relay"))
     assert f"http://arithmetic-origin.{ns}.svc:8080" in relay["spec"]["template"]["spec"]["containers"][0]["args"]
     pool = wait_for(
