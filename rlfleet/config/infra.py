@@ -27,6 +27,13 @@ class RedisSpec(Spec):
     stream_max_len: int = Field(
         default=10000, ge=100, description="Approximate MAXLEN of every stream; nothing grows without bound."
     )
+    audit_stream_max_bytes: int = Field(
+        default=256 * 2**20,
+        ge=2**20,
+        description="Bytes each of the verifier's audit streams (rejected, deadletter) holds at most, besides "
+        "streamMaxLen entries: the oldest entries go first. An entry keeps its original message up to 1/16 of "
+        "this (cut beyond, with its length and sha256), so at least the newest 16 are whole.",
+    )
     role_urls: bool = Field(
         default=False,
         description="Cluster only: urlSecret also holds one URL per Redis ACL role "

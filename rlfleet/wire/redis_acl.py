@@ -15,8 +15,9 @@ whatever the worker wrote: only the ingest binds worker ids to tokens.
             lookups, work tickets, its door (hashed tokens, joins, used invites, active workers, join
             addresses; rlfleet/services/ingest/door.py) and a joined worker's standing (its rate)
   verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected / dead
-            letter, its attempt counts, run stats, reputation and bans, its one-time guards, work tickets (read),
-            join records (read: a joined worker's probation) and standings (the ingest's copy)
+            letter (the last two trimmed by bytes: XRANGE, XDEL, their audit-bytes totals), its attempt counts,
+            run stats, reputation and bans, its one-time guards, work tickets (read), join records (read: a
+            joined worker's probation) and standings (the ingest's copy)
   trainer   the verified stream's consumer group, the trained set, run stats and repeats (read), XADD policy, HSET
             its demand, RPUSH the retired prompts, SET the run's failure record
   admin     everything on the run's keys (the local launcher; on a cluster the operator keeps the
@@ -86,6 +87,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             "standing",
             "attempts",
             "dead_letter",
+            "audit_bytes",
         ],
         [
             "xgroup|create",
@@ -95,6 +97,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             "xdel",
             "xadd",
             "xlen",
+            "xrange",
             "xrevrange",
             "hincrby",
             "hget",

@@ -69,6 +69,8 @@ class RunKeys:
         self.tickets = f"{prefix}:tickets"  # hash: worker id -> work tickets issued (rlfleet/fleet/assignment.py)
         self.attempts = f"{prefix}:attempts"  # hash: inbox entry id -> verifier attempts not yet committed
         self.dead_letter = f"{prefix}:deadletter"  # inbox entries no verifier could handle (poison pills)
+        # hash: audit stream key (rejected, deadletter) -> bytes of its entries (services/toploc/audit.py)
+        self.audit_bytes = f"{prefix}:audit-bytes"
         # The gate's one-time guards (rlfleet/services/toploc/guards.py): hash content digest -> entry|seed,
         # zset content digest -> newest policy version claimed (pruned to the async window), hash ticket -> entry.
         self.seen = f"{prefix}:seen"
@@ -117,6 +119,7 @@ class RunKeys:
             self.tickets,
             self.attempts,
             self.dead_letter,
+            self.audit_bytes,
             self.seen,
             self.seen_versions,
             self.tickets_used,

@@ -142,7 +142,7 @@ VIEWS: dict[str, View] = {
             components.TRAINER,
             (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST, "tracking", "eval"),
         ),
-        View(components.VERIFIER, (*_GENERATORS, "ingest.admission.probationGroups")),
+        View(components.VERIFIER, (*_GENERATORS, "ingest.admission.probationGroups", "redis.auditStreamMaxBytes")),
         View(
             components.ROLLOUT,
             _GENERATORS,

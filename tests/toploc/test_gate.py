@@ -47,8 +47,9 @@ from tests.runs import bundle_yaml, rlrun
 from tests.support import redis_from_url, serving, tiny_policy_dir
 
 
-def gate_config(model: Path, store: Path, sampling: str, verifier: str) -> str:
-    """The gate tests' RLRun; `sampling` and `verifier` are YAML flow mappings, as the tests write them."""
+def gate_config(model: Path, store: Path, sampling: str, verifier: str, **spec: str) -> str:
+    """The gate tests' RLRun; `sampling`, `verifier` and any other section in `spec` are YAML flow mappings, as
+    the tests write them."""
     return bundle_yaml(
         rlrun(
             "gate",
@@ -58,15 +59,17 @@ def gate_config(model: Path, store: Path, sampling: str, verifier: str) -> str:
             trainer={"batchSize": 1, "maxAsyncLevel": 1, "learningRate": 1.0e-3},
             verifier=yaml.safe_load(verifier),
             store=store,
+            **{section: yaml.safe_load(text) for section, text in spec.items()},
         )
     )
 
 
 @contextmanager
-def gate_system(tmp_path, redis_url, sampling="{groupSize: 4, maxTokens: 4}", verifier="{}"):
-    """A published version 0 of a tiny policy, an origin serving it, and a run context."""
+def gate_system(tmp_path, redis_url, sampling="{groupSize: 4, maxTokens: 4}", verifier="{}", **spec: str):
+    """A published version 0 of a tiny policy, an origin serving it, and a run context; `spec`: more sections
+    of the run (gate_config)."""
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
-    bundle = parse_bundle(gate_config(policy, tmp_path / "store", sampling, verifier))
+    bundle = parse_bundle(gate_config(policy, tmp_path / "store", sampling, verifier, **spec))
     store = open_store(bundle.run.spec.store.uri)
     # The run signs its manifests, as `rlfleet run` does: the gate checks them, the trainer signs.
     key_file, public = generate_keypair(tmp_path / "keys")

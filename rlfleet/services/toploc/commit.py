@@ -27,26 +27,34 @@ import redis
 
 from rlfleet.config import RLRunSpec
 from rlfleet.fleet.reputation import ban_plan, field, replay_plan
+from rlfleet.services.toploc.audit import AUDIT_APPEND_LUA, audit_entry
 from rlfleet.services.toploc.checks import Outcome, Rejection
 from rlfleet.services.toploc.metrics import BANS, DUPLICATES, LAPS, REWARD_MISMATCH, TOKENS, UNCHECKED, VERDICTS
 from rlfleet.wire import components
-from rlfleet.wire.streams import RolloutGroup, RunKeys, encode_json
+from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 log = logging.getLogger("rlfleet.verifier")
 
-# KEYS: inbox, out stream, stats, workers, banned, attempts.
-# ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?, share_ban?}, then the out fields.
-COMMIT_SCRIPT = """
+# KEYS: inbox, out stream, stats, workers, banned, attempts, audit bytes.
+# ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?, share_ban?, audit_max_bytes?},
+# then the out fields. With audit_max_bytes (a rejection) the out stream is an audit stream (audit.py).
+COMMIT_SCRIPT = (
+    AUDIT_APPEND_LUA
+    + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   redis.call('HDEL', KEYS[6], ARGV[2])
   return 0
 end
 local out = {}
 for i = 5, #ARGV do out[#out + 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
+local plan = cjson.decode(ARGV[4])
+if plan.audit_max_bytes then
+  audit_append(KEYS[2], KEYS[7], tonumber(ARGV[3]), plan.audit_max_bytes, out)
+else
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
+end
 redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('HDEL', KEYS[6], ARGV[2])
-local plan = cjson.decode(ARGV[4])
 for f, n in pairs(plan.stats) do redis.call('HINCRBY', KEYS[3], f, n) end
 for f, n in pairs(plan.workers) do redis.call('HINCRBY', KEYS[4], f, n) end
 local ban = plan.ban
@@ -67,6 +75,7 @@ if sb then
 end
 return 1
 """
+)
 
 
 def forward_trusted(group: RolloutGroup, outcome: Outcome) -> None:
@@ -119,11 +128,11 @@ class Committer:
             assert group is not None  # an Outcome comes only with the group it checked
             written = self.acceptance(group, result)
 
-        keys = self.keys
+        k = self.keys
         flat = [x for kv in written.out.items() for x in kv]
         answer = self._script(
-            keys=[keys.rollouts, written.stream, keys.stats, keys.workers, keys.banned, keys.attempts],
-            args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(written.plan), *flat],
+            keys=[k.rollouts, written.stream, k.stats, k.workers, k.banned, k.attempts, k.audit_bytes],
+            args=[k.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(written.plan), *flat],
         )
         if answer == 0:
             DUPLICATES.inc()
@@ -142,7 +151,7 @@ class Committer:
         return int(answer)
 
     def rejection(self, msg_id: bytes, fields: dict, group: RolloutGroup | None, exc: Rejection) -> Written:
-        """A rejected entry: the reason and the original message (cut at maxMessageBytes) to `rejected`,
+        """A rejected entry: the reason and the original message to the audit stream `rejected` (audit.py),
         counted for the run and, when known, for the worker, whose ban rule it may trigger."""
         v = self.spec.verifier
         worker = exc.worker_id
@@ -155,10 +164,12 @@ class Committer:
             "rollout_id": group.rollout_id if group else None,
             components.VERIFIER: self.consumer,
         }
-        original = next(iter(fields.values()), b"")[: v.max_message_bytes]  # an oversize one is cut
-        out = {**encode_json(record), b"original": original}
-
-        plan: dict = {"stats": {"rejected": 1, f"rejected:{exc.reason}": 1}, "workers": {}}
+        out = audit_entry(record, next(iter(fields.values()), b""), self.spec)
+        plan: dict = {
+            "stats": {"rejected": 1, f"rejected:{exc.reason}": 1},
+            "workers": {},
+            "audit_max_bytes": self.spec.redis.audit_stream_max_bytes,
+        }
         if worker is not None:
             plan["workers"] = {field(worker, "rejected"): 1, field(worker, f"rejected:{exc.reason}"): 1}
             plan["ban"] = ban_plan(v.ban, worker, exc.reason, exc.detail, record["rollout_id"])

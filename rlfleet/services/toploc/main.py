@@ -49,6 +49,7 @@ from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sources import resolve_model_path
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
+from rlfleet.services.toploc.audit import AUDIT_APPEND_LUA, audit_bounds, audit_entry
 from rlfleet.services.toploc.batch import InboxChecks, SpotCheck
 from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection, decode_group
 from rlfleet.services.toploc.commit import Committer
@@ -58,7 +59,7 @@ from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, ensure_group
-from rlfleet.wire.streams import RolloutGroup, encode_json, stream_reply
+from rlfleet.wire.streams import RolloutGroup, stream_reply
 
 __all__ = ["REASONS", "Gate", "Rejection", "main"]
 
@@ -66,20 +67,24 @@ log = logging.getLogger("rlfleet.verifier")
 
 READ_BATCH = 8  # inbox entries read (and prefilled) together
 
-# KEYS: inbox, dead letter, stats, attempts. ARGV: group, entry id, maxlen, then the dead-letter fields.
-_DEAD_LETTER = """
+# KEYS: inbox, dead letter, stats, attempts, audit bytes.
+# ARGV: group, entry id, max entries, max bytes, then the dead-letter fields (an audit stream: audit.py).
+_DEAD_LETTER = (
+    AUDIT_APPEND_LUA
+    + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   redis.call('HDEL', KEYS[4], ARGV[2])
   return 0
 end
 local out = {}
-for i = 4, #ARGV do out[#out + 1] = ARGV[i] end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(out))
+for i = 5, #ARGV do out[#out + 1] = ARGV[i] end
+audit_append(KEYS[2], KEYS[5], tonumber(ARGV[3]), tonumber(ARGV[4]), out)
 redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('HDEL', KEYS[4], ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'dead_letter', 1)
 return 1
 """
+)
 
 
 class Gate:
@@ -210,18 +215,18 @@ class Gate:
 
     def dead_letter(self, msg_id: bytes, fields: dict, tries: int) -> int:
         """Move an entry no try could handle to the dead-letter stream, with what is known of why."""
-        keys, v = self.ctx.keys, self.spec.verifier
+        keys = self.ctx.keys
         record = {
             "inbox_id": msg_id.decode(),
             "attempts": tries,
             "last_error": self._errors.pop(msg_id, "the verifier stopped while handling it"),
             components.VERIFIER: self.consumer,
         }
-        original = next(iter(fields.values()), b"")[: v.max_message_bytes]
-        flat = [x for kv in {**encode_json(record), b"original": original}.items() for x in kv]
+        entry = audit_entry(record, next(iter(fields.values()), b""), self.spec)
+        flat = [x for kv in entry.items() for x in kv]
         result = self._dead_letter(
-            keys=[keys.rollouts, keys.dead_letter, keys.stats, keys.attempts],
-            args=[keys.verifier_group, msg_id, self.spec.redis.stream_max_len, *flat],
+            keys=[keys.rollouts, keys.dead_letter, keys.stats, keys.attempts, keys.audit_bytes],
+            args=[keys.verifier_group, msg_id, *audit_bounds(self.spec), *flat],
         )
         if result:
             DEAD_LETTERS.inc()
