@@ -235,6 +235,16 @@ class TrainerSpec(Spec):
         "ranksPerReplica + LOCAL_RANK, WORLD_SIZE = replicas x ranksPerReplica). Default: gpus, or 1 without "
         "GPUs. Set it without GPUs to run several CPU ranks (gloo) per replica; with gpus > 0 it must equal gpus.",
     )
+    collective_timeout_seconds: float = Field(
+        default=1800.0,
+        ge=1.0,
+        le=86_400.0,
+        description="How long one collective of the trainer's ranks (a broadcast of the batch, a gradient "
+        "all-reduce, a gather of the weights to publish, a save) may take before the rank fails and the replica "
+        "restarts whole (NCCL's own default is 10 minutes, too short for a gather or save of a large model). "
+        "Waiting for rank 0 to collect verified groups and publish is not a collective: the other ranks wait "
+        "outside one, however long it takes.",
+    )
     checkpoint_every: int = Field(
         default=1,
         ge=1,

@@ -112,6 +112,7 @@ _TRAINER = _fields(
     "trainer: steps batchSize learningRate weightDecay epsLow epsHigh delta maxGradNorm epochs maxAsyncLevel"
     " normalization entropyCoef klCoef warmupSteps lrSchedule skipZeroAdvantageGroups seed sharding lora"
     " microBatchTokens logprobChunk activationCheckpointing masterWeights offPolicy checkpointEvery"
+    " collectiveTimeoutSeconds"
 )
 # spec.trainer as the others read it: a worker sizes the queue it keeps for the trainer by batchSize, starts
 # its engine from the builtin build of seed and holds back the groups skipZeroAdvantageGroups would drop;

@@ -19,7 +19,7 @@ from rlfleet.models.policy import load_policy
 from rlfleet.versions.store import open_store
 from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys, group_digest
-from tests.support import start_trainer, tiny_policy_dir, trainer_run_config
+from tests.support import start_trainer, tiny_policy_dir, trainer_run_config, wait_for
 from tests.trainer.test_trainer import group
 from tests.trainer.test_trainer_resume import final_weights
 
@@ -111,6 +111,38 @@ def test_two_ranks_of_one_replica_train_the_update_of_one_rank(tmp_path, redis_u
     assert any(not torch.equal(runs[1][k], v) for k, v in initial.items()), "the step moved the weights"
     for name, value in runs[1].items():
         torch.testing.assert_close(runs[2][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_ranks_that_wait_for_groups_past_their_collective_timeout_survive_and_step(tmp_path, redis_url):
+    """Bug: ranks 1..n waited for rank 0 to collect the step's groups inside a broadcast, so a wait longer than
+    the collective timeout (NCCL's default is 10 minutes) killed the replica. Here the timeout is 2 s and the
+    groups of each step come more than twice that late: before the first step and between the two."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    trainer = (
+        "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 2, ranksPerReplica: 2,"
+        " collectiveTimeoutSeconds: 2}"
+    )
+    config = tmp_path / "rlrun.yaml"
+    config.write_text(trainer_run_config(policy, tmp_path / "store", trainer))
+    client = redis_lib.Redis.from_url(redis_url)
+    proc = start_trainer(config, redis_url, tmp_path, "--ranks", "2", env=dist_env(2))
+    log = tmp_path / "trainer.log"
+    try:
+        for step in (1, 2):
+            if step == 1:
+                wait_for("both ranks up", lambda: "rank 1 of 2" in log.read_text() and proc.poll() is None, 120)
+            else:
+                wait_for("step 1", lambda: "step 1 version 1" in log.read_text() or proc.poll() is not None, 120)
+            time.sleep(5)  # the wait for groups: 2.5 collective timeouts
+            assert proc.poll() is None, log.read_text()
+            for rid in (f"{step}a", f"{step}b"):
+                client.xadd(RunKeys("tr").verified, group(rid, [1.0, 0.0]).encode())
+        assert proc.wait(120) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "step 2 version 2" in log.read_text()
+    assert client.xlen(RunKeys("tr").verified) == 0
 
 
 @pytest.mark.slow

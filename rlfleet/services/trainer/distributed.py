@@ -6,11 +6,20 @@ process group; every function here is then a no-op or the identity.
 
 Rank 0 alone reads the streams, publishes and commits (main.py); the others receive what it read
 (`broadcast`) and take the same update (update.py).
+
+Collectives time out (`trainer.collectiveTimeoutSeconds`, given to the process group): a rank stuck in one
+fails and the replica restarts whole. Collecting a step's verified groups can take longer than any
+collective should (a fleet that is still warming up, a slow verifier), so the other ranks do not wait for
+rank 0 inside a collective: rank 0 marks each step it has read in the process group's key-value store
+(`lead_at`) and the others poll that store (`await_lead`) before they join the step's broadcast. A poll has
+no timeout; a rank 0 that died takes its store with it, and the poll raises.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -21,6 +30,8 @@ from rlfleet.models.device import choose_device
 from rlfleet.wire import env
 
 T = TypeVar("T")
+
+LEAD_POLL_MAX_S = 0.05  # how late, at most, a waiting rank sees that rank 0 has read its batch
 
 
 @dataclass(frozen=True)
@@ -48,15 +59,43 @@ def training_device() -> torch.device:
     return device
 
 
-def init_distributed() -> Ranks:
+def init_distributed(collective_timeout_s: float | None = None) -> Ranks:
     """This process's ranks from the torchrun-style environment; joins the process group when world > 1
-    (NCCL when this rank computes on a GPU, else gloo)."""
+    (NCCL when this rank computes on a GPU, else gloo), its collectives failing after `collective_timeout_s`
+    (None: the backend's default)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if training_device().type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     return Ranks(rank, world)
+
+
+def _lead_key(mark: str) -> str:
+    return f"rlfleet/lead/{mark}"
+
+
+def lead_at(mark: str, ranks: Ranks, done: str | None = None) -> None:
+    """Rank 0: tell the other ranks it has reached `mark` (they wait in `await_lead`), and forget `done`, a
+    mark every rank has passed. Nothing on the other ranks or in a world of one."""
+    if ranks.world == 1 or not ranks.is_lead:
+        return
+    store = dist.distributed_c10d._get_default_store()  # the process group's own rendezvous store
+    store.set(_lead_key(mark), "1")
+    if done is not None:
+        store.delete_key(_lead_key(done))
+
+
+def await_lead(mark: str, ranks: Ranks) -> None:
+    """Ranks 1..n: wait, outside any collective and with no timeout, until rank 0 has reached `mark`
+    (`lead_at`). Polls the store: its `wait` would log a warning at every timeout of a long wait."""
+    if ranks.world == 1 or ranks.is_lead:
+        return
+    store, key, pause = dist.distributed_c10d._get_default_store(), _lead_key(mark), 0.001
+    while not store.check([key]):
+        time.sleep(pause)
+        pause = min(2 * pause, LEAD_POLL_MAX_S)
 
 
 def leave_distributed() -> None:

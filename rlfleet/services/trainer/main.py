@@ -40,7 +40,14 @@ from rlfleet.fleet.window import AsyncWindow
 from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
 from rlfleet.models.sources import ModelSourceError, resolve_model_path
 from rlfleet.services.trainer.batches import Batch, BatchReader
-from rlfleet.services.trainer.distributed import broadcast, init_distributed, leave_distributed, training_device
+from rlfleet.services.trainer.distributed import (
+    await_lead,
+    broadcast,
+    init_distributed,
+    lead_at,
+    leave_distributed,
+    training_device,
+)
 from rlfleet.services.trainer.evaluation import Evaluator
 from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import VERSION, MetricsLog, withdraw
@@ -123,7 +130,8 @@ class Trainer:
         self.spec = ctx.bundle.run.spec
         self.window = AsyncWindow.of(self.spec)  # what a step trains and what the store keeps (fleet/window.py)
         self.store = open_run_store(ctx)
-        self.ranks = init_distributed()  # only rank 0 reads streams, publishes and commits
+        # only rank 0 reads streams, publishes and commits
+        self.ranks = init_distributed(self.spec.trainer.collective_timeout_seconds)
         if not self.ranks.is_lead:
             withdraw()  # its series would read 0 and halve every average over the trainer pods
         trackers = open_trackers(ctx.bundle, self.store, output_dir) if self.ranks.is_lead else None
@@ -229,6 +237,9 @@ class Trainer:
         laps = self.laps
         self.split.begin()
         batch = self.read_batch() if self.ranks.is_lead else Batch.empty()
+        # The others wait for that read outside any collective: it may take longer than a collective may.
+        lead_at(f"step-{step}", self.ranks, done=f"step-{step - 1}")
+        await_lead(f"step-{step}", self.ranks)
         with laps.part("broadcast"):
             stopping = broadcast(self.ctx.stop.is_set(), self.ranks)
         if stopping:
