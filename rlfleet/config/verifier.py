@@ -168,6 +168,15 @@ class VerifierSpec(Spec):
         "verifier that died while on it) goes to the dead-letter stream and is acknowledged, so one poison message "
         "cannot stop the run; it is retried after claimIdleMs until then.",
     )
+    resident_versions: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Policy versions a verifier replica holds in memory (each a whole model on its device). A "
+        "group of another version waits for its load: when the bound is reached, its weights are loaded in place "
+        "into the least recently used version's model. 2 serves the newest version and the one before it from "
+        "memory; raise it when groups of many versions arrive mixed and memory allows.",
+    )
     max_message_bytes: int = Field(
         default=32 * 2**20,
         ge=1024,

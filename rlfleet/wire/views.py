@@ -124,6 +124,8 @@ _VERIFIER = _fields(
     " maxAttempts maxMessageBytes ban"
 )
 _REDIS = _fields("redis: url streamMaxLen roleUrls")
+# What only the verifier reads of the verifier and redis sections (a change rolls no worker).
+_VERIFIER_ONLY = ("verifier.residentVersions", "redis.auditStreamMaxBytes")
 _STORE = _fields("store: uri endpointUrl")
 _SHARDCAST = _fields("shardcast: keepVersions requireSignatures publicKey shardSizeBytes relayMaxDiskBytes deltas")
 _INGEST = _fields(
@@ -143,7 +145,7 @@ VIEWS: dict[str, View] = {
             components.TRAINER,
             (*_POLICY, *_TRAINER, *_VERIFIER, *_REDIS, *_STORE, *_SHARDCAST, *_INGEST, "tracking", "eval"),
         ),
-        View(components.VERIFIER, (*_GENERATORS, "ingest.admission.probationGroups", "redis.auditStreamMaxBytes")),
+        View(components.VERIFIER, (*_GENERATORS, "ingest.admission.probationGroups", *_VERIFIER_ONLY)),
         View(
             components.ROLLOUT,
             _GENERATORS,

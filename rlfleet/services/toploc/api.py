@@ -114,7 +114,7 @@ def make_api(gate) -> FastAPI:
             engine=f"{engine.status}: {engine.detail}",
             consumer=gate.consumer,
             inbox=r.xlen(keys.rollouts),
-            loaded_versions=list(gate.models),
+            loaded_versions=gate.resident.versions(),
         )
         return health if engine.ok else JSONResponse(health.model_dump(), status_code=503)
 

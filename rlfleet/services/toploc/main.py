@@ -33,9 +33,7 @@ message's fault: they go to the process edge.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -43,7 +41,7 @@ from pathlib import Path
 import redis
 
 from rlfleet.fleet.window import AsyncWindow
-from rlfleet.models.adapter import load_version, version_signature
+from rlfleet.models.adapter import load_version
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sources import resolve_model_path
@@ -55,6 +53,7 @@ from rlfleet.services.toploc.checks import REASONS, Checker, Outcome, Rejection,
 from rlfleet.services.toploc.commit import Committer
 from rlfleet.services.toploc.health import prefill_liveness, watch
 from rlfleet.services.toploc.metrics import DEAD_LETTERS, FAILURES, LAPS
+from rlfleet.services.toploc.resident import Resident, ResidentVersions
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire import components
@@ -97,13 +96,16 @@ class Gate:
         self.spec = ctx.bundle.run.spec
         self.window = AsyncWindow.of(self.spec)
 
-        # The policy versions the checks run on (`policy`).
-        self.models: OrderedDict[int, tuple] = OrderedDict()
-        self._like: tuple | None = None  # (model, tokenizer, signature) of the last version loaded (load_version)
+        # The policy versions the checks run on (`policy`), at most residentVersions of them in memory.
         self.device = choose_device()  # every version's model prefills there, in spec.model.dtype (checks.py)
-        self._models_lock = threading.Lock()  # the HTTP API verifies from another thread
-        self.last_used: tuple | None = None  # the (model, tokenizer) of the newest policy() call: what /healthz probes
-        self.liveness = prefill_liveness(ctx, lambda: self.last_used)
+        self.resident = ResidentVersions(
+            self.spec.verifier.resident_versions,
+            fetch=self._fetch_version,
+            build=self._build_version,
+            built=lambda model: watch(self.liveness, model),
+            kept=self._prune_cache,
+        )
+        self.liveness = prefill_liveness(ctx, lambda: self.resident.last_used)
         # Manifests are checked even from the origin.
         self.fetch = FetchSettings.over(
             [self.origin_url], ctx.run_name, timeout=120, stop=ctx.stop, public_key=run_public_key(self.spec.shardcast)
@@ -124,29 +126,31 @@ class Gate:
         self.liveness.ready()
 
     def policy(self, version: int):
-        """(model, tokenizer) of `version`, fetched from the trusted origin; the async window's versions
-        to keep (rlfleet/fleet/window.py) are kept in memory, and on disk those and the versions of the
-        window."""
-        with self._models_lock:
-            if version not in self.models:
-                # whole, or rebuilt from a version held here and deltas; a LoRA adapter merged into this base
-                with LAPS.part("fetch"):
-                    path = fetch_policy(self.fetch, version, self.cache_dir)
-                spec = self.spec
-                base = partial(resolve_model_path, spec.model, spec.task, spec.trainer.seed, caller=components.VERIFIER)
-                with LAPS.part("load"):  # a copy of the last whole version loaded, when only the weights differ
-                    self.models[version] = load_version(path, spec.model.dtype, self.device, base, self._like)
-                    self._like = (*self.models[version], version_signature(path))
-                watch(self.liveness, self.models[version][0])
+        """(model, tokenizer) of `version`, fetched from the trusted origin when it is not in memory, and
+        leased to the calling thread until its next call or `release` (resident.py)."""
+        return self.resident.get(version)
 
-                while len(self.models) > self.window.versions_to_keep():
-                    self.models.popitem(last=False)
-                # The disk cache keeps what the async window can still ask for and what is loaded (the
-                # newest version is the base of the next delta); an older group is stale_version anyway.
-                prune_cache(self.cache_dir, min(self.window.oldest(max(self.models)), *self.models))
-            self.models.move_to_end(version)
-            self.last_used = self.models[version]  # the newest kept, so never one evicted
-            return self.models[version]
+    def release(self) -> None:
+        """The calling thread is done with the version `policy` last gave it (resident.py)."""
+        self.resident.release()
+
+    def _fetch_version(self, version: int) -> Path:
+        with LAPS.part("fetch"):  # whole, or rebuilt from a version held here and deltas
+            return fetch_policy(self.fetch, version, self.cache_dir)
+
+    def _build_version(self, path: Path, like: Resident | None):
+        """A fetched version's model: its whole weights (a copy of `like` with them loaded, when given), or
+        a LoRA adapter merged into the run's base."""
+        spec = self.spec
+        base = partial(resolve_model_path, spec.model, spec.task, spec.trainer.seed, caller=components.VERIFIER)
+        template = None if like is None or like.signature is None else (like.model, like.tokenizer, like.signature)
+        with LAPS.part("load"):
+            return load_version(path, spec.model.dtype, self.device, base, template)
+
+    def _prune_cache(self, resident: list[int]) -> None:
+        """The disk cache keeps what the async window can still ask for and what is in memory (the newest
+        version is the base of the next delta); an older group is stale_version anyway."""
+        prune_cache(self.cache_dir, min(self.window.oldest(max(resident)), *resident))
 
     def verify(self, fields: dict) -> tuple[RolloutGroup | None, Outcome | Rejection]:
         """Out-of-band verification of one message (every check but the replay guard; nothing written)."""
@@ -158,6 +162,8 @@ class Gate:
             return group, self.checker.check(group, None, prefill=True)
         except Rejection as exc:
             return group, exc
+        finally:
+            self.release()
 
     def handle(self, msg_id: bytes, fields: dict) -> int:
         """Check one inbox entry and commit the verdict; the commit script's answer (0 = already committed)."""
@@ -263,7 +269,10 @@ class Gate:
             if not entries:
                 entries = self.read(count=READ_BATCH, block_ms=int(min(500, max(10, idle_s * 1000 / 3))))
             # A claimed entry trimmed meanwhile has no fields. Entries read together share prefills (batch.py).
-            self.attempt_batch([(msg_id, fields) for msg_id, fields in entries if fields])
+            try:
+                self.attempt_batch([(msg_id, fields) for msg_id, fields in entries if fields])
+            finally:
+                self.release()  # between batches the API may make room from any version
 
 
 @dataclass(frozen=True, kw_only=True)
