@@ -88,3 +88,17 @@ def test_a_version_in_use_by_another_thread_is_never_loaded_into(tmp_path, redis
         assert got["model"] is held["model"], "loaded in place once the API let go"
         assert_weights(got["model"], weights[2], 2)
         assert gate.resident.versions() == [2]
+
+
+def test_checks_that_read_no_weight_load_no_version(tmp_path, redis_url):
+    """The gate's first pass over a batch reads only a version's config and tokenizer (the prefill comes per
+    version afterwards): a version of the same signature as a resident one is described without a load, so
+    groups of three versions mixed in a batch do not reload two models in turn."""
+    with gate_system(tmp_path, redis_url, verifier="{residentVersions: 1}") as (ctx, policy, origin_url, tmp):
+        publish_distinct_versions(ctx, tmp, [1, 2])
+        gate = Gate(as_(ctx, VERIFIER), "verifier-0", origin_url, tmp / "cache")
+        model, tokenizer = gate.policy(1)
+        for version in (2, 0, 2):
+            assert gate.resident.describe(version) == (model, tokenizer)
+        assert gate.resident.versions() == [1] and gate.resident.loaded_in_place == 0
+        assert gate.policy(2)[0] is model and gate.resident.loaded_in_place == 1  # weights: loaded in place

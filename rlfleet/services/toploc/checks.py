@@ -149,10 +149,20 @@ def possible_tokens(
 
 
 class Checker:
-    """Runs the checks against one run's spec; `policy(version)` returns (model, tokenizer)."""
+    """Runs the checks against one run's spec; `policy(version)` returns (model, tokenizer). `describe(version)`,
+    when given, returns a (model, tokenizer) with that version's config and tokenizer for the checks that read
+    no weight (a deferred check: the prefill comes later, batch.py); without it they use `policy`."""
 
-    def __init__(self, spec: RLRunSpec, client: redis.Redis, keys: RunKeys, policy: Callable[[int], tuple]):
+    def __init__(
+        self,
+        spec: RLRunSpec,
+        client: redis.Redis,
+        keys: RunKeys,
+        policy: Callable[[int], tuple],
+        describe: Callable[[int], tuple] | None = None,
+    ):
         self.spec, self.redis, self.keys, self.policy = spec, client, keys, policy
+        self.describe = describe or policy
         self.task = make_run_task(spec)
         self.window = AsyncWindow.of(spec)
 
@@ -178,7 +188,8 @@ class Checker:
                 raise Rejection("prompt_mismatch", str(exc)) from None
             except EnvironmentFailure as exc:
                 raise Rejection("environment", f"task {group.task_id}: {exc}") from None
-            model, tokenizer = self.policy(group.policy_version)
+            needs_weights = prefill and not deferred
+            model, tokenizer = (self.policy if needs_weights else self.describe)(group.policy_version)
             if encode_prompt(tokenizer, problem) != group.prompt_ids:  # chat template included (tasks/chat.py)
                 raise Rejection("prompt_mismatch", f"prompt tokens differ from those of task {group.task_id}")
             vocab = model.config.vocab_size

@@ -113,7 +113,7 @@ class Gate:
 
         # The checks and the exactly-once commit of their verdicts.
         v = self.spec.verifier
-        self.checker = Checker(self.spec, ctx.client, ctx.keys, self.policy)
+        self.checker = Checker(self.spec, ctx.client, ctx.keys, self.policy, self.resident.describe)
         spot_check = SpotCheck(ctx.client, ctx.keys, self.spec.ingest.admission.probation_groups, v.spot_check_fraction)
         committer = Committer(ctx.client, ctx.keys, self.spec, consumer, self.checker.running_share_limit)
         self.inbox = InboxChecks(self.checker, self.policy, spot_check, committer, v.max_message_bytes)

@@ -58,6 +58,7 @@ class ResidentVersions:
         self._fetch, self._build, self._built, self._kept = fetch, build, built, kept
         self._models: OrderedDict[int, Resident] = OrderedDict()  # least recently used first
         self._leases: dict[int, int] = {}  # thread ident -> the version that thread is using
+        self._signatures: dict[int, str | None] = {}  # version -> its signature, once read (versions are immutable)
         self._changed = threading.Condition()  # a lease released, or a version brought in
         self.last_used: tuple[Any, Any] | None = None  # (model, tokenizer) of the newest get: what /healthz probes
         self.loaded_in_place = 0  # versions brought in by loading into a resident model
@@ -83,6 +84,21 @@ class ResidentVersions:
             self.last_used = (resident.model, resident.tokenizer)
             return self.last_used
 
+    def describe(self, version: int) -> tuple[Any, Any]:
+        """(model, tokenizer) whose config and tokenizer are `version`'s, for checks that read no weight (the
+        prompt, the vocabulary, where a completion stops): `version`'s own when resident, else a resident one
+        of the same signature, whose weights are another version's. Only when none matches is `version`
+        brought in (`get`). Changes no lease: what it returns may be loaded into meanwhile, its config not."""
+        with self._changed:
+            if version in self._models:
+                resident = self._models[version]
+                return resident.model, resident.tokenizer
+            signature = self._signature(version, self._fetch(version))
+            alike = next((r for r in reversed(self._models.values()) if signature and r.signature == signature), None)
+            if alike is not None:
+                return alike.model, alike.tokenizer
+        return self.get(version)
+
     def release(self) -> None:
         """The calling thread no longer uses the version it last got."""
         with self._changed:
@@ -94,9 +110,15 @@ class ResidentVersions:
         leased = set(self._leases.values())
         return next((v for v in self._models if v not in leased), None)
 
+    def _signature(self, version: int, path: Path) -> str | None:
+        """`version`'s version_signature (None: an adapter), read once."""
+        if version not in self._signatures:
+            self._signatures[version] = None if is_adapter_dir(path) else version_signature(path)
+        return self._signatures[version]
+
     def _bring(self, version: int) -> None:
         path = self._fetch(version)
-        signature = None if is_adapter_dir(path) else version_signature(path)
+        signature = self._signature(version, path)
         if len(self._models) >= self.capacity:
             spare = self._spare()
             assert spare is not None  # get waited for one
