@@ -44,16 +44,16 @@ def test_tiers_applied_after_their_pool_repoint_the_pool_at_once(untimed_api, re
     create(api, ns, run)
     create(api, ns, pool)
     origin = f"http://arithmetic-origin.{ns}.svc:8080"
-    wait_for("the pool on the origin (no tier yet)", lambda: rollout_sources(api, ns) == [origin])
+    wait_for("the pool on the origin (no tier yet)", lambda: rollout_sources(api, ns) == [origin], 30)
 
     create(api, ns, tier0)
     tier0_url = f"http://arithmetic-tier0-relay.{ns}.svc:8080"
-    wait_for("the pool on tier 0", lambda: rollout_sources(api, ns) == [tier0_url])
+    wait_for("the pool on tier 0", lambda: rollout_sources(api, ns) == [tier0_url], 30)
 
     # a tier above it: the pool moves to the new top tier, which pulls from tier 0
     tier1 = {**tier0, "metadata": {"name": "arithmetic-tier1"}, "spec": {**tier0["spec"], "tier": 1}}
     create(api, ns, tier1)
     tier1_url = f"http://arithmetic-tier1-relay.{ns}.svc:8080"
-    wait_for("the pool on tier 1", lambda: rollout_sources(api, ns) == [tier1_url])
-    relay1 = wait_for("tier 1's relay", lambda: get(api, "Deployment", ns, "arithmetic-tier1-relay"))
+    wait_for("the pool on tier 1", lambda: rollout_sources(api, ns) == [tier1_url], 30)
+    relay1 = wait_for("tier 1's relay", lambda: get(api, "Deployment", ns, "arithmetic-tier1-relay"), 30)
     assert tier0_url in relay1["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -26,7 +26,8 @@ from tests.shardcast.test_shardcast_faults import RUN, SHARD, evil_relay, keys, 
 from tests.support import redis_from_url, serving, wait_for
 
 SIZE = 1_000_000  # 16 shards of SHARD
-PER_SHARD_S = 0.15  # the slow link: 16 shards one after another take 2.4 s
+PER_SHARD_S = 0.4  # the slow link: 16 shards one after another take 6.4 s
+DEADLINE_S = 2.0  # the fixed deadline: a third of what the slow link needs
 
 
 def slow_link(served: list[int]):
@@ -49,7 +50,7 @@ def test_a_link_slower_than_the_deadline_gets_the_version_at_the_floor_rate(tmp_
     served: list[int] = []
     with serving(origin.make_app(store, RUN)) as origin_url, serving(evil_relay(origin_url, slow_link(served))) as slow:
         # the version needs 3x the fixed deadline on this link; 100 kB/s is a floor it stays above
-        settings = FetchSettings.over([slow], RUN, public_key=public, parallel=1, timeout=0.8, min_rate=100_000)
+        settings = FetchSettings.over([slow], RUN, public_key=public, parallel=1, timeout=DEADLINE_S, min_rate=100_000)
         path = fetch_version(settings, 1, tmp_path / "w")
     assert same_files(path, src) and (path / COMPLETE_MARKER).exists()
     assert sum(served) == SIZE
@@ -63,7 +64,7 @@ def test_a_fetch_out_of_time_keeps_its_verified_shards_and_the_next_try_resumes(
     served: list[int] = []
     with serving(origin.make_app(store, RUN)) as origin_url, serving(evil_relay(origin_url, slow_link(served))) as slow:
         with pytest.raises(FetchError, match="not fetched and verified within"):
-            settings = FetchSettings.over([slow], RUN, public_key=public, parallel=1, timeout=0.8)
+            settings = FetchSettings.over([slow], RUN, public_key=public, parallel=1, timeout=DEADLINE_S)
             fetch_version(settings, 1, tmp_path / "w")
         journal = (tmp_path / "w" / ".v1.partial" / ".shards").read_text().splitlines()
         model = manifest.files.index(manifest.file("model.safetensors"))

@@ -96,40 +96,39 @@ class VersionFollower(threading.Thread):
             yield newest
 
     def _follow(self) -> None:
+        """Fetch the newest announced version; one that failed is tried again after a back-off (1 s doubling to
+        60 s) at the next announcement check, unless a newer one was announced meanwhile, which is fetched
+        instead: the follower always chases the newest version, never an old one it failed on."""
+        wanted: int | None = None  # the newest announced version not on disk yet
+        announced_at, retry_at, pause = 0.0, 0.0, FETCH_RETRY_FIRST_S
         for newest in self._announcements():
-            if newest is None or newest <= self.announced:
+            if newest is not None and newest > self.announced:
+                self.announced = wanted = newest
+                announced_at, retry_at, pause = time.monotonic(), 0.0, FETCH_RETRY_FIRST_S
+            if wanted is None or time.monotonic() < retry_at:
                 continue
-            self.announced, announced_at = newest, time.monotonic()
-            # whole, or rebuilt from the version held here and a delta
-            path = self._fetch(newest)
-            if path is None:
+            try:  # whole, or rebuilt from the version held here and a delta
+                with LAPS.part("fetch"):
+                    path = fetch_policy(self.fetch, wanted, self.cache_dir)
+            except VersionGone as exc:  # newer versions are out: the next announcement brings one
+                GONE.inc()
+                log.info("v%d was dropped by the relays before it was fetched (%s); fetching a newer one", wanted, exc)
+                wanted = None
+                continue
+            except FetchError as exc:
+                if self.ctx.stop.is_set():
+                    return
+                FETCH_FAILURES.inc()
+                log.warning(
+                    "fetching v%d failed, trying again in %.0f s or for a newer version: %s", wanted, pause, exc
+                )
+                retry_at, pause = time.monotonic() + pause, min(2 * pause, FETCH_RETRY_MAX_S)
                 continue
             DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
-                self.ready = (newest, path, announced_at)
-                self._prune(newest)
-
-    def _fetch(self, version: int) -> Path | None:
-        """`version` on disk, trying again (with back-off) after a fetch that failed or ran out of time: each
-        try resumes from the shards the last one verified, and generation goes on with the version held
-        meanwhile. None when the relays dropped it (a newer one is out) or the worker stops."""
-        pause = FETCH_RETRY_FIRST_S
-        while not self.ctx.stop.is_set():
-            try:
-                with LAPS.part("fetch"):
-                    return fetch_policy(self.fetch, version, self.cache_dir)
-            except VersionGone as exc:  # newer versions are out: the next announcement brings one
-                GONE.inc()
-                log.info("v%d was dropped by the relays before it was fetched (%s); fetching a newer one", version, exc)
-                return None
-            except FetchError as exc:
-                if self.ctx.stop.is_set():
-                    return None
-                FETCH_FAILURES.inc()
-                log.warning("fetching v%d failed, trying again in %.0f s: %s", version, pause, exc)
-                self.ctx.stop.wait(pause)
-                pause = min(2 * pause, FETCH_RETRY_MAX_S)
-        return None
+                self.ready = (wanted, path, announced_at)
+                self._prune(wanted)
+            wanted = None
 
     def take(self, newer_than: int) -> tuple[int, Path, float] | None:
         with self._lock:
