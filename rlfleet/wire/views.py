@@ -127,9 +127,7 @@ _REDIS = _fields("redis: url streamMaxLen roleUrls")
 # What only the verifier reads of the verifier and redis sections (a change rolls no worker).
 _VERIFIER_ONLY = ("verifier.residentVersions", "redis.auditStreamMaxBytes")
 _STORE = _fields("store: uri endpointUrl")
-_SHARDCAST = _fields(
-    "shardcast: keepVersions requireSignatures publicKey shardSizeBytes relayMaxDiskBytes deltas minRateBytesPerSecond"
-)
+_SHARDCAST = _fields("shardcast: keepVersions requireSignatures publicKey shardSizeBytes relayMaxDiskBytes deltas")
 _INGEST = _fields(
     "ingest: tokensFile maxBodyBytes ratePerMinute maxBacklog maxBufferedBytes requestTimeoutSeconds"
     " maxConnections redisTimeoutSeconds"
