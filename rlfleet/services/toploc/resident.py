@@ -94,7 +94,7 @@ class ResidentVersions:
                 resident = self._models[version]
                 return resident.model, resident.tokenizer
             signature = self._signature(version, self._fetch(version))
-            alike = next((r for r in reversed(self._models.values()) if signature and r.signature == signature), None)
+            alike = self._alike(signature)
             if alike is not None:
                 return alike.model, alike.tokenizer
         return self.get(version)
@@ -109,6 +109,12 @@ class ResidentVersions:
         """The least recently used resident version no thread is using."""
         leased = set(self._leases.values())
         return next((v for v in self._models if v not in leased), None)
+
+    def _alike(self, signature: str | None) -> Resident | None:
+        """The most recently used resident version with this signature (None for None: an adapter)."""
+        if signature is None:
+            return None
+        return next((r for r in reversed(self._models.values()) if r.signature == signature), None)
 
     def _signature(self, version: int, path: Path) -> str | None:
         """`version`'s version_signature (None: an adapter), read once."""
@@ -137,8 +143,7 @@ class ResidentVersions:
             if self.last_used is not None and self.last_used[0] is old.model:
                 self.last_used = None
             del old  # its memory goes before the new model is built
-        like = next((r for r in reversed(self._models.values()) if signature and r.signature == signature), None)
-        model, tokenizer = self._build(path, like)
+        model, tokenizer = self._build(path, self._alike(signature))
         self._built(model)
         self._models[version] = Resident(model, tokenizer, signature)
         self._kept(list(self._models))
