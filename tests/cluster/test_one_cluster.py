@@ -58,6 +58,17 @@ COMPONENT_OF = {  # workload -> what it is
 }
 
 
+def redis_entry(client, key: str):
+    """What a Redis key holds, for a failure message: a stream's newest entry, a hash's fields, else its type."""
+    kind = client.type(key).decode()
+    if kind == "stream":
+        newest = client.xrevrange(key, count=1)
+        return [(i.decode(), {f.decode(): v[:200] for f, v in fields.items()}) for i, fields in newest]
+    if kind == "hash":
+        return {f.decode(): v[:200] for f, v in client.hgetall(key).items()}
+    return kind
+
+
 def pods_of(cluster, workload: str, ready: bool = False) -> list[dict]:
     return [
         p
@@ -232,6 +243,12 @@ def extended(a, k, trained):
     wait_for("the roll-out", lambda: time.sleep(3) or rolled(), 240)
     at = step()
     wait_for("2 more steps at the new temperature", lambda: step() >= at + 2, 180)
+    # A replaced rollout worker finishes the batch it generates before it exits (nothing it made is lost), so
+    # it may still be stopping here, past the roll-out: its removal is waited for (its grace period is 30 s,
+    # after which the box kills it) before the pods are compared.
+    terminated = {e["uid"] for e in a.runner.events[mark:] if e["event"] == "terminating"}
+    stopped = lambda: not terminated & {p["uid"] for p in a.runner.snapshot()}  # noqa: E731
+    wait_for("the replaced pods removed", stopped, 90, every=1)
     facts["roll"] = a.runner.events[mark:]
     facts["after"] = {p["name"]: p for p in a.runner.snapshot()}
     auditor.stop()
@@ -262,11 +279,14 @@ def test_3_scaling_the_pool_adds_and_removes_exactly_that_and_loses_no_rollout(e
 def test_4_a_temperature_change_rolls_the_pods_that_read_it_and_only_those(extended):
     before, after = extended["before"], extended["after"]
     replaced = {COMPONENT_OF[p["owner"][1]] for n, p in before.items() if n not in after or after[n]["uid"] != p["uid"]}
-    assert replaced == {"trainer", "verifier", "rollout"}, replaced
+    roll = [(round(e["t"], 1), e["event"], e["pod"], e.get("exit")) for e in extended["roll"]]
+    assert replaced == {"trainer", "verifier", "rollout"}, (replaced, roll)
     for name, p in before.items():
         if COMPONENT_OF[p["owner"][1]] in ("relay", "origin", "operator", "redis"):
             assert after[name]["uid"] == p["uid"] and after[name]["restarts"] == p["restarts"], name
     assert not [e for e in extended["roll"] if e["event"] == "exited"], "nothing crashed during the roll-out"
+    killed = [e["pod"] for e in extended["roll"] if e["event"] == "removed" and e["exit"] != 0]
+    assert not killed, f"every replaced pod stopped on its own within its grace period: {killed}, {roll}"
 
 
 def test_6_deleting_the_run_removes_its_children_and_redis_keys(a, k, extended):
@@ -287,7 +307,8 @@ def test_6_deleting_the_run_removes_its_children_and_redis_keys(a, k, extended):
         ),
         60,
     )
-    assert client.exists(*RunKeys(RUN).all()) == 0, "the run's Redis keys are deleted"
+    left = {key: redis_entry(client, key) for key in RunKeys(RUN).all() if client.exists(key)}
+    assert not left, f"the run's Redis keys are deleted; left, with their newest entry: {left}"
     leftover = [key for key in client.scan_iter(f"rlfleet:{RUN}:*") if client.ttl(key) < 0]
     assert not leftover, leftover
     terminating = [

@@ -4,7 +4,8 @@ in one loop, against the cluster's API server (as its admin, over 127.0.0.1).
 Every TICK_S it lists Deployments, StatefulSets and Services, and
 1. removes the pods of workloads that are gone, and applies each workload's plan (controllers.py):
    new pods (each a testbed host of its own on the cluster's bridge, a Pod object in the API) and
-   pods to remove (SIGTERM, SIGKILL after their grace period, then the Pod object is deleted);
+   pods to remove (SIGTERM, SIGKILL after their grace period, then the Pod object is deleted: until then it
+   stays in the API with its deletionTimestamp, as a real kubelet holds it);
 2. steps each pod's kubelet (kubelet.py): start when due, count exits, back off, probe; a pod runs as
    processes (podexec.py, the fast default) or, in mode "containers", as a podman container of its
    image where that image is built here (oci.py; others, the chart's Redis, stay processes);
@@ -37,6 +38,7 @@ log = logging.getLogger("inabox")
 MODES = ("processes", "containers")
 TICK_S = 0.5
 EXTERNAL_DNS = "external-dns.alpha.kubernetes.io/hostname"
+KUBELET_FINALIZER = "inabox.test/kubelet"  # holds a terminating Pod object until its processes are gone
 PATHS = {
     "Pod": ("api/v1", "pods"),
     "ConfigMap": ("api/v1", "configmaps"),
@@ -214,6 +216,10 @@ class PodRunner:
                 "namespace": meta["namespace"],
                 "labels": labels,
                 "annotations": dict((template.get("metadata") or {}).get("annotations") or {}),
+                # A real API server keeps a deleted pod (deletionTimestamp set) until its kubelet says its
+                # containers are gone; the emulator removes an object whose deletionTimestamp is set at once
+                # unless a finalizer holds it, so this one stands for the kubelet's hold (`terminate`, `_kubelet`).
+                "finalizers": [KUBELET_FINALIZER],
             },
             "spec": spec,
         }
@@ -255,7 +261,7 @@ class PodRunner:
                 return
             if pod.proc is not None:
                 pod.proc.wait()
-            self.api.delete("Pod", pod.namespace, pod.name)
+            self.api.patch("Pod", pod.namespace, pod.name, {"metadata": {"finalizers": None}})  # the pod goes now
             del self.pods[(pod.namespace, pod.name)]
             self.gone.append(pod)
             self._event(pod, "removed", exit=None if pod.proc is None else pod.proc.returncode)
