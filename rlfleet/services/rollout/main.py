@@ -148,10 +148,11 @@ class Worker:
 
     def wait_first_version(self) -> bool:
         """Start the engine and load the first announced version. The engine starts from the run's base
-        model when this machine has it (a shipped or cached builtin, a local directory), while the
-        first version is being published and downloaded (vLLM takes most of a minute to start on a
-        few CPU cores); it generates nothing before that version's weights are loaded in. A model on s3://
-        or hf:// is never fetched here: the engine starts from version 0 as the relays serve it."""
+        model when this machine has it (a shipped or cached builtin, a local directory, the cached
+        conversion of a local GGUF file), while the first version is being published and downloaded (vLLM
+        takes most of a minute to start on a few CPU cores); it generates nothing before that version's
+        weights are loaded in. A model on s3:// or hf:// is never fetched here, nor a GGUF converted: the
+        engine starts from version 0 as the relays serve it."""
         self.follower.start()
         spec = self.spec
         base = local_model_path(spec.model, spec.task, spec.trainer.seed)
