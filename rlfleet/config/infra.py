@@ -149,6 +149,14 @@ class ShardcastSpec(Spec):
         description="Checkpoint files are split into byte ranges of this size, each with its sha256 in the manifest; "
         "the unit of parallel download, retry and cut-through relaying.",
     )
+    min_rate_bytes_per_second: int = Field(
+        default=4 * 2**20,
+        ge=1024,
+        description="The slowest download that is not a failure. A fetch of a version (a worker's, the "
+        "verifier's, a relay's pull) may take its fixed deadline plus the bytes it still needs at this rate, so a "
+        "65 GB version on a slow link is slow, not failed (4 MiB/s: 4.4 hours); past it, the download stops and "
+        "its next try resumes from the shards it verified.",
+    )
     relay_max_disk_bytes: int | None = Field(
         default=None,
         ge=1,

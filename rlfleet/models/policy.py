@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from rlfleet.models.logprobs import chunked_token_logprobs
@@ -62,22 +63,28 @@ def load_policy(model_dir: str | Path, dtype: str = "float32", device: str | tor
 def load_weights_in_place(model, model_dir: str | Path) -> None:
     """Hot-swap: copy every safetensors tensor of `model_dir` into the live model's parameters.
 
-    Names and shapes are checked before anything is copied, so a rejected checkpoint leaves the
-    live weights untouched."""
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(Path(model_dir).glob("*.safetensors")):
-        state.update(load_file(str(shard)))
+    Names and shapes are checked against the files' headers before anything is copied, so a rejected
+    checkpoint leaves the live weights untouched (ValueError). Then one shard at a time is read and copied
+    (cast to the live dtype, moved to its device), so the host holds one shard, not the whole checkpoint."""
+    shards = sorted(Path(model_dir).glob("*.safetensors"))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
     live = model.state_dict()
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    missing = sorted(set(live) - set(state) - tied)
-    unexpected = sorted(set(state) - set(live))
-    reshaped = sorted(k for k in set(state) & set(live) if state[k].shape != live[k].shape)
+    missing = sorted(set(live) - set(shapes) - tied)
+    unexpected = sorted(set(shapes) - set(live))
+    reshaped = sorted(k for k in set(shapes) & set(live) if shapes[k] != tuple(live[k].shape))
     if missing or unexpected or reshaped:
         raise ValueError(
             f"{model_dir}: weights do not match the model (missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}, other shape {reshaped[:3]})"
         )
-    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for shard in shards:
+            for name, tensor in load_file(str(shard)).items():
+                live[name].copy_(tensor)
 
 
 @dataclass

@@ -229,6 +229,11 @@ def prune_cache(cache_dir: Path, oldest: int) -> list[int]:
     return sorted(gone)
 
 
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of a model directory's safetensors weights (what a load reads)."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
 def save_model_dir(model, tokenizer, dest: Path, state_dict: dict | None = None) -> None:
     """Save an HF model (safetensors) and, if given, its tokenizer into `dest`; `state_dict`, if
     given, holds the weights to write (e.g. gathered from a sharded model) instead of `model`'s."""

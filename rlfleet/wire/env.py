@@ -47,6 +47,8 @@ TRACKER_CREDENTIALS = (WANDB_API_KEY, "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_
 # Engine liveness on /healthz (rlfleet/wire/health.py): a rollout worker's engine, the verifier's prefill model.
 HEALTH_DEADLINE_S = "RLFLEET_HEALTH_DEADLINE_S"  # a forward step (busy) or an idle probe must complete within it
 HEALTH_PROBE_INTERVAL_S = "RLFLEET_HEALTH_PROBE_INTERVAL_S"  # idle: a tiny forward once this long without one
+# a weight swap may take deadline + its version's bytes at this rate (bytes per second) before it counts as a hang
+HEALTH_SWAP_MIN_RATE = "RLFLEET_HEALTH_SWAP_MIN_RATE"
 # Read by `rlfleet operator` (set by the Helm chart).
 IMAGE = "RLFLEET_IMAGE"  # default image of every component
 GPU_IMAGE = "RLFLEET_GPU_IMAGE"  # default image of the components that ask for GPUs

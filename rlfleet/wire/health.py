@@ -15,6 +15,10 @@ CUDA kernel, a vLLM engine core that never answers), so its check says:
   busy      while work is in flight (`working()`, or `begin`/`end`): alive iff the newest progress
             (a completed forward step, `beat()` or the engine's `heartbeat`; the work's start) is at
             most `deadline_s` old;
+  swapping  while new weights are loaded (`swapping(nbytes)`), which beats no forward step: alive iff
+            the swap has run at most its own budget, deadline_s + nbytes / swap_min_bytes_per_s (a
+            32B model's 65 GB take 35-65 s to reload on a GPU, more from a slow disk: a fixed deadline
+            would restart a worker mid-swap);
   idle      otherwise: the prober thread runs a tiny forward (`probe`: one generated token, a short
             prefill) once `probe_every_s` has passed without progress, holding `lock`, the lock the
             work holds, so a probe never interleaves with a generation or a weight swap; alive iff
@@ -24,9 +28,9 @@ The verdict is a pure function of those recorded times and `now` (`verdict`), co
 asked; /healthz never runs a forward. A wedged engine answers 503 within deadline_s (busy) or
 probe_every_s + deadline_s (idle), and the kubelet restarts it after the liveness probe's
 failureThreshold x periodSeconds (3 x 20 s in the operator's pods).
-Settings: env RLFLEET_HEALTH_DEADLINE_S and RLFLEET_HEALTH_PROBE_INTERVAL_S (env.py), read when the
-process starts: per-process operational settings, not part of the run (changing them rolls no pod's
-config hash; set them through a pool's or the verifier's podTemplate env).
+Settings: env RLFLEET_HEALTH_DEADLINE_S, RLFLEET_HEALTH_PROBE_INTERVAL_S and RLFLEET_HEALTH_SWAP_MIN_RATE
+(env.py), read when the process starts: per-process operational settings, not part of the run (changing
+them rolls no pod's config hash; set them through a pool's or the verifier's podTemplate env).
 """
 
 from __future__ import annotations
@@ -131,6 +135,7 @@ def serve(port: int, addr: str, health: Health) -> WSGIServer:
 class LivenessSettings:
     deadline_s: float = 60.0  # a forward step (busy) or a probe (idle) must complete within this
     probe_every_s: float = 30.0  # idle: a probe once this long has passed without progress
+    swap_min_bytes_per_s: float = 128 * 2**20  # the slowest weight load that is not a hang (a slow network disk)
 
     @classmethod
     def from_env(cls) -> LivenessSettings:
@@ -139,12 +144,22 @@ class LivenessSettings:
             for name, default in (
                 (env.HEALTH_DEADLINE_S, cls.deadline_s),
                 (env.HEALTH_PROBE_INTERVAL_S, cls.probe_every_s),
+                (env.HEALTH_SWAP_MIN_RATE, cls.swap_min_bytes_per_s),
             )
         }
         for name, value in values.items():
             if not value > 0:
-                raise SystemExit(f"environment variable {name}={value:g}: seconds, above 0; unset it for the default")
-        return cls(deadline_s=values[env.HEALTH_DEADLINE_S], probe_every_s=values[env.HEALTH_PROBE_INTERVAL_S])
+                what = "bytes per second" if name == env.HEALTH_SWAP_MIN_RATE else "seconds"
+                raise SystemExit(f"environment variable {name}={value:g}: {what}, above 0; unset it for the default")
+        return cls(
+            deadline_s=values[env.HEALTH_DEADLINE_S],
+            probe_every_s=values[env.HEALTH_PROBE_INTERVAL_S],
+            swap_min_bytes_per_s=values[env.HEALTH_SWAP_MIN_RATE],
+        )
+
+    def swap_budget_s(self, nbytes: int) -> float:
+        """How long a swap of `nbytes` of weights may run before it counts as a hang."""
+        return self.deadline_s + nbytes / self.swap_min_bytes_per_s
 
 
 class Liveness:
@@ -173,6 +188,7 @@ class Liveness:
         self._busy_since = 0.0
         self._probe_started: float | None = None
         self._probe_failed: tuple[float, str] | None = None  # (when, why)
+        self._swap: tuple[float, float, int] | None = None  # (started, budget s, bytes) of the swap in progress
         self._thread: threading.Thread | None = None
         self._was_ok = True  # the last verdict once ready: a change is logged
 
@@ -210,6 +226,16 @@ class Liveness:
                 yield
             finally:
                 self.end()
+
+    @contextlib.contextmanager
+    def swapping(self, nbytes: int) -> Iterator[None]:
+        """A weight swap of `nbytes`: work like `working()`, judged by its own budget (module docstring)."""
+        with self.working():
+            self._swap = (time.monotonic(), self.settings.swap_budget_s(nbytes), nbytes)
+            try:
+                yield
+            finally:
+                self._swap = None
 
     # ---- the prober
 
@@ -261,6 +287,13 @@ class Liveness:
         failed = self._probe_failed
         if failed is not None and failed[0] >= progress:
             return Verdict(False, "probe_failed", f"the idle probe failed: {failed[1]}")
+        swap = self._swap
+        if swap is not None:
+            started, budget, nbytes = swap
+            if now - started > budget:
+                what = f"the weight swap ({nbytes / 2**30:.2f} GiB) has run {now - started:.0f} s"
+                return _wedged(what, budget)
+            return Verdict(True, "swapping", f"loading {nbytes / 2**30:.2f} GiB of weights for {now - started:.1f} s")
         if self._in_flight:
             age = now - max(progress, self._busy_since)
             if age > s.deadline_s:

@@ -127,7 +127,9 @@ _REDIS = _fields("redis: url streamMaxLen roleUrls")
 # What only the verifier reads of the verifier and redis sections (a change rolls no worker).
 _VERIFIER_ONLY = ("verifier.residentVersions", "redis.auditStreamMaxBytes")
 _STORE = _fields("store: uri endpointUrl")
-_SHARDCAST = _fields("shardcast: keepVersions requireSignatures publicKey shardSizeBytes relayMaxDiskBytes deltas")
+_SHARDCAST = _fields(
+    "shardcast: keepVersions requireSignatures publicKey shardSizeBytes relayMaxDiskBytes deltas minRateBytesPerSecond"
+)
 _INGEST = _fields(
     "ingest: tokensFile maxBodyBytes ratePerMinute maxBacklog maxBufferedBytes requestTimeoutSeconds"
     " maxConnections redisTimeoutSeconds"

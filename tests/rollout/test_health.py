@@ -7,6 +7,7 @@ model that waits on an event: the engine runs for real, one of its forward steps
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,6 +17,7 @@ import requests
 from rlfleet.config import parse_bundle
 from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.services.rollout.health import ALIVE, PROBE_SECONDS, engine_liveness
+from rlfleet.versions.checkpoint import weight_bytes
 from rlfleet.wire import env
 from rlfleet.wire.health import Health, LivenessSettings, Verdict, serve
 from rlfleet.wire.runtime import Context
@@ -165,9 +167,69 @@ def test_a_blocked_or_failing_idle_probe_fails(monkeypatch, engine):
         wait_for("alive again", lambda: healthz(url)[0] == 200, 30)
 
 
+@contextmanager
+def slow_weight_load(monkeypatch) -> Iterator[threading.Event]:
+    """The torch engine's weight loads wait for the event first (a slow disk), then load for real."""
+    import rlfleet.engines.torch_engine as torch_engine
+
+    release, real = threading.Event(), torch_engine.load_weights_in_place
+
+    def slow(model, model_dir):
+        release.wait()
+        real(model, model_dir)
+
+    monkeypatch.setattr(torch_engine, "load_weights_in_place", slow)
+    try:
+        yield release
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("budget_s", [30.0, 2.0])
+def test_a_swap_has_its_own_budget_from_its_bytes(monkeypatch, tmp_path, engine, budget_s):
+    """Bug: a weight swap beats no forward step, so one slower than the deadline (a 32B reload takes 35-65 s
+    against 60 s) answered 503 and the kubelet restarted the worker mid-swap. Now a swap has the deadline plus
+    its bytes at RLFLEET_HEALTH_SWAP_MIN_RATE: here the deadline is 1 s and the rate makes the budget
+    `budget_s`. The 30 s swap is alive at 2.5 deadlines; the 2 s one is wedged once past its budget."""
+    version = tiny_policy_dir(tmp_path / "v1", seed=1)
+    nbytes = weight_bytes(version)
+    monkeypatch.setenv(env.HEALTH_SWAP_MIN_RATE, str(nbytes / (budget_s - 1.0)))
+    with worker_health(monkeypatch, engine, every=3600) as (live, made, url), slow_weight_load(monkeypatch) as release:
+        made.append(engine)
+        live.ready()
+        started = threading.Event()
+
+        def swap():
+            with live.swapping(nbytes):
+                started.set()
+                engine.load_weights(version, 1)
+
+        worker = threading.Thread(target=swap, daemon=True)
+        worker.start()
+        assert started.wait(30)
+        if budget_s > 10:
+            time.sleep(2.5)  # 2.5 deadlines into the swap, well inside its budget
+            status, body = healthz(url)
+            assert (status, body["status"]) == (200, "swapping"), body
+            assert "GiB of weights" in body["detail"], body
+        else:
+            status, body = wait_for("503", lambda: (h := healthz(url))[0] == 503 and h, 30)
+            assert body["status"] == "wedged" and "weight swap" in body["detail"], body
+        release.set()
+        worker.join(60)
+        assert engine.version == 1
+        status, body = healthz(url)
+        assert (status, body["status"]) == (200, "idle"), body
+
+
 def test_the_settings_come_from_the_environment_and_refuse_what_is_not_a_duration(monkeypatch):
     monkeypatch.setenv(env.HEALTH_DEADLINE_S, "5")
     assert LivenessSettings.from_env() == LivenessSettings(deadline_s=5.0, probe_every_s=30.0)
+    assert LivenessSettings.from_env().swap_budget_s(2**30) == 5.0 + 8.0  # 1 GiB at 128 MiB/s
     monkeypatch.setenv(env.HEALTH_PROBE_INTERVAL_S, "0")
     with pytest.raises(SystemExit, match="RLFLEET_HEALTH_PROBE_INTERVAL_S=0: seconds, above 0"):
+        LivenessSettings.from_env()
+    monkeypatch.setenv(env.HEALTH_PROBE_INTERVAL_S, "30")
+    monkeypatch.setenv(env.HEALTH_SWAP_MIN_RATE, "-1")
+    with pytest.raises(SystemExit, match="RLFLEET_HEALTH_SWAP_MIN_RATE=-1: bytes per second, above 0"):
         LivenessSettings.from_env()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import threading
 import time
@@ -202,7 +203,12 @@ def test_corrupted_upstream_is_never_served(tmp_path):
 
         with pytest.raises(FetchError, match="sha256"):
             fetch_version(FetchSettings.over([bad_url], RUN, timeout=0.5), 1, tmp_path / "direct")
-        assert list((tmp_path / "direct").iterdir()) == []  # no version dir, no temp dir left behind
+        # no version dir; the partial one kept for a later try to resume holds no shard of the corrupted file
+        partial = tmp_path / "direct" / ".v1.partial"
+        assert [p.name for p in (tmp_path / "direct").iterdir()] == [partial.name]
+        files = [f["name"] for f in json.loads((partial / MANIFEST_NAME).read_text())["files"]]
+        journaled = {files[int(line.split()[0])] for line in (partial / ".shards").read_text().splitlines()}
+        assert "model.safetensors" not in journaled, journaled
 
         path = fetch_version(FetchSettings.over([bad_url, origin_url], RUN, timeout=10), 1, tmp_path / "two-urls")
     assert sha256(path / "model.safetensors") == sha256(src / "model.safetensors")

@@ -5,6 +5,9 @@ rebuilt from the one held here, shardcast/assemble.py) while generation goes on 
 A version the relays dropped before it was fetched (every relay answers 410 Gone: on a busy machine, or
 when versions come faster than a relay keeps them) is skipped: the follower fetches the next one announced
 rather than retrying one that cannot come back until the fetch's deadline, paused at version_lag meanwhile.
+A fetch that fails otherwise (every relay down, a link slower than shardcast.minRateBytesPerSecond) is tried
+again with back-off, resuming its download; the worker generates with the version it holds meanwhile, as
+long as the async window allows, and the follower never dies of it.
 
 `ready` holds the newest version on disk; the worker `take`s it between batches (main.py). Invariant:
 the cache keeps the newest `keepVersions` and never the one the engine took last (it may still be
@@ -23,7 +26,7 @@ from prometheus_client import Counter, Gauge
 
 from rlfleet.services.rollout.timing import LAPS
 from rlfleet.services.shardcast.assemble import fetch_policy
-from rlfleet.services.shardcast.client import FetchSettings, VersionGone, wait_for_version
+from rlfleet.services.shardcast.client import FetchError, FetchSettings, VersionGone, wait_for_version
 from rlfleet.versions.checkpoint import prune_cache
 from rlfleet.versions.signing import run_public_key
 from rlfleet.wire.runtime import Context
@@ -34,6 +37,11 @@ log = logging.getLogger("rlfleet.rollout")
 DOWNLOAD_SECONDS = Gauge(
     "rlfleet_rollout_weight_download_seconds", "Download (relays, hashes, signature) of the newest version"
 )
+FETCH_FAILURES = Counter(
+    "rlfleet_rollout_version_fetch_failures_total",
+    "Fetches of a policy version that failed or ran out of time; each is tried again, resuming its download",
+)
+FETCH_RETRY_FIRST_S, FETCH_RETRY_MAX_S = 1.0, 60.0  # back-off between tries of one version
 GONE = Counter(
     "rlfleet_rollout_versions_skipped_total",
     "Announced versions the relays dropped (HTTP 410) before this worker fetched them; it fetched a newer one",
@@ -51,8 +59,13 @@ class VersionFollower(threading.Thread):
         self.reader = reader  # reads the policy stream (a worker's read-only Redis user); None: the relays' long-poll
         self.use_redis = reader is not None
         # manifests must verify with the run's key; the relays' measurements are kept across versions
+        shardcast = ctx.bundle.run.spec.shardcast
         self.fetch = FetchSettings.over(
-            relay_urls, ctx.run_name, public_key=run_public_key(ctx.bundle.run.spec.shardcast), stop=ctx.stop
+            relay_urls,
+            ctx.run_name,
+            public_key=run_public_key(shardcast),
+            min_rate=shardcast.min_rate_bytes_per_second,
+            stop=ctx.stop,
         )
         self.announced = -1
         self.ready: tuple[int, Path, float] | None = None  # (version, directory, monotonic time it was announced)
@@ -83,22 +96,39 @@ class VersionFollower(threading.Thread):
             yield newest
 
     def _follow(self) -> None:
+        """Fetch the newest announced version; one that failed is tried again after a back-off (1 s doubling to
+        60 s) at the next announcement check, unless a newer one was announced meanwhile, which is fetched
+        instead: the follower always chases the newest version, never an old one it failed on."""
+        wanted: int | None = None  # the newest announced version not on disk yet
+        announced_at, retry_at, pause = 0.0, 0.0, FETCH_RETRY_FIRST_S
         for newest in self._announcements():
-            if newest is None or newest <= self.announced:
+            if newest is not None and newest > self.announced:
+                self.announced = wanted = newest
+                announced_at, retry_at, pause = time.monotonic(), 0.0, FETCH_RETRY_FIRST_S
+            if wanted is None or time.monotonic() < retry_at:
                 continue
-            self.announced, announced_at = newest, time.monotonic()
-            # whole, or rebuilt from the version held here and a delta
-            try:
+            try:  # whole, or rebuilt from the version held here and a delta
                 with LAPS.part("fetch"):
-                    path = fetch_policy(self.fetch, newest, self.cache_dir)
+                    path = fetch_policy(self.fetch, wanted, self.cache_dir)
             except VersionGone as exc:  # newer versions are out: the next announcement brings one
                 GONE.inc()
-                log.info("v%d was dropped by the relays before it was fetched (%s); fetching a newer one", newest, exc)
+                log.info("v%d was dropped by the relays before it was fetched (%s); fetching a newer one", wanted, exc)
+                wanted = None
+                continue
+            except FetchError as exc:
+                if self.ctx.stop.is_set():
+                    return
+                FETCH_FAILURES.inc()
+                log.warning(
+                    "fetching v%d failed, trying again in %.0f s or for a newer version: %s", wanted, pause, exc
+                )
+                retry_at, pause = time.monotonic() + pause, min(2 * pause, FETCH_RETRY_MAX_S)
                 continue
             DOWNLOAD_SECONDS.set(time.monotonic() - announced_at)
             with self._lock:
-                self.ready = (newest, path, announced_at)
-                self._prune(newest)
+                self.ready = (wanted, path, announced_at)
+                self._prune(wanted)
+            wanted = None
 
     def take(self, newer_than: int) -> tuple[int, Path, float] | None:
         with self._lock:

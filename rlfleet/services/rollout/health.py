@@ -2,10 +2,12 @@
 
 - starting: until the engine is made and the first policy version is loaded into it (vLLM takes
   minutes on a GPU; the startup probe's budget covers it);
-- busy: while the worker generates a group or swaps weights (`Worker` holds `working()` around
-  `generate` and `load_weights`): the engine's heartbeat must advance within the deadline (base.py:
-  the torch engine's decode steps, vLLM's engine steps, both read in this process); a swap beats
-  nothing, so a weight load must finish within the deadline too (seconds for a model that fits a GPU);
+- busy: while the worker generates a group (`Worker` holds `working()` around `generate`): the engine's
+  heartbeat must advance within the deadline (base.py: the torch engine's decode steps, vLLM's engine steps,
+  both read in this process);
+- swapping: while it loads a new version's weights (`swapping()` around `load_weights`), which beat
+  nothing: the swap must end within its own budget, the deadline plus the version's bytes at
+  RLFLEET_HEALTH_SWAP_MIN_RATE (`Worker.swap_bytes`);
 - idle (paused by backpressure, waiting for a ticket or for the ingest, building proofs): a 1-token
   `Engine.probe` every RLFLEET_HEALTH_PROBE_INTERVAL_S, holding the same lock as generations and
   swaps, so it never runs inside a swap and a group never waits more than one probe for it.

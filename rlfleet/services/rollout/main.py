@@ -54,6 +54,7 @@ from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import check_chat_templates, encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.versions.adapter import is_adapter_dir
+from rlfleet.versions.checkpoint import weight_bytes
 from rlfleet.wire import components, env
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, connect_redis
 from rlfleet.wire.streams import MESSAGE_FIELD, RolloutGroup, Sample, SamplingParams
@@ -145,6 +146,7 @@ class Worker:
         self.backpressure = Backpressure(ctx, self.worker_id, self.reader, self.follower, pool.max_pending)
         self.engine: Engine | None = None  # made by start() (see `loaded`)
         self.liveness = engine_liveness(ctx, lambda: self.engine)  # /healthz: generations and swaps hold working()
+        self.largest_weights = 0  # bytes of the largest whole weights loaded here (`swap_bytes`)
 
     def wait_first_version(self) -> bool:
         """Start the engine and load the first announced version. The engine starts from the run's base
@@ -158,6 +160,7 @@ class Worker:
         base = local_model_path(spec.model, spec.task, spec.trainer.seed)
         if base is not None:
             self.engine = make_engine(self.engine_kind, base, -1, self.dtype, self.vllm)
+            self.largest_weights = weight_bytes(base)
         while not self.ctx.stop.is_set():
             self._raise_follower_error()
             ready = self.follower.take(-1)
@@ -167,6 +170,7 @@ class Worker:
                     # a builtin or a local directory: the config refuses lora over s3:// or hf:// (workers never fetch)
                     base = resolve_model_path(spec.model, spec.task, spec.trainer.seed, caller=components.ROLLOUT)
                     self.engine = make_engine(self.engine_kind, base, -1, self.dtype, self.vllm)
+                    self.largest_weights = weight_bytes(base)
                 with LAPS.part("load"):
                     self._load_first(version, path)
                 VERSION.set(version)
@@ -204,7 +208,7 @@ class Worker:
         if ready:
             version, path, announced_at = ready
             t0 = time.monotonic()
-            with self.liveness.working(), LAPS.part("load"):
+            with self.liveness.swapping(self.swap_bytes(path)), LAPS.part("load"):
                 self.loaded.load_weights(path, version)
             LOAD_SECONDS.set(time.monotonic() - t0)
             swap = time.monotonic() - announced_at
@@ -212,6 +216,12 @@ class Worker:
             VERSION.set(version)
             # `rlfleet report` reads these lines for its broadcast times (rlfleet/local/run_report.py).
             log.info("%.3fs after its announcement, now generating with version %d", swap, version)
+
+    def swap_bytes(self, path: Path) -> int:
+        """The bytes a swap to the version in `path` loads, for its liveness budget (rlfleet/wire/health.py): its
+        weights, or for an adapter (merged into the base by the engine) the largest whole weights loaded here."""
+        self.largest_weights = max(self.largest_weights, weight_bytes(path))
+        return self.largest_weights
 
     @property
     def in_flight(self) -> int:

@@ -198,14 +198,11 @@ class _Job:
             _tidy(partial, {e.name for e in result_files(manifest)})
             (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, every file verified\n")
             install(partial, final)
-        except FetchError:
-            if not fetcher.stopped:  # out of time: leave nothing; a stop keeps it to resume
-                shutil.rmtree(partial, ignore_errors=True)
-            raise
         except DeltaError:
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        finally:
+        finally:  # out of time or stopped, the partial dir stays: the next try resumes from its journal
+            self.deadline = max(self.deadline, fetcher.deadline)  # the chain's next version gets what this one got
             fetcher.close()
 
 

@@ -26,7 +26,10 @@ Algorithm (`fetch_version`):
   4. When every shard is in, write `.complete` (last) and rename the partial dir to dest_root/v{N}:
      v{N} exists only complete. The whole-file sha256 is not recomputed: the signed manifest binds
      every shard's hash, and the shards tile the file (manifest.check_manifest).
-  5. At `timeout` seconds, delete the partial dir and raise FetchError with the last error seen.
+  5. The deadline is `timeout` seconds, extended once the manifest says how many bytes are left (those not
+     in the journal) by those bytes at `min_rate`; past it, raise FetchError with the last error seen. The
+     partial dir stays, so the next try resumes from its journal (a consumer's prune_cache removes it once
+     its version is too old to want).
 404, 5xx and connection errors mean "not there yet": retry, backing off (0.1 s doubling to 5 s)
 after every source failed once. 410 means "dropped by retention": that source is not asked again,
 and once every source has said so the fetch raises VersionGone at once (a worker then fetches a
@@ -48,7 +51,6 @@ import hashlib
 import http.client
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
@@ -160,6 +162,15 @@ class Fetcher:
             except OSError:  # already closed by its thread
                 pass
 
+    def allow_bytes(self, nbytes: int) -> None:
+        """`nbytes` are left to download: the deadline is at least that many bytes at settings.min_rate away."""
+        rate = self.settings.min_rate
+        if rate and nbytes > 0:
+            needed = time.monotonic() + nbytes / rate
+            if needed > self.deadline:
+                self.timeout += needed - self.deadline
+                self.deadline = needed
+
     def _check(self) -> None:
         if self.stopped or self._abort.is_set():
             raise FetchError(f"run {self.run!r} v{self.version}: fetch stopped")
@@ -259,6 +270,7 @@ class Fetcher:
                 fds.append(fd)
                 allocate(fd, entry.size)
             todo = [(i, j) for i, entry in enumerate(files) for j in range(len(entry.shards)) if (i, j) not in skip]
+            self.allow_bytes(sum(files[i].shards[j].size for i, j in todo))
             todo.reverse()  # pop() from the end: shards go in file order
 
             def worker() -> None:
@@ -394,9 +406,5 @@ def fetch_version(settings: FetchSettings, version: int, dest_root: Path) -> Pat
         (partial / JOURNAL).unlink()
         (partial / COMPLETE_MARKER).write_text(f"{len(raw)} bytes of manifest, all shards verified\n")
         return install(partial, final)
-    except FetchError:
-        if not fetcher.stopped:  # a timeout: leave nothing behind; a stop keeps it to resume
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
-    finally:
+    finally:  # a timeout or a stop keeps the partial dir: the next try resumes from its journal
         fetcher.close()

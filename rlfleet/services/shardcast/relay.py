@@ -221,6 +221,7 @@ def main(options: RelayOptions) -> int:
         options.keep_versions or shardcast.keep_versions,
         public_key=run_public_key(shardcast),
         max_disk_bytes=options.max_disk_bytes or shardcast.relay_max_disk_bytes,
+        min_rate=shardcast.min_rate_bytes_per_second,
     )
     app = make_app(settings, redis_client=ctx.redis)
     asyncio.run(serve_until(app, options.host, options.port, ctx.stop, tls_files))

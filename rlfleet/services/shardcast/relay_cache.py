@@ -100,7 +100,8 @@ class RelaySettings:
     run: str
     keep_versions: int  # complete versions kept (and the versions their delta chains need)
     _: KW_ONLY
-    fetch_timeout: float = 120.0  # seconds one pull may take
+    fetch_timeout: float = 120.0  # seconds one pull may take, before its bytes are known
+    min_rate: float | None = None  # then also its bytes at this rate (shardcast.minRateBytesPerSecond)
     public_key: object = None  # ed25519 public key: manifests must carry a valid signature; None: not required
     max_disk_bytes: int | None = None  # bound on held versions plus pulls in flight
     parallel: int = PARALLEL  # shards one pull downloads at once
@@ -123,6 +124,7 @@ class Relay:
             [self.upstream],
             self.run,
             timeout=settings.fetch_timeout,
+            min_rate=settings.min_rate,
             public_key=settings.public_key,
             parallel=settings.parallel,
             on_bytes=BYTES_IN.inc,

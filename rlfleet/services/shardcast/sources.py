@@ -130,7 +130,10 @@ class FetchSettings:
     sources: Sources  # the base URLs and their measurements (kept across fetches)
     run: str
     _: KW_ONLY
-    timeout: float = 300  # seconds one fetch_version / fetch_policy call may take
+    timeout: float = 300  # seconds one fetch_version / fetch_policy call may take, before its bytes are known
+    # bytes per second: once a manifest says what is left to download, the fetch may also take those bytes at
+    # this rate (a 65 GB version at 4 MiB/s: 4.4 hours), so a slow link is slow, not failed; None: timeout only
+    min_rate: float | None = None
     public_key: object = None  # ed25519 public key: manifests must carry a valid signature; None: not required
     parallel: int = PARALLEL  # shards downloaded at once
     on_bytes: Callable[[int], None] | None = None  # per received chunk (metrics)

@@ -108,7 +108,12 @@ class Gate:
         self.liveness = prefill_liveness(ctx, lambda: self.resident.last_used)
         # Manifests are checked even from the origin.
         self.fetch = FetchSettings.over(
-            [self.origin_url], ctx.run_name, timeout=120, stop=ctx.stop, public_key=run_public_key(self.spec.shardcast)
+            [self.origin_url],
+            ctx.run_name,
+            timeout=120,
+            min_rate=self.spec.shardcast.min_rate_bytes_per_second,
+            stop=ctx.stop,
+            public_key=run_public_key(self.spec.shardcast),
         )
 
         # The checks and the exactly-once commit of their verdicts.
