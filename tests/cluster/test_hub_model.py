@@ -65,15 +65,17 @@ def test_only_the_trainer_pod_fetches_a_hub_model_and_workers_start_from_version
         hub_env = [{"name": "HF_ENDPOINT", "value": f"http://{HUB_NAME}:{HUB_PORT}"}]
         spec["trainer"]["podTemplate"] = {"spec": {"containers": [{"name": "trainer", "env": hub_env}]}}
         k.apply(docs)
-        [trainer] = wait_for("the trainer pod ready", lambda: pods_of(cluster, f"{RUN}-trainer", ready=True), 600)
-        workers = wait_for("a worker ready", lambda: pods_of(cluster, f"{POOL}-rollout", ready=True), 600)
+        # The waits add up to less than the suite's 600 s timeout, so a stall fails naming what it waited for, with
+        # the pods' logs (conftest.py), instead of being killed by pytest-timeout (the run takes about 60 s here).
+        [trainer] = wait_for("the trainer pod ready", lambda: pods_of(cluster, f"{RUN}-trainer", ready=True), 180)
+        workers = wait_for("a worker ready", lambda: pods_of(cluster, f"{POOL}-rollout", ready=True), 180)
         for worker in workers:  # read while they run: a complete run scales them to 0
             environ = psutil.Process(kubelet.main_pid(cluster.runner.find(NS, worker["name"]))).environ()
             assert environ.get(names.ENV_POD_NAME) == worker["name"], "the container's own environment"
             # HF_HOME is the image's cache location, no way to the hub; the hub's address and any credential are
             leaked = sorted(k for k in environ if k in ("HF_ENDPOINT", "HF_TOKEN") or k.startswith("AWS_"))
             assert leaked == [], f"{worker['name']} has {leaked}"
-        wait_for(f"RLRun {RUN} Complete", lambda: complete(k, RUN), timeout=900, every=2)
+        wait_for(f"RLRun {RUN} Complete", lambda: complete(k, RUN), timeout=180, every=2)
         assert [r["step"] for r in trainer_records(cluster, RUN)] == list(range(1, STEPS + 1))
         requests = [json.loads(line) for line in log.read_text().splitlines()]
         model_requests = [r for r in requests if r["path"] != "/api/agent-harnesses"]  # the library's own look-up
