@@ -16,13 +16,13 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from rlfleet.config import TrainerSpec
-from rlfleet.models.policy import load_policy, load_weights_in_place
+from rlfleet.models.policy import Prefill, load_policy, load_weights_in_place
 from rlfleet.services.shardcast import origin
 from rlfleet.services.shardcast.assemble import fetch_policy
 from rlfleet.services.shardcast.client import FetchSettings
 from rlfleet.services.trainer.distributed import Ranks
 from rlfleet.services.trainer.precision import prepare_for_training
-from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
+from rlfleet.services.trainer.sharding import full_model_state, load_sharded_policy, publishable_weights, shard_policy
 from rlfleet.services.trainer.state import load_checkpoint, save_checkpoint
 from rlfleet.services.trainer.update import UpdateSettings, grpo_update
 from rlfleet.versions.checkpoint import save_model_dir
@@ -138,6 +138,60 @@ def test_two_sharded_processes_update_like_one_and_publish_a_whole_checkpoint(tm
         "the second step moved the weights"
     )
     assert any(not torch.equal(after_first[k], initial[k]) for k in initial), "the first step moved the weights"
+
+
+def _sharded_load_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from rlfleet.services.trainer.distributed import init_distributed
+
+    init_distributed()
+    model, prefill = load_sharded_policy(policy_dir, "float32", world, torch.device("cpu"))
+    local = {name: p.to_local().numel() for name, p in model.named_parameters()}
+    weights = full_model_state(model)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, f"{out}/gathered.safetensors")
+    torch.save(local, f"{out}/local{rank}.pt")
+    # the sharded model scores like the whole one: a forward through FSDP's gathers
+    with torch.no_grad():
+        _, logits = prefill(torch.tensor([[1, 4, 13, 5, 15]]), torch.ones(1, 5, dtype=torch.long))
+    torch.save(logits, f"{out}/logits{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_each_rank_loads_only_its_shards_and_they_gather_to_the_whole_model(tmp_path, tied):
+    """#41: a trainer rank used to load the whole model, then shard it (131 GB per rank for 32B in fp32).
+    Three ranks (uneven dim-0 chunks: the vocabulary rows and the norms do not divide by 3) read their rows
+    only; gathered, the weights equal a whole load bit for bit, tied head or not."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=3)
+    if not tied:  # the same model with its own output head
+        model, tokenizer = load_policy(policy)
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+        save_model_dir(model, tokenizer, tmp_path / "untied")
+        policy = tmp_path / "untied"
+    whole, _ = load_policy(policy)
+    assert (whole.lm_head.weight is whole.model.embed_tokens.weight) == tied
+
+    world = 3
+    mp.spawn(_sharded_load_main, args=(world, free_port(), str(policy), str(tmp_path)), nprocs=world, join=True)
+
+    gathered = load_file(str(tmp_path / "gathered.safetensors"))
+    expected = whole.state_dict()
+    assert set(gathered) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(gathered[name], value), name
+    locals_ = [torch.load(tmp_path / f"local{rank}.pt") for rank in range(world)]
+    for name, param in whole.named_parameters():
+        held = [local[name] for local in locals_]
+        assert sum(held) == param.numel() and max(held) < param.numel(), (name, held)
+    with torch.no_grad():
+        _, reference = Prefill(whole)(torch.tensor([[1, 4, 13, 5, 15]]), torch.ones(1, 5, dtype=torch.long))
+    for rank in range(world):
+        torch.testing.assert_close(torch.load(tmp_path / f"logits{rank}.pt"), reference, rtol=1e-5, atol=1e-6)
 
 
 TRAINER = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 4, replicas: 2, sharding: fsdp}"

@@ -37,7 +37,7 @@ from typing import cast
 import torch
 
 from rlfleet.fleet.window import AsyncWindow
-from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy
+from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy, load_tokenizer
 from rlfleet.models.sources import ModelSourceError, resolve_model_path
 from rlfleet.services.trainer.batches import Batch, BatchReader
 from rlfleet.services.trainer.distributed import (
@@ -55,7 +55,7 @@ from rlfleet.services.trainer.precision import precision_for, prepare_for_traini
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
 from rlfleet.services.trainer.records import StepRecorder
 from rlfleet.services.trainer.schedule import lr_factor
-from rlfleet.services.trainer.sharding import full_model_state, publishable_weights, shard_policy
+from rlfleet.services.trainer.sharding import full_model_state, load_sharded_policy, publishable_weights, shard_policy
 from rlfleet.services.trainer.split import StepSplit
 from rlfleet.services.trainer.state import (
     Commit,
@@ -168,22 +168,35 @@ class Trainer:
 
     def _load_policy(self, base: Path) -> None:
         """The policy from `base` on this rank's device, its LoRA adapters (lora.py), its shard under FSDP
-        (sharding.py), the optimizer and schedule over what trains, and the KL reference when the penalty is on."""
+        (sharding.py), the optimizer and schedule over what trains, and the KL reference when the penalty is on.
+        Sharded without LoRA, each rank reads only its shards (sharding.load_sharded_policy): a whole copy per
+        rank would not fit a host at 32B; a LoRA run wraps the whole base model first (peft), so it loads it whole."""
         t = self.spec.trainer
         self.precision = precision_for(self.spec.model.dtype, t)  # fp32 master weights for bf16 (precision.py)
-        self.model, self.tokenizer = load_policy(base, self.precision.load_dtype)
-        self.lora = attach(self.model, t.lora, base, self.spec.model.path)  # None: every weight trains
-        prepare_for_training(self.model, t)
         self.device = training_device()
-        self.model.to(self.device)
-        torch.manual_seed(t.seed)
-
         world = self.ranks.world
         self.sharded = t.sharding == "fsdp" and world > 1
-        # What the loss scores through: the whole policy, or its shard of it under FSDP (sharding.py).
-        self.prefill = (
-            shard_policy(self.model, world, self.precision.fsdp_policy()) if self.sharded else Prefill(self.model)
-        )
+        self.tokenizer = load_tokenizer(base)
+        if self.sharded and t.lora is None:
+            self.lora = None
+            self.model, self.prefill = load_sharded_policy(
+                base,
+                self.precision.load_dtype,
+                world,
+                self.device,
+                self.precision.fsdp_policy(),
+                prepare=lambda lm: prepare_for_training(lm, t),
+            )
+        else:
+            self.model, _ = load_policy(base, self.precision.load_dtype)
+            self.lora = attach(self.model, t.lora, base, self.spec.model.path)  # None: every weight trains
+            prepare_for_training(self.model, t)
+            self.model.to(self.device)
+            # What the loss scores through: the whole policy, or its shard of it under FSDP (sharding.py).
+            self.prefill = (
+                shard_policy(self.model, world, self.precision.fsdp_policy()) if self.sharded else Prefill(self.model)
+            )
+        torch.manual_seed(t.seed)
         if world > 1:
             log.info("rank %d of %d, %s", self.ranks.rank, world, "FSDP-sharded" if self.sharded else "replicated")
 
@@ -196,8 +209,10 @@ class Trainer:
         # The KL reference is the starting policy, frozen (sharded like the policy); kept only when the penalty is on.
         self.reference = None
         if t.kl_coef > 0:
-            reference = load_policy(base, self.spec.model.dtype)[0].to(self.device)
-            self.reference = shard_policy(reference, world) if self.sharded else reference
+            if self.sharded:
+                self.reference = load_sharded_policy(base, self.spec.model.dtype, world, self.device)[1]
+            else:
+                self.reference = load_policy(base, self.spec.model.dtype)[0].to(self.device)
 
     def resume(self) -> int:
         """Restore the saved state if there is one (see state.py); return the next step to take."""

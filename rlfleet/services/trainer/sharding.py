@@ -25,6 +25,8 @@ Reference: torchtitan `parallelize` (per-block fully_shard, then the root) and i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -34,12 +36,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from rlfleet.models.policy import Prefill
 
 
-def shard_policy(lm, world: int, mp_policy=None) -> Prefill:
+def shard_policy(lm, world: int, mp_policy=None, device_type: str | None = None) -> Prefill:
     """Shard `lm`'s parameters in place over the `world` ranks of the joined process group; return the
     root `Prefill` that scoring calls. Create the optimizer afterwards (it must hold the shards).
-    `mp_policy`: FSDP2's MixedPrecisionPolicy (precision.py), or None to compute in the parameters' dtype."""
+    `mp_policy`: FSDP2's MixedPrecisionPolicy (precision.py), or None to compute in the parameters' dtype.
+    `device_type`: the mesh's device ("cpu", "cuda"); default where the model is (a model on the meta device
+    names the device its shards will be allocated on: `load_sharded_policy`)."""
     mp = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    mesh = init_device_mesh(next(lm.parameters()).device.type, (world,))  # shards stay where the model is
+    mesh = init_device_mesh(device_type or next(lm.parameters()).device.type, (world,))
     for layer in lm.model.layers:
         fully_shard(layer, mesh=mesh, **mp)
     root = Prefill(lm)
@@ -49,6 +53,76 @@ def shard_policy(lm, world: int, mp_policy=None) -> Prefill:
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return root
+
+
+def load_sharded_policy(
+    model_dir: str | Path, dtype: str, world: int, device: torch.device, mp_policy=None, prepare=None
+) -> tuple[torch.nn.Module, Prefill]:
+    """(the model, its root `Prefill`) from the HF directory `model_dir`, sharded over the `world` ranks like
+    `shard_policy`, without any rank ever holding a whole copy (a 32B model in fp32 is 131 GB):
+
+    1. the model is built from its config on the meta device (no storage), its buffers real (the rotary
+       frequencies are computed in __init__ and are in no checkpoint); `prepare(model)` runs then
+       (activation checkpointing), before sharding as in the whole-model path;
+    2. `shard_policy` on the meta model, then `to_empty` allocates this rank's shards alone on `device`
+       and the saved buffers are copied back;
+    3. each parameter's shard is FSDP2's dim-0 chunk (torch.chunk over the ranks, the last ones shorter or
+       empty): its rows are read straight from the safetensors files (`get_slice`, memory-mapped) and cast
+       to `dtype` as they are copied in, one tensor at a time: a rank's peak is its shards plus one tensor's
+       chunk of the file (benchmarks/trainer_load.py). A tied head is the embedding's parameter and is filled
+       once, under the first name.
+    Invariant: the gathered weights equal a whole `load_policy(model_dir, dtype)` bit for bit (tests/trainer/
+    test_trainer_fsdp.py). Names or shapes that do not match the files raise ValueError before the run."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlfleet.models.policy import DTYPES
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with init_empty_weights(include_buffers=False):
+        lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    lm.tie_weights()  # from_pretrained ties a tied head to the embedding; from_config leaves them two parameters
+    lm.eval()
+    if prepare is not None:
+        prepare(lm)
+    buffers = {name: b for name, b in lm.named_buffers()}
+    root = shard_policy(lm, world, mp_policy, device_type=device.type)
+    lm.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in lm.named_buffers():
+            b.copy_(buffers[name])
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    where = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where.update({key: file for key in f.keys()})
+    params = dict(lm.named_parameters())  # tied parameters once, under their first name
+    missing = sorted(set(params) - set(where))
+    if missing:
+        raise ValueError(f"{model_dir}: no weights for {missing[:3]} in its safetensors files")
+    with torch.no_grad():
+        for name, param in params.items():
+            # One file handle per tensor: the pages read are unmapped with it, so a rank never maps more of
+            # the files than one tensor's chunk; copy_ casts as it copies (no whole-chunk temporary).
+            with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+                rows = f.get_slice(name)
+                if tuple(rows.get_shape()) != tuple(param.shape):
+                    raise ValueError(
+                        f"{model_dir}: {name} has shape {rows.get_shape()} in its file, the model {tuple(param.shape)}"
+                    )
+                if not isinstance(param, DTensor) or any(
+                    not (isinstance(p, Shard) and p.dim == 0) for p in param.placements
+                ):
+                    raise ValueError(f"{name}: expected an FSDP dim-0 shard, got {type(param).__name__}")
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                if shape[0] == 0:
+                    continue  # this rank's chunk of a short tensor is empty
+                param.to_local().copy_(rows[offset[0] : offset[0] + shape[0]])
+    return lm, root
 
 
 def is_sharded(model) -> bool:
