@@ -22,6 +22,7 @@ from rlfleet.config import strict_yaml
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, Metadata, Spec
 from rlfleet.config.evaluation import EvalSpec
 from rlfleet.config.infra import AdmissionSpec, DeltaSpec, IngestSpec, RedisSpec, ShardcastSpec, StoreSpec
+from rlfleet.config.model import ModelSpec
 from rlfleet.config.resources import (
     KINDS,
     LOCAL_POOL,
@@ -44,7 +45,6 @@ from rlfleet.config.tasks import (
     MathTaskSpec,
     MixtureSourceSpec,
     MixtureTaskSpec,
-    ModelSpec,
     PythonTaskSpec,
     SingleTaskSpec,
     TaskSpec,

@@ -9,7 +9,8 @@ from pydantic import Field, model_validator
 from rlfleet.config.base import API_VERSION, NAME_PATTERN, ApiVersion, Metadata, Spec
 from rlfleet.config.evaluation import EvalSpec, eval_problems
 from rlfleet.config.infra import IngestSpec, RedisSpec, ServerTLSSpec, ShardcastSpec, StoreSpec, TrustSpec
-from rlfleet.config.tasks import LengthPenaltySpec, ModelSpec, TaskSpec
+from rlfleet.config.model import ModelSpec
+from rlfleet.config.tasks import LengthPenaltySpec, TaskSpec
 from rlfleet.config.tracking import TrackingSpec
 from rlfleet.config.training import SamplingSpec, TrainerSpec
 from rlfleet.config.verifier import VerifierSpec

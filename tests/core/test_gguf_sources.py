@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from rlfleet.config import ConfigError, parse_bundle
-from rlfleet.config.tasks import ArithmeticTaskSpec, ModelSpec
+from rlfleet.config.model import ModelSpec
+from rlfleet.config.tasks import ArithmeticTaskSpec
 from rlfleet.models.policy import load_policy
 from rlfleet.models.sources import ModelSourceError, local_model_path, resolve_model_path
 from tests.gguf_files import CHAT_TEMPLATE, tiny_llama, write_llama_gguf

@@ -17,7 +17,8 @@ import pytest
 import requests
 
 from rlfleet.config import ConfigError, parse_bundle
-from rlfleet.config.tasks import ArithmeticTaskSpec, ModelSpec
+from rlfleet.config.model import ModelSpec
+from rlfleet.config.tasks import ArithmeticTaskSpec
 from rlfleet.models.sources import ModelSourceError, local_model_path, resolve_model_path
 from rlfleet.wire.ports import free_port
 from tests.hub_server import Hub

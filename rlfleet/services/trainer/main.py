@@ -34,28 +34,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
-import torch
-
 from rlfleet.fleet.window import AsyncWindow
-from rlfleet.models.policy import Prefill, configure_torch_threads, load_policy, load_tokenizer
+from rlfleet.models.policy import configure_torch_threads
 from rlfleet.models.sources import ModelSourceError, resolve_model_path
 from rlfleet.services.trainer.batches import Batch, BatchReader
-from rlfleet.services.trainer.distributed import (
-    await_lead,
-    broadcast,
-    init_distributed,
-    lead_at,
-    leave_distributed,
-    training_device,
-)
+from rlfleet.services.trainer.distributed import await_lead, broadcast, init_distributed, lead_at, leave_distributed
 from rlfleet.services.trainer.evaluation import Evaluator
-from rlfleet.services.trainer.lora import attach
 from rlfleet.services.trainer.metrics import VERSION, MetricsLog, withdraw
-from rlfleet.services.trainer.precision import precision_for, prepare_for_training
+from rlfleet.services.trainer.models import load_rank_models
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
 from rlfleet.services.trainer.records import StepRecorder
-from rlfleet.services.trainer.schedule import lr_factor
-from rlfleet.services.trainer.sharding import full_model_state, load_sharded_policy, publishable_weights, shard_policy
+from rlfleet.services.trainer.sharding import full_model_state, publishable_weights
 from rlfleet.services.trainer.split import StepSplit
 from rlfleet.services.trainer.state import (
     Commit,
@@ -167,52 +156,15 @@ class Trainer:
         self.evaluator = Evaluator(self.spec, base) if self.spec.eval and self.ranks.is_lead else None  # spec.eval
 
     def _load_policy(self, base: Path) -> None:
-        """The policy from `base` on this rank's device, its LoRA adapters (lora.py), its shard under FSDP
-        (sharding.py), the optimizer and schedule over what trains, and the KL reference when the penalty is on.
-        Sharded without LoRA, each rank reads only its shards (sharding.load_sharded_policy): a whole copy per
-        rank would not fit a host at 32B; a LoRA run wraps the whole base model first (peft), so it loads it whole."""
-        t = self.spec.trainer
-        self.precision = precision_for(self.spec.model.dtype, t)  # fp32 master weights for bf16 (precision.py)
-        self.device = training_device()
-        world = self.ranks.world
-        self.sharded = t.sharding == "fsdp" and world > 1
-        self.tokenizer = load_tokenizer(base)
-        if self.sharded and t.lora is None:
-            self.lora = None
-            self.model, self.prefill = load_sharded_policy(
-                base,
-                self.precision.load_dtype,
-                world,
-                self.device,
-                self.precision.fsdp_policy(),
-                prepare=lambda lm: prepare_for_training(lm, t),
+        """The policy, its optimizer and schedule, and the KL reference on this rank (models.py)."""
+        m = load_rank_models(self.spec, base, self.ranks.world)
+        self.precision, self.device, self.sharded = m.precision, m.device, m.sharded
+        self.model, self.tokenizer, self.prefill, self.lora = m.model, m.tokenizer, m.prefill, m.lora
+        self.optimizer, self.scheduler, self.reference = m.optimizer, m.scheduler, m.reference
+        if self.ranks.world > 1:
+            log.info(
+                "rank %d of %d, %s", self.ranks.rank, self.ranks.world, "FSDP-sharded" if self.sharded else "replicated"
             )
-        else:
-            self.model, _ = load_policy(base, self.precision.load_dtype)
-            self.lora = attach(self.model, t.lora, base, self.spec.model.path)  # None: every weight trains
-            prepare_for_training(self.model, t)
-            self.model.to(self.device)
-            # What the loss scores through: the whole policy, or its shard of it under FSDP (sharding.py).
-            self.prefill = (
-                shard_policy(self.model, world, self.precision.fsdp_policy()) if self.sharded else Prefill(self.model)
-            )
-        torch.manual_seed(t.seed)
-        if world > 1:
-            log.info("rank %d of %d, %s", self.ranks.rank, world, "FSDP-sharded" if self.sharded else "replicated")
-
-        trained = self.lora.parameters() if self.lora else self.model.parameters()
-        self.optimizer = torch.optim.AdamW(trained, lr=t.learning_rate, weight_decay=t.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_factor(t.warmup_steps, t.lr_schedule, t.steps)
-        )
-
-        # The KL reference is the starting policy, frozen (sharded like the policy); kept only when the penalty is on.
-        self.reference = None
-        if t.kl_coef > 0:
-            if self.sharded:
-                self.reference = load_sharded_policy(base, self.spec.model.dtype, world, self.device)[1]
-            else:
-                self.reference = load_policy(base, self.spec.model.dtype)[0].to(self.device)
 
     def resume(self) -> int:
         """Restore the saved state if there is one (see state.py); return the next step to take."""
