@@ -66,6 +66,20 @@ def s3_env(s3_endpoint, monkeypatch):
     return s3_endpoint
 
 
+@pytest.fixture
+def s3_bucket(s3_env, monkeypatch):
+    """(a boto3 client, the name of a new bucket) on moto's server, which AWS_ENDPOINT_URL names."""
+    import uuid
+
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env)
+    name = f"models-{uuid.uuid4().hex[:8]}"
+    client = boto3.client("s3", endpoint_url=s3_env)
+    client.create_bucket(Bucket=name)
+    return client, name
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Torch on one thread for a module's tiny models: one thread avoids wake-up waits on a busy machine."""

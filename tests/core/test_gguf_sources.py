@@ -9,9 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import uuid
 
-import boto3
 import pytest
 import torch
 
@@ -128,17 +126,8 @@ def test_a_gguf_that_cannot_be_read_is_one_clear_error(reference, tmp_path):
     assert not any((tmp_path / "cache" / "gguf").iterdir()), "nothing half-converted is left in the cache"
 
 
-@pytest.fixture
-def bucket(s3_env, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env)
-    name = f"models-{uuid.uuid4().hex[:8]}"
-    client = boto3.client("s3", endpoint_url=s3_env)
-    client.create_bucket(Bucket=name)
-    return client, name
-
-
-def test_an_s3_gguf_is_downloaded_and_converted_once_by_its_etag(bucket, reference, gguf_file, tmp_path):
-    client, name = bucket
+def test_an_s3_gguf_is_downloaded_and_converted_once_by_its_etag(s3_bucket, reference, gguf_file, tmp_path):
+    client, name = s3_bucket
     client.upload_file(str(gguf_file), name, "models/tiny.gguf")
     path = f"s3://{name}/models/tiny.gguf"
     model_dir = resolve(path, caller="trainer")

@@ -10,9 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
-import boto3
 import pytest
 import requests
 
@@ -104,23 +102,13 @@ def test_offline_with_nothing_cached_and_an_unreachable_hub_are_clear_errors(hub
         resolve("hf://acme/tiny")
 
 
-@pytest.fixture
-def bucket(s3_env, monkeypatch):
-    """A new bucket on moto's server, which AWS_ENDPOINT_URL names."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env)
-    name = f"models-{uuid.uuid4().hex[:8]}"
-    client = boto3.client("s3", endpoint_url=s3_env)
-    client.create_bucket(Bucket=name)
-    return client, name
-
-
 def upload(client, bucket: str, prefix: str, directory) -> None:
     for file in sorted(directory.iterdir()):
         client.upload_file(str(file), bucket, f"{prefix}/{file.name}")
 
 
-def test_an_s3_model_is_downloaded_once_and_cached_by_content(bucket, model_dir, tmp_path, monkeypatch):
-    client, name = bucket
+def test_an_s3_model_is_downloaded_once_and_cached_by_content(s3_bucket, model_dir, tmp_path, monkeypatch):
+    client, name = s3_bucket
     monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path / "cache"))
     upload(client, name, "tiny", model_dir)
     path = resolve(f"s3://{name}/tiny")
@@ -136,8 +124,8 @@ def test_an_s3_model_is_downloaded_once_and_cached_by_content(bucket, model_dir,
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, changed.name]), "no temporary left"
 
 
-def test_an_s3_model_that_cannot_be_had_is_one_clear_error(bucket, model_dir, tmp_path, monkeypatch):
-    client, name = bucket
+def test_an_s3_model_that_cannot_be_had_is_one_clear_error(s3_bucket, model_dir, tmp_path, monkeypatch):
+    client, name = s3_bucket
     monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelSourceError, match=rf"no objects under 's3://{name}/missing' at http.*aws s3 sync"):
         resolve(f"s3://{name}/missing")
@@ -151,8 +139,8 @@ def test_an_s3_model_that_cannot_be_had_is_one_clear_error(bucket, model_dir, tm
         resolve(f"s3://{name}/tiny", store_endpoint=None)
 
 
-def test_the_model_endpoint_then_the_store_endpoint_then_the_environment(bucket, model_dir, tmp_path, monkeypatch):
-    client, name = bucket
+def test_the_model_endpoint_then_the_store_endpoint_then_the_environment(s3_bucket, model_dir, tmp_path, monkeypatch):
+    client, name = s3_bucket
     endpoint = client.meta.endpoint_url
     monkeypatch.setenv("RLFLEET_CACHE", str(tmp_path / "cache"))
     upload(client, name, "tiny", model_dir)
