@@ -83,6 +83,14 @@ class TorchEngine(Engine):
             self.adapters = InPlace(self.model, model_dir)  # whole weights: the base of any later adapter
         self.version = version
 
+    def load_own_adapter(self, adapter_dir: Path, version: int) -> None:
+        """Merge an adapter that this process trained over this engine's own base, as the trainer's held-out
+        evaluation holds it: a copy taken before the publisher writes and signs the manifest that names the base
+        (so `load_weights`, which refuses an adapter without one, cannot take it). Anything fetched goes through
+        `load_weights`."""
+        self.adapters.merger.apply(adapter_dir)
+        self.version = version
+
     def _budget(self, prompt_ids: list[int], max_tokens: int) -> int:
         context = context_length(self.model)
         budget = completion_budget(max_tokens, len(prompt_ids), context)

@@ -131,3 +131,36 @@ def test_a_math_eval_reads_its_own_rows(tmp_path):
     assert evaluator.task_ids == ["held-out-0", "held-out-1", "held-out-2"], "every row, in file order"
     evaluator.offer(0, model)
     assert evaluator.take(wait=True)["eval/problems"] == 3
+
+
+def test_a_lora_runs_adapter_versions_are_evaluated_as_base_plus_adapter(tmp_path):
+    """The trainer offers an adapter version as `Adapters.save` wrote it, before the publisher signs the manifest
+    naming its base (a fetched adapter without one is refused): the evaluator merges it into its own base, so a
+    fresh adapter scores as the base and a trained one as the whole merged model (merge_dir)."""
+    from rlfleet.config.training import LoraSpec
+    from rlfleet.models.adapter import merge_dir
+    from rlfleet.models.policy import load_policy
+    from rlfleet.services.trainer.lora import attach
+    from tests.trainer.test_lora import trained_adapter
+
+    spec = run_spec(every=1, seed=7, maxProblems=24)
+    warm = warm_arithmetic()
+    model, _ = load_policy(warm)
+    adapters = attach(model, LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]), warm, "builtin://x")
+    assert adapters is not None
+    adapters.save(model.state_dict(), tmp_path / "v0")
+    trained_adapter(adapters.peft_model, seed=1)
+    adapters.save(model.state_dict(), tmp_path / "v1")
+    merge_dir(warm, tmp_path / "v1", tmp_path / "merged")
+
+    def score(version: int, path, base=warm) -> float:
+        evaluator = Evaluator(spec, base)
+        evaluator.offer(version, path)
+        result = evaluator.take(wait=True)
+        assert result["eval/version"] == version, "the evaluation failed (logged): no result"
+        return result["eval/score"]
+
+    assert score(0, tmp_path / "v0") == score(0, warm) >= 0.5
+    trained = score(1, tmp_path / "v1")
+    assert trained == score(1, tmp_path / "merged", base=tmp_path / "merged")
+    assert trained < 0.5, "a random adapter of this size breaks the warm-started model: the adapter was applied"

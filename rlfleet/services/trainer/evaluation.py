@@ -3,7 +3,8 @@
 After publishing version v, the trainer offers the directory it just published (`offer`); when v is
 due (v % every == 0, the base model v = 0 included, and the run's last version) the evaluator copies
 it (the trainer deletes its own at once) and a background thread loads it into its own rollout
-engine (the torch engine, on a second copy of the weights: training never waits for it), samples
+engine (the torch engine, on a second copy of the weights: training never waits for it; a LoRA run's
+version, an adapter not yet signed, is merged into its base by TorchEngine.load_own_adapter), samples
 the held-out problems (rlfleet/tasks/held_out.py) greedily or k times each, and scores them with the
 task's reward (rlfleet/engines/solve.py). One evaluation runs at a time; a due
 version offered while one runs waits in a single slot, where a newer one replaces it (the newest
@@ -26,9 +27,11 @@ import time
 import weakref
 from pathlib import Path
 
-from rlfleet.engines import Engine, make_engine
 from rlfleet.engines.solve import greedy, score_problems
+from rlfleet.engines.torch_engine import TorchEngine
+from rlfleet.models.device import choose_device
 from rlfleet.tasks.held_out import held_out_ids, held_out_task
+from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.wire.streams import SamplingParams
 
 log = logging.getLogger("rlfleet.trainer.eval")
@@ -47,7 +50,7 @@ class Evaluator:
         )
         self.every, self.k, self.pass_reward = ev.every, ev.k, ev.pass_reward
         self.base, self.dtype = base, run_spec.model.dtype
-        self.engine: Engine | None = None  # made by the thread at its first evaluation
+        self.engine: TorchEngine | None = None  # made by the thread at its first evaluation
         self.cond = threading.Condition()
         self.waiting: tuple[int, Path] | None = None  # the due version not yet started, and its copy
         self.busy = False
@@ -103,8 +106,11 @@ class Evaluator:
 
     def evaluate(self, version: int, path: Path) -> dict:
         t0 = time.monotonic()
-        engine = self.engine = self.engine or make_engine("torch", self.base, -1, self.dtype)
-        engine.load_weights(path, version)
+        engine = self.engine = self.engine or TorchEngine(self.base, -1, self.dtype, choose_device())
+        if is_adapter_dir(path):  # a LoRA run's version: the trainer's adapter over self.base, not yet signed
+            engine.load_own_adapter(path, version)
+        else:
+            engine.load_weights(path, version)
         scores = score_problems(engine, self.task, self.task_ids, self.k, self.params)
         result = {
             "eval/version": version,
