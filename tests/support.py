@@ -193,6 +193,18 @@ def serving(
             raise RuntimeError(f"server on {url} did not stop within 15 s")
 
 
+@contextmanager
+def serving_hub(hub, hf_home: Path, monkeypatch) -> Iterator[str]:
+    """`hub` (tests/hub_server.py) served as huggingface_hub's endpoint (HF_ENDPOINT), with an empty cache in
+    `hf_home`, online and without a token; yields its URL."""
+    with serving(hub.app()) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.setenv("HF_HOME", str(hf_home))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        yield url
+
+
 # redis-py retries a failed call (10 times with back-off in 8.x, each waiting out its socket timeout):
 # against a test's own server, which is either up or dead, that only turns a dead server into a hang.
 CLIENT_TIMEOUTS = {"socket_connect_timeout": 2, "socket_timeout": 10}

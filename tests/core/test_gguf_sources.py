@@ -21,7 +21,7 @@ from rlfleet.models.sources import ModelSourceError, local_model_path, resolve_m
 from tests.gguf_files import CHAT_TEMPLATE, tiny_llama, write_llama_gguf
 from tests.hub_server import Hub
 from tests.runs import bundle_yaml, pool, rlrun
-from tests.support import serving
+from tests.support import serving_hub
 
 TASK = ArithmeticTaskSpec(type="arithmetic")
 CHAT = [{"role": "user", "content": "the cat is here"}]
@@ -156,11 +156,7 @@ def hub(gguf_file, tmp_path, monkeypatch):
     (repo / "f32" / "tiny.gguf").write_bytes(gguf_file.read_bytes())
     hub = Hub()
     hub.add("acme/tiny-GGUF", repo)
-    with serving(hub.app()) as url:
-        monkeypatch.setenv("HF_ENDPOINT", url)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
+    with serving_hub(hub, tmp_path / "hf", monkeypatch):
         yield hub
 
 

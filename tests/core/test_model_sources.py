@@ -21,7 +21,7 @@ from rlfleet.models.sources import ModelSourceError, local_model_path, resolve_m
 from rlfleet.wire.ports import free_port
 from tests.hub_server import Hub
 from tests.runs import bundle_yaml, pool, rlrun, write_rlrun
-from tests.support import serving, tiny_policy_dir, wait_for
+from tests.support import serving_hub, tiny_policy_dir, wait_for
 
 TASK = ArithmeticTaskSpec(type="arithmetic")
 
@@ -41,11 +41,7 @@ def hub(model_dir, tmp_path, monkeypatch):
     partial.mkdir()
     shutil.copy(model_dir / "tokenizer.json", partial)
     hub.add("acme/tokenizer-only", partial)
-    with serving(hub.app()) as url:
-        monkeypatch.setenv("HF_ENDPOINT", url)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
+    with serving_hub(hub, tmp_path / "hf", monkeypatch):
         yield hub
 
 
