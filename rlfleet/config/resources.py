@@ -107,6 +107,15 @@ class RLRunSpec(Spec):
         return self
 
     @model_validator(mode="after")
+    def _assignment_default(self) -> RLRunSpec:
+        # A worker that draws its own seeds can sample many groups and send the ones it likes, and each passes
+        # the seed replay (docs/security.md, "Grinding"); a run that lets anyone join assigns the work itself.
+        # Resolved here, on the whole spec, so that every component's view and the public run document carry it.
+        if self.sampling.assignment is None:
+            self.sampling.assignment = "worker" if self.ingest.admission.mode == "tokens" else "run"
+        return self
+
+    @model_validator(mode="after")
     def _inbox_below_max_len(self) -> RLRunSpec:
         if self.ingest.max_backlog >= self.redis.stream_max_len:
             raise ValueError(

@@ -69,12 +69,14 @@ class SamplingSpec(Spec):
     )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off).")
-    assignment: Literal["worker", "run"] = Field(
-        default="worker",
+    assignment: Literal["worker", "run"] | None = Field(
+        default=None,
         description="Who chooses each group's task and seed. `worker`: the worker draws them. `run`: a worker asks "
         "the run for a work ticket (Redis, or the ingest's tickets endpoint) and the ticket fixes task and seed "
         "(rlfleet/fleet/assignment.py); the gate accepts each ticket once and only from the worker it was issued to, "
-        "so a worker cannot grind seeds or tasks, and tickets it drops are counted.",
+        "so a worker cannot grind seeds or tasks, and one that drops too many of its tickets is banned "
+        "(verifier.ban.maxDroppedTicketShare). Empty: `run` when spec.ingest.admission lets workers join (mode open "
+        "or invite), else `worker`.",
     )
     online_filter: OnlineFilterSpec | None = Field(
         default=None,

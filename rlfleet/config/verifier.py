@@ -84,6 +84,22 @@ class BanPolicySpec(Spec):
         description="Replayed positions a worker must have before its running replay mismatch share can ban it "
         "(verifier.maxRunningMismatchShare).",
     )
+    max_dropped_ticket_share: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="Runs that assign work (spec.sampling.assignment: run): ban a worker once the tickets it was "
+        "issued and never got a group accepted for exceed droppedTicketAllowance plus this share of its issued "
+        "tickets (rule `droppedTickets`). A worker that drops the tickets whose groups it does not like (low "
+        "reward) would pick what the trainer sees, as grinding seeds would; an honest worker drops only groups "
+        "that went stale or that a restart lost. 1: never.",
+    )
+    dropped_ticket_allowance: int = Field(
+        default=64,
+        ge=0,
+        description="Tickets a worker may hold without a group accepted for them before the dropped-ticket rule "
+        "counts them (maxDroppedTicketShare): its groups being generated and waiting in the inbox.",
+    )
 
 
 class VerifierSpec(Spec):

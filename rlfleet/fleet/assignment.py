@@ -6,19 +6,33 @@ A worker asks for a work ticket: `issue_ticket` increments its counter in `RunKe
 binds the worker id to its token). Ticket k of worker w fixes the task id and the group seed,
 `assigned_work(task, salt, w, k)` (a hash of the run's task seed, w and k), and the group records k.
 The gate accepts a group only if k was issued to its worker, its task id and seed are those of k,
-and k was not used before (`ticket_problem` and a one-time guard). A worker can still drop a ticket
-whose task it does not like; what it drops shows as issued minus used (`ticket_counts`), and the
-seeds stay out of its hands. Replaying k's content under another ticket is the content replay the
-digest guard rejects.
+and k was not used before (`ticket_problem` and a one-time guard). Replaying k's content under
+another ticket is the content replay the digest guard rejects.
+
+Redraws. With `spec.sampling.onlineFilter` a worker skips prompts the trainer retired
+(rlfleet/fleet/prompt_filter.py) without spending tickets: ticket k has a sequence of draws
+d = 0, 1, ... (`assigned_work(..., draw=d)`, up to the filter's maxRedraws), and the worker takes the
+first whose prompt is not retired; the group records d (`ticket_draw`). The gate checks the group's task
+and seed against draw d and requires the prompt of every draw before d to be retired (the list only grows,
+so what the worker saw retired still is): the worker has no choice among the draws of a ticket.
+
+Dropped tickets. A worker can still drop a ticket whose group it does not like (a low reward) and so
+pick what the trainer sees. Each accepted group counts its ticket (`tickets_used` in the worker's
+reputation counters); a worker whose issued minus used tickets exceed `verifier.ban.droppedTicketAllowance`
+plus `maxDroppedTicketShare` of those issued is banned at its next accepted group (rule `droppedTickets`,
+applied by the gate's commit script: rlfleet/services/toploc/commit.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 
 import numpy as np
 import redis
 
+from rlfleet.fleet.reputation import field
 from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 
@@ -31,26 +45,56 @@ def issued_tickets(client: redis.Redis, keys: RunKeys, worker_id: str) -> int:
     return int(client.hget(keys.tickets, worker_id) or 0)
 
 
-def assigned_work(task, salt: int, worker_id: str, ticket: int) -> tuple[str, int]:
-    """(task id, group seed) of ticket `ticket` of `worker_id`; `task` is the run's TaskSource, `salt` its seed."""
-    digest = hashlib.sha256(f"rlfleet-assign-1\0{salt}\0{worker_id}\0{ticket}".encode()).digest()
+def assigned_work(task, salt: int, worker_id: str, ticket: int, draw: int = 0) -> tuple[str, int]:
+    """(task id, group seed) of draw `draw` of ticket `ticket` of `worker_id`; `task` is the run's TaskSource,
+    `salt` its seed. Draw 0 is the ticket's work; later draws are the online filter's redraws."""
+    text = f"rlfleet-assign-1\0{salt}\0{worker_id}\0{ticket}" + (f"\0{draw}" if draw else "")
+    digest = hashlib.sha256(text.encode()).digest()
     task_id = task.sample_id(np.random.default_rng(int.from_bytes(digest[:16], "little")))
     return task_id, int.from_bytes(digest[16:20], "little") >> 1  # a seed in [0, 2**31), as workers draw
 
 
-def ticket_problem(client: redis.Redis, keys: RunKeys, task, salt: int, group: RolloutGroup) -> str | None:
+def ticket_problem(client: redis.Redis, keys: RunKeys, task, salt: int, group: RolloutGroup, draws: int) -> str | None:
     """What is wrong with the ticket of `group` in a run that assigns work, or None (its one-time use is the
-    caller's guard, `RunKeys.ticket`)."""
-    k = group.ticket
+    caller's guard, `RunKeys.ticket`; that the draws before the group's were retired, the caller's too: it
+    needs the version's tokenizer). `draws`: how many draws a ticket has (the online filter's maxRedraws, else 1)."""
+    k, draw = group.ticket, group.ticket_draw
     if k is None:
         return "the run assigns work (spec.sampling.assignment: run) and the group carries no ticket"
+    if not 0 <= draw < draws:
+        return f"ticket_draw {draw} is past the {draws} draws a ticket has (spec.sampling.onlineFilter.maxRedraws)"
     issued = issued_tickets(client, keys, group.worker_id)
     if not 0 <= k < issued:
         return f"ticket {k} was never issued to worker {group.worker_id!r} ({issued} issued)"
-    want_task, want_seed = assigned_work(task, salt, group.worker_id, k)
+    want_task, want_seed = assigned_work(task, salt, group.worker_id, k, draw)
     if (group.task_id, group.sampling.seed) != (want_task, want_seed):
         return (
-            f"ticket {k} assigns task {want_task} with seed {want_seed}; "
+            f"draw {draw} of ticket {k} assigns task {want_task} with seed {want_seed}; "
             f"the group has task {group.task_id} with seed {group.sampling.seed}"
         )
     return None
+
+
+def dropped_ticket_ban(policy, worker_id: str, rollout_id: str) -> dict | None:
+    """The commit script's dropped-ticket rule for an accepted ticketed group of `worker_id` (module docstring;
+    `policy`: spec.verifier.ban), None when the rule is off (share 1)."""
+    if policy.max_dropped_ticket_share >= 1:
+        return None
+    detail = (
+        f"more than {policy.dropped_ticket_allowance} + {policy.max_dropped_ticket_share} x issued of its work "
+        "tickets were never used by an accepted group"
+    )
+    record = {
+        "reason": "assignment",
+        "detail": detail,
+        "rollout_id": rollout_id,
+        "rule": "droppedTickets",
+        "at": time.time(),
+    }
+    return {
+        "worker": worker_id,
+        "used": field(worker_id, "tickets_used"),
+        "allowance": policy.dropped_ticket_allowance,
+        "share": policy.max_dropped_ticket_share,
+        "record": json.dumps(record),
+    }

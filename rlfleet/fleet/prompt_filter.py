@@ -19,13 +19,14 @@ Who knows what:
   batch and redraws a retired prompt (`draw_unretired`), at most maxRedraws times per group.
 Nothing here touches what is verified or trained: the filter only changes which prompts honest
 workers draw. A worker that ignores it is checked as before, and its repeats are dropped as before.
-Under `assignment: run` a redrawn prompt costs a ticket that is never used, which the ticket counts
-show as dropped (rlfleet/fleet/assignment.py), the same as any ticket a worker declines.
+Under `assignment: run` a worker redraws along its ticket's own draws, so a redraw costs no ticket, and the
+gate checks that every draw it skipped was retired (rlfleet/fleet/assignment.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
@@ -84,17 +85,20 @@ class OutcomeRecorder:
 
 
 class RetiredPrompts:
-    """A worker's copy of the run's retired prompt keys, refreshed incrementally from Redis."""
+    """A copy of the run's retired prompt keys, refreshed incrementally from Redis: a worker's, and the gate's
+    (it checks a ticket's redraws, rlfleet/fleet/assignment.py, from two threads)."""
 
     def __init__(self, reader: redis.Redis, keys: RunKeys):
         self.reader, self.key = reader, keys.retired_prompts
         self.keys: set[str] = set()
         self.read = 0  # list entries read so far (the list only grows)
+        self.lock = threading.Lock()  # two refreshes at once would each count the same new entries
 
     def refresh(self) -> None:
-        new = cast(list[bytes], self.reader.lrange(self.key, self.read, -1))
-        self.read += len(new)
-        self.keys.update(k.decode() for k in new)
+        with self.lock:
+            new = cast(list[bytes], self.reader.lrange(self.key, self.read, -1))
+            self.read += len(new)
+            self.keys.update(k.decode() for k in new)
 
     def __contains__(self, key: str) -> bool:
         return key in self.keys

@@ -17,7 +17,8 @@ whatever the worker wrote: only the ingest binds worker ids to tokens.
   verifier  the inbox's consumer group (read, claim, ack, delete), XADD verified / rejected / dead
             letter (the last two trimmed by bytes: XRANGE, XDEL, their audit-bytes totals), its attempt counts,
             run stats, reputation and bans, its one-time guards, work tickets (read), join records (read: a
-            joined worker's probation) and standings (the ingest's copy)
+            joined worker's probation), standings (the ingest's copy) and the retired prompts (read: a ticket's
+            redraws)
   trainer   the verified stream's consumer group, the trained set, run stats and repeats (read), XADD policy, HSET
             its demand, RPUSH the retired prompts, SET the run's failure record
   admin     everything on the run's keys (the local launcher; on a cluster the operator keeps the
@@ -88,6 +89,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             "attempts",
             "dead_letter",
             "audit_bytes",
+            "retired_prompts",
         ],
         [
             "xgroup|create",
@@ -113,6 +115,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
             "zrem",
             "get",
             "set",
+            "lrange",
             *SCRIPTS,
         ],
     ),

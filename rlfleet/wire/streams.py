@@ -11,7 +11,8 @@ A message is one Redis field `m` holding compact JSON; token ids, logprobs and p
 base64 of little-endian int32 / float32 / raw bytes. `SCHEMA_VERSION` changes with any
 incompatible change; a consumer dead-letters what it cannot decode and keeps running.
 Schema 2: samples are drawn as rlfleet/models/sampling.py says (seed per sample, replayable), and a group
-records the `engine` that drew it and, when the run assigns work, its `ticket`.
+records the `engine` that drew it and, when the run assigns work, its `ticket` (and `ticket_draw`, which of
+the ticket's draws, when it is not the first: an optional field, absent meaning 0).
 
 What a group *is* (`group_digest`): its prompt tokens, sampling parameters (not the seed) and the
 multiset of its completions. The gate's replay guard, the trainer's exactly-once and the ingest's
@@ -241,6 +242,7 @@ class RolloutGroup:
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     engine: str = "torch"  # what drew the samples: "torch" (replayable, rlfleet/models/sampling.py) or "vllm"
     ticket: int | None = None  # the run-assigned work ticket (spec.sampling.assignment: run), else None
+    ticket_draw: int = 0  # which of the ticket's draws (the online filter's redraws; rlfleet/fleet/assignment.py)
     schema: int = SCHEMA_VERSION
 
     def encode(self) -> dict[bytes, bytes]:
@@ -257,6 +259,8 @@ class RolloutGroup:
         }
         if self.ticket is not None:
             body["ticket"] = self.ticket
+        if self.ticket_draw:
+            body["ticket_draw"] = self.ticket_draw
         return {MESSAGE_FIELD: json.dumps(body, separators=(",", ":")).encode()}
 
     @classmethod
@@ -295,6 +299,7 @@ class RolloutGroup:
                 rollout_id=text_field(body, "rollout_id", ID_MAX_CHARS),
                 engine=text_field(body, "engine", ID_MAX_CHARS),
                 ticket=None if body.get("ticket") is None else _integer(body, "ticket"),
+                ticket_draw=0 if body.get("ticket_draw") is None else _integer(body, "ticket_draw"),
                 schema=SCHEMA_VERSION,
             )
         except MessageError:

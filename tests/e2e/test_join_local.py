@@ -100,3 +100,6 @@ def test_a_worker_joins_a_local_run_from_the_printed_url_and_its_groups_are_trai
     assert stats["banned"] is None and counters["accepted"] >= 2 * STEPS, stats
     assert {c for c in counters if c.startswith("rejected:")} <= {"rejected:stale_version"}, counters
     assert counters.get("unchecked", 0) == 0, "a group of a worker on probation skipped the prefill checks"
+    # The run sets no assignment and lets workers join, so it assigns the work: every accepted group used a ticket.
+    assert document["taskIds"]["assignment"] == "run"
+    assert counters["tickets_used"] == counters["accepted"], counters

@@ -17,6 +17,7 @@ from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.rollout import main as rollout_main
 from rlfleet.services.rollout.main import RolloutOptions, Worker
 from rlfleet.services.rollout.repeats import worth_sending
+from rlfleet.services.rollout.work import Work
 from rlfleet.services.shardcast.origin import make_app
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
@@ -145,7 +146,7 @@ def test_the_worker_samples_only_what_the_trainer_can_still_take(tmp_path, redis
         return build_proofs_many(activations, *args, **kwargs)
 
     monkeypatch.setattr(rollout_main, "build_proofs_many", counted)
-    work = [(sent[0].task_id, 7, None), (sent[2].task_id, 8, None)]
+    work = [Work(sent[0].task_id, 7), Work(sent[2].task_id, 8)]
     first = worker.make_groups(work)
     assert len(first) == 2 and built == [4], "two groups of 2 samples, one vectorised pass"
     assert all(len(s.proofs) == 2 for g in first for s in g.samples), "a prompt chunk and a decode chunk each"

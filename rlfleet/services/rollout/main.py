@@ -49,7 +49,7 @@ from rlfleet.services.rollout.follower import VersionFollower
 from rlfleet.services.rollout.health import engine_liveness
 from rlfleet.services.rollout.repeats import holds_flat, worth_sending
 from rlfleet.services.rollout.timing import LAPS
-from rlfleet.services.rollout.work import IngestLink, WorkSource
+from rlfleet.services.rollout.work import IngestLink, Work, WorkSource
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import check_chat_templates, encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
@@ -236,27 +236,27 @@ class Worker:
         """Why generation should wait now, or None (`room`'s reason)."""
         return self.room()[0]
 
-    def take_work(self, room: int) -> list[tuple[str, int, int | None]] | None:
+    def take_work(self, room: int) -> list[Work] | None:
         """Up to `room` pieces of work (task id, group seed, ticket), drawn past retired prompts (work.py)."""
         return self.draws.take_work(room, self.loaded.tokenizer)
 
-    def make_groups(self, work: list[tuple[str, int, int | None]]) -> list[RolloutGroup]:
-        """The groups of `work` ((task id, group seed, ticket) each, next_work's) to send, sampled in ONE engine
+    def make_groups(self, work: list[Work]) -> list[RolloutGroup]:
+        """The groups of `work` (work.py's Work: task id, group seed, ticket) to send, sampled in ONE engine
         call, so every group records the one version that produced all of them; what the trainer would drop for
         its content is held back (repeats.py) before any proof is built."""
         s, toploc = self.spec.sampling, self.spec.verifier.toploc
         problems, kept = [], []
         for piece in work:
             try:
-                problems.append(self.task.problem(piece[0]))
+                problems.append(self.task.problem(piece.task_id))
                 kept.append(piece)
             except EnvironmentFailure as exc:  # a user environment's fault: the group is skipped, the worker goes on
-                log.warning("task %s: the environment failed to make the problem: %s", piece[0], exc)
+                log.warning("task %s: the environment failed to make the problem: %s", piece.task_id, exc)
         work = kept
         if not work:
             return []
         prompts = [encode_prompt(self.loaded.tokenizer, p) for p in problems]
-        params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=seed) for _, seed, _ in work]
+        params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=w.seed) for w in work]
         IN_FLIGHT.set(s.group_size * len(work))
         GROUPS_IN_FLIGHT.set(len(work))
         try:
@@ -269,7 +269,7 @@ class Worker:
         if len(versions) != 1:  # the engine seam's invariant; a group claiming one version must hold only its tokens
             raise RuntimeError(f"one engine call produced versions {sorted(versions)}: the engine broke its contract")
         drafts: list[tuple[RolloutGroup, list]] = []  # each group (its proofs not built yet) and its generations
-        for (_, _, ticket), problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
+        for piece, problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
             texts = [completion_text(self.loaded.tokenizer, g.completion_ids, self.loaded.stop_ids) for g in gens]
             try:
                 with LAPS.part("reward"):
@@ -290,7 +290,8 @@ class Worker:
                 sampling=q,
                 samples=samples,
                 engine=self.loaded.name,
-                ticket=ticket,
+                ticket=piece.ticket,
+                ticket_draw=piece.draw,
             )
             drafts.append((group, gens))
         # Groups the trainer would drop for their content are held back before their proofs are built: a group's

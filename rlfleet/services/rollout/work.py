@@ -1,14 +1,16 @@
 """What a worker samples next (rlfleet/services/rollout/main.py's Worker draws through this): a task id and a
 group seed, drawn by the worker (`spec.sampling.assignment: worker`) or assigned by the run through a work
 ticket (`assignment: run`, from Redis or the ingest; rlfleet/fleet/assignment.py), and with
-`spec.sampling.onlineFilter` redrawn while its prompt is retired (rlfleet/fleet/prompt_filter.py).
+`spec.sampling.onlineFilter` redrawn while its prompt is retired (rlfleet/fleet/prompt_filter.py): a worker's
+own draws are redrawn freely, a ticket's along the ticket's own sequence of draws, so a redraw costs no ticket.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import redis
@@ -27,6 +29,16 @@ if TYPE_CHECKING:  # the worker's engine loads transformers; this module needs o
     from transformers import PreTrainedTokenizerBase
 
 FILTERED = Counter("rlfleet_rollout_filtered_draws_total", "Draws skipped: the online filter retired their prompt")
+
+
+class Work(NamedTuple):
+    """One group's work: its task and group seed and, when the run assigns work, the ticket and which of the
+    ticket's draws they are (rlfleet/fleet/assignment.py)."""
+
+    task_id: str
+    seed: int
+    ticket: int | None = None
+    draw: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,38 +77,47 @@ class WorkSource:
         self.retired = RetiredPrompts(reader, ctx.keys) if reader and online_filter else None
         self.max_redraws = online_filter.max_redraws if online_filter else 1
 
-    def next_work(self) -> tuple[str, int, int | None] | None:
-        """(task id, group seed, ticket) of the next group: drawn here, or assigned by the run
-        (spec.sampling.assignment: run; a ticket from Redis or the ingest). None if stopped meanwhile."""
+    def next_work(self) -> Work | None:
+        """The next group's work: drawn here, or draw 0 of a ticket from the run (spec.sampling.assignment: run;
+        from Redis or the ingest). None if stopped meanwhile."""
         if self.spec.sampling.assignment == "worker":
-            return self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31)), None
+            return Work(self.task.sample_id(self.rng), int(self.rng.integers(0, 2**31)))
+        ticket = self.next_ticket()
+        return None if ticket is None else self.assigned(ticket, 0)
+
+    def next_ticket(self) -> int | None:
+        """A work ticket from the ingest (a worker behind one) or from Redis; None if stopped meanwhile."""
         if self.ingest:
-            ticket = request_ticket(self.ingest.session, self.ingest.tickets_url, self.ingest.token, self.ctx.stop)
-            if ticket is None:
-                return None
-        else:
-            assert self.tickets is not None  # a worker without an ingest takes tickets from Redis
-            ticket = issue_ticket(self.tickets, self.ctx.keys, self.worker_id)
-        task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket)
-        return task_id, seed, ticket
+            return request_ticket(self.ingest.session, self.ingest.tickets_url, self.ingest.token, self.ctx.stop)
+        assert self.tickets is not None  # a worker without an ingest takes tickets from Redis
+        return issue_ticket(self.tickets, self.ctx.keys, self.worker_id)
+
+    def assigned(self, ticket: int, draw: int) -> Work:
+        task_id, seed = assigned_work(self.task, self.spec.task.seed, self.worker_id, ticket, draw)
+        return Work(task_id, seed, ticket, draw)
+
+    def ticket_draws(self, ticket: int) -> Callable[[], Work]:
+        """The draws of `ticket` one per call, from draw 0 (at most maxRedraws calls)."""
+        draws = iter(range(self.max_redraws))
+        return lambda: self.assigned(ticket, next(draws))
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, task_id: str) -> list[int]:
         """The prompt tokens of `task_id`'s problem, as the group carries them (chat template included)."""
         return encode_prompt(tokenizer, self.task.problem(task_id))
 
-    def take_work(self, room: int, tokenizer: PreTrainedTokenizerBase) -> list[tuple[str, int, int | None]] | None:
-        """Up to `room` pieces of work (next_work's), redrawing prompts the online filter retired (a prompt is its
-        tokens under `tokenizer`, the loaded version's); None if stopped meanwhile (a ticket held back)."""
+    def take_work(self, room: int, tokenizer: PreTrainedTokenizerBase) -> list[Work] | None:
+        """Up to `room` pieces of work, redrawing prompts the online filter retired (a prompt is its tokens under
+        `tokenizer`, the loaded version's); None if stopped meanwhile (a ticket held back)."""
         if self.retired is not None:
             self.retired.refresh()
 
-        def key_of(piece: tuple[str, int, int | None] | None) -> str:
+        def key_of(piece: Work | None) -> str:
             """The online filter's key of a draw: its prompt tokens as the group will carry them (chat template
             included); "" (never retired) when a user environment fails to make the problem, which the worker's
             make_groups then skips."""
             assert piece is not None  # draw_unretired asks only for the key of a draw
             try:
-                return prompt_key(self.prompt_ids(tokenizer, piece[0]))
+                return prompt_key(self.prompt_ids(tokenizer, piece.task_id))
             except EnvironmentFailure:
                 return ""
 
@@ -104,6 +125,12 @@ class WorkSource:
         for _ in range(room):
             if self.retired is None:
                 piece = self.next_work()
+            elif self.spec.sampling.assignment == "run":  # the ticket's draws, in order: the gate checks the order
+                ticket = self.next_ticket()
+                if ticket is None:
+                    return None
+                piece, skipped = draw_unretired(self.ticket_draws(ticket), key_of, self.retired, self.max_redraws)
+                FILTERED.inc(skipped)
             else:
                 piece, skipped = draw_unretired(self.next_work, key_of, self.retired, self.max_redraws)
                 FILTERED.inc(skipped)

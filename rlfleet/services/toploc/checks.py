@@ -47,7 +47,8 @@ import redis
 import torch
 
 from rlfleet.config import RejectionReason, RLRunSpec, worker_dtype
-from rlfleet.fleet.assignment import ticket_problem
+from rlfleet.fleet.assignment import assigned_work, ticket_problem
+from rlfleet.fleet.prompt_filter import RetiredPrompts, prompt_key
 from rlfleet.fleet.window import AsyncWindow
 from rlfleet.models.policy import Scored, score
 from rlfleet.models.sampling import completion_text, context_length, stop_token_ids
@@ -165,6 +166,10 @@ class Checker:
         self.describe = describe or policy
         self.task = make_run_task(spec)
         self.window = AsyncWindow.of(spec)
+        online_filter = spec.sampling.online_filter
+        # A ticket's draws past the first are the online filter's redraws (rlfleet/fleet/assignment.py).
+        self.ticket_draws = online_filter.max_redraws if online_filter else 1
+        self.retired = RetiredPrompts(client, keys) if online_filter else None
 
     def calibration(self, group: RolloutGroup) -> Calibration:
         """Thresholds for `group`: its engine's (admitted by envelope) at the run's declared worker dtype, unless the
@@ -192,6 +197,8 @@ class Checker:
             model, tokenizer = (self.policy if needs_weights else self.describe)(group.policy_version)
             if encode_prompt(tokenizer, problem) != group.prompt_ids:  # chat template included (tasks/chat.py)
                 raise Rejection("prompt_mismatch", f"prompt tokens differ from those of task {group.task_id}")
+            if group.ticket_draw and self.spec.sampling.assignment == "run":
+                self.earlier_draws_retired(group, tokenizer)
             vocab = model.config.vocab_size
             if any(not 0 <= t < vocab for s in group.samples for t in s.completion_ids):
                 raise Rejection("malformed", f"a completion token id is outside the vocabulary [0, {vocab})")
@@ -256,10 +263,29 @@ class Checker:
         if banned:  # reputation.is_banned, read with the newest version
             raise Rejection("banned", f"worker {group.worker_id!r} is banned")
         if self.spec.sampling.assignment == "run":
-            problem = ticket_problem(self.redis, self.keys, self.task, self.spec.task.seed, group)
+            problem = ticket_problem(self.redis, self.keys, self.task, self.spec.task.seed, group, self.ticket_draws)
             if problem:
                 raise Rejection("assignment", problem)
         return newest
+
+    def earlier_draws_retired(self, group: RolloutGroup, tokenizer) -> None:
+        """A group of draw d > 0 of its ticket (envelope checked that its task and seed are that draw's): the prompt
+        of every draw before d must be retired, as the worker takes the first draw whose prompt is not
+        (rlfleet/fleet/assignment.py). The retired list only grows, so what the worker saw retired still is."""
+        assert self.retired is not None and group.ticket is not None  # draws past 0 exist only with the filter
+        self.retired.refresh()
+        for draw in range(group.ticket_draw):
+            task_id, _ = assigned_work(self.task, self.spec.task.seed, group.worker_id, group.ticket, draw)
+            try:
+                key = prompt_key(encode_prompt(tokenizer, self.task.problem(task_id)))
+            except EnvironmentFailure:
+                key = ""  # the worker takes a draw whose problem fails to be made (and then drops it)
+            if key not in self.retired:
+                raise Rejection(
+                    "assignment",
+                    f"draw {group.ticket_draw} of ticket {group.ticket}: the prompt of its draw {draw} (task "
+                    f"{task_id}) is not retired, so that draw was the ticket's work",
+                )
 
     def once(self, group: RolloutGroup, msg_id: bytes | None, prefill: bool, newest: int | None = None) -> None:
         """The one-time guards (guards.py): the same work, the same ticket, accepted once. `newest`: the newest

@@ -12,8 +12,10 @@ What the script counts and whom it may ban is its plan, a JSON argument built he
   ban        a rejection's ban rule (fleet/reputation.py `ban_plan`), absent when the worker is unknown
   share_ban  an accepted group's running replay-share rule (fleet/reputation.py `replay_plan`), when it
              was replayed and the rule applies
-The script answers 0 (committed by another replica), 1 (committed), or 2 (committed, and the worker is
-banned by it).
+  ticket_ban an accepted ticketed group's dropped-ticket rule (fleet/assignment.py `dropped_ticket_ban`)
+The script answers 0 (committed by another replica), 1 (committed), 2 (committed, and the worker is
+banned by it) or 3 (committed, and the worker banned by the dropped-ticket rule); `Committer.commit` gives
+its callers 0, 1 or 2.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import redis
 
 from rlfleet.config import RLRunSpec
+from rlfleet.fleet.assignment import dropped_ticket_ban
 from rlfleet.fleet.reputation import ban_plan, field, replay_plan
 from rlfleet.services.toploc.audit import AUDIT_APPEND_LUA, audit_entry
 from rlfleet.services.toploc.checks import Outcome, Rejection
@@ -35,8 +38,8 @@ from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 log = logging.getLogger("rlfleet.verifier")
 
-# KEYS: inbox, out stream, stats, workers, banned, attempts, audit bytes.
-# ARGV: group, entry id, maxlen, plan JSON {stats: {f: n}, workers: {f: n}, ban?, share_ban?, audit_max_bytes?},
+# KEYS: inbox, out stream, stats, workers, banned, attempts, audit bytes, work tickets issued.
+# ARGV: group, entry id, maxlen, plan JSON {stats, workers, ban?, share_ban?, ticket_ban?, audit_max_bytes?},
 # then the out fields. With audit_max_bytes (a rejection) the out stream is an audit stream (audit.py).
 COMMIT_SCRIPT = (
     AUDIT_APPEND_LUA
@@ -71,6 +74,14 @@ if sb then
   local m = tonumber(redis.call('HGET', KEYS[4], sb.mismatches) or '0')
   if n >= sb.min and m > sb.max * n then
     if redis.call('HSETNX', KEYS[5], sb.worker, sb.record) == 1 then return 2 end
+  end
+end
+local tb = plan.ticket_ban
+if tb then
+  local issued = tonumber(redis.call('HGET', KEYS[8], tb.worker) or '0')
+  local used = tonumber(redis.call('HGET', KEYS[4], tb.used) or '0')
+  if issued - used > tb.allowance + tb.share * issued then
+    if redis.call('HSETNX', KEYS[5], tb.worker, tb.record) == 1 then return 3 end
   end
 end
 return 1
@@ -131,7 +142,7 @@ class Committer:
         k = self.keys
         flat = [x for kv in written.out.items() for x in kv]
         answer = self._script(
-            keys=[k.rollouts, written.stream, k.stats, k.workers, k.banned, k.attempts, k.audit_bytes],
+            keys=[k.rollouts, written.stream, k.stats, k.workers, k.banned, k.attempts, k.audit_bytes, k.tickets],
             args=[k.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(written.plan), *flat],
         )
         if answer == 0:
@@ -144,10 +155,12 @@ class Committer:
             REWARD_MISMATCH.inc(result.reward_mismatches)
             UNCHECKED.inc(0 if result.prefill_checked else 1)
             TOKENS.labels(str(result.prefill_checked).lower()).inc(result.tokens)
-        if answer == 2:
-            reason = written.reason or "seed_replay"  # an accepted group's ban: the running replay share
+        if answer in (2, 3):
+            # An accepted group's ban is its worker's running replay share (2) or its dropped tickets (3).
+            reason = written.reason or ("seed_replay" if answer == 2 else "assignment")
             BANS.labels(reason).inc()
             log.warning("banned worker %s (%s)", written.worker, reason)
+            return 2
         return int(answer)
 
     def rejection(self, msg_id: bytes, fields: dict, group: RolloutGroup | None, exc: Rejection) -> Written:
@@ -183,6 +196,9 @@ class Committer:
         plan: dict = {"stats": {"accepted": 1}, "workers": {field(w, "accepted"): 1}}
         if group.ticket is not None and self.spec.sampling.assignment == "run":
             plan["workers"][field(w, "tickets_used")] = 1
+            ticket_ban = dropped_ticket_ban(self.spec.verifier.ban, w, group.rollout_id)
+            if ticket_ban is not None:
+                plan["ticket_ban"] = ticket_ban
         if outcome.reward_mismatches:
             plan["stats"]["reward_mismatch"] = plan["workers"][field(w, "reward_mismatch")] = outcome.reward_mismatches
 
