@@ -177,6 +177,9 @@ def test_the_trainer_trains_only_the_adapter_publishes_it_and_resumes_it(tmp_pat
     for i in range(4):
         trainer.ctx.redis.xadd(trainer.ctx.keys.verified, group(f"g{i}", [1.0, 0.0] if i % 2 else [0.0, 1.0]).encode())
     trainer.run(2)
+    gathered = trainer.version_state()  # what a version publishes: the adapters, never a copy of the base
+    assert set(gathered) == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert gathered and all(".lora_" in n for n in gathered)
     after = trainer.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items()), "the base is frozen"
     lora_b = [v for k, v in after.items() if ".lora_B." in k]

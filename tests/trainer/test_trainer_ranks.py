@@ -14,8 +14,10 @@ import redis as redis_lib
 import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load
 
 from rlfleet.models.policy import load_policy
+from rlfleet.versions.checkpoint import read_manifest, version_key
 from rlfleet.versions.store import open_store
 from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys, group_digest
@@ -111,6 +113,33 @@ def test_two_ranks_of_one_replica_train_the_update_of_one_rank(tmp_path, redis_u
     assert any(not torch.equal(runs[1][k], v) for k, v in initial.items()), "the step moved the weights"
     for name, value in runs[1].items():
         torch.testing.assert_close(runs[2][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_two_lora_ranks_publish_the_adapter_one_rank_trains(tmp_path, redis_url):
+    """A LoRA run on two ranks gathers only the adapters to publish (Trainer.version_state) and publishes the
+    adapter version one rank makes from the same batch."""
+    policy = tiny_policy_dir(tmp_path / "policy", seed=0)
+    trainer = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-2, steps: 1, lora: {rank: 4, alpha: 8}}"
+    adapters = {}
+    for ranks, db in ((2, 0), (1, 1)):
+        out = tmp_path / f"ranks{ranks}"
+        out.mkdir()
+        config = out / "rlrun.yaml"
+        config.write_text(trainer_run_config(policy, out / "store", trainer))
+        url = redis_url.rsplit("/", 1)[0] + f"/{db}"
+        client = redis_lib.Redis.from_url(url)
+        for rid in ("a", "b"):
+            client.xadd(RunKeys("tr").verified, group(rid, [1.0, 0.0]).encode())
+        run_trainer(config, url, out, "--ranks", str(ranks), world=ranks)
+        store = open_store(f"file://{out / 'store'}")
+        manifest = read_manifest(store, "tr", 1)
+        assert manifest is not None and manifest.adapter is not None
+        adapters[ranks] = load(store.get_bytes(version_key("tr", 1, "adapter_model.safetensors")))
+    assert adapters[1] and all(".lora_" in name for name in adapters[1])
+    assert any(v.abs().sum() > 0 for k, v in adapters[1].items() if ".lora_B." in k), "the step moved the adapter"
+    assert adapters[2].keys() == adapters[1].keys()
+    for name, value in adapters[1].items():
+        torch.testing.assert_close(adapters[2][name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_ranks_that_wait_for_groups_past_their_collective_timeout_survive_and_step(tmp_path, redis_url):

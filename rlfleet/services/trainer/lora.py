@@ -8,9 +8,10 @@ one the loss and the state code already use (its forward is the adapted one), so
 parameters and the publish step differ from full fine-tuning.
 
 Publishing: `Adapters.save` writes PEFT's adapter_config.json and adapter_model.safetensors from the step's
-whole model state (the lora_A/lora_B tensors only), and `section` is the manifest's `adapter` section naming
-the base by its identity (rlfleet/versions/adapter.py), so workers and the verifier refuse it over any other
-base. Adapters ship whole, never as deltas (rlfleet/versions/publish.py).
+gathered trainable parameters (the lora_A/lora_B tensors: the trainer gathers no part of the frozen base), and
+`section` is the manifest's `adapter` section naming the base by its identity (rlfleet/versions/adapter.py), so
+workers and the verifier refuse it over any other base. Adapters ship whole, never as deltas
+(rlfleet/versions/publish.py).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class Adapters:
         return [p for p in self.peft_model.parameters() if p.requires_grad]
 
     def save(self, model_state: dict, dest: Path) -> None:
-        """Write the adapter of `model_state` (the adapted model's whole state, full_model_state) into `dest`:
-        exactly ADAPTER_FILES."""
+        """Write the adapter of `model_state` (a state dict of the adapted model: its trainable part, as the trainer
+        gathers it, or the whole) into `dest`: exactly ADAPTER_FILES."""
         dest = Path(dest)
         state = {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in model_state.items() if ".lora_" in k}
         self.peft_model.save_pretrained(str(dest), state_dict=state, safe_serialization=True)

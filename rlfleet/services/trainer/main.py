@@ -178,7 +178,7 @@ class Trainer:
             self.version = resume_version(self.store, self.ctx.run_name, self.version)
         self.version = broadcast(self.version, self.ranks)
 
-        weights = full_model_state(self.model)  # every rank: a collective under FSDP
+        weights = self.version_state()  # every rank: a collective under FSDP
         if self.ranks.is_lead:
             self.publish(weights)  # idempotent for a version already in the store; announces it again
             self.records.forget_after(self.saved_step)  # those steps are trained again
@@ -228,15 +228,20 @@ class Trainer:
         self.step_done = step
         self.last_reward = stats["reward_mean"]
 
-        # The whole weights to publish on rank 0; every rank joins (a collective under FSDP).
+        # The weights to publish on rank 0; every rank joins (a collective under FSDP).
         with laps.part("gather"):
-            model_state = full_model_state(self.model)
+            model_state = self.version_state()
         if not self.ranks.is_lead:
             if self.save_due(step, last):
                 self.save(step)
             return True
         self.finish_step(step, last, batch, stats, lags, model_state)
         return True
+
+    def version_state(self) -> dict:
+        """What a version publishes, on rank 0's CPU: the whole weights, or with LoRA the adapters alone (the base
+        is frozen and every worker holds it). Every rank calls it."""
+        return full_model_state(self.model, trainable_only=self.lora is not None)
 
     def read_batch(self) -> Batch:
         """Rank 0: the batch of the step taken while holding `self.version` (batches.py)."""
@@ -322,8 +327,8 @@ class Trainer:
             pipe.execute()
 
     def publish(self, model_state: dict, final: bool = False) -> None:
-        """Write the whole weights `model_state` (full_model_state) as `self.version` to the store (whole or as a
-        delta against the previous version; with LoRA the adapter alone, lora.py), then announce it."""
+        """Write `model_state` (version_state) as `self.version` to the store: the whole weights (whole or as a
+        delta against the previous version), or with LoRA the adapter alone (lora.py); then announce it."""
         laps = self.laps
         tmp = Path(tempfile.mkdtemp(prefix="rlfleet-publish-"))
         try:

@@ -53,6 +53,8 @@ def load_rank_models(spec, base: Path, world: int) -> RankModels:
         )
     else:
         model, _ = load_policy(base, precision.load_dtype)
+        # LoRA's A matrices start random: every rank (and every run of the same seed) must draw the same ones.
+        torch.manual_seed(t.seed)
         lora = attach(model, t.lora, base, spec.model.path)
         prepare_for_training(model, t)
         model.to(device)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from rlfleet.models.policy import Prefill
 
@@ -136,9 +137,22 @@ def _full_options(**extra) -> StateDictOptions:
     return StateDictOptions(**extra)
 
 
-def full_model_state(lm) -> dict:
-    """The whole model state dict on rank 0's CPU ({} elsewhere under FSDP). Every rank calls it."""
-    return get_model_state_dict(lm, options=_full_options())
+def full_model_state(lm, trainable_only: bool = False) -> dict:
+    """The whole model state dict on rank 0's CPU ({} elsewhere under FSDP). Every rank calls it.
+    `trainable_only`: only the parameters that train (a LoRA run's adapters: a few MB), so a LoRA version
+    gathers no part of its frozen base, on every rank."""
+    if not trainable_only:
+        return get_model_state_dict(lm, options=_full_options())
+    # Gathered here rather than with get_model_state_dict's ignore_frozen_params, which keeps the second name
+    # of a tied frozen parameter (lm_head.weight: the whole embedding).
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    state = {}
+    for name, param in lm.named_parameters():
+        if param.requires_grad:
+            whole = param.full_tensor() if isinstance(param, DTensor) else param  # under FSDP an all-gather
+            if lead:
+                state[name] = whole.detach().cpu().contiguous()
+    return state
 
 
 def publishable_weights(lm, model_state: dict) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ SPLIT_PARTS = {
     "prepare": "building the batch's rows, tensors and micro-batches",
     "forward_backward": "the forwards (reference and off-policy ones included), backwards and gradient all-reduce",
     "optimizer": "gradient clipping, the AdamW step and the learning-rate schedule",
-    "gather": "the whole weights to publish (full_model_state; a collective under FSDP)",
+    "gather": "the weights to publish, or with LoRA the adapters alone (full_model_state; a collective under FSDP)",
     "stats": "reading the run's verifier counts from Redis (HGETALL)",
     "record": "building the step record and the pending commit (digests, means)",
     "resume_save": "saving the resume state when due (checkpointEvery): weights, optimizer, scheduler, step",
