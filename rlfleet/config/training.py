@@ -247,6 +247,15 @@ class TrainerSpec(Spec):
         "Waiting for rank 0 to collect verified groups and publish is not a collective: the other ranks wait "
         "outside one, however long it takes.",
     )
+    termination_grace_period_seconds: int = Field(
+        default=600,
+        ge=0,
+        le=86_400,
+        description="Cluster only: the trainer pods' terminationGracePeriodSeconds, how long a stopped trainer "
+        "(a roll-out, a scale-down, a deleted run) may take to save its resume state before it is killed. "
+        "Kubernetes' default of 30 s is shorter than saving a real model's weights and optimizer state; a trainer "
+        "that has saved exits at once. A podTemplate may still set it.",
+    )
     checkpoint_every: int = Field(
         default=1,
         ge=1,

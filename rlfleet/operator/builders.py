@@ -25,6 +25,7 @@ from rlfleet.config import IngestSpec, RLRun
 from rlfleet.config.workload import OriginSpec
 from rlfleet.operator import kueue, names, podconfig
 from rlfleet.operator.certificates import server_tls
+from rlfleet.operator.overrides import merge_pod_template
 from rlfleet.operator.pods import (
     ClusterDefaults,
     ContainerParts,
@@ -149,13 +150,16 @@ def build_trainer_statefulset(
     if t.ranks > 1:
         volumes.append(shm_volume(t.ranks))
     labels = names.labels("RLRun", r, names.TRAINER, r)
+    # The grace period is set before the podTemplate override is merged, so a podTemplate still decides it.
+    grace = {"spec": {"terminationGracePeriodSeconds": t.termination_grace_period_seconds}}
+    override = merge_pod_template(grace, t.pod_template) if t.pod_template else grace
     return statefulset(
         names.trainer(r),
         namespace,
         labels,
         names.selector("RLRun", r, names.TRAINER, r),
         scale(run, t.replicas, active),
-        _run_pod(run, names.TRAINER, main, defaults, t.pod_template, volumes or None),
+        _run_pod(run, names.TRAINER, main, defaults, override, volumes or None),
         owner,
         names.trainer(r),
     )

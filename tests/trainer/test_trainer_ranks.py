@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -90,25 +91,32 @@ def run_trainer(config, redis_url, out, *extra: str, world: int = 1) -> str:
     return log.read_text()
 
 
-def test_two_ranks_of_one_replica_train_the_update_of_one_rank(tmp_path, redis_url, redis_client):
+def one_step_on(ranks: int, policy, trainer: str, tmp_path, redis_url) -> tuple[Path, str]:
+    """One step of `trainer` on `ranks` rank processes (`--ranks`, gloo) over the same two groups, in a directory
+    and a Redis database of its own; (the directory, the trainer's log). Every group is taken."""
+    out = tmp_path / f"ranks{ranks}"
+    out.mkdir()
+    config = out / "rlrun.yaml"
+    config.write_text(trainer_run_config(policy, out / "store", trainer))
+    url = redis_url.rsplit("/", 1)[0] + f"/{ranks}"
+    client = redis_lib.Redis.from_url(url)
+    for rid in ("a", "b"):
+        client.xadd(RunKeys("tr").verified, group(rid, [1.0, 0.0]).encode())
+    log = run_trainer(config, url, out, "--ranks", str(ranks), world=ranks)
+    assert ("rank 1 of 2" in log) == (ranks == 2), log
+    assert client.xlen(RunKeys("tr").verified) == 0
+    return out, log
+
+
+def test_two_ranks_of_one_replica_train_the_update_of_one_rank(tmp_path, redis_url):
     """`--ranks 2` (ranksPerReplica: 2, no GPU: gloo): one command starts both ranks, which split the batch and
     save the resume state each its share (DCP); it holds the weights one rank gets from the same batch."""
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
     trainer = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-3, steps: 1, ranksPerReplica: 2}"
     runs = {}
-    for ranks, db in ((2, 0), (1, 1)):
-        out = tmp_path / f"ranks{ranks}"
-        out.mkdir()
-        config = out / "rlrun.yaml"
-        config.write_text(trainer_run_config(policy, out / "store", trainer))
-        url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-        client = redis_lib.Redis.from_url(url)
-        for rid in ("a", "b"):
-            client.xadd(RunKeys("tr").verified, group(rid, [1.0, 0.0]).encode())
-        log = run_trainer(config, url, out, "--ranks", str(ranks), world=ranks)
-        assert ("rank 1 of 2" in log) == (ranks == 2), log
-        runs[ranks] = final_weights(config.read_text())
-        assert client.xlen(RunKeys("tr").verified) == 0
+    for ranks in (2, 1):
+        out, _ = one_step_on(ranks, policy, trainer, tmp_path, redis_url)
+        runs[ranks] = final_weights((out / "rlrun.yaml").read_text())
     initial = load_policy(policy)[0].state_dict()
     assert any(not torch.equal(runs[1][k], v) for k, v in initial.items()), "the step moved the weights"
     for name, value in runs[1].items():
@@ -117,20 +125,13 @@ def test_two_ranks_of_one_replica_train_the_update_of_one_rank(tmp_path, redis_u
 
 def test_two_lora_ranks_publish_the_adapter_one_rank_trains(tmp_path, redis_url):
     """A LoRA run on two ranks gathers only the adapters to publish (Trainer.version_state) and publishes the
-    adapter version one rank makes from the same batch."""
+    adapter version one rank makes from the same batch. Both ranks must start from the same adapter: its A
+    matrices are random (they were drawn unseeded, different on each rank)."""
     policy = tiny_policy_dir(tmp_path / "policy", seed=0)
     trainer = "{batchSize: 2, maxAsyncLevel: 100, learningRate: 1.0e-2, steps: 1, lora: {rank: 4, alpha: 8}}"
     adapters = {}
-    for ranks, db in ((2, 0), (1, 1)):
-        out = tmp_path / f"ranks{ranks}"
-        out.mkdir()
-        config = out / "rlrun.yaml"
-        config.write_text(trainer_run_config(policy, out / "store", trainer))
-        url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-        client = redis_lib.Redis.from_url(url)
-        for rid in ("a", "b"):
-            client.xadd(RunKeys("tr").verified, group(rid, [1.0, 0.0]).encode())
-        run_trainer(config, url, out, "--ranks", str(ranks), world=ranks)
+    for ranks in (2, 1):
+        out, _ = one_step_on(ranks, policy, trainer, tmp_path, redis_url)
         store = open_store(f"file://{out / 'store'}")
         manifest = read_manifest(store, "tr", 1)
         assert manifest is not None and manifest.adapter is not None
