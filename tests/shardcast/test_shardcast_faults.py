@@ -493,6 +493,42 @@ def test_relay_killed_mid_pull_resumes_with_only_the_missing_shards(tmp_path, ke
             stop_process(proc)
 
 
+def test_a_failed_pull_keeps_its_verified_shards_and_the_next_pull_asks_only_for_the_rest(tmp_path, keys):
+    """Bug: a relay deleted the partial dir of a pull that failed (its upstream down past the pull's deadline), so
+    every try of a version too large for one deadline started from zero. Now it keeps the journal of verified
+    shards and the next pull fetches only the others (counted at a proxy in front of the origin)."""
+    signer, public, _ = keys
+    store = open_store(f"file://{tmp_path}/store")
+    src = make_version(tmp_path / "v1", 1)
+    manifest = publish_version(store, RUN, 1, src, signer=signer, shard_size=SHARD)
+    model = manifest.file("model.safetensors")
+    served: list[int] = []  # the model bytes upstream sent, per response
+    upstream_breaks_after = [6]  # model shards upstream serves before it answers 503 (empty: it never breaks)
+
+    async def breaks(request, name, body, status, headers):
+        if name == "model.safetensors":
+            if upstream_breaks_after and len(served) >= upstream_breaks_after[0]:
+                return web.Response(status=503, text="upstream restarting")
+            served.append(len(body))
+        return web.Response(status=status, body=body, headers=headers)
+
+    cache = tmp_path / "relay"
+    with serving(origin.make_app(store, RUN)) as origin_url, serving(evil_relay(origin_url, breaks)) as upstream:
+        settings = relay.RelaySettings(upstream, cache, RUN, 3, fetch_timeout=2.0, public_key=public, parallel=1)
+        with serving(relay.make_app(settings)) as relay_url:
+            client = FetchSettings.over([relay_url], RUN, timeout=5, public_key=public)
+            with pytest.raises(FetchError):
+                fetch_version(client, 1, tmp_path / "first-worker")
+            journal = cache / RUN / ".v1.partial" / ".shards"
+            wait_for("the failed pull's journal", lambda: journal.exists() and journal.read_text(), 10)
+            kept = sum(served)
+            assert kept == 6 * SHARD and not (cache / RUN / "v1").exists()
+            upstream_breaks_after.clear()
+            path = fetch_version(client, 1, tmp_path / "second-worker")
+    assert same_files(path, src) and (cache / RUN / "v1" / COMPLETE_MARKER).exists()
+    assert sum(served) == model.size, "the second pull asked upstream only for the shards the first did not verify"
+
+
 @contextlib.contextmanager
 def hung_server():
     """A server that accepts connections and never answers (a SIGSTOPped origin's kernel still

@@ -14,8 +14,9 @@
                 upstream, `parallel` shards at once); concurrent requests share it and are
                 served from its `Pull` byte by byte as the shards they need arrive (pull.py)
   resume        a partial dir keeps a journal of its verified shards (staging.ShardJournal); a
-                relay killed or stopped mid-pull keeps it, and the next pull of that version
-                re-hashes the journaled shards, serves them at once and fetches only the others.
+                pull that fails (its upstream down, past its deadline) keeps it, as does a relay
+                killed or stopped mid-pull, and the next pull of that version re-hashes the
+                journaled shards, serves them at once and fetches only the others.
                 Partial dirs of versions no newer than a held one are dropped at start, and
                 those older than a version whose pull starts are dropped then
   prefetch      a thread does blocking XREAD on the run's `policy` stream (the newest entry first,
@@ -306,9 +307,10 @@ class Relay:
 
             fetcher.shards(manifest.files, partial, done, on_shard, pull.progress)
         except BaseException:
+            # A failed pull (upstream down, past its deadline) keeps its partial dir like a stopped one: the journal
+            # lists only shards that matched their sha256, so the next pull of the version resumes from them
+            # instead of starting over (a 65 GB version over a slow link would never finish otherwise).
             journal.close()
-            if not fetcher.stopped:  # a failed pull leaves nothing; a stopped one is resumed later
-                shutil.rmtree(partial, ignore_errors=True)
             raise
         finally:
             self._fetchers.discard(fetcher)
