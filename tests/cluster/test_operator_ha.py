@@ -1,6 +1,7 @@
 """Two operator replicas in a cluster in a box (issue #28): the chart installed with operator.replicas: 2 runs
 them with kopf peering; the leader's container is killed (SIGKILL, as the OOM killer does) while a run is
-in progress, the standby takes over, and the run still completes. Pods as processes only: what is tested
+in progress (held there: its pool has no workers yet), the standby takes over, scales the pool when told to,
+and the run completes. Pods as processes only: what is tested
 is the operators' peering through the API server, which both runner modes serve alike."""
 
 from __future__ import annotations
@@ -73,9 +74,15 @@ def test_two_operators_the_leader_killed_the_run_still_completes(a):
         before = peers(k)
         leader = leader_of(before)
         [standby] = [pod for pod in before if pod != leader]
-        k.apply(example_docs(STEPS, a.s3_url, prebuilt_model()))
+        # The pool starts with no workers, so the run is held in progress (its trainer ready, waiting for groups)
+        # until the kill: the 3 steps took 6 s once the workers ran, less than the test's 1 s poll of the phase
+        # sometimes took to see "Running", and the test then waited for a phase that had come and gone.
+        docs = example_docs(STEPS, a.s3_url, prebuilt_model())
+        [pool] = [d for d in docs if d["kind"] == "InferencePool"]
+        workers, pool["spec"]["replicas"] = pool["spec"]["replicas"], 0
+        k.apply(docs)
         wait_for(
-            "the run in progress", lambda: (k.get("RLRun", RUN) or {}).get("status", {}).get("phase") == "Running", 600
+            "the run in progress", lambda: (k.get("RLRun", RUN) or {}).get("status", {}).get("phase") == "Running", 300
         )
         pod = a.runner.find(NS, leader)
         assert pod is not None, f"no operator pod {leader}: {[p['name'] for p in a.runner.snapshot()]}"
@@ -88,6 +95,7 @@ def test_two_operators_the_leader_killed_the_run_still_completes(a):
             "the standby leading", lambda: (now := peers(k)) and leader_of(now) == standby and now, LIFETIME_S + 60
         )
         print(f"the standby leads {time.monotonic() - killed:.1f}s after the leader's SIGKILL (lifetime {LIFETIME_S}s)")
+        k.scale("InferencePool", pool["metadata"]["name"], workers)  # a change only the new leader can act on
         run = wait_for(f"RLRun {RUN} Complete", lambda: complete(k, RUN), timeout=900)
         assert run["status"]["phase"] == "Succeeded" and run["status"]["step"] == STEPS, run["status"]
         exits = [e for e in a.runner.events if e["pod"] == leader and e["event"] == "exited"]
