@@ -29,7 +29,9 @@ from tests.cluster.scenario import (
 )
 from tests.cluster.test_one_cluster import OPERATOR_SA, POOL, RUN, VALUES, pods_of
 
-STEPS = 3
+# Enough steps that the workers are still up when the test reads them: with 3 the run was over 2 s after the
+# workers started in CI, before the test saw a worker ready, and the test waited out its 180 s.
+STEPS = 20
 HUB_NAME, HUB_PORT = "hub.inabox.test", 8000
 
 
