@@ -60,7 +60,28 @@ class SamplingSpec(Spec):
         le=256,
         description="G: completions sampled per prompt; advantages are normalized within the group.",
     )
-    max_tokens: int = Field(default=16, ge=1, le=32768, description="Maximum completion tokens.")
+    max_tokens: int = Field(
+        default=16,
+        ge=1,
+        le=32768,
+        description="Maximum completion tokens; of a multi-turn episode, every token after the prompt (the model's "
+        "turns and the environment's).",
+    )
+    max_turns: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Model turns of an episode (docs/environments.md, multi-turn): after each turn but the last, an "
+        "environment that takes turns answers (tool results, feedback) or ends the episode. 1: single-turn; a "
+        "task that takes no turns is single-turn whatever this says.",
+    )
+    max_tokens_per_turn: int | None = Field(
+        default=None,
+        ge=1,
+        le=32768,
+        description="Tokens of one model turn of a multi-turn episode; a turn ends at its stop token or here (and "
+        "the environment answers what it has). Empty: maxTokens.",
+    )
     temperature: float = Field(
         default=1.0,
         gt=0.0,

@@ -55,16 +55,18 @@ RejectionReason = Literal[
     "seed_replay",
     "assignment",
     "environment",  # a user environment (spec.task type python) raised, hung or returned a non-number
+    "transcript",  # a multi-turn sample's environment turns are not what the environment answers (tasks/turns.py)
 ]
 
 
 class BanPolicySpec(Spec):
     ban_on: list[RejectionReason] = Field(
         default_factory=lambda: list[RejectionReason](
-            ["toploc", "logprob_mismatch", "impossible_token", "completion_end", "seed_replay"]
+            ["toploc", "logprob_mismatch", "impossible_token", "completion_end", "seed_replay", "transcript"]
         ),
         description="Reasons that ban a worker at their first occurrence (default: the checks an honest worker "
-        "with the claimed weights cannot fail: proof, logprob, sampling, where a completion stops, seed replay).",
+        "with the claimed weights cannot fail: proof, logprob, sampling, where a completion stops, seed replay, and a "
+        "multi-turn transcript whose environment turns the environment does not give).",
     )
     max_rejections: int = Field(
         default=0,

@@ -35,6 +35,7 @@ class Generation:
     hidden: torch.Tensor  # (P + T, H) final hidden states of prompt and completion positions, on the CPU
     finish_reason: str  # "stop" or "length"
     version: int  # the policy version whose weights produced every token and hidden state of it
+    spans: list[int] | None = None  # a multi-turn episode's span lengths (wire Sample.spans); None: one completion
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class GroupRequest:
     params: SamplingParams
     n: int
     first: int = 0
+    # Where in each sample's uniform stream the first token draws: a later turn of a multi-turn episode continues
+    # its sample's stream (its model tokens so far; rlfleet/tasks/turns.py), a whole completion starts at 0.
+    draws_from: int = 0
 
 
 class Engine(ABC):
@@ -57,6 +61,7 @@ class Engine(ABC):
     version: int
     tokenizer: PreTrainedTokenizerBase
     stop_ids: frozenset[int]  # rlfleet.models.sampling.stop_token_ids of the model: a completion ends at the first
+    context: int  # the model's context window in tokens (prompt + completion + the one position kept for TOPLOC)
     # Groups a worker keeps in flight when its pool sets no maxGroupsInFlight: where this engine's
     # tokens/s stops growing on CPU (benchmarks/rollout.py --in-flight), memory permitting.
     default_groups_in_flight: int = 1
@@ -65,7 +70,8 @@ class Engine(ABC):
     @abstractmethod
     def generate_groups(self, requests: list[GroupRequest]) -> list[list[Generation]]:
         """One list of `request.n` Generations per request, in order, all on one weights version;
-        sample i of a request draws with `rlfleet.models.sampling.sample_seed(params.seed, first + i)`."""
+        sample i of a request draws with `rlfleet.models.sampling.sample_seed(params.seed, first + i)`, its token t
+        with uniform `draws_from + t` of that stream."""
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int = 0) -> list[Generation]:
         """Samples first .. first+n-1 of a group of one prompt (generate_groups with one request)."""

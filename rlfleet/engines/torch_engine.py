@@ -72,6 +72,7 @@ class TorchEngine(Engine):
         self.device = next(self.model.parameters()).device
         self.version = version
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
+        self.context = context_length(self.model)
         self.eos_id = self.tokenizer.eos_token_id
         self.adapters = InPlace(self.model, model_dir)  # a LoRA run's versions: adapters over this base
 
@@ -92,7 +93,7 @@ class TorchEngine(Engine):
         self.version = version
 
     def _budget(self, prompt_ids: list[int], max_tokens: int) -> int:
-        context = context_length(self.model)
+        context = self.context
         budget = completion_budget(max_tokens, len(prompt_ids), context)
         if budget < 1:
             raise ValueError(
@@ -144,7 +145,8 @@ class TorchEngine(Engine):
         row = 0
         for r, budget in zip(requests, budgets):
             for i in range(r.n):
-                uniforms[row, :budget] = sample_uniforms(sample_seed(r.params.seed, r.first + i), budget)
+                stream = sample_uniforms(sample_seed(r.params.seed, r.first + i), r.draws_from + budget)
+                uniforms[row, :budget] = stream[r.draws_from :]
                 row += 1
         u = torch.from_numpy(uniforms).to(dev)  # (B, steps) float64
         temperature = torch.tensor([requests[k].params.temperature for k in row_of], device=dev)[:, None]

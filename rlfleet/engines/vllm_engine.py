@@ -82,7 +82,7 @@ from rlfleet.engines.vllm_pin import (
     stop_ids,
     tensor_names,
 )
-from rlfleet.engines.vllm_worker import SEED_ARG, CaptureExtension
+from rlfleet.engines.vllm_worker import DRAWS_FROM_ARG, SEED_ARG, CaptureExtension
 from rlfleet.models.policy import DTYPES, load_tokenizer
 from rlfleet.models.sampling import sample_seed
 from rlfleet.wire import env
@@ -178,7 +178,7 @@ class VLLMEngine(Engine):
         )
         self.llm.collective_rpc("rlfleet_install_capture")
         self.llm.llm_engine.step = partial(_beating_step, self, self.llm.llm_engine.step)  # type: ignore[method-assign]
-        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.max_model_len = self.context = self.llm.llm_engine.model_config.max_model_len
 
     def _capture_self_check(self) -> bool:
         """Whether a tiny group (4 samples of up to 8 tokens, batched decode steps) is captured at every
@@ -239,7 +239,10 @@ class VLLMEngine(Engine):
                 top_k=requests[k].params.top_k,
                 max_tokens=limits[k] + 1,  # the extra token's decode step feeds the last one (docstring)
                 # drawn by rlfleet's rule in the worker (vllm_worker.py); vLLM's own draw is replaced
-                extra_args={SEED_ARG: sample_seed(requests[k].params.seed, requests[k].first + i)},
+                extra_args={
+                    SEED_ARG: sample_seed(requests[k].params.seed, requests[k].first + i),
+                    DRAWS_FROM_ARG: requests[k].draws_from,
+                },
                 stop_token_ids=sorted(self.stop_ids),
                 detokenize=False,
                 skip_reading_prefix_cache=(i == 0),  # a group's first request computes its prompt rows

@@ -26,7 +26,8 @@ vllm_engine.py to vLLM 0.32.0 (vllm_pin.VLLM_VERSION).
   the model hook saw; the token drawn at that step sits at position q + 1, i.e. t = q + 1 - P within
   the completion (t = 0 for the first token, whatever prefix-cache hit or recompute after preemption
   led there). It draws `draw(l, keep_mask_rows(l, (top_p, top_k)), u_t)` with l = float32 logits / T
-  and u_t = `UniformStream(s)[t]` (each request's stream, read lazily, exactly `sample_uniforms(s, ·)`),
+  and u_t = `UniformStream(s)[d + t]` (d: `extra_args[DRAWS_FROM_ARG]`, 0 but in a later turn of a multi-turn
+  episode; each request's stream, read lazily, exactly `sample_uniforms(s, ·)`),
   the functions the torch engine draws with and the gate replays. A post-hook writes those tokens
   over vLLM's in `SamplerOutput.sampled_token_ids`, the tensor the runner then appends to the
   request, feeds to the next step and returns: vLLM's own draw is computed and discarded. Rows
@@ -64,6 +65,7 @@ from rlfleet.models.sampling import UniformStream, draw, keep_mask_rows
 
 # The SamplingParams.extra_args key carrying a request's rlfleet sample seed (vllm_engine.py sets it).
 SEED_ARG = "rlfleet_sample_seed"
+DRAWS_FROM_ARG = "rlfleet_draws_from"  # the stream position of the request's first token (GroupRequest.draws_from)
 
 
 @dataclass
@@ -117,7 +119,7 @@ def _draw_rows(runner, cap: _Capture, logits: torch.Tensor) -> tuple[torch.Tenso
         rows.append(k)
         temps.append(params.temperature)
         filters.append((params.top_p, params.top_k))
-        uniforms.append(cap.streams[rid][t])
+        uniforms.append(cap.streams[rid][t + params.extra_args.get(DRAWS_FROM_ARG, 0)])
     if not rows:
         return None
     dev = logits.device

@@ -6,6 +6,10 @@ This is also the contract of a user environment (`spec.task.type: python`, docs/
 `problem` and `reward` must be deterministic functions of their arguments (the verifier, another
 process on another machine, recomputes them and rejects a group whose rewards differ), and
 `sample_id` may draw only from the generator it is given.
+
+A source that takes turns (`multi_turn = True`) also answers each model turn with the environment's turn
+(`respond`), a deterministic function of the problem and the model's turns so far; the verifier asks it
+again and requires the worker's transcript to hold exactly its answers (rlfleet/tasks/turns.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ class Problem:
 class TaskSource(ABC):
     """A deterministic family of problems with a reward (binary for the shipped types)."""
 
+    # Whether `respond` may answer a model turn: the worker then samples episodes of up to
+    # spec.sampling.maxTurns model turns (rlfleet/tasks/turns.py); otherwise one completion per sample.
+    multi_turn: bool = False
+
     @abstractmethod
     def problem(self, task_id: str) -> Problem:
         """Rebuild the problem named by `task_id`; KeyError if the id does not belong to this source."""
@@ -55,3 +63,10 @@ class TaskSource(ABC):
     def score(self, problem: Problem, completion: str, completion_tokens: int) -> float:
         """`scores` of one completion."""
         return self.scores(problem, [completion], [completion_tokens])[0]
+
+    def respond(self, problem: Problem, turns: list[str]) -> str | None:
+        """The environment's turn after the model's turns so far (`turns`, oldest first, each decoded without its
+        stop token), inserted into the transcript before the model's next turn; None ends the episode. Must be a
+        deterministic function of its arguments: the verifier calls it again on the claimed turns. A source that
+        takes no turns ends every episode after the first."""
+        return None

@@ -69,6 +69,10 @@ class ChatPromptTask(TaskSource):
 
     def __init__(self, inner: TaskSource, system_prompt: str | None):
         self.inner, self.system_prompt = inner, system_prompt
+        self.multi_turn = inner.multi_turn
+
+    def respond(self, problem: Problem, turns: list[str]) -> str | None:
+        return self.inner.respond(problem, turns)
 
     def problem(self, task_id: str) -> Problem:
         return replace(self.inner.problem(task_id), chat_template=True, system_prompt=self.system_prompt)

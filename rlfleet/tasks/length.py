@@ -21,6 +21,11 @@ SEPARATOR = "@len"
 class LengthTargetTask(TaskSource):
     def __init__(self, inner: TaskSource, targets: list[int], coef: float, template: str):
         self.inner, self.targets, self.coef, self.template = inner, list(targets), coef, template
+        self.multi_turn = inner.multi_turn
+
+    def respond(self, problem: Problem, turns: list[str]) -> str | None:
+        base, _ = self.split(problem.task_id)
+        return self.inner.respond(self.inner.problem(base), turns)
 
     def split(self, task_id: str) -> tuple[str, int]:
         base, sep, target = task_id.rpartition(SEPARATOR)

@@ -31,6 +31,11 @@ class MixtureTask(TaskSource):
         self.sources = {name: source for name, _, source in sources}
         weights = np.array([weight for _, weight, _ in sources], dtype=np.float64)
         self.probabilities = weights / weights.sum()
+        self.multi_turn = any(source.multi_turn for source in self.sources.values())
+
+    def respond(self, problem: Problem, turns: list[str]) -> str | None:
+        _, source, inner_id = self.split(problem.task_id)
+        return source.respond(replace(problem, task_id=inner_id), turns)
 
     def split(self, task_id: str) -> tuple[str, TaskSource, str]:
         """(source name, source, the source's own id) of a mixture task id; KeyError if no source has it."""

@@ -100,7 +100,7 @@ def _serve(requests_in, conn, entrypoint: str, config: dict[str, str], field: st
     except Exception as exc:
         conn.send(("error", str(exc)))
         return
-    conn.send(("ok", None))
+    conn.send(("ok", {"multi_turn": bool(env.multi_turn)}))
     while True:
         try:
             method, args = requests_in.recv()
@@ -151,6 +151,7 @@ class PythonEnvironment(TaskSource):
                 raise ValueError(f"{self.field}: the environment's process exited while starting") from None
             if status != "ok":
                 raise ValueError(detail)
+            self.multi_turn = detail["multi_turn"]
         except ValueError:
             self._kill(process, requests, replies)
             raise
@@ -217,6 +218,14 @@ class PythonEnvironment(TaskSource):
         if not isinstance(task_id, str) or not task_id:
             raise EnvironmentFailure(f"sample_id returned {task_id!r}, not a non-empty str")
         return task_id
+
+    def respond(self, problem: Problem, turns: list[str]) -> str | None:
+        text = self._call("respond", problem, list(turns))
+        if text is not None and not isinstance(text, str):
+            raise EnvironmentFailure(
+                f"respond returned a {type(text).__name__}, not a str (the turn) or None (the end)"
+            )
+        return text
 
     def reward(self, problem: Problem, completion: str) -> float:
         return self.rewards(problem, [completion])[0]

@@ -172,6 +172,20 @@ def _number(body: dict, key: str) -> float:
     return float(value)
 
 
+def spans_problem(spans: list[int], tokens: int) -> str | None:
+    """What is wrong with a sample's `spans` (Sample.spans) for its `tokens` completion tokens, or None."""
+    if len(spans) % 2 == 0:
+        return (
+            f"spans has {len(spans)} lengths; a transcript alternates model and environment spans and ends with a "
+            f"model span (an odd count)"
+        )
+    if sum(spans) != tokens:
+        return f"spans add up to {sum(spans)} tokens, the completion has {tokens}"
+    if any(n < 1 for n in spans[::2]) or any(n < 0 for n in spans[1::2]):
+        return "a model span is empty or a span length is negative"
+    return None
+
+
 def encode_ints(values) -> str:
     return base64.b64encode(np.asarray(values, dtype="<i4").tobytes()).decode()
 
@@ -197,15 +211,22 @@ class Sample:
     proofs: list[bytes]  # TOPLOC proofs: prompt chunk first, then one per decode chunk
     reward: float = 0.0  # claimed by the worker; replaced by the verifier's own
     finish_reason: str = "length"
+    # A multi-turn episode's turns (rlfleet/tasks/turns.py): the lengths of the spans `completion_ids` is made of,
+    # the model's first and then alternating with the environment's, ending with the model's (an odd count; model
+    # spans >= 1 token, environment spans >= 0). None: one model span, a single-turn completion.
+    spans: list[int] | None = None
 
     def to_wire(self) -> dict:
-        return {
+        wire = {
             "c": encode_ints(self.completion_ids),
             "l": encode_floats(self.logprobs),
             "p": [base64.b64encode(p).decode() for p in self.proofs],
             "r": self.reward,
             "f": self.finish_reason,
         }
+        if self.spans is not None:
+            wire["s"] = encode_ints(self.spans)
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> Sample:
@@ -217,6 +238,7 @@ class Sample:
             proofs=[base64.b64decode(p) for p in d["p"]],
             reward=_number(d, "r"),
             finish_reason=text_field(d, "f"),
+            spans=None if d.get("s") is None else decode_ints(text_field(d, "s")),
         )
 
 
@@ -309,6 +331,10 @@ class RolloutGroup:
         for i, s in enumerate(group.samples):
             if len(s.completion_ids) != len(s.logprobs):
                 raise MessageError(f"samples[{i}]: {len(s.completion_ids)} tokens but {len(s.logprobs)} logprobs")
+            if s.spans is not None:
+                problem = spans_problem(s.spans, len(s.completion_ids))
+                if problem:
+                    raise MessageError(f"samples[{i}]: {problem}")
         return group
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from rlfleet.config import parse_bundle, worker_dtype
 from rlfleet.engines.torch_engine import TorchEngine
-from rlfleet.services.toploc.checks import possible_tokens
+from rlfleet.services.toploc.replay import possible_tokens
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import load_private_key, make_signer
 from rlfleet.versions.store import open_store

@@ -18,7 +18,7 @@ from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.fleet.reputation import is_banned, one_worker_stats
 from rlfleet.proofs.toploc import build_proofs
 from rlfleet.services.toploc import replay as seed_replay
-from rlfleet.services.toploc.checks import possible_tokens
+from rlfleet.services.toploc.replay import possible_tokens
 from rlfleet.tasks import make_task
 from rlfleet.wire.streams import SCHEMA_VERSION, RolloutGroup, SamplingParams, decode_json
 from tests.support import tiny_policy_dir

@@ -31,7 +31,7 @@ def _group(logits: list[torch.Tensor], seed: int, top_p: float = 1.0, top_k: int
             tokens = draw(rows, keep_mask(rows, top_p, top_k), u).tolist()
         else:
             tokens = pick(rows).tolist()
-        samples.append(SimpleNamespace(completion_ids=tokens))
+        samples.append(SimpleNamespace(completion_ids=tokens, spans=None))
     return SimpleNamespace(sampling=SimpleNamespace(seed=seed, top_p=top_p, top_k=top_k), samples=samples)
 
 

@@ -37,10 +37,10 @@ import requests
 from prometheus_client import Counter, Gauge
 
 from rlfleet.config import worker_dtype
-from rlfleet.engines import Engine, make_engine
+from rlfleet.engines import Engine, Generation, make_engine
 from rlfleet.engines.base import GroupRequest
+from rlfleet.engines.episodes import generate_episodes
 from rlfleet.models.policy import configure_torch_threads
-from rlfleet.models.sampling import completion_text
 from rlfleet.models.sources import local_model_path, resolve_model_path
 from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.ingest.client import post_group, rollouts_url, tickets_url
@@ -53,6 +53,7 @@ from rlfleet.services.rollout.work import IngestLink, Work, WorkSource
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import check_chat_templates, encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
+from rlfleet.tasks.turns import transcript_text
 from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.versions.checkpoint import weight_bytes
 from rlfleet.wire import components, env
@@ -259,18 +260,27 @@ class Worker:
         params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=w.seed) for w in work]
         IN_FLIGHT.set(s.group_size * len(work))
         GROUPS_IN_FLIGHT.set(len(work))
+        requests = [GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)]
         try:
             with self.liveness.working(), LAPS.part("generate"):
-                batch = self.loaded.generate_groups([GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)])
+                generated = self.generate(requests, problems)
         finally:
             IN_FLIGHT.set(0)
             GROUPS_IN_FLIGHT.set(0)
+        done = [k for k, gens in enumerate(generated) if gens is not None]  # a failed environment drops its group
+        work, problems = [work[k] for k in done], [problems[k] for k in done]
+        prompts, params = [prompts[k] for k in done], [params[k] for k in done]
+        batch = [gens for gens in generated if gens is not None]
+        if not batch:
+            return []
         versions = {gen.version for gens in batch for gen in gens}
         if len(versions) != 1:  # the engine seam's invariant; a group claiming one version must hold only its tokens
             raise RuntimeError(f"one engine call produced versions {sorted(versions)}: the engine broke its contract")
         drafts: list[tuple[RolloutGroup, list]] = []  # each group (its proofs not built yet) and its generations
         for piece, problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
-            texts = [completion_text(self.loaded.tokenizer, g.completion_ids, self.loaded.stop_ids) for g in gens]
+            texts = [
+                transcript_text(self.loaded.tokenizer, g.completion_ids, g.spans, self.loaded.stop_ids) for g in gens
+            ]
             try:
                 with LAPS.part("reward"):
                     rewards = self.task.scores(problem, texts, [len(g.completion_ids) for g in gens])
@@ -280,7 +290,7 @@ class Worker:
                 continue
             samples = []
             for gen, reward in zip(gens, rewards):
-                samples.append(Sample(gen.completion_ids, gen.logprobs, [], reward, gen.finish_reason))
+                samples.append(Sample(gen.completion_ids, gen.logprobs, [], reward, gen.finish_reason, gen.spans))
                 TOKENS.inc(len(gen.completion_ids))
             group = RolloutGroup(
                 task_id=problem.task_id,
@@ -312,6 +322,18 @@ class Worker:
             for sample in group.samples:
                 sample.proofs, at = proofs[at], at + 1
         return [g for g, _ in drafts]
+
+    def generate(self, requests: list[GroupRequest], problems: list) -> list[list[Generation] | None]:
+        """Each request's generations: one engine call, or of a task that takes turns, its episodes turn by turn
+        (rlfleet/engines/episodes.py; None for a group whose environment failed a turn, which is dropped)."""
+        s = self.spec.sampling
+        if not (self.task.multi_turn and s.max_turns > 1):
+            return list(self.loaded.generate_groups(requests))
+        episodes, failures = generate_episodes(self.loaded, self.task, requests, problems, s)
+        for k, exc in failures.items():
+            log.warning("task %s: the environment failed to answer a turn; the group is dropped: %s",
+                        problems[k].task_id, exc)  # fmt: skip
+        return episodes
 
     def send(self, group: RolloutGroup) -> bool:
         """XADD `group` to the inbox or POST it to the ingest; False if stopped while the ingest held it back."""

@@ -10,7 +10,10 @@ reason names the check (the reasons are spelled once, `RejectionReason` in rlfle
                 and seed, or was used), completion_end (tokens after a stop token, or no stop token
                 short of the budget; ending.py);
   2. prompt     prompt_mismatch: the prompt rebuilt from the task id by the trusted task source
-                differs token by token (or the task id is not the source's);
+                differs token by token (or the task id is not the source's); then, of a multi-turn
+                sample (rlfleet/tasks/turns.py), transcript: an environment span that is not exactly
+                the environment's answer to the model turns before it, or an episode that does not
+                end where the rules end it (the environment is asked again, on every group);
   3. TOPLOC     toploc: proofs of the wrong count or length (always checked), or a chunk whose
                 recomputed top-k is too far from the proof (one prefill of prompt + completion with
                 the claimed version);
@@ -22,6 +25,9 @@ reason names the check (the reasons are spelled once, `RejectionReason` in rlfle
                 top-k / top-p would have excluded, beyond the tolerances;
   5. reward     recomputed by the trusted verifier on the tokens before the stop token; the claimed
                 one is ignored but counted when wrong.
+Of a multi-turn sample, checks 3 covers every transcript position (the environment's tokens' hidden states
+included) and 4 the model's positions only: the environment's tokens were inserted, not drawn, and the
+model's k-th token draws with its stream's k-th uniform.
 Thresholds and tolerances follow the group's engine, the run's workerDevice and dtype unless the
 run sets them (calibration.py); the claimed engine only picks tolerances, it never skips a check.
 Checks 3 and 4 (the prefill) run on the spot-checked fraction of groups; 1, 2, 5
@@ -51,16 +57,17 @@ from rlfleet.fleet.assignment import assigned_work, ticket_problem
 from rlfleet.fleet.prompt_filter import RetiredPrompts, prompt_key
 from rlfleet.fleet.window import AsyncWindow
 from rlfleet.models.policy import Scored, score
-from rlfleet.models.sampling import completion_text, context_length, stop_token_ids
+from rlfleet.models.sampling import completion_budget, context_length, stop_token_ids
 from rlfleet.proofs.toploc import ProofFormatError, chunk_rows, verify_proofs_many
 from rlfleet.services.toploc.calibration import Calibration, calibration
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.services.toploc.guards import ticket_replay, work_replay
 from rlfleet.services.toploc.metrics import LAPS
-from rlfleet.services.toploc.replay import GroupReplay, ReplayScore, logits_chunk_rows
-from rlfleet.tasks import make_run_task
+from rlfleet.services.toploc.replay import GroupReplay, ReplayScore, logits_chunk_rows, possible_tokens
+from rlfleet.tasks import Problem, make_run_task
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
+from rlfleet.tasks.turns import TurnLimits, check_transcript, model_positions, transcript_text
 from rlfleet.wire.runtime import announced_version, latest_announced_version
 from rlfleet.wire.streams import (
     ID_MAX_CHARS,
@@ -121,34 +128,6 @@ def _peek(fields: dict) -> dict:
     return body if isinstance(body, dict) else {}
 
 
-def possible_tokens(
-    logp: torch.Tensor, tokens: torch.Tensor, top_p: float, top_k: int, slack: float, top_p_slack: float = 0.0
-) -> torch.Tensor:
-    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (rlfleet.models.sampling.keep_mask).
-
-    logp (T, V) is log_softmax(logits / temperature) recomputed by the verifier; it may differ from the
-    worker's by about `slack` per entry, so only tokens more likely than the sampled one by 2*slack count
-    as certainly ranked above it. A token is impossible when top_k or more tokens are certainly above
-    it, or when their mass (renormalised over an upper bound of the top-k mass) exceeds top_p by more
-    than `top_p_slack`.
-    """
-    tok = logp.gather(-1, tokens[:, None])  # (T, 1)
-    above = logp > tok + 2 * slack  # (T, V)
-    ok = torch.ones(tokens.shape[0], dtype=torch.bool, device=logp.device)
-    if top_k > 0:
-        ok &= above.sum(-1) < top_k
-    if top_p < 1.0:
-        probs = logp.exp()  # (T, V)
-        if 0 < top_k < logp.shape[-1]:
-            kth = logp.topk(top_k, dim=-1).values[:, -1:]  # (T, 1)
-            z = probs.masked_fill(logp < kth - 2 * slack, 0.0).sum(-1)  # >= the worker's kept mass
-        else:
-            z = torch.ones(tokens.shape[0], device=logp.device)
-        mass = (probs * above).sum(-1) / z  # (T,) mass certainly before the token in the nucleus order
-        ok &= mass <= top_p + top_p_slack
-    return ok
-
-
 class Checker:
     """Runs the checks against one run's spec; `policy(version)` returns (model, tokenizer). `describe(version)`,
     when given, returns a (model, tokenizer) with that version's config and tokenizer for the checks that read
@@ -203,14 +182,16 @@ class Checker:
             if any(not 0 <= t < vocab for s in group.samples for t in s.completion_ids):
                 raise Rejection("malformed", f"a completion token id is outside the vocabulary [0, {vocab})")
             stop_ids = stop_token_ids(model, tokenizer)
-            problem_end = ending_problem(group, stop_ids, context_length(model))
+            sp = self.spec.sampling
+            problem_end = ending_problem(group, stop_ids, context_length(model), sp.max_turns, sp.max_tokens_per_turn)
             if problem_end:
                 raise Rejection("completion_end", problem_end)
             self.proof_shapes(group, model.config.hidden_size)
+            self.transcripts(group, problem, tokenizer, stop_ids, context_length(model))
             logprobs, replay = None, None
             if prefill and not deferred:
                 logprobs, replay = self.prefill_checks(group, model, tokenizer)
-            texts = [completion_text(tokenizer, s.completion_ids, stop_ids) for s in group.samples]
+            texts = [transcript_text(tokenizer, s.completion_ids, s.spans, stop_ids) for s in group.samples]
             try:
                 rewards = self.task.scores(problem, texts, [len(s.completion_ids) for s in group.samples])
             except EnvironmentFailure as exc:
@@ -301,6 +282,21 @@ class Checker:
         if problem:
             raise Rejection("replay", problem)
 
+    def transcripts(self, group: RolloutGroup, problem: Problem, tokenizer, stop_ids: frozenset[int], context: int):
+        """Of a task that takes turns, or a group that claims them: each sample's environment turns are exactly the
+        environment's answers to its model turns, and each episode ends where the rules end it (tasks/turns.py)."""
+        if not self.task.multi_turn and all(s.spans is None for s in group.samples):
+            return
+        budget = completion_budget(group.sampling.max_tokens, len(group.prompt_ids), context)
+        limits = TurnLimits.of(self.spec.sampling, budget)
+        for i, sample in enumerate(group.samples):
+            try:
+                problem_turns = check_transcript(self.task, problem, tokenizer, sample, stop_ids, limits)
+            except EnvironmentFailure as exc:
+                raise Rejection("environment", f"task {group.task_id}: {exc}") from None
+            if problem_turns:
+                raise Rejection("transcript", f"samples[{i}]: {problem_turns}")
+
     def proof_shapes(self, group: RolloutGroup, hidden_size: int) -> None:
         """Proof count and lengths; cheap, so checked on every group (a lazy worker cannot skip proofs)."""
         t, prompt_len = self.spec.verifier.toploc, len(group.prompt_ids)
@@ -348,16 +344,23 @@ class Checker:
             if bad:
                 raise Rejection("toploc", f"samples[{i}] chunk {bad[0][0]}: {bad[0][1]}")
         recomputed = [scored.logprobs[i][prompt_len - 1 :] for i in range(len(group.samples))]  # (T_i,) each
+        # the rows the model sampled: every completion row, a multi-turn transcript's model spans (tasks/turns.py)
+        drawn = [
+            None if s.spans is None else torch.tensor(model_positions(s.spans, len(s.completion_ids)), device=r.device)
+            for s, r in zip(group.samples, recomputed)
+        ]
         for i, sample in enumerate(group.samples):
             claimed = torch.tensor(sample.logprobs, dtype=recomputed[i].dtype, device=recomputed[i].device)
-            err = (recomputed[i] - claimed).abs().max().item()
+            differences = (recomputed[i] - claimed).abs()
+            err = (differences if drawn[i] is None else differences[drawn[i]]).max().item()
             if not err <= cal.logprob_tolerance:  # NaN claims fail too
                 raise Rejection(
                     "logprob_mismatch",
                     f"samples[{i}]: max |claimed - recomputed| = {err:.3g} > {cal.logprob_tolerance}",
                 )
         with torch.inference_mode():  # the lm_head a chunk of every sample's completion rows at a time
-            completion_rows = torch.cat([scored.hidden[i][prompt_len - 1 : -1] for i in range(len(group.samples))])
+            hidden_rows = [scored.hidden[i][prompt_len - 1 : -1] for i in range(len(group.samples))]
+            completion_rows = torch.cat([r if d is None else r[d] for r, d in zip(hidden_rows, drawn)])
             step = logits_chunk_rows(model.lm_head.out_features)
             chunks = (
                 (start, model.lm_head(completion_rows[start : start + step]).float() / sp.temperature)

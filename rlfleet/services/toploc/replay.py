@@ -25,6 +25,9 @@ Score of a group (`ReplayScore`), over its P positions:
 A worker's running mismatch share (its counters `replay_mismatches` / `replay_positions`) bans it
 past `max_running_share` (main.py), so a worker cannot stay just under the per-group share forever.
 
+Where the calibration tolerates some mismatches (GPU rows), `possible_tokens` adds the impossible_token check:
+every claimed token must at least be one top-k / top-p could have left.
+
 What replay cannot catch: a worker that chooses the seed itself can try many and submit the group it
 likes (grinding); the run can assign seeds and tasks instead (rlfleet/fleet/assignment.py).
 """
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from rlfleet.models.sampling import keep_mask, sample_seed, sample_uniforms
+from rlfleet.tasks.turns import model_positions
 
 SURPRISE_CAP = 30.0  # -log q of a token the filtered distribution excludes (q = 0)
 
@@ -87,6 +91,34 @@ def _replay_rows(
     return ok, nll - entropy
 
 
+def possible_tokens(
+    logp: torch.Tensor, tokens: torch.Tensor, top_p: float, top_k: int, slack: float, top_p_slack: float = 0.0
+) -> torch.Tensor:
+    """(T,) bool: whether each sampled token can survive top-k then top-p filtering (rlfleet.models.sampling.keep_mask).
+
+    logp (T, V) is log_softmax(logits / temperature) recomputed by the verifier; it may differ from the
+    worker's by about `slack` per entry, so only tokens more likely than the sampled one by 2*slack count
+    as certainly ranked above it. A token is impossible when top_k or more tokens are certainly above
+    it, or when their mass (renormalised over an upper bound of the top-k mass) exceeds top_p by more
+    than `top_p_slack`.
+    """
+    tok = logp.gather(-1, tokens[:, None])  # (T, 1)
+    above = logp > tok + 2 * slack  # (T, V)
+    ok = torch.ones(tokens.shape[0], dtype=torch.bool, device=logp.device)
+    if top_k > 0:
+        ok &= above.sum(-1) < top_k
+    if top_p < 1.0:
+        probs = logp.exp()  # (T, V)
+        if 0 < top_k < logp.shape[-1]:
+            kth = logp.topk(top_k, dim=-1).values[:, -1:]  # (T, 1)
+            z = probs.masked_fill(logp < kth - 2 * slack, 0.0).sum(-1)  # >= the worker's kept mass
+        else:
+            z = torch.ones(tokens.shape[0], device=logp.device)
+        mass = (probs * above).sum(-1) / z  # (T,) mass certainly before the token in the nucleus order
+        ok &= mass <= top_p + top_p_slack
+    return ok
+
+
 # Entries of a (rows, vocabulary) logits chunk replayed at once (the gate's prefill scores its logprobs in chunks
 # of as many rows too). The replay makes several tensors of a chunk's shape (softmax, float64 CDF, masks,
 # log-probabilities): 0.75 GiB at its peak whatever the group's length (benchmarks/replay_memory.py), where the
@@ -120,7 +152,9 @@ def completion_chunks(logits: list[torch.Tensor], rows: int | None = None) -> It
 class GroupReplay:
     """The replay of one group fed its completion rows' logits a chunk at a time (`add`), then its `score`.
 
-    Row t of the group is token t of the samples' completions laid end to end (sample 0's first). Every row is
+    Row t of the group is model token t of the samples' completions laid end to end (sample 0's first): every token
+    of a completion, the model spans' tokens of a multi-turn transcript (rlfleet/tasks/turns.py), whose k-th model
+    token draws with its stream's k-th uniform. Every row is
     replayed alone (`_replay_rows`), so chunking changes no verdict: the score is the one of all rows at once. The
     tokens and uniforms of every row are held (a few bytes a row, on the device of the first chunk: the prefill's,
     a GPU's when the verifier has one, where the draws are redone); logits only a chunk at a time."""
@@ -128,9 +162,12 @@ class GroupReplay:
     def __init__(self, group, tolerance: float):
         sp = group.sampling
         self.top_p, self.top_k, self.tolerance = sp.top_p, sp.top_k, tolerance
-        lengths = [len(s.completion_ids) for s in group.samples]
+        # the positions each sample's model drew: all of a completion, a multi-turn transcript's model spans
+        self.positions = [model_positions(s.spans, len(s.completion_ids)) for s in group.samples]
+        lengths = [len(p) for p in self.positions]
         self.starts = np.cumsum([0, *lengths])
-        self.tokens = torch.tensor([t for s in group.samples for t in s.completion_ids], dtype=torch.long)
+        tokens = [s.completion_ids[t] for s, positions in zip(group.samples, self.positions) for t in positions]
+        self.tokens = torch.tensor(tokens, dtype=torch.long)
         uniforms = [sample_uniforms(sample_seed(sp.seed, i), n) for i, n in enumerate(lengths)]
         self.uniforms = torch.from_numpy(np.concatenate(uniforms) if uniforms else np.zeros(0))
         self.mismatches, self.surprise = 0, 0.0
@@ -141,9 +178,9 @@ class GroupReplay:
         return int(self.starts[-1])
 
     def where(self, row: int) -> tuple[int, int]:
-        """(sample, position) of row `row`."""
+        """(sample, completion position) of row `row`."""
         i = int(np.searchsorted(self.starts, row, side="right")) - 1
-        return i, row - int(self.starts[i])
+        return i, self.positions[i][row - int(self.starts[i])]
 
     def add(self, start: int, logits: torch.Tensor) -> None:
         """Replay rows [start, start + len(logits)) from their logits (already divided by the temperature); each row

@@ -44,6 +44,7 @@ from rlfleet.models.policy import score
 from rlfleet.services.trainer.distributed import SINGLE, Ranks
 from rlfleet.services.trainer.loss import LossInput, LossSettings, group_advantages, grpo_loss, off_policy_weights
 from rlfleet.services.trainer.sharding import is_sharded
+from rlfleet.tasks.turns import model_token_mask
 from rlfleet.wire.streams import RolloutGroup
 from rlfleet.wire.timing import Laps, timed
 
@@ -75,13 +76,17 @@ class BatchRows:
     """The batch as rows, one per completion, in group order: `rows[i]` is the prompt and completion token ids,
     `sampled[i]` the engine's logprob of each completion token, `advantages[i]` its group-normalized advantage
     (a 0-d tensor, loss.py group_advantages), `starts[i]` the index of its first completion token in the
-    (L - 1,) logprob row, `rewards[i]` its reward."""
+    (L - 1,) logprob row, `rewards[i]` its reward, `drawn[i]` of a multi-turn transcript 1.0 at the tokens the model
+    sampled and 0.0 at the environment's (rlfleet/tasks/turns.py; None: every completion token is the model's). The
+    environment's tokens are in the rows, so the model's later turns are scored with them in context, but out of
+    the loss, its ratios and its token counts."""
 
     rows: list[list[int]]
     sampled: list[list[float]]
     advantages: list[torch.Tensor]
     starts: list[int]
     rewards: list[float]
+    drawn: list[list[float] | None]
 
     @classmethod
     def of(cls, groups: list[RolloutGroup]) -> BatchRows:
@@ -90,6 +95,7 @@ class BatchRows:
         advantages: list[torch.Tensor] = []
         starts: list[int] = []
         rewards: list[float] = []
+        drawn: list[list[float] | None] = []
         for g in groups:
             group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
             rewards.extend(group_rewards.tolist())
@@ -98,11 +104,13 @@ class BatchRows:
                 sampled.append(s.logprobs)
                 advantages.append(a)
                 starts.append(len(g.prompt_ids) - 1)
-        return cls(rows, sampled, advantages, starts, rewards)
+                drawn.append(None if s.spans is None else model_token_mask(s.spans))
+        return cls(rows, sampled, advantages, starts, rewards, drawn)
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(o) for o in self.sampled)
+        """The tokens the model sampled (a multi-turn transcript's environment tokens do not count)."""
+        return sum(len(o) if d is None else int(sum(d)) for o, d in zip(self.sampled, self.drawn))
 
     def denominator(self, normalization: str) -> float:
         """What every micro-batch's loss is divided by (loss.py): the batch's completion tokens, or completions."""
@@ -125,11 +133,12 @@ class MicroBatch:
     rows: list[list[int]]
     starts: list[int]  # index of each row's first completion token in its (L - 1,) logprob row
     lengths: list[int]  # completion tokens of each row
-    mask: torch.Tensor  # 1 on completion tokens
+    mask: torch.Tensor  # 1 on the completion tokens the model sampled (a transcript's environment tokens: 0)
     sampled: torch.Tensor  # the engine's claimed logprobs
     advantages: torch.Tensor  # (B,), or (B, T) once importance-weighted
     old: torch.Tensor | None = None  # the trainer's own logprobs before the update (offPolicy tis/mis)
     ref: torch.Tensor | None = None  # the frozen reference's logprobs (klCoef > 0)
+    drawn_tokens: int | None = None  # of rows with multi-turn transcripts, the tokens the model sampled
 
     @classmethod
     def of(cls, batch: BatchRows, idx: list[int], device: torch.device) -> MicroBatch:
@@ -138,17 +147,27 @@ class MicroBatch:
         starts = [batch.starts[i] for i in idx]
         lengths = [len(batch.sampled[i]) for i in idx]
         blank = torch.zeros(len(idx), max(len(r) for r in rows) - 1, device=device)
-        mask = _aligned(blank, [torch.ones(len(r) - 1) for r in rows], starts, lengths)
+        ones = [
+            torch.ones(len(r) - 1) if batch.drawn[i] is None else torch.tensor([0.0] * s + batch.drawn[i])  # type: ignore[operator]
+            for r, s, i in zip(rows, starts, idx)
+        ]
+        mask = _aligned(blank, ones, starts, lengths)
         sampled = _aligned(
             mask, [torch.tensor([0.0] * s + batch.sampled[i]) for s, i in zip(starts, idx)], starts, lengths
         )
         advantages = torch.stack([batch.advantages[i] for i in idx]).to(device)
-        return cls(rows, starts, lengths, mask, sampled, advantages)
+        drawn = [batch.drawn[i] for i in idx]
+        drawn_tokens = (
+            int(sum(n if d is None else sum(d) for n, d in zip(lengths, drawn)))
+            if any(d is not None for d in drawn)
+            else None
+        )
+        return cls(rows, starts, lengths, mask, sampled, advantages, drawn_tokens=drawn_tokens)
 
     @property
     def tokens(self) -> int:
-        """Completion tokens."""
-        return sum(self.lengths)
+        """Completion tokens the model sampled (those of the loss)."""
+        return self.drawn_tokens if self.drawn_tokens is not None else sum(self.lengths)
 
     def align(self, per_row: list[torch.Tensor]) -> torch.Tensor:
         """(B, T) of each row's completion-token values, from per-row (L_i - 1,) tensors."""
