@@ -21,10 +21,16 @@ torch, and the attacker proves tampered tokens with them (tests/toploc/attacks.A
 attacks there: bf16 compute is a vLLM engine in bf16, fp16 compute the torch engine in fp16 labelled
 vllm (vLLM's CPU build computes in fp32 or bf16 only), drafts come from a noised torch copy (any
 cheaper model).
+Table 3, multi-turn transcripts (rlfleet/tasks/turns.py; attacks of tests/toploc/turn_attacks.py, re-proved by a
+real prefill): torch on the calculator example (examples/calculator: its warm-started model, which calls the
+calculator and then answers), vLLM on the same random head-32 Qwen2 with the tests' Counter environment
+(tests/core/turn_envs.py: it answers every turn, so every episode has turns to tamper with); the honest row is
+12 groups of episodes per engine. Rows are named `turns: ATTACK`.
 `--json PATH` writes one row per attack and engine: {engine, attack, groups, rejected, passed, reasons,
 unchanged: groups the attack left token for token as honest sampling made them, e.g. a draft that is
 the seed's draw under the real weights or an EOS drop on a group without EOS: honest by construction}.
 Usage: .venv/bin/python benchmarks/gate_attacks.py [--groups 12] [--engine torch|vllm|both] [--json out.json]
+       [--turns-only]
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from rlfleet.proofs.toploc import verify_proofs
 from rlfleet.services.toploc.calibration import DEFAULTS
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.wire.streams import RunKeys, encode_json
-from tests.toploc import attacks
+from tests.toploc import attacks, turn_attacks
 
 RUN = """
 apiVersion: rlfleet.io/v1alpha1
@@ -248,12 +254,65 @@ def detection(kind: str, policy: Path, tmp: Path, n: int, client, model_path: st
     return rows
 
 
+CALCULATOR = """
+apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {{name: bench}}
+spec:
+  model: {{path: "{model}"}}
+  task: {task}
+  sampling: {{groupSize: 8, maxTurns: {turns}, maxTokensPerTurn: {per_turn}, maxTokens: 32, temperature: 1.0}}
+  trainer: {{batchSize: 16, learningRate: 1.0e-3, maxAsyncLevel: 2}}
+  verifier: {{engines: [torch, vllm]}}
+"""
+
+
+def turn_detection(kind: str, tmp: Path, n: int, client) -> list[dict]:
+    """One row per transcript attack (and the honest episodes) for one engine (Table 3)."""
+    from rlfleet.engines import make_engine
+
+    if kind == "torch":
+        example = "{type: arithmetic, seed: 0, maxOperand: 999, operations: ['+', '-'], tools: [calculator]}"
+        spec = parse_bundle(CALCULATOR.format(model="builtin://tiny-arithmetic", task=example, turns=2,
+                                              per_turn=10)).run.spec  # fmt: skip
+        policy, ids = resolve_model_path(spec.model, spec.task, seed=0), "arith-0-{}"
+    else:
+        (tmp / "turns").mkdir(exist_ok=True)
+        policy = vllm_policy(tmp / "turns")
+        counter = "{type: python, entrypoint: 'tests.core.turn_envs:Counter', timeoutSeconds: 30}"
+        spec = parse_bundle(CALCULATOR.format(model=policy, task=counter, turns=3, per_turn=4)).run.spec
+        ids = "turns-ok-{}"
+    model, tokenizer = load_policy(policy)
+    engine = make_engine(kind, policy, 0)
+    try:
+        episodes = [turn_attacks.honest_episodes(engine, spec, ids.format(i), seed=i) for i in range(n * 2)]
+    finally:
+        engine.close()
+    judge = Judge(client, spec, {0: (model, tokenizer), 1: (model, tokenizer)})
+    rows = []
+    for name, (attack, _) in turn_attacks.ATTACKS.items():
+        judge.reset()
+        made = [attack(g, tokenizer, spec) for g in episodes[n:]]
+        groups = [turn_attacks.prove_turns(g, model, tokenizer, spec) for g in made if g is not None][:n]
+        reasons = [judge.verdict(g) for g in groups]
+        rejected = sum(r is not None for r in reasons)
+        rows.append({"engine": kind, "attack": f"turns: {name}", "groups": len(groups), "rejected": rejected,
+                     "passed": len(groups) - rejected, "reasons": sorted({r for r in reasons if r})})  # fmt: skip
+    judge.reset()
+    reasons = [judge.verdict(g) for g in episodes[:n]]
+    rejected = sum(r is not None for r in reasons)
+    rows.append({"engine": kind, "attack": "turns: (honest episodes)", "groups": n, "rejected": rejected,
+                 "passed": n - rejected, "reasons": sorted({r for r in reasons if r})})  # fmt: skip
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, default=12, help="groups per attack")
     ap.add_argument("--honest-groups", type=int, default=48, help="honest groups per dtype for the margins")
     ap.add_argument("--engine", choices=["torch", "vllm", "both"], default="torch", help="the engine drawing groups")
     ap.add_argument("--json", type=Path, default=None, help="write the detection rows here")
+    ap.add_argument("--turns-only", action="store_true", help="only Table 3 (multi-turn transcripts)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spec = spec_of()
@@ -261,7 +320,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rlfleet-gate-bench-"))
     engines = ["torch", "vllm"] if args.engine == "both" else [args.engine]
 
-    if "torch" in engines and args.honest_groups > 0:
+    if "torch" in engines and args.honest_groups > 0 and not args.turns_only:
         print(f"model {policy.name}; honest groups per dtype: {args.honest_groups}\n")
         print("| dtype | exp mismatches | mantissa mean | mantissa median | abs logprob diff | replay miss |")
         print("|---|---|---|---|---|---|")
@@ -281,12 +340,14 @@ def main() -> int:
     rows: list[dict] = []
     with EmbeddedRedis(tmp / "redis") as url:
         client = redis.Redis.from_url(url)
-        for kind in engines:
+        for kind in [] if args.turns_only else engines:
             if kind == "torch":
                 rows += detection(kind, policy, tmp, args.groups, client, "builtin://tiny-arithmetic")
             else:
                 path = vllm_policy(tmp)
                 rows += detection(kind, path, tmp, args.groups, client, str(path))
+        for kind in engines:
+            rows += turn_detection(kind, tmp, args.groups, client)
     print("| engine | attack | rejected (reasons) |")
     print("|---|---|---|")
     for r in rows:

@@ -10,7 +10,7 @@ from rlfleet.config.base import API_VERSION, NAME_PATTERN, ApiVersion, Metadata,
 from rlfleet.config.evaluation import EvalSpec, eval_problems
 from rlfleet.config.infra import IngestSpec, RedisSpec, ServerTLSSpec, ShardcastSpec, StoreSpec, TrustSpec
 from rlfleet.config.model import ModelSpec
-from rlfleet.config.tasks import LengthPenaltySpec, TaskSpec
+from rlfleet.config.tasks import LengthPenaltySpec, TaskSpec, tools_problems
 from rlfleet.config.tracking import TrackingSpec
 from rlfleet.config.training import SamplingSpec, TrainerSpec
 from rlfleet.config.verifier import VerifierSpec
@@ -127,7 +127,7 @@ class RLRunSpec(Spec):
 
     @model_validator(mode="after")
     def _eval_fits_task(self) -> RLRunSpec:
-        problems = eval_problems(self)
+        problems = eval_problems(self) + tools_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -40,6 +40,13 @@ class ArithmeticTaskSpec(PromptFields):
     operations: list[Literal["+", "-"]] = Field(
         default_factory=lambda: list[Literal["+", "-"]](["+"]), min_length=1, description="Operators to draw from."
     )
+    tools: list[Literal["calculator"]] = Field(
+        default_factory=list,
+        max_length=1,
+        description="Tools the model may call in its turns (a multi-turn task; spec.sampling.maxTurns >= 2): "
+        "`calculator` answers a turn that is an expression such as `37+48` with `=85=`, and the reward reads the "
+        "model's last turn (rlfleet/tasks/calculator.py, docs/environments.md).",
+    )
 
 
 class DatasetSpec(Spec):
@@ -293,6 +300,19 @@ def task_sources(task) -> Iterator[tuple[str, str | None, PromptFields]]:
             yield f"spec.task.mixture[{i}].task", source.source_name, source.task
     else:
         yield "spec.task", None, task
+
+
+def tools_problems(spec) -> list[str]:
+    """What is wrong with the tools of RLRunSpec `spec`'s task sources: a tool needs turns to be called in."""
+    problems = []
+    for where, _, single in task_sources(spec.task):
+        tools = getattr(single, "tools", None)
+        if tools and spec.sampling.max_turns < 2:
+            problems.append(
+                f"{where}.tools: {tools} need spec.sampling.maxTurns >= 2 (a tool's answer comes in the "
+                f"environment's turn, before the model's next); it is {spec.sampling.max_turns}"
+            )
+    return problems
 
 
 def task_datasets(task) -> Iterator[tuple[str, DatasetSpec]]:

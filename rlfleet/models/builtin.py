@@ -143,13 +143,26 @@ def _spec_key(name: str, task_spec, steps: int, seed: int) -> str:
 
 def _task_key(task_spec) -> dict:
     """The task spec as hashed: its JSON, less the prompt fields at their defaults (chatTemplate false, no
-    systemPrompt), so that adding those fields kept the keys of every build made before them."""
+    systemPrompt) and an empty `tools` (in a mixture's sources too), so that adding those fields kept the keys of
+    every build made before them."""
     dump = task_spec.model_dump(mode="json")
     if not dump.get("chat_template", True):
         dump.pop("chat_template")
         if dump.get("system_prompt", "") is None:
             dump.pop("system_prompt")
+    _drop_empty_tools(dump)
     return dump
+
+
+def _drop_empty_tools(value) -> None:
+    if isinstance(value, dict):
+        if value.get("tools") == []:
+            value.pop("tools")
+        for inner in value.values():
+            _drop_empty_tools(inner)
+    elif isinstance(value, list):
+        for inner in value:
+            _drop_empty_tools(inner)
 
 
 def wants_chat_template(task_spec) -> bool:

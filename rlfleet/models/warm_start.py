@@ -20,18 +20,31 @@ import torch
 
 from rlfleet.tasks.base import Problem
 from rlfleet.tasks.chat import encode_prompt
+from rlfleet.tasks.turns import environment_tokens
 
 _INTEGER = re.compile(r"-?\d+")
 
 
-def encode_pairs(tokenizer, pairs: list[tuple[Problem, str]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (B, T) input ids, attention mask and labels (-100 outside the answer)."""
+def encode_pairs(
+    tokenizer, pairs: list[tuple[Problem, str | list[str]]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) input ids, attention mask and labels (-100 outside the answer). An answer that is a list
+    of turns (a multi-turn demonstration: the model's, then alternating with the environment's) is laid out as an
+    episode is (rlfleet/tasks/turns.py): each model turn ends with EOS and is labelled, each environment turn is
+    inserted as `environment_tokens` makes it and is not."""
     rows, labels = [], []
     for problem, answer in pairs:
         p = encode_prompt(tokenizer, problem)
-        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(p + a)
-        labels.append([-100] * len(p) + a)
+        row, label = list(p), [-100] * len(p)
+        for k, turn in enumerate([answer] if isinstance(answer, str) else answer):
+            if k % 2:
+                tokens = environment_tokens(tokenizer, problem, turn)
+                row, label = row + tokens, label + [-100] * len(tokens)
+            else:
+                tokens = tokenizer(turn, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                row, label = row + tokens, label + tokens
+        rows.append(row)
+        labels.append(label)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -88,7 +101,11 @@ def supervised_warm_start(
         progress(0, steps)
     for step in range(steps):
         problems = [task.problem(task.sample_id(rng)) for _ in range(recipe.batch_size)]
-        pairs = [(p, demonstrate(p, recipe.demonstration, rng, recipe.label_noise)) for p in problems]
+        pairs = [
+            (p, task.demonstration_turns(p, rng, recipe.label_noise) or demonstrate(p, recipe.demonstration, rng,
+                                                                                   recipe.label_noise))
+            for p in problems
+        ]  # fmt: skip
         ids, mask, labels = encode_pairs(tokenizer, pairs)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)

@@ -49,7 +49,12 @@ def _make_single(spec, field: str, isolate: bool) -> TaskSource:
     if spec.type == "arithmetic":
         from rlfleet.tasks.arithmetic import ArithmeticTask
 
-        return ArithmeticTask(seed=spec.seed, max_operand=spec.max_operand, operations=tuple(spec.operations))
+        task = ArithmeticTask(seed=spec.seed, max_operand=spec.max_operand, operations=tuple(spec.operations))
+        if "calculator" in spec.tools:
+            from rlfleet.tasks.calculator import CalculatorTask
+
+            return CalculatorTask(task)
+        return task
     if spec.type == "math":
         from rlfleet.tasks.math import from_spec as math_task
 

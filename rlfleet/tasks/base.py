@@ -64,6 +64,19 @@ class TaskSource(ABC):
         """`scores` of one completion."""
         return self.scores(problem, [completion], [completion_tokens])[0]
 
+    def episode_text(self, problem: Problem, turns: list[str]) -> str:
+        """The text the reward of a multi-turn episode of `problem` reads, from its turns (the model's first,
+        alternating with the environment's and ending with the model's; a model turn without its stop token): by
+        default the whole transcript. A source whose environment writes what must not count as the model's answer
+        (a tool's output) returns the model's part it grades instead."""
+        return "".join(turns)
+
+    def demonstration_turns(self, problem: Problem, rng: np.random.Generator, label_noise: float) -> list[str] | None:
+        """A builtin model's warm start on a source that takes turns: the turns of an episode to imitate (the
+        model's and the environment's, alternating as in `episode_text`), a near miss with probability
+        `label_noise` (drawn from `rng`). None: the single-turn demonstration (rlfleet/models/warm_start.py)."""
+        return None
+
     def respond(self, problem: Problem, turns: list[str]) -> str | None:
         """The environment's turn after the model's turns so far (`turns`, oldest first, each decoded without its
         stop token), inserted into the transcript before the model's next turn; None ends the episode. Must be a

@@ -74,6 +74,12 @@ class ChatPromptTask(TaskSource):
     def respond(self, problem: Problem, turns: list[str]) -> str | None:
         return self.inner.respond(problem, turns)
 
+    def episode_text(self, problem: Problem, turns: list[str]) -> str:
+        return self.inner.episode_text(problem, turns)
+
+    def demonstration_turns(self, problem: Problem, rng: np.random.Generator, label_noise: float) -> list[str] | None:
+        return self.inner.demonstration_turns(problem, rng, label_noise)
+
     def problem(self, task_id: str) -> Problem:
         return replace(self.inner.problem(task_id), chat_template=True, system_prompt=self.system_prompt)
 

@@ -27,6 +27,14 @@ class LengthTargetTask(TaskSource):
         base, _ = self.split(problem.task_id)
         return self.inner.respond(self.inner.problem(base), turns)
 
+    def episode_text(self, problem: Problem, turns: list[str]) -> str:
+        base, _ = self.split(problem.task_id)
+        return self.inner.episode_text(self.inner.problem(base), turns)
+
+    def demonstration_turns(self, problem: Problem, rng: np.random.Generator, label_noise: float) -> list[str] | None:
+        base, _ = self.split(problem.task_id)
+        return self.inner.demonstration_turns(self.inner.problem(base), rng, label_noise)
+
     def split(self, task_id: str) -> tuple[str, int]:
         base, sep, target = task_id.rpartition(SEPARATOR)
         if not sep or not target.isdigit() or int(target) not in self.targets:

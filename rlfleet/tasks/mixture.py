@@ -37,6 +37,14 @@ class MixtureTask(TaskSource):
         _, source, inner_id = self.split(problem.task_id)
         return source.respond(replace(problem, task_id=inner_id), turns)
 
+    def episode_text(self, problem: Problem, turns: list[str]) -> str:
+        _, source, inner_id = self.split(problem.task_id)
+        return source.episode_text(replace(problem, task_id=inner_id), turns)
+
+    def demonstration_turns(self, problem: Problem, rng: np.random.Generator, label_noise: float) -> list[str] | None:
+        _, source, inner_id = self.split(problem.task_id)
+        return source.demonstration_turns(replace(problem, task_id=inner_id), rng, label_noise)
+
     def split(self, task_id: str) -> tuple[str, TaskSource, str]:
         """(source name, source, the source's own id) of a mixture task id; KeyError if no source has it."""
         name, sep, inner_id = task_id.partition(SEPARATOR)

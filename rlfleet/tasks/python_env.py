@@ -227,6 +227,12 @@ class PythonEnvironment(TaskSource):
             )
         return text
 
+    def episode_text(self, problem: Problem, turns: list[str]) -> str:
+        text = self._call("episode_text", problem, list(turns))
+        if not isinstance(text, str):
+            raise EnvironmentFailure(f"episode_text returned a {type(text).__name__}, not a str")
+        return text
+
     def reward(self, problem: Problem, completion: str) -> float:
         return self.rewards(problem, [completion])[0]
 

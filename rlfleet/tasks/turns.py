@@ -116,16 +116,26 @@ def model_turns(tokenizer, completion_ids: list[int], spans: list[int] | None, s
     return [_turn_text(tokenizer, completion_ids[s:e], stop_ids) for s, e, model in bounds if model]
 
 
-def transcript_text(tokenizer, completion_ids: list[int], spans: list[int] | None, stop_ids: frozenset[int]) -> str:
-    """The text a reward reads: each model turn without its stop token, each environment turn as inserted; of a
-    single-turn completion, sampling.completion_text."""
-    parts = []
+def episode_text(
+    task: TaskSource, problem: Problem, tokenizer, completion_ids: list[int], spans: list[int] | None, stop_ids
+) -> str:
+    """The text a reward reads: of a single completion, sampling.completion_text; of a multi-turn transcript, what
+    `task.episode_text` makes of its turns (each model turn without its stop token, each environment turn as
+    inserted), by default all of them. EnvironmentFailure when a user environment fails."""
+    if spans is None:
+        return _turn_text(tokenizer, completion_ids, stop_ids)
+    turns = []
     for start, end, model in span_bounds(spans, len(completion_ids)):
         ids = completion_ids[start:end]
-        parts.append(
+        turns.append(
             _turn_text(tokenizer, ids, stop_ids) if model else tokenizer.decode(ids, skip_special_tokens=False)
         )
-    return "".join(parts)
+    return task.episode_text(problem, turns)
+
+
+def drawn_tokens(spans: list[int] | None, tokens: int) -> int:
+    """The completion tokens the model sampled (what a length penalty counts)."""
+    return tokens if spans is None else sum(spans[::2])
 
 
 def check_transcript(

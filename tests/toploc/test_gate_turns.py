@@ -72,7 +72,7 @@ def test_honest_episodes_pass_and_every_transcript_attack_is_rejected(tmp_path, 
         attacked: dict[str, RolloutGroup] = {}
         for n, (name, (attack, _)) in enumerate(ATTACKS.items()):
             source = honest_episodes(engine, spec, f"turns-ok-{30 + n}", seed=100 + n, worker=f"w-{n}")
-            group = attack(source, tokenizer)
+            group = attack(source, tokenizer, spec)
             assert group is not None, (
                 f"{name}: the honest group gave it nothing to tamper with: {[s.spans for s in source.samples]}"
             )

@@ -4,8 +4,9 @@ TOPLOC proofs, finish reasons and rewards made those of the tampered tokens, whi
 always do), so only what a prover cannot fake is left to catch them. Shared by tests/toploc/test_gate_turns.py and
 benchmarks/gate_attacks.py.
 
-Every attack returns the tampered group, or None when the honest group gives it nothing to tamper with (e.g. no
-episode with an environment turn); `ATTACKS` maps each name to it and the rejection reasons that may answer it.
+Every attack, called with (an honest group, the tokenizer, the run's spec), returns the tampered group, or None when
+the honest group gives it nothing to tamper with (e.g. no episode with an environment turn); `ATTACKS` maps each
+name to it and the rejection reasons that may answer it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rlfleet.models.sampling import stop_token_ids
 from rlfleet.proofs.toploc import build_proofs
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import encode_prompt
-from rlfleet.tasks.turns import span_bounds, transcript_text
+from rlfleet.tasks.turns import drawn_tokens, episode_text, span_bounds
 from rlfleet.wire.streams import RolloutGroup, Sample, SamplingParams
 
 
@@ -36,8 +37,8 @@ def honest_episodes(engine, spec, task_id: str, seed: int, worker: str = "w-hone
     params = SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=seed)
     (gens,), failures = generate_episodes(engine, task, [GroupRequest(prompt_ids, params, s.group_size)], [problem], s)
     assert not failures and gens is not None, failures
-    texts = [transcript_text(engine.tokenizer, g.completion_ids, g.spans, engine.stop_ids) for g in gens]
-    rewards = task.scores(problem, texts, [len(g.completion_ids) for g in gens])
+    texts = [episode_text(task, problem, engine.tokenizer, g.completion_ids, g.spans, engine.stop_ids) for g in gens]
+    rewards = task.scores(problem, texts, [drawn_tokens(g.spans, len(g.completion_ids)) for g in gens])
     samples = [
         Sample(g.completion_ids, g.logprobs, build_proofs(g.hidden, len(prompt_ids), t.decode_batching_size, t.topk),
                r, g.finish_reason, g.spans)
@@ -60,8 +61,8 @@ def prove_turns(group: RolloutGroup, model, tokenizer, spec) -> RolloutGroup:
         sample.proofs = build_proofs(scored.hidden[i], p, decode_batching_size=t.decode_batching_size, topk=t.topk)
         start, end, _ = span_bounds(sample.spans, len(sample.completion_ids))[-1]
         sample.finish_reason = "stop" if sample.completion_ids[end - 1] in stop_ids else "length"
-        text = transcript_text(tokenizer, sample.completion_ids, sample.spans, stop_ids)
-        sample.reward = task.score(problem, text, len(sample.completion_ids))
+        text = episode_text(task, problem, tokenizer, sample.completion_ids, sample.spans, stop_ids)
+        sample.reward = task.score(problem, text, drawn_tokens(sample.spans, len(sample.completion_ids)))
     return group
 
 
@@ -80,7 +81,7 @@ def _digits(tokenizer) -> list[int]:
     return [tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
 
 
-def forged_tool_result(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
+def forged_tool_result(group: RolloutGroup, tokenizer, spec) -> RolloutGroup | None:
     """An environment turn's result replaced by another of the same length (the tool said what the worker liked)."""
     i = _with_turns(group, 2)
     if i is None:
@@ -98,7 +99,7 @@ def forged_tool_result(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
     return out
 
 
-def own_tokens_as_environment(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
+def own_tokens_as_environment(group: RolloutGroup, tokenizer, spec) -> RolloutGroup | None:
     """Tokens the worker wrote (the problem's answer) appended to an environment turn, where no proof or replay
     checks a token: the reward then sees the answer."""
     i = _with_turns(group, 2)
@@ -120,7 +121,7 @@ def own_tokens_as_environment(group: RolloutGroup, tokenizer) -> RolloutGroup | 
     return out
 
 
-def environment_as_model(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
+def environment_as_model(group: RolloutGroup, tokenizer, spec) -> RolloutGroup | None:
     """An environment turn's tokens claimed as the model's (merged into the model turn before it): tokens the
     seeds never drew, now in the loss."""
     i = _with_turns(group, 2)
@@ -135,7 +136,7 @@ def environment_as_model(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
     return out
 
 
-def changed_tool_call(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
+def changed_tool_call(group: RolloutGroup, tokenizer, spec) -> RolloutGroup | None:
     """A model turn changed (one digit) while the environment's answer to the original turn is kept: the tool
     would answer the changed call differently."""
     i = _with_turns(group, 2)
@@ -153,7 +154,7 @@ def changed_tool_call(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
     return out
 
 
-def turns_past_the_limit(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
+def turns_past_the_limit(group: RolloutGroup, tokenizer, spec) -> RolloutGroup | None:
     """One more environment turn and model turn (ending with the stop token, as a finished turn does) appended
     after the episode's end: past maxTurns when the sample already took them all."""
     out = _copy(group)
@@ -168,7 +169,7 @@ def turns_past_the_limit(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
     return out
 
 
-def cut_short(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
+def cut_short(group: RolloutGroup, tokenizer, spec) -> RolloutGroup | None:
     """The transcript ended before its last environment turn and model turn (a failing ending hidden)."""
     i = _with_turns(group, 2)
     if i is None:
@@ -180,16 +181,24 @@ def cut_short(group: RolloutGroup, tokenizer) -> RolloutGroup | None:
     return out
 
 
-def forged_last_turn(group: RolloutGroup, tokenizer, max_turns: int = 3) -> RolloutGroup | None:
+def forged_last_turn(group: RolloutGroup, tokenizer, spec) -> RolloutGroup | None:
     """A token of the last model turn of an episode that took every turn (so no environment reads it) replaced: its
     transcript is the environment's, its proofs and logprobs re-proved, and only the seed replay, which continues
     each sample's draws across its turns, can tell that the model never drew it."""
-    i = _with_turns(group, max_turns)
-    if i is None:
+
+    def last_turn(sample) -> tuple[int, int]:
+        start, end, _ = span_bounds(sample.spans, len(sample.completion_ids))[-1]
+        return start, end
+
+    # an episode of every turn whose last turn has a token before its end (its stop token, if any, stays put)
+    max_turns = spec.sampling.max_turns
+    found = [i for i, s in enumerate(group.samples) if s.spans and len(s.spans) == 2 * max_turns - 1
+             and last_turn(s)[1] - last_turn(s)[0] >= 2]  # fmt: skip
+    if not found:
         return None
     out = _copy(group)
-    sample = out.samples[i]
-    start, _, _ = span_bounds(sample.spans, len(sample.completion_ids))[-1]
+    sample = out.samples[found[0]]
+    start, _ = last_turn(sample)
     digits = _digits(tokenizer)
     token = sample.completion_ids[start]
     sample.completion_ids[start] = digits[(digits.index(token) + 1) % 10] if token in digits else digits[0]

@@ -29,6 +29,7 @@ BATCH_STATS = (
     "entropy_mean",
     "kl_mean",
     "completion_tokens_mean",
+    "turns_mean",
     "offpolicy_ratio_mean",
     "offpolicy_ratio_max",
     "offpolicy_truncated_fraction",

@@ -53,7 +53,7 @@ from rlfleet.services.rollout.work import IngestLink, Work, WorkSource
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import check_chat_templates, encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
-from rlfleet.tasks.turns import transcript_text
+from rlfleet.tasks.turns import drawn_tokens, episode_text
 from rlfleet.versions.adapter import is_adapter_dir
 from rlfleet.versions.checkpoint import weight_bytes
 from rlfleet.wire import components, env
@@ -278,12 +278,13 @@ class Worker:
             raise RuntimeError(f"one engine call produced versions {sorted(versions)}: the engine broke its contract")
         drafts: list[tuple[RolloutGroup, list]] = []  # each group (its proofs not built yet) and its generations
         for piece, problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
-            texts = [
-                transcript_text(self.loaded.tokenizer, g.completion_ids, g.spans, self.loaded.stop_ids) for g in gens
-            ]
+            tokenizer, stop_ids = self.loaded.tokenizer, self.loaded.stop_ids
             try:
                 with LAPS.part("reward"):
-                    rewards = self.task.scores(problem, texts, [len(g.completion_ids) for g in gens])
+                    texts = [episode_text(self.task, problem, tokenizer, g.completion_ids, g.spans, stop_ids)
+                             for g in gens]  # fmt: skip
+                    rewards = self.task.scores(problem, texts, [drawn_tokens(g.spans, len(g.completion_ids))
+                                                                for g in gens])  # fmt: skip
             except EnvironmentFailure as exc:
                 log.warning("task %s: the environment failed to score the group, which is dropped: %s",
                             problem.task_id, exc)  # fmt: skip

@@ -67,7 +67,7 @@ from rlfleet.services.toploc.replay import GroupReplay, ReplayScore, logits_chun
 from rlfleet.tasks import Problem, make_run_task
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
-from rlfleet.tasks.turns import TurnLimits, check_transcript, model_positions, transcript_text
+from rlfleet.tasks.turns import TurnLimits, check_transcript, drawn_tokens, episode_text, model_positions
 from rlfleet.wire.runtime import announced_version, latest_announced_version
 from rlfleet.wire.streams import (
     ID_MAX_CHARS,
@@ -191,9 +191,11 @@ class Checker:
             logprobs, replay = None, None
             if prefill and not deferred:
                 logprobs, replay = self.prefill_checks(group, model, tokenizer)
-            texts = [transcript_text(tokenizer, s.completion_ids, s.spans, stop_ids) for s in group.samples]
             try:
-                rewards = self.task.scores(problem, texts, [len(s.completion_ids) for s in group.samples])
+                texts = [episode_text(self.task, problem, tokenizer, s.completion_ids, s.spans, stop_ids)
+                         for s in group.samples]  # fmt: skip
+                rewards = self.task.scores(problem, texts, [drawn_tokens(s.spans, len(s.completion_ids))
+                                                            for s in group.samples])  # fmt: skip
             except EnvironmentFailure as exc:
                 raise Rejection("environment", f"task {group.task_id}: {exc}") from None
             mismatches = sum(r != s.reward for r, s in zip(rewards, group.samples))

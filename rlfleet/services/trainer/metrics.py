@@ -55,7 +55,8 @@ BATCH_STATS = (
     "ratio_mean",
     "entropy_mean",
     "kl_mean",
-    "completion_tokens_mean",
+    "completion_tokens_mean",  # the tokens the model sampled (a multi-turn transcript's environment turns excluded)
+    "turns_mean",  # model turns per sample: 1 but on a task that takes turns (rlfleet/tasks/turns.py)
     # trainer.offPolicy tis/mis (loss.py): trainer / sampler probability of the tokens, share truncated or masked
     "offpolicy_ratio_mean",
     "offpolicy_ratio_max",

@@ -87,6 +87,7 @@ class BatchRows:
     starts: list[int]
     rewards: list[float]
     drawn: list[list[float] | None]
+    turns: list[int]  # model turns of each row (1 but for a multi-turn transcript)
 
     @classmethod
     def of(cls, groups: list[RolloutGroup]) -> BatchRows:
@@ -96,6 +97,7 @@ class BatchRows:
         starts: list[int] = []
         rewards: list[float] = []
         drawn: list[list[float] | None] = []
+        turns: list[int] = []
         for g in groups:
             group_rewards = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
             rewards.extend(group_rewards.tolist())
@@ -105,7 +107,8 @@ class BatchRows:
                 advantages.append(a)
                 starts.append(len(g.prompt_ids) - 1)
                 drawn.append(None if s.spans is None else model_token_mask(s.spans))
-        return cls(rows, sampled, advantages, starts, rewards, drawn)
+                turns.append(1 if s.spans is None else (len(s.spans) + 1) // 2)
+        return cls(rows, sampled, advantages, starts, rewards, drawn, turns)
 
     @property
     def completion_tokens(self) -> int:
@@ -262,6 +265,7 @@ def grpo_update(
             "accuracy": float((rewards >= 1.0).mean()),
             "samples": len(rewards),
             "completion_tokens_mean": batch.completion_tokens / len(rewards),
+            "turns_mean": sum(batch.turns) / len(rewards),
             **stats,
         }
 

@@ -1,0 +1,75 @@
+"""The calculator tool (`spec.task.tools: [calculator]` on the arithmetic task): the smallest agent task there is,
+in the builtin tokenizer's characters, so a builtin model learns to use a tool on one CPU machine.
+
+An episode (rlfleet/tasks/turns.py): the prompt is the problem (`37+48=`). A model turn that is an expression of
+integers joined by + and - (`37+48`, no `=`) calls the calculator, which answers `={value}=` (`=85=`); any other
+turn is the model's answer and ends the episode. The reward is the arithmetic task's exact match on the model's
+last turn only (`episode_text`): the calculator's output is never the model's answer, so an episode that calls
+the tool and stops there scores 0. Everything is a function of the turns, so the verifier asks again and gets the
+same answers.
+
+A builtin model warm-starts on episodes that call the tool with the problem's expression and then copy its
+result (`demonstration_turns`); a near miss calls it with an operand off by 1..9 and copies that result, so the
+warm-started policy sometimes calls the tool wrongly and RL teaches it to copy the problem exactly.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from rlfleet.tasks.base import Problem, TaskSource
+
+TOOLS = ("calculator",)
+# a call: integers joined by + or -; a leading minus allowed; at most 12 digits a number (no huge integers)
+CALL = re.compile(r"-?\d{1,12}(?:[+-]\d{1,12})+")
+
+
+def calculate(call: str) -> int | None:
+    """The value of a calculator call, or None when `call` is not one (module docstring)."""
+    call = call.replace(" ", "")
+    if not CALL.fullmatch(call):
+        return None
+    return sum(int(term) for term in re.findall(r"[+-]?\d+", call))
+
+
+class CalculatorTask(TaskSource):
+    """`inner` (the arithmetic task) with the calculator: see the module docstring."""
+
+    multi_turn = True
+
+    def __init__(self, inner: TaskSource):
+        self.inner = inner
+
+    def problem(self, task_id: str) -> Problem:
+        return self.inner.problem(task_id)
+
+    def sample_id(self, rng: np.random.Generator) -> str:
+        return self.inner.sample_id(rng)
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return self.inner.reward(problem, completion)
+
+    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
+        return self.inner.rewards(problem, completions)
+
+    def scores(self, problem: Problem, completions: list[str], completion_tokens: list[int]) -> list[float]:
+        return self.inner.scores(problem, completions, completion_tokens)
+
+    def respond(self, problem: Problem, turns: list[str]) -> str | None:
+        value = calculate(turns[-1])
+        return None if value is None else f"={value}="
+
+    def episode_text(self, problem: Problem, turns: list[str]) -> str:
+        return turns[-1]  # the model's answer; the calculator's outputs before it are not
+
+    def demonstration_turns(self, problem: Problem, rng: np.random.Generator, label_noise: float) -> list[str]:
+        from rlfleet.models.warm_start import noisy_answer  # the warm start's own near miss
+
+        call = problem.prompt.rstrip("=")
+        if rng.random() < label_noise:
+            call = noisy_answer(call, rng)
+        result = self.respond(problem, [call])
+        assert result is not None, f"{problem.prompt!r} is not a calculator call"
+        return [call, result, str(calculate(call))]
