@@ -15,8 +15,14 @@ in one process, one after the other on the same machine:
     place (load), and a 1-token group is generated with it (first token); the relay already holds
     both versions (fetched once before any engine runs), so download is the relay -> worker leg
     that every swap pays. Medians over the swaps; the goal is swap / (download + load) <= 1.2.
+  - multi-turn (`--turns N`, default 4; 1 skips it): the same groups at the largest K as episodes of N model
+    turns of max-tokens / N tokens each (rlfleet/engines/episodes.py), an environment answering every turn with
+    `=123=` (5 tokens, `Relay`); the model's tokens / wall time of the calls, median over rounds, beside the
+    single-turn figure at that K (`turns_ratio`: multi / single; the goal is >= 0.7). The random policy rarely
+    samples EOS, so nearly every turn runs to its budget and both modes draw about as many model tokens.
 Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 16 --group-size 8
-       --max-tokens 64 --rounds 3 --in-flight 1,4,16 --swaps 5 --threads 0 --engines torch,vllm --json PATH]
+       --max-tokens 64 --rounds 3 --in-flight 1,4,16 --turns 4 --swaps 5 --threads 0 --engines torch,vllm
+       --json PATH]
 """
 
 from __future__ import annotations
@@ -28,17 +34,22 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import _paths  # noqa: F401  (the checkout's rlfleet and tests, without PYTHONPATH)
 import torch
 
+from rlfleet.config import SamplingSpec
 from rlfleet.engines import make_engine
 from rlfleet.engines.base import GroupRequest
+from rlfleet.engines.episodes import generate_episodes
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchSettings, fetch_version
+from rlfleet.tasks import Problem, TaskSource
 from rlfleet.tasks.arithmetic import ArithmeticTask
+from rlfleet.tasks.turns import drawn_tokens
 from rlfleet.versions.checkpoint import publish_version, save_model_dir
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.versions.store import open_store
@@ -76,6 +87,41 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(task.problem(f"arith-0-{i}").prompt)["input_ids"] for i in range(n)]
 
 
+class Relay(TaskSource):
+    """An environment that answers every model turn with `=123=` (the multi-turn measurement's)."""
+
+    multi_turn = True
+
+    def problem(self, task_id: str) -> Problem:
+        return ArithmeticTask(seed=0).problem(task_id)
+
+    def sample_id(self, rng) -> str:
+        return "arith-0-0"
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return 0.0
+
+    def respond(self, problem: Problem, turns: list[str]) -> str:
+        return "=123="
+
+
+def multi_turn_rate(engine, requests: list[GroupRequest], args) -> float:
+    """The model's tokens/s of `requests` sampled as episodes of `args.turns` turns, K groups a call (median round)."""
+    sampling = SamplingSpec(max_tokens=args.max_tokens + 8 * args.turns, max_turns=args.turns,
+                            max_tokens_per_turn=args.max_tokens // args.turns)  # fmt: skip
+    task, k = Relay(), max(args.in_flight)
+    problems = [task.problem(f"arith-0-{i}") for i in range(len(requests))]
+    episodes = [GroupRequest(r.prompt_ids, replace(r.params, max_tokens=sampling.max_tokens), r.n) for r in requests]
+    rates = []
+    for _ in range(args.rounds):
+        n, t0 = 0, time.monotonic()
+        for at in range(0, len(episodes), k):
+            made, _ = generate_episodes(engine, task, episodes[at : at + k], problems[at : at + k], sampling)
+            n += sum(drawn_tokens(g.spans, len(g.completion_ids)) for gens in made if gens for g in gens)
+        rates.append(n / (time.monotonic() - t0))
+    return statistics.median(rates)
+
+
 def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dict:
     t0 = time.monotonic()
     v0 = fetch_version(FetchSettings.over([relay_url], RUN, public_key=public_key), 0, work / kind)
@@ -101,6 +147,7 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
             tokens, gen_s = tokens + n, gen_s + elapsed
         in_flight[k] = {"tok_s": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates)}
     one = in_flight[min(args.in_flight)]
+    turns = multi_turn_rate(engine, requests, args) if args.turns > 1 else None
 
     swaps = []
     for i in range(args.swaps):  # versions 1, 0, 1, ... each downloaded afresh, as every swap pays it
@@ -128,6 +175,8 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
         "tok_s_max": one["tok_s_max"],
         "in_flight": in_flight,
         "inflight_speedup": max(r["tok_s"] for r in in_flight.values()) / one["tok_s"],
+        "turns_tok_s": turns,
+        "turns_ratio": turns / in_flight[max(args.in_flight)]["tok_s"] if turns else None,
         "download_s": download_s,
         "load_s": load_s,
         "first_s": first_s,
@@ -151,6 +200,7 @@ def main() -> int:
         type=lambda v: sorted({int(k) for k in v.split(",")}),
         help="groups per engine call to measure (a worker's maxGroupsInFlight); the speedup is over the smallest",
     )
+    ap.add_argument("--turns", type=int, default=4, help="model turns of the multi-turn measurement (1: skip it)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--swaps", type=int, default=5, help="weight swaps per engine (figures are medians)")
     ap.add_argument("--json", type=Path, help="write the figures to this file")
@@ -213,6 +263,13 @@ def main() -> int:
         cells = " ".join(f"{r['in_flight'][k]['tok_s']:>14.1f}" for k in args.in_flight)
         print(f"{r['engine']:<7} {cells} {r['inflight_speedup']:>16.2f}x")
     print("goals on CPU: vllm >= 2x, torch >= 1.5x (issue 26)")
+    if args.turns > 1:
+        k = max(args.in_flight)
+        print(f"\n{'engine':<7} {'single-turn':>12} {f'{args.turns} turns':>12} {'ratio':>7}   (model tokens/s at {k} "
+              f"in flight, {args.max_tokens} model tokens a sample; goal >= 0.7)")  # fmt: skip
+        for r in results:
+            print(f"{r['engine']:<7} {r['in_flight'][k]['tok_s']:>12.1f} {r['turns_tok_s']:>12.1f} "
+                  f"{r['turns_ratio']:>7.2f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"load_average": load, "engines": results}, indent=2) + "\n")
     return 0
