@@ -6,7 +6,8 @@ Job's pod template, which the box runs as a Deployment: it has no Job controller
 
 What differs from the file: trainer.steps (3, not 150: what is tested is the wiring, not the learning) and
 the trainer's podTemplate mounting the node's prebuilt model (the box's stand-in for a pre-pulled model).
-Pods as processes only: the wiring is the same in both runner modes.
+Pods as processes only: the wiring is the same in both runner modes. The same again, in a box of its own, for
+examples/calculator/rlrun.yaml, whose workers send multi-turn episodes of a tool-using model (#44).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import yaml
 
 from rlfleet.wire.streams import RunKeys
 from tests.cluster.inabox import Box, helm
+from tests.support import REPO
 from tests.cluster.scenario import (
     BUCKET,
     EXAMPLE,
@@ -27,10 +29,12 @@ from tests.cluster.scenario import (
     node_model_cache,
     prebuilt_model,
     run_redis,
+    trainer_records,
     wait_for,
 )
 
-RUN, STEPS = "arithmetic", 3
+STEPS = 3
+CALCULATOR = REPO / "examples" / "calculator" / "rlrun.yaml"  # multi-turn episodes of a tool-using model (#44)
 HOOK = "rlfleet-uninstall-hook"
 
 
@@ -62,13 +66,14 @@ def values(s3_url: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def box(tmp_path_factory):
-    with Box(tmp_path_factory.mktemp("box")) as opened:
+@pytest.fixture
+def box(tmp_path):
+    with Box(tmp_path / "box") as opened:
         yield opened
 
 
-def test_the_example_applied_as_it_is_completes_and_uninstall_lets_it_go(box):
+@pytest.mark.parametrize("example", [EXAMPLE, CALCULATOR], ids=["arithmetic", "calculator"])
+def test_the_example_applied_as_it_is_completes_and_uninstall_lets_it_go(box, example):
     a = box.cluster("a")
     s3_url = box.s3(a)
     make_bucket(box)
@@ -77,19 +82,22 @@ def test_the_example_applied_as_it_is_completes_and_uninstall_lets_it_go(box):
         k.secret("rlfleet-s3", {"AWS_ACCESS_KEY_ID": "rlfleet", "AWS_SECRET_ACCESS_KEY": "box-secret",
                                 "AWS_DEFAULT_REGION": "us-east-1"})  # fmt: skip
         objects = helm.install(a, values(s3_url), release="rlfleet", namespace=NS)
-        docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
-        docs[0]["spec"]["trainer"].update(steps=STEPS, podTemplate=node_model_cache(prebuilt_model()))
+        docs = [d for d in yaml.safe_load_all(example.read_text()) if d]
+        docs[0]["spec"]["trainer"].update(steps=STEPS, podTemplate=node_model_cache(prebuilt_model(example)))
         k.apply(docs)
+        name = docs[0]["metadata"]["name"]
 
-        run = wait_for(f"RLRun {RUN} Complete", lambda: complete(k, RUN), timeout=900)
+        run = wait_for(f"RLRun {name} Complete", lambda: complete(k, name), timeout=900)
         assert run["status"]["phase"] == "Succeeded" and run["status"]["step"] == STEPS, run["status"]
         assert run["spec"]["store"]["uri"] == f"s3://{BUCKET}/runs"
-        signing = k.read_secret(f"{RUN}-signing-key")
+        turns = [r["turns_mean"] for r in trainer_records(a, name)]
+        assert len(turns) == STEPS and all(t > 1 if example == CALCULATOR else t == 1 for t in turns), turns
+        signing = k.read_secret(f"{name}-signing-key")
         assert signing["public-key"].startswith("ed25519:") and "PRIVATE KEY" in signing["signing-key"]
         password = k.read_secret("rlfleet-redis-auth")["password"]
-        assert k.read_secret(f"{RUN}-redis-url")["url"].startswith(f"redis://:{password}@rlfleet-redis.")
+        assert k.read_secret(f"{name}-redis-url")["url"].startswith(f"redis://:{password}@rlfleet-redis.")
         client = run_redis(a, password)
-        assert client.exists(RunKeys(RUN).policy), "the run's versions went through the chart's Redis"
+        assert client.exists(RunKeys(name).policy), "the run's versions went through the chart's Redis"
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(host="127.0.0.1", port=client.connection_pool.connection_kwargs["port"]).ping()
 
@@ -102,7 +110,7 @@ def test_the_example_applied_as_it_is_completes_and_uninstall_lets_it_go(box):
             timeout=300,
         )
         assert exit_event["exit"] == 0, f"the hook failed: {exit_event}"
-        assert k.get("RLRun", RUN) is None, "the hook returned with the run still there"
-        assert not client.exists(RunKeys(RUN).policy), "the operator deleted the run's Redis keys before letting it go"
+        assert k.get("RLRun", name) is None, "the hook returned with the run still there"
+        assert not client.exists(RunKeys(name).policy), "the operator deleted the run's Redis keys before letting it go"
     finally:
         k.close()
