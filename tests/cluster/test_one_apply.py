@@ -18,7 +18,6 @@ import yaml
 
 from rlfleet.wire.streams import RunKeys
 from tests.cluster.inabox import Box, helm
-from tests.support import REPO
 from tests.cluster.scenario import (
     BUCKET,
     EXAMPLE,
@@ -32,6 +31,7 @@ from tests.cluster.scenario import (
     trainer_records,
     wait_for,
 )
+from tests.support import REPO
 
 STEPS = 3
 CALCULATOR = REPO / "examples" / "calculator" / "rlrun.yaml"  # multi-turn episodes of a tool-using model (#44)
