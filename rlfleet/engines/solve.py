@@ -8,17 +8,20 @@ problems at a time, `k` completions each. Problem i of the list draws with group
 two versions are compared on the same random stream. Greedy decoding is top-k 1: every draw takes
 the most likely token, whatever the uniforms.
 The reward is `TaskSource.reward` of the decoded completion (no length penalty: a solve rate and
-a held-out score measure the task, not the length target).
+a held-out score measure the task, not the length target). Of a task that takes turns, given the run's
+spec.sampling, each completion is an episode (rlfleet/engines/episodes.py) and the reward reads its
+`episode_text`; a problem whose environment fails a turn scores 0 for each of its k episodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rlfleet.engines.base import Engine, GroupRequest
-from rlfleet.models.sampling import completion_text
+from rlfleet.engines.base import Engine, Generation, GroupRequest
+from rlfleet.engines.episodes import generate_episodes
 from rlfleet.tasks.base import TaskSource
 from rlfleet.tasks.chat import encode_prompt
+from rlfleet.tasks.turns import episode_text
 from rlfleet.wire.streams import SamplingParams
 
 
@@ -55,9 +58,11 @@ def score_problems(
     params: SamplingParams,
     groups_per_call: int | None = None,
     on_batch=None,
+    sampling=None,
 ) -> Scores:
     """Rewards of `k` completions of each of `task_ids` (module docstring); `on_batch(done, total)` is
-    called after each engine call (progress)."""
+    called after each engine call (progress); `sampling`: the run's spec.sampling, whose turn limits a task that
+    takes turns is sampled by (None: one completion each)."""
     if k < 1:
         raise ValueError(f"k: {k} completions per problem; draw at least 1")
     per_call = groups_per_call or engine.default_groups_in_flight
@@ -70,9 +75,18 @@ def score_problems(
             GroupRequest(encode_prompt(engine.tokenizer, p), replace(params, seed=params.seed + start + j), k)
             for j, p in enumerate(problems)
         ]
-        for problem, gens in zip(problems, engine.generate_groups(requests)):
-            texts = [completion_text(engine.tokenizer, g.completion_ids, engine.stop_ids) for g in gens]
-            rewards.append([float(r) for r in task.rewards(problem, texts)])  # a batch reward where the task has one
+        generated: list[list[Generation] | None]
+        if sampling is not None and task.multi_turn and sampling.max_turns > 1:
+            generated, _ = generate_episodes(engine, task, requests, problems, sampling)
+        else:
+            generated = list(engine.generate_groups(requests))
+        for problem, gens in zip(problems, generated):
+            if gens is None:  # the environment failed a turn of this problem's episodes
+                rewards.append([0.0] * k)
+            else:
+                texts = [episode_text(task, problem, engine.tokenizer, g.completion_ids, g.spans, engine.stop_ids)
+                         for g in gens]  # fmt: skip
+                rewards.append([float(r) for r in task.rewards(problem, texts)])  # a batch reward where it has one
             done_ids.append(problem.task_id)
         if on_batch is not None:
             on_batch(len(done_ids), len(task_ids))

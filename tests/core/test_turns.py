@@ -152,3 +152,23 @@ def test_spans_travel_on_the_wire_and_bad_spans_are_malformed():
         sample.spans = spans
         with pytest.raises(MessageError, match=message):
             RolloutGroup.decode(group.encode())
+
+
+def test_a_held_out_evaluation_of_a_tool_task_scores_whole_episodes():
+    """The trainer's evaluation and `rlfleet filter` (engines/solve.py) sample a task that takes turns as the workers
+    do: the calculator example's model calls the tool, then answers; scored on its first turn alone it would
+    score nothing (the call is not the answer)."""
+    from rlfleet.config import load_bundle
+    from rlfleet.engines.solve import greedy, score_problems
+    from rlfleet.engines.torch_engine import TorchEngine
+    from rlfleet.models.sources import resolve_model_path
+    from tests.support import REPO
+
+    spec = load_bundle(str(REPO / "examples" / "calculator" / "rlrun.yaml")).run.spec
+    engine = TorchEngine(resolve_model_path(spec.model, spec.task, seed=spec.trainer.seed), 0)
+    task = make_run_task(spec)
+    ids = [f"arith-0-{i}" for i in range(16)]
+    episodes = score_problems(engine, task, ids, 1, greedy(spec.sampling.max_tokens), sampling=spec.sampling)
+    first_turns = score_problems(engine, task, ids, 1, greedy(spec.sampling.max_tokens))
+    assert episodes.pass_at_k() >= 0.5, episodes.rewards
+    assert first_turns.pass_at_k() == 0.0, first_turns.rewards

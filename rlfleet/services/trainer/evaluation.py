@@ -49,6 +49,7 @@ class Evaluator:
             else SamplingParams(ev.temperature or s.temperature, s.top_p, s.top_k, max_tokens, seed=0)
         )
         self.every, self.k, self.pass_reward = ev.every, ev.k, ev.pass_reward
+        self.sampling = s  # a task that takes turns is evaluated on whole episodes under the run's turn limits
         self.base, self.dtype = base, run_spec.model.dtype
         self.engine: TorchEngine | None = None  # made by the thread at its first evaluation
         self.cond = threading.Condition()
@@ -111,7 +112,7 @@ class Evaluator:
             engine.load_own_adapter(path, version)
         else:
             engine.load_weights(path, version)
-        scores = score_problems(engine, self.task, self.task_ids, self.k, self.params)
+        scores = score_problems(engine, self.task, self.task_ids, self.k, self.params, sampling=self.sampling)
         result = {
             "eval/version": version,
             "eval/score": scores.pass_at_k(self.pass_reward),
