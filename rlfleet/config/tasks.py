@@ -139,6 +139,14 @@ class MathTaskSpec(DatasetTaskFields):
     answer_field: str = Field(
         default="answer", min_length=1, description="Row field holding the reference final answer."
     )
+    tools: list[Literal["python"]] = Field(
+        default_factory=list,
+        max_length=1,
+        description="Tools the model may call in its turns (a multi-turn task; spec.sampling.maxTurns >= 2): "
+        "`python` runs a turn's last ```python block in the code task's sandbox (no network, 10 s, 1 GiB) and "
+        "answers with what it printed; the reward reads the model's last turn (rlfleet/tasks/python_tool.py, "
+        "docs/environments.md).",
+    )
 
 
 class CodeTaskSpec(DatasetTaskFields):

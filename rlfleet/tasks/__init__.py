@@ -58,6 +58,10 @@ def _make_single(spec, field: str, isolate: bool) -> TaskSource:
     if spec.type == "math":
         from rlfleet.tasks.math import from_spec as math_task
 
+        if "python" in spec.tools:
+            from rlfleet.tasks.python_tool import PythonToolTask
+
+            return PythonToolTask(math_task(spec))
         return math_task(spec)
     if spec.type == "code":
         from rlfleet.tasks.code import from_spec as code_task
