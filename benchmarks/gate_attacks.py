@@ -303,7 +303,29 @@ def turn_detection(kind: str, tmp: Path, n: int, client) -> list[dict]:
     rejected = sum(r is not None for r in reasons)
     rows.append({"engine": kind, "attack": "turns: (honest episodes)", "groups": n, "rejected": rejected,
                  "passed": n - rejected, "reasons": sorted({r for r in reasons if r})})  # fmt: skip
+    rows.append(claimed_rewards(kind, judge, episodes[n:]))
     return rows
+
+
+def claimed_rewards(kind: str, judge: Judge, episodes: list) -> dict:
+    """Honest episodes claiming reward 1 for every sample (turns that solved nothing included): not a rejection,
+    as the gate trains on the rewards it recomputes; `trained_as_claimed` counts the groups whose trusted rewards
+    are the claimed ones although the episodes did not earn them (0 is the bar)."""
+    judge.reset()
+    earned = [[s.reward for s in g.samples] for g in episodes]
+    claims, trained = 0, 0
+    for g, rewards in zip(episodes, earned):
+        if all(r == 1.0 for r in rewards):
+            continue  # nothing to over-claim
+        g = copy.deepcopy(g)
+        for sample in g.samples:
+            sample.reward = 1.0
+        judge.n += 1
+        outcome = judge.checker.check(g, f"{judge.n}-0".encode(), prefill=True)
+        claims += 1
+        trained += outcome.rewards == [1.0] * len(g.samples)
+    return {"engine": kind, "attack": "turns: reward claimed for turns that earned none", "groups": claims,
+            "rejected": 0, "passed": claims, "trained_as_claimed": trained, "reasons": []}  # fmt: skip
 
 
 def main() -> int:
@@ -354,6 +376,8 @@ def main() -> int:
         why = f" ({','.join(r['reasons'])})" if r["reasons"] else ""
         if r.get("unchanged"):
             why += f"; {r['unchanged']} left token for token honest by the attack"
+        if "trained_as_claimed" in r:
+            why += f"; trained with the claimed rewards: {r['trained_as_claimed']}"
         print(f"| {r['engine']} | {r['attack']} | {r['rejected']}/{r['groups']}{why} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

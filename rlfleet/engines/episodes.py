@@ -4,8 +4,10 @@
 holding the next model turn of every episode still going (a request of one sample each: its prompt is the
 problem's prompt plus its transcript so far, `first` its index in the group and `draws_from` its model tokens so
 far, so its draws continue its own uniform stream), then asks the environment for its answer to each turn and
-appends the answer's tokens. An engine with a prefix cache (vLLM) reuses the transcript's rows; the torch engine
-prefills it again each round.
+appends the answer's tokens. Each round prefills every transcript again: the torch engine has no cache across
+calls, and vLLM reads no prefix cache for a request whose prompt rows it captures for the TOPLOC proofs
+(rlfleet/engines/vllm_engine.py), which a one-sample request always is (benchmarks/rollout.py `--turns` measures
+what that costs).
 
 A sample's Generation holds its whole transcript (`completion_ids`, with `spans`), logprobs of the model's tokens
 and 0.0 at the environment's (the gate and the trainer read only the model's), and the final hidden states of

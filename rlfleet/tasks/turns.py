@@ -110,12 +110,6 @@ def model_token_mask(spans: list[int]) -> list[float]:
     return [1.0 if model else 0.0 for start, end, model in span_bounds(spans, sum(spans)) for _ in range(start, end)]
 
 
-def model_turns(tokenizer, completion_ids: list[int], spans: list[int] | None, stop_ids: frozenset[int]) -> list[str]:
-    """The text of each model turn, without its stop token (what `respond` is given)."""
-    bounds = span_bounds(spans, len(completion_ids))
-    return [_turn_text(tokenizer, completion_ids[s:e], stop_ids) for s, e, model in bounds if model]
-
-
 def episode_text(
     task: TaskSource, problem: Problem, tokenizer, completion_ids: list[int], spans: list[int] | None, stop_ids
 ) -> str:

@@ -289,3 +289,33 @@ def test_rows_of_zero_advantage_are_not_computed_and_the_update_is_the_whole_bat
     zero = gradients(model, spec, batch)
     assert sum(computed) == sum(len(g.samples) for g in batch)
     assert all(g.abs().sum() == 0 for g in zero.values())
+
+
+@pytest.mark.parametrize("off_policy", ["none", "tis", "mis"])
+def test_a_multi_turn_transcript_s_environment_tokens_never_reach_the_gradient(off_policy):
+    """Rows of episodes (Sample.spans: model, environment, model) train on the model's tokens only: whatever the
+    claimed logprobs at the environment's tokens say, the update is the same, with entropy, KL and off-policy
+    weights on; and the environment's tokens still shape it as context (other tokens there, another gradient)."""
+    model, reference = qwen(dtype=torch.float64), qwen(dtype=torch.float64, seed=1)
+    spec = TrainerSpec(entropy_coef=0.05, kl_coef=0.2, max_grad_norm=1e9, off_policy={"mode": off_policy, "cap": 2.0})
+    batch = groups(64)
+    for g in batch:
+        for s in g.samples:
+            n = len(s.completion_ids)
+            s.completion_ids += [7, 8, 9] + s.completion_ids[:2]
+            s.logprobs += [0.0, 0.0, 0.0] + s.logprobs[:2]
+            s.spans = [n, 3, 2]
+    base = gradients(model, spec, batch, reference)
+    claimed = copy.deepcopy(batch)
+    for g in claimed:
+        for s in g.samples:
+            s.logprobs[s.spans[0] : s.spans[0] + 3] = [-9.0, -0.5, -30.0]  # nonsense where nothing was sampled
+    assert any(g.abs().sum() > 0 for g in base.values())
+    for name, grad in gradients(model, spec, claimed, reference).items():
+        torch.testing.assert_close(grad, base[name], rtol=1e-12, atol=1e-15, msg=name)
+    other = copy.deepcopy(batch)
+    for g in other:
+        for s in g.samples:
+            s.completion_ids[s.spans[0] : s.spans[0] + 3] = [10, 11, 12]
+    moved = gradients(model, spec, other, reference)
+    assert any(not torch.allclose(moved[n], base[n]) for n in base), "the environment's tokens are context"
