@@ -21,7 +21,11 @@ Steps, one after the other in this process, on the device `rlfleet.models.device
  4. weight swap: a perturbed version 1 is published and signed, served by a real origin and relay
     over 127.0.0.1; versions 1, 0, 1 are each downloaded afresh (hashes, signature), loaded in place
     and used for a 1-token group: swap / (download + load), the rollout benchmark's figure;
- 5. trainer: after one untimed warm-up step, one GRPO step (`grpo_update`, as the trainer takes it)
+ 5. episodes: multi-turn episodes on the torch engine (rlfleet/engines/episodes.py; the tests' Counter
+    environment answers every turn, 3 model turns of max-tokens / 4 tokens each), all groups in one
+    round per turn: the model's tokens/s, and the gate's prefill checks of them on the device (TOPLOC
+    over every position, logprobs and the seed replay over the model's): honest rejected must be 0;
+ 6. trainer: after one untimed warm-up step, one GRPO step (`grpo_update`, as the trainer takes it)
     on batches of 1, 4 and 16 of the groups: peak device memory and tokens/s, beside the model-state
     bound (weights + gradients + AdamW's two moments); a batch that does not fit says OOM.
 Prints one table; `--json PATH` writes every figure. Run through scripts/gpu-check.sh.
@@ -52,6 +56,7 @@ from rlfleet.engines.base import GroupRequest
 from rlfleet.models.builtin import build_tokenizer
 from rlfleet.models.device import choose_device
 from rlfleet.models.policy import load_policy
+from rlfleet.models.sampling import stop_token_ids
 from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchSettings, fetch_version
@@ -360,7 +365,9 @@ def main() -> int:
             report["verification_torch"] = step(
                 "verification_torch", verification_rows, spec, v0, dtype, device, groups, gen_tps, other
             )
-        report["weight_swap"] = step("weight_swap", swap_rows, engine, spec, work, device)
+        engine.stop_ids = stop_token_ids(engine.model, engine.tokenizer)  # generation_rows ignored them
+        report["episodes_torch"] = step("episodes_torch", episode_rows, engine, spec, v0, dtype, device, args.groups)
+        report["weight_swap"] = step("weight_swap", swap_rows, engine, spec, work, device)  # leaves other weights
         engine.close()
         del engine
         skip = vllm_skip_reason(device)
@@ -382,8 +389,48 @@ def main() -> int:
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    rejected = [k for k in ("verification_torch", "verification_vllm") if report.get(k, {}).get("honest_rejected")]
+    checked = ("verification_torch", "verification_vllm", "episodes_torch")
+    rejected = [k for k in checked if report.get(k, {}).get("honest_rejected")]
     return 1 if rejected or errors else 0
+
+
+def episode_rows(engine, spec, model_dir: Path, dtype: str, device, groups: int) -> dict:
+    """Step 5 (module docstring): multi-turn episodes drawn and checked on the device."""
+    from rlfleet.engines.episodes import generate_episodes
+    from rlfleet.tasks.turns import drawn_tokens
+    from tests.core.turn_envs import Counter
+
+    task, s = Counter(), spec.sampling
+    sampling = s.model_copy(update={"max_turns": 3, "max_tokens_per_turn": max(1, s.max_tokens // 4)})
+    problems = [task.problem(f"turns-ok-{i}") for i in range(groups)]
+    prompts = [engine.tokenizer(p.prompt)["input_ids"] for p in problems]
+    params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=i) for i in range(groups)]
+    requests = [GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)]
+    sync(device)
+    t0 = time.perf_counter()
+    made, failures = generate_episodes(engine, task, requests, problems, sampling)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    assert not failures, failures
+    episodes, tokens, turns = [], 0, 0
+    for problem, prompt, param, gens in zip(problems, prompts, params, made):
+        assert gens is not None
+        proofs = build_proofs_many([g.hidden for g in gens], len(prompt))
+        samples = [Sample(g.completion_ids, g.logprobs, p, 0.0, g.finish_reason, g.spans) for g, p in zip(gens, proofs)]
+        tokens += sum(drawn_tokens(g.spans, len(g.completion_ids)) for g in gens)
+        turns += sum((len(g.spans or [0]) + 1) // 2 for g in gens)
+        episodes.append(RolloutGroup(problem.task_id, "gpu-check", gens[0].version, prompt, param, samples,
+                                     engine=engine.name))  # fmt: skip
+    model, tok = load_policy(model_dir, dtype, device)  # as the verifier loads a version (Gate.policy)
+    checker = Checker(spec, None, None, policy=lambda v: (model, tok))
+    reasons, verify_s = verify(checker, model, tok, episodes, device)
+    return {
+        "model_tokens_per_s": tokens / seconds,
+        "turns_per_sample": turns / (groups * s.group_size),
+        "verify_s": verify_s,
+        "honest_rejected": sum(r is not None for r in reasons),
+        "reasons": sorted({r for r in reasons if r}),
+    }
 
 
 def other_groups(model_dir: Path, spec, dtype: str, device) -> list[RolloutGroup]:
@@ -458,6 +505,12 @@ def print_table(r: dict) -> None:
         print(
             f"| weight swap ({s['checkpoint_mib']:.0f} MiB): download / load / 1st token s; swap/(dl+load) | "
             f"{s['download_s']:.2f} / {s['load_s']:.2f} / {s['first_token_s']:.3f}; {s['swap_ratio']:.2f} | - |"
+        )
+    if "episodes_torch" in r:
+        e = r["episodes_torch"]
+        print(
+            f"| multi-turn episodes ({e['turns_per_sample']:.1f} turns a sample): model tok/s; honest rejected | "
+            f"{e['model_tokens_per_s']:,.0f}; {e['honest_rejected']} {e['reasons'] or ''} | - |"
         )
     t = r.get("trainer", {"steps": {}})
     for k, step in t["steps"].items():

@@ -41,6 +41,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert honest["match_share"] == honest["worst_group"] == 1.0 and honest["positions"] > 0
     assert changed["worst_group"] < 1.0 and changed["match_share"] < 1.0
     assert report["weight_swap"]["checkpoint_mib"] > 0
+    episodes = report["episodes_torch"]  # multi-turn, drawn and prefill-checked on the device
+    assert episodes["honest_rejected"] == 0 and episodes["turns_per_sample"] > 1, episodes
     assert {step["groups"] for step in report["trainer"]["steps"].values()} == {1, 4, 16}
     assert "no GPU" in report["vllm_skipped"]
     table = (out / "gpu-check.log").read_text()
