@@ -83,3 +83,41 @@ class TaskSource(ABC):
         deterministic function of its arguments: the verifier calls it again on the claimed turns. A source that
         takes no turns ends every episode after the first."""
         return None
+
+
+class WrappedTask(TaskSource):
+    """A source that is `inner` but for what a subclass overrides (a chat template, a tool): every method, and
+    whether it takes turns, is the inner source's."""
+
+    def __init__(self, inner: TaskSource):
+        self.inner = inner
+        self.multi_turn = inner.multi_turn
+
+    def problem(self, task_id: str) -> Problem:
+        return self.inner.problem(task_id)
+
+    def sample_id(self, rng: np.random.Generator) -> str:
+        return self.inner.sample_id(rng)
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return self.inner.reward(problem, completion)
+
+    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
+        return self.inner.rewards(problem, completions)
+
+    def scores(self, problem: Problem, completions: list[str], completion_tokens: list[int]) -> list[float]:
+        return self.inner.scores(problem, completions, completion_tokens)
+
+    def respond(self, problem: Problem, turns: list[str]) -> str | None:
+        return self.inner.respond(problem, turns)
+
+    def episode_text(self, problem: Problem, turns: list[str]) -> str:
+        return self.inner.episode_text(problem, turns)
+
+    def demonstration_turns(self, problem: Problem, rng: np.random.Generator, label_noise: float) -> list[str] | None:
+        return self.inner.demonstration_turns(problem, rng, label_noise)
+
+    def ids(self) -> list[str]:
+        """The inner source's listed ids (a data set's), or none."""
+        ids = getattr(self.inner, "ids", None)
+        return ids() if ids else []

@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from rlfleet.tasks.base import Problem, TaskSource
+from rlfleet.tasks.base import Problem, TaskSource, WrappedTask
 
 TOOLS = ("calculator",)
 # a call: integers joined by + or -; a leading minus allowed; at most 12 digits a number (no huge integers)
@@ -34,28 +34,12 @@ def calculate(call: str) -> int | None:
     return sum(int(term) for term in re.findall(r"[+-]?\d+", call))
 
 
-class CalculatorTask(TaskSource):
+class CalculatorTask(WrappedTask):
     """`inner` (the arithmetic task) with the calculator: see the module docstring."""
 
-    multi_turn = True
-
     def __init__(self, inner: TaskSource):
-        self.inner = inner
-
-    def problem(self, task_id: str) -> Problem:
-        return self.inner.problem(task_id)
-
-    def sample_id(self, rng: np.random.Generator) -> str:
-        return self.inner.sample_id(rng)
-
-    def reward(self, problem: Problem, completion: str) -> float:
-        return self.inner.reward(problem, completion)
-
-    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
-        return self.inner.rewards(problem, completions)
-
-    def scores(self, problem: Problem, completions: list[str], completion_tokens: list[int]) -> list[float]:
-        return self.inner.scores(problem, completions, completion_tokens)
+        super().__init__(inner)
+        self.multi_turn = True
 
     def respond(self, problem: Problem, turns: list[str]) -> str | None:
         value = calculate(turns[-1])

@@ -14,9 +14,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
-from rlfleet.tasks.base import Problem, TaskSource
+from rlfleet.tasks.base import Problem, TaskSource, WrappedTask
 
 
 class ChatTemplateMissing(ValueError):
@@ -64,37 +62,12 @@ def check_chat_templates(task_spec, has_template: bool, model: str) -> None:
             raise ChatTemplateMissing(missing_template_message(where, model))
 
 
-class ChatPromptTask(TaskSource):
+class ChatPromptTask(WrappedTask):
     """`inner` with its problems marked for the chat template (and the system prompt)."""
 
     def __init__(self, inner: TaskSource, system_prompt: str | None):
-        self.inner, self.system_prompt = inner, system_prompt
-        self.multi_turn = inner.multi_turn
-
-    def respond(self, problem: Problem, turns: list[str]) -> str | None:
-        return self.inner.respond(problem, turns)
-
-    def episode_text(self, problem: Problem, turns: list[str]) -> str:
-        return self.inner.episode_text(problem, turns)
-
-    def demonstration_turns(self, problem: Problem, rng: np.random.Generator, label_noise: float) -> list[str] | None:
-        return self.inner.demonstration_turns(problem, rng, label_noise)
+        super().__init__(inner)
+        self.system_prompt = system_prompt
 
     def problem(self, task_id: str) -> Problem:
         return replace(self.inner.problem(task_id), chat_template=True, system_prompt=self.system_prompt)
-
-    def sample_id(self, rng: np.random.Generator) -> str:
-        return self.inner.sample_id(rng)
-
-    def reward(self, problem: Problem, completion: str) -> float:
-        return self.inner.reward(problem, completion)
-
-    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
-        return self.inner.rewards(problem, completions)
-
-    def scores(self, problem: Problem, completions: list[str], completion_tokens: list[int]) -> list[float]:
-        return self.inner.scores(problem, completions, completion_tokens)
-
-    def ids(self) -> list[str]:
-        ids = getattr(self.inner, "ids", None)
-        return ids() if ids else []

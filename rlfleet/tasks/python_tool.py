@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
-from rlfleet.tasks.base import Problem, TaskSource
+from rlfleet.tasks.base import Problem, TaskSource, WrappedTask
 from rlfleet.tasks.code import Limits, resolve_isolation, run_program
 
 CALL = re.compile(r"```python[ \t]*\n(.*?)```", re.DOTALL)
@@ -52,32 +50,13 @@ def tool_output(program: str, limits: Limits, isolation: str) -> str:
     return f"```output\n{body}\n```\n"
 
 
-class PythonToolTask(TaskSource):
+class PythonToolTask(WrappedTask):
     """`inner` (the math task) with a Python interpreter: see the module docstring."""
 
-    multi_turn = True
-
     def __init__(self, inner: TaskSource, limits: Limits = Limits(), isolation: str = "auto"):
-        self.inner, self.limits, self.isolation = inner, limits, resolve_isolation(isolation)
-
-    def problem(self, task_id: str) -> Problem:
-        return self.inner.problem(task_id)
-
-    def sample_id(self, rng: np.random.Generator) -> str:
-        return self.inner.sample_id(rng)
-
-    def reward(self, problem: Problem, completion: str) -> float:
-        return self.inner.reward(problem, completion)
-
-    def rewards(self, problem: Problem, completions: list[str]) -> list[float]:
-        return self.inner.rewards(problem, completions)
-
-    def scores(self, problem: Problem, completions: list[str], completion_tokens: list[int]) -> list[float]:
-        return self.inner.scores(problem, completions, completion_tokens)
-
-    def ids(self) -> list[str]:
-        ids = getattr(self.inner, "ids", None)
-        return ids() if ids else []
+        super().__init__(inner)
+        self.multi_turn = True
+        self.limits, self.isolation = limits, resolve_isolation(isolation)
 
     def respond(self, problem: Problem, turns: list[str]) -> str | None:
         blocks = CALL.findall(turns[-1])

@@ -51,19 +51,27 @@ def mixture_gate(tmp_path, redis_url):
         rlrun("gate", model=policy, task=MIXTURE, sampling={"groupSize": 4, "maxTokens": 4},
               trainer={"batchSize": 1, "maxAsyncLevel": 1}, store=tmp_path / "store")
     )  # fmt: skip
+    with published_gate(tmp_path, redis_url, policy, text) as (ctx, origin_url):
+        yield ctx, policy, origin_url
+
+
+@contextmanager
+def published_gate(tmp_path, redis_url, policy, text: str, run: str = "gate"):
+    """(Context, origin URL) of run `run` of the bundle `text`: `policy` published as its signed version 0 to its
+    store, announced, and served by an origin (the signing key in the environment while it lasts)."""
     bundle = parse_bundle(text)
     store = open_store(bundle.run.spec.store.uri)
     key_file, public = generate_keypair(tmp_path / "keys")
     saved = {k: os.environ.get(k) for k in (env.SIGNING_KEY_FILE, env.PUBLIC_KEY)}
     os.environ.update({env.SIGNING_KEY_FILE: str(key_file), env.PUBLIC_KEY: public})
-    publish_version(store, "gate", 0, policy, signer=make_signer(load_private_key(key_file)))
+    publish_version(store, run, 0, policy, signer=make_signer(load_private_key(key_file)))
     client = redis_from_url(redis_url)
-    keys = RunKeys("gate")
+    keys = RunKeys(run)
     client.xadd(keys.policy, encode_json({"version": 0}))
     ctx = Context(bundle=bundle, redis=client, keys=keys, stop=threading.Event())
     try:
-        with serving(make_app(store, "gate")) as origin_url:
-            yield ctx, policy, origin_url
+        with serving(make_app(store, run)) as origin_url:
+            yield ctx, origin_url
     finally:
         ctx.stop.set()
         client.close()

@@ -5,25 +5,17 @@ a turn is a forgiven `environment` rejection, never the gate's death."""
 
 from __future__ import annotations
 
-import os
-import threading
 from contextlib import contextmanager
 
-from rlfleet.config import parse_bundle
 from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.fleet.reputation import is_banned
 from rlfleet.models.policy import load_policy
-from rlfleet.services.shardcast.origin import make_app
 from rlfleet.tasks.turns import span_bounds
-from rlfleet.versions.checkpoint import publish_version
-from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
-from rlfleet.versions.store import open_store
-from rlfleet.wire import env
-from rlfleet.wire.runtime import Context
-from rlfleet.wire.streams import RolloutGroup, RunKeys, decode_json, encode_json
+from rlfleet.wire.streams import RolloutGroup, decode_json
 from tests.runs import bundle_yaml, rlrun
-from tests.support import redis_from_url, serving, tiny_policy_dir
+from tests.support import tiny_policy_dir
 from tests.toploc.test_gate import rejections, run_gate, verified_ids
+from tests.toploc.test_gate_tasks import published_gate
 from tests.toploc.turn_attacks import ATTACKS, honest_episodes, prove_turns
 
 TURNS = {"type": "python", "entrypoint": "tests.core.turn_envs:Counter", "timeoutSeconds": 2}
@@ -38,27 +30,8 @@ def turns_gate(tmp_path, redis_url, sampling: dict = SAMPLING):
         rlrun("gate", model=policy, task=TURNS, sampling=sampling, trainer={"batchSize": 1, "maxAsyncLevel": 1},
               store=tmp_path / "store")
     )  # fmt: skip
-    bundle = parse_bundle(text)
-    store = open_store(bundle.run.spec.store.uri)
-    key_file, public = generate_keypair(tmp_path / "keys")
-    saved = {k: os.environ.get(k) for k in (env.SIGNING_KEY_FILE, env.PUBLIC_KEY)}
-    os.environ.update({env.SIGNING_KEY_FILE: str(key_file), env.PUBLIC_KEY: public})
-    publish_version(store, "gate", 0, policy, signer=make_signer(load_private_key(key_file)))
-    client = redis_from_url(redis_url)
-    keys = RunKeys("gate")
-    client.xadd(keys.policy, encode_json({"version": 0}))
-    ctx = Context(bundle=bundle, redis=client, keys=keys, stop=threading.Event())
-    try:
-        with serving(make_app(store, "gate")) as origin_url:
-            yield ctx, policy, origin_url
-    finally:
-        ctx.stop.set()
-        client.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with published_gate(tmp_path, redis_url, policy, text) as (ctx, origin_url):
+        yield ctx, policy, origin_url
 
 
 def test_honest_episodes_pass_and_every_transcript_attack_is_rejected(tmp_path, redis_url):
