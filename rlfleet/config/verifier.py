@@ -90,17 +90,18 @@ class BanPolicySpec(Spec):
         default=0.1,
         ge=0.0,
         le=1.0,
-        description="Runs that assign work (spec.sampling.assignment: run): ban a worker once the tickets it was "
-        "issued and never got a group accepted for exceed droppedTicketAllowance plus this share of its issued "
-        "tickets (rule `droppedTickets`). A worker that drops the tickets whose groups it does not like (low "
-        "reward) would pick what the trainer sees, as grinding seeds would; an honest worker drops only groups "
-        "that went stale or that a restart lost. 1: never.",
+        description="Runs that assign work (spec.sampling.assignment: run): ban a worker once the tickets before its "
+        "latest accepted one that never got a group accepted exceed droppedTicketAllowance plus this share of "
+        "those tickets (rule `droppedTickets`; rlfleet/fleet/assignment.py). A worker that drops the tickets "
+        "whose groups it does not like (low reward) would pick what the trainer sees, as grinding seeds would; an "
+        "honest worker drops only groups that went stale or that a restart lost. 1: never.",
     )
     dropped_ticket_allowance: int = Field(
         default=64,
         ge=0,
-        description="Tickets a worker may hold without a group accepted for them before the dropped-ticket rule "
-        "counts them (maxDroppedTicketShare): its groups being generated and waiting in the inbox.",
+        description="Tickets before a worker's latest accepted one that may lack an accepted group before the "
+        "dropped-ticket rule counts them (maxDroppedTicketShare): groups overtaken by later ones at several gate "
+        "replicas, and a few stale or rejected ones.",
     )
 
 

@@ -18,9 +18,14 @@ so what the worker saw retired still is): the worker has no choice among the dra
 
 Dropped tickets. A worker can still drop a ticket whose group it does not like (a low reward) and so
 pick what the trainer sees. Each accepted group counts its ticket (`tickets_used` in the worker's
-reputation counters); a worker whose issued minus used tickets exceed `verifier.ban.droppedTicketAllowance`
-plus `maxDroppedTicketShare` of those issued is banned at its next accepted group (rule `droppedTickets`,
-applied by the gate's commit script: rlfleet/services/toploc/commit.py).
+reputation counters) and raises `tickets_reached` to its ticket + 1 (a worker's tickets are numbered in the
+order it takes them, and it sends their groups in that order); a worker whose reached minus used tickets exceed
+`verifier.ban.droppedTicketAllowance` plus `maxDroppedTicketShare` of those reached is banned at that accepted
+group (rule `droppedTickets`, applied by the gate's commit script: rlfleet/services/toploc/commit.py). Only
+tickets before the latest accepted one count: the tickets of groups still generating, in the inbox, or never
+sent because the run ended are not drops (counted against all issued tickets, an honest worker ahead of a slow
+gate was banned); a dropped ticket counts as soon as a later ticket's group is accepted. The allowance covers
+the groups a worker's later tickets overtake at several gate replicas, and its stale and rejected groups.
 """
 
 from __future__ import annotations
@@ -75,14 +80,14 @@ def ticket_problem(client: redis.Redis, keys: RunKeys, task, salt: int, group: R
     return None
 
 
-def dropped_ticket_ban(policy, worker_id: str, rollout_id: str) -> dict | None:
-    """The commit script's dropped-ticket rule for an accepted ticketed group of `worker_id` (module docstring;
-    `policy`: spec.verifier.ban), None when the rule is off (share 1)."""
+def dropped_ticket_ban(policy, worker_id: str, ticket: int, rollout_id: str) -> dict | None:
+    """The commit script's dropped-ticket rule for an accepted group of `worker_id` on ticket `ticket` (module
+    docstring; `policy`: spec.verifier.ban), None when the rule is off (share 1)."""
     if policy.max_dropped_ticket_share >= 1:
         return None
     detail = (
-        f"more than {policy.dropped_ticket_allowance} + {policy.max_dropped_ticket_share} x issued of its work "
-        "tickets were never used by an accepted group"
+        f"more than {policy.dropped_ticket_allowance} + {policy.max_dropped_ticket_share} x reached of its work "
+        "tickets before its latest accepted one were never used by an accepted group"
     )
     record = {
         "reason": "assignment",
@@ -93,7 +98,9 @@ def dropped_ticket_ban(policy, worker_id: str, rollout_id: str) -> dict | None:
     }
     return {
         "worker": worker_id,
+        "ticket": ticket,
         "used": field(worker_id, "tickets_used"),
+        "reached": field(worker_id, "tickets_reached"),
         "allowance": policy.dropped_ticket_allowance,
         "share": policy.max_dropped_ticket_share,
         "record": json.dumps(record),

@@ -6,8 +6,10 @@ kernel hands out for port 0 comes from its ephemeral range (`/proc/sys/net/ipv4/
 by default), the range it also takes the local port of every outgoing connection from: a Redis client or an HTTP
 request opened in between could take it ("Address already in use"), which under parallel tests happened. So ports
 are drawn at random from the range just below the ephemeral one, where no outgoing connection lands, and each is
-checked free by binding it before it is handed out. Two processes drawing at once collide only if they draw the
-same port among thousands before either binds it.
+checked free by binding it before it is handed out, and never handed out twice by one process (a launcher draws
+every port of a run before any component binds one: two draws of the same port gave the relay the origin's
+metrics port). Two processes drawing at once collide only if they draw the same port among thousands before
+either binds it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 SERVER_PORTS = 12000  # how many ports below the ephemeral range are drawn from
 _draw = random.SystemRandom()  # no state shared with a forked child
+_handed_out: set[int] = set()  # the ports this process drew (a few per run: never pruned)
 
 
 def server_port_range() -> range:
@@ -36,12 +39,15 @@ def free_port(host: str = "127.0.0.1", ports: range | None = None) -> int:
     ports = ports or server_port_range()
     for _ in range(200):
         port = _draw.choice(ports)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:  # the whole range taken: let the kernel choose
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -28,4 +28,13 @@ def test_a_port_a_socket_holds_is_never_handed_out():
                 s.bind(("127.0.0.1", port))
             except OSError:  # already held by someone else: held all the same
                 pass
-        assert {free_port(ports=ports) for _ in range(20)} == {24105}
+        assert free_port(ports=ports) == 24105
+        held_ports = set(ports) - {24105}
+        assert not {free_port(ports=ports) for _ in range(20)} & held_ports, "never a held one, 24105 not twice"
+
+
+def test_one_process_never_hands_out_a_port_twice():
+    """A launcher draws every port of a run before any component binds one: no two of them may be the same."""
+    ports = range(24200, 24260)
+    drawn = [free_port(ports=ports) for _ in range(40)]
+    assert len(set(drawn)) == len(drawn)

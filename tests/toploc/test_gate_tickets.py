@@ -77,12 +77,15 @@ def test_a_worker_that_drops_its_tickets_is_banned_and_one_that_uses_them_is_not
     ):
         spec, r, keys = ctx.bundle.run.spec, ctx.redis, ctx.keys
         engine = TorchEngine(policy, 0)
-        # The dropper took 12 tickets and sends the groups of two (those it liked): 11 unused > 4 + 0.25 x 12.
+        # The dropper took 12 tickets and sends the groups of the last two (those it liked): at the first, 10 of the
+        # 11 tickets reached unused > 4 + 0.25 x 11.
         dropper = [issue_ticket(r, keys, "w-dropper") for _ in range(12)]
-        kept = [ticketed(engine, spec, "w-dropper", k) for k in dropper[5:7]]
-        # The honest worker took 6 and sends 5 (one still in flight): 1 unused, within the allowance.
+        kept = [ticketed(engine, spec, "w-dropper", k) for k in dropper[10:12]]
+        # The honest worker took 16 and sends 5 (the rest still generating or in the inbox): none before its latest
+        # accepted ticket unused, although 11 of its 16 are (the old rule's count: over 4 + 0.25 x 16).
         used = [ticketed(engine, spec, "w-honest", issue_ticket(r, keys, "w-honest")) for _ in range(5)]
-        issue_ticket(r, keys, "w-honest")
+        for _ in range(11):
+            issue_ticket(r, keys, "w-honest")
         for g in (*kept, *used):
             r.xadd(keys.rollouts, g.encode())
         run_gate(ctx, origin_url, tmp / "cache", expected=7)
@@ -92,7 +95,8 @@ def test_a_worker_that_drops_its_tickets_is_banned_and_one_that_uses_them_is_not
         record = ban_record(r, keys, "w-dropper")
         assert record is not None and (record["rule"], record["reason"]) == ("droppedTickets", "assignment")
         assert ban_record(r, keys, "w-honest") is None
-        assert one_worker_stats(r, keys, "w-honest")["counters"]["tickets_used"] == 5
+        counters = one_worker_stats(r, keys, "w-honest")["counters"]
+        assert counters["tickets_used"] == 5 and counters["tickets_reached"] == 5
 
 
 def test_a_filtered_run_redraws_along_the_ticket_and_the_gate_checks_the_skipped_draws(tmp_path, redis_url):

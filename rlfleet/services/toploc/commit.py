@@ -38,7 +38,7 @@ from rlfleet.wire.streams import RolloutGroup, RunKeys
 
 log = logging.getLogger("rlfleet.verifier")
 
-# KEYS: inbox, out stream, stats, workers, banned, attempts, audit bytes, work tickets issued.
+# KEYS: inbox, out stream, stats, workers, banned, attempts, audit bytes.
 # ARGV: group, entry id, maxlen, plan JSON {stats, workers, ban?, share_ban?, ticket_ban?, audit_max_bytes?},
 # then the out fields. With audit_max_bytes (a rejection) the out stream is an audit stream (audit.py).
 COMMIT_SCRIPT = (
@@ -78,9 +78,10 @@ if sb then
 end
 local tb = plan.ticket_ban
 if tb then
-  local issued = tonumber(redis.call('HGET', KEYS[8], tb.worker) or '0')
+  local reached = math.max(tonumber(redis.call('HGET', KEYS[4], tb.reached) or '0'), tb.ticket + 1)
+  redis.call('HSET', KEYS[4], tb.reached, reached)
   local used = tonumber(redis.call('HGET', KEYS[4], tb.used) or '0')
-  if issued - used > tb.allowance + tb.share * issued then
+  if reached - used > tb.allowance + tb.share * reached then
     if redis.call('HSETNX', KEYS[5], tb.worker, tb.record) == 1 then return 3 end
   end
 end
@@ -142,7 +143,7 @@ class Committer:
         k = self.keys
         flat = [x for kv in written.out.items() for x in kv]
         answer = self._script(
-            keys=[k.rollouts, written.stream, k.stats, k.workers, k.banned, k.attempts, k.audit_bytes, k.tickets],
+            keys=[k.rollouts, written.stream, k.stats, k.workers, k.banned, k.attempts, k.audit_bytes],
             args=[k.verifier_group, msg_id, self.spec.redis.stream_max_len, json.dumps(written.plan), *flat],
         )
         if answer == 0:
@@ -196,7 +197,7 @@ class Committer:
         plan: dict = {"stats": {"accepted": 1}, "workers": {field(w, "accepted"): 1}}
         if group.ticket is not None and self.spec.sampling.assignment == "run":
             plan["workers"][field(w, "tickets_used")] = 1
-            ticket_ban = dropped_ticket_ban(self.spec.verifier.ban, w, group.rollout_id)
+            ticket_ban = dropped_ticket_ban(self.spec.verifier.ban, w, group.ticket, group.rollout_id)
             if ticket_ban is not None:
                 plan["ticket_ban"] = ticket_ban
         if outcome.reward_mismatches:
