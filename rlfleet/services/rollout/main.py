@@ -278,33 +278,9 @@ class Worker:
             raise RuntimeError(f"one engine call produced versions {sorted(versions)}: the engine broke its contract")
         drafts: list[tuple[RolloutGroup, list]] = []  # each group (its proofs not built yet) and its generations
         for piece, problem, prompt_ids, q, gens in zip(work, problems, prompts, params, batch):
-            tokenizer, stop_ids = self.loaded.tokenizer, self.loaded.stop_ids
-            try:
-                with LAPS.part("reward"):
-                    texts = [episode_text(self.task, problem, tokenizer, g.completion_ids, g.spans, stop_ids)
-                             for g in gens]  # fmt: skip
-                    rewards = self.task.scores(problem, texts, [drawn_tokens(g.spans, len(g.completion_ids))
-                                                                for g in gens])  # fmt: skip
-            except EnvironmentFailure as exc:
-                log.warning("task %s: the environment failed to score the group, which is dropped: %s",
-                            problem.task_id, exc)  # fmt: skip
-                continue
-            samples = []
-            for gen, reward in zip(gens, rewards):
-                samples.append(Sample(gen.completion_ids, gen.logprobs, [], reward, gen.finish_reason, gen.spans))
-                TOKENS.inc(len(gen.completion_ids))
-            group = RolloutGroup(
-                task_id=problem.task_id,
-                worker_id=self.worker_id,
-                policy_version=gens[0].version,  # the version that produced the tokens, not one swapped in since
-                prompt_ids=prompt_ids,
-                sampling=q,
-                samples=samples,
-                engine=self.loaded.name,
-                ticket=piece.ticket,
-                ticket_draw=piece.draw,
-            )
-            drafts.append((group, gens))
+            group = self.draft(piece, problem, prompt_ids, q, gens)
+            if group is not None:
+                drafts.append((group, gens))
         # Groups the trainer would drop for their content are held back before their proofs are built: a group's
         # digest is its prompt, sampling and completions, never its proofs, and its rewards are computed above.
         fresh = {id(g) for g in worth_sending(self.reader, self.ctx, [g for g, _ in drafts], self.hold_flat)}
@@ -323,6 +299,35 @@ class Worker:
             for sample in group.samples:
                 sample.proofs, at = proofs[at], at + 1
         return [g for g, _ in drafts]
+
+    def draft(self, piece: Work, problem, prompt_ids: list[int], q: SamplingParams, gens: list[Generation]):
+        """The group of `piece` from its generations, with the rewards its worker claims and no proofs yet; None when
+        the environment fails to score it (the group is dropped, the worker goes on)."""
+        tokenizer, stop_ids = self.loaded.tokenizer, self.loaded.stop_ids
+        try:
+            with LAPS.part("reward"):
+                texts = [episode_text(self.task, problem, tokenizer, g.completion_ids, g.spans, stop_ids) for g in gens]
+                drawn = [drawn_tokens(g.spans, len(g.completion_ids)) for g in gens]
+                rewards = self.task.scores(problem, texts, drawn)
+        except EnvironmentFailure as exc:
+            log.warning("task %s: the environment failed to score the group, which is dropped: %s",
+                        problem.task_id, exc)  # fmt: skip
+            return None
+        samples = []
+        for gen, reward in zip(gens, rewards):
+            samples.append(Sample(gen.completion_ids, gen.logprobs, [], reward, gen.finish_reason, gen.spans))
+            TOKENS.inc(len(gen.completion_ids))
+        return RolloutGroup(
+            task_id=problem.task_id,
+            worker_id=self.worker_id,
+            policy_version=gens[0].version,  # the version that produced the tokens, not one swapped in since
+            prompt_ids=prompt_ids,
+            sampling=q,
+            samples=samples,
+            engine=self.loaded.name,
+            ticket=piece.ticket,
+            ticket_draw=piece.draw,
+        )
 
     def generate(self, requests: list[GroupRequest], problems: list) -> list[list[Generation] | None]:
         """Each request's generations: one engine call, or of a task that takes turns, its episodes turn by turn
