@@ -39,7 +39,9 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from testbed.commands import (
     NETNS_ETC,
@@ -60,6 +62,19 @@ log = logging.getLogger("testbed")
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for processes left at teardown
 _CAUGHT = (signal.SIGTERM, signal.SIGHUP)  # turned into SystemExit while a testbed is open
 _HELD = (signal.SIGINT, *_CAUGHT)  # held off while a testbed is torn down
+
+
+class Process(Protocol):
+    """What the testbed needs of a process it stops at teardown (subprocess.Popen has it)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+P = TypeVar("P", bound="Process | None")
 
 
 @dataclass
@@ -83,7 +98,7 @@ class Host:
     site: Site
     up: int | None = None  # bit/s the host may send, None = unshaped
     down: int | None = None  # bit/s the host may receive, None = unshaped
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[Process] = field(default_factory=list)
     names: dict[str, str] = field(default_factory=dict)  # hosts-file entries of this host only: name -> ip
 
 
@@ -327,16 +342,29 @@ class Testbed:
     def popen(self, host: Host | str, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start `argv` inside `host` (`ip netns exec`, which execs it: the pid is the program's),
         in a session of its own (teardown signals its process group). kwargs go to Popen."""
-        host = self.hosts[host] if isinstance(host, str) else host
-        self._write_hosts_files()
         kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *map(str, argv)], **kwargs)
-        host.procs.append(proc)
+
+        def start(netns: str) -> subprocess.Popen:
+            return subprocess.Popen(["ip", "netns", "exec", netns, *map(str, argv)], **kwargs)
+
+        return self.start_in(host, start)
+
+    def start_in(self, host: Host | str, start: Callable[[str], P]) -> P:
+        """`start(netns)`, which starts a process in `host`'s namespace in a session of its own (or returns None:
+        nothing started), after the hosts files are written; the process is stopped at teardown as `popen`'s are."""
+        host = self._host(host)
+        self._write_hosts_files()
+        proc = start(host.netns)
+        if proc is not None:
+            host.procs.append(proc)
         return proc
+
+    def _host(self, host: Host | str) -> Host:
+        return self.hosts[host] if isinstance(host, str) else host
 
     def run(self, host: Host | str, argv: list[str], timeout: float | None = None, **kwargs):
         """Run `argv` inside `host` to completion; a CompletedProcess (kwargs go to subprocess.run)."""
-        host = self.hosts[host] if isinstance(host, str) else host
+        host = self._host(host)
         self._write_hosts_files()
         return subprocess.run(["ip", "netns", "exec", host.netns, *map(str, argv)], timeout=timeout, **kwargs)
 
@@ -354,7 +382,7 @@ def _sysctl(netns: str, key: str, value: str) -> None:
     subprocess.run(["ip", "netns", "exec", netns, "sysctl", "-qw", f"{key}={value}"], check=True)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: Process, sig: int) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, sig)

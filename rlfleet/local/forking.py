@@ -103,17 +103,21 @@ class Preload:
             return
         self.ready = True
 
-    def start(self, argv: list[str], environ: dict[str, str], log: Path) -> ForkedProcess:
-        """Fork and run `rlfleet <argv[3:]>` in the child, its output appended to `log`, in its own session."""
+    def start(
+        self, argv: list[str], environ: dict[str, str], log: Path, enter: Callable[[], None] | None = None
+    ) -> ForkedProcess:
+        """Fork and run `rlfleet <argv[3:]>` in the child, its output appended to `log`, in its own session.
+        `enter`, when given, runs in the child first, on the log and with no descriptor of the parent's: what a
+        container runtime would do before the command (the cluster-in-a-box tests enter a pod's namespaces)."""
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # or the child writes the launcher's buffered lines again
         pid = os.fork()
         if pid == 0:  # pragma: no cover  # the child: never returns (coverage cannot see past os._exit either)
-            _child(argv, environ, log)
+            _child(argv, environ, log, enter)
         return ForkedProcess(pid)
 
 
-def _child(argv: list[str], environ: dict[str, str], log: Path) -> None:
+def _child(argv: list[str], environ: dict[str, str], log: Path, enter: Callable[[], None] | None) -> None:
     code = 1
     try:
         os.setsid()
@@ -122,6 +126,8 @@ def _child(argv: list[str], environ: dict[str, str], log: Path) -> None:
         os.dup2(fd, 2)
         os.closerange(3, _max_fd())  # fd may be one of them: it is closed here too
         sys.stdout, sys.stderr = _unbuffered(1), _unbuffered(2)  # PYTHONUNBUFFERED's streams, on the log
+        if enter is not None:
+            enter()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         atexit._clear()  # the launcher's (Prometheus, temporary files) are not this process's

@@ -10,7 +10,6 @@ import json
 import shutil
 import sys
 
-import psutil
 import pytest
 
 from rlfleet.operator import names
@@ -72,7 +71,7 @@ def test_only_the_trainer_pod_fetches_a_hub_model_and_workers_start_from_version
         [trainer] = wait_for("the trainer pod ready", lambda: pods_of(cluster, f"{RUN}-trainer", ready=True), 180)
         workers = wait_for("a worker ready", lambda: pods_of(cluster, f"{POOL}-rollout", ready=True), 180)
         for worker in workers:  # read while they run: a complete run scales them to 0
-            environ = psutil.Process(kubelet.main_pid(cluster.runner.find(NS, worker["name"]))).environ()
+            environ = kubelet.environment_of(cluster.runner.find(NS, worker["name"]))
             assert environ.get(names.ENV_POD_NAME) == worker["name"], "the container's own environment"
             # HF_HOME is the image's cache location, no way to the hub; the hub's address and any credential are
             leaked = sorted(k for k in environ if k in ("HF_ENDPOINT", "HF_TOKEN") or k.startswith("AWS_"))

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from testbed.commands import namespaces
-from tests.cluster.inabox import Box, kubelet, oci
+from tests.cluster.inabox import Box, kubelet, oci, zygote
 from tests.cluster.inabox.helm import create
 from tests.containers import CPU_IMAGE, podman, require
 from tests.support import wait_for as poll
@@ -291,3 +291,61 @@ def test_a_pod_that_cannot_start_waits_with_the_reason(cluster):
     assert status["state"]["waiting"]["reason"] == found.waiting and status["image"] == base
     assert reason in found.message and found.proc is None and found.restarts == 0, found.message
     cluster.runner.api.delete("Deployment", NS, "rooted")
+
+
+# A relay needs no Redis and no upstream to serve: the smallest rlfleet program that keeps running.
+RELAY_RUN = """apiVersion: rlfleet.io/v1alpha1
+kind: RLRun
+metadata: {name: relay-only}
+spec:
+  model: {path: "builtin://tiny-arithmetic"}
+  task: {type: arithmetic}
+  shardcast: {requireSignatures: false}
+"""
+
+
+def relay_workload(name: str, image: str, config: str) -> dict:
+    """`rlfleet relay` on port 8080 of a Deployment of one pod, its RLRun from ConfigMap `relay-run` at /etc/relay."""
+    relay = workload("Deployment", name, 1, image)
+    template = relay["spec"]["template"]["spec"]
+    container = template["containers"][0]
+    container["command"] = ["rlfleet", "relay", "--config", config, "--metrics-port", "0", "--host", "0.0.0.0"]
+    container["command"] += ["--port", "8080", "--upstream", "http://127.0.0.1:9", "--cache-dir", "/var/cache/web/r"]
+    container["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1}
+    container["volumeMounts"].append({"name": "relay-run", "mountPath": "/etc/relay", "readOnly": True})
+    template["volumes"].append({"name": "relay-run", "configMap": {"name": "relay-run"}})
+    return relay
+
+
+def test_an_rlfleet_container_is_forked_into_the_pods_namespaces_and_behaves_as_started(cluster):
+    """Process mode forks an `rlfleet <component>` container from a zygote that imported the components' code
+    (zygote.py): its program is in the pod's network namespace (it serves on the pod's IP), runs with exactly the
+    pod's environment and volumes, stops on the pod's SIGTERM with the status it exits with, and a crashing one
+    exits with the status and last line the exec'd program gives. Container mode runs it in the image as before."""
+    client = cluster.client()
+    run = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "relay-run", "namespace": NS}}
+    create(client, {**run, "data": {"rlrun.yaml": RELAY_RUN}})
+    create(client, relay_workload("relay", cluster.image, "/etc/relay/rlrun.yaml"))
+    create(client, relay_workload("broken", cluster.image, "/etc/relay/none.yaml"))
+    client.close()
+    [pod] = wait_for("a ready relay pod", lambda: ready_pods(cluster, "relay") or None)
+    found = cluster.runner.find(NS, pod["name"])
+    forked = cluster.runner.mode == "processes"
+    assert isinstance(found.proc, zygote.ForkedPod) == forked
+    assert get_in(cluster, pod, "/healthz").status_code < 500  # the relay answers on the pod's IP
+    environ = kubelet.environment_of(found)
+    assert environ["POD"] == pod["name"] and environ["GREETING"] == "hello", environ
+    assert environ["URL"] == "redis://:s3cret@redis:6379"
+    if forked:
+        net = os.stat(f"/proc/{kubelet.main_pid(found)}/ns/net").st_ino
+        assert net == os.stat(f"/run/netns/{found.host.netns}").st_ino, "the pod's network namespace"
+    [crashing] = wait_for("the broken pod", lambda: pods(cluster, "broken") or None)
+    crashed = cluster.runner.find(NS, crashing["name"])
+    wait_for("its crash", lambda: crashed.restarts >= 1, timeout=120)
+    assert isinstance(crashed.last_exit, int) and crashed.last_exit == 2, crashed.last_exit
+    said = "/etc/relay/none.yaml: cannot read: No such file or directory"  # as the exec'd program says it
+    assert said in crashed.log.read_text().splitlines()
+    proc = found.proc
+    cluster.runner.api.delete("Deployment", NS, "relay")
+    cluster.runner.api.delete("Deployment", NS, "broken")
+    assert proc.wait(30) in (0, -15, 143), "stopped by the pod's SIGTERM"

@@ -131,8 +131,7 @@ def test_1_the_chart_installs_and_the_operator_runs_as_its_deployment(a):
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     [pod] = pods_of(a, "rlfleet-operator", ready=True)
     pid = kubelet.main_pid(a.runner.find(NS, pod["name"]))
-    variables = open(f"/proc/{pid}/environ", "rb").read().decode().split("\0")
-    environ = dict(kv.split("=", 1) for kv in variables if "=" in kv)
+    environ = kubelet.environment_of(a.runner.find(NS, pod["name"]))
     argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().rstrip("\0").split("\0")
     assert argv[-len(container["args"]) :] == container["args"], argv  # `rlfleet operator` with the chart's args
     fields = {"metadata.namespace": NS, "metadata.name": pod["name"]}  # what the kubelet resolves a fieldRef to

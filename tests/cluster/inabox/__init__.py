@@ -11,6 +11,7 @@ cluster shows.
     controllers.py Deployment / StatefulSet plans, workload status, Service names (pure)
     kubelet.py     a pod's volumes, environment, process, probes, restarts, status
     podexec.py     the first process of a container (process mode): mounts in its own mount namespace, exec
+    zygote.py      rlfleet containers forked from a process that imported their code once (process mode)
     oci.py         a pod's container as `podman run` of its image (container mode, issue #18)
     images.py      what an image is when a pod runs as processes
     netns.py       sockets in another network namespace: probes, port forwards, the API on the bridge

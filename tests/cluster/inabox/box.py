@@ -32,6 +32,7 @@ from testbed.commands import NETNS_ETC, sh
 from .apiserver import ApiServer
 from .netns import PortForward
 from .runner import PodRunner
+from .zygote import ZYGOTES
 
 S3_NAME, S3_PORT = "s3.inabox.test", 9000
 OPEN: list[Box] = []  # boxes now open (the failure report of tests/cluster/conftest.py reads them)
@@ -182,6 +183,11 @@ class Box:
     def popen(self, host: Host, argv: list[str], **kwargs):
         with self._lock:
             return self.tb.popen(host, argv, **kwargs)
+
+    def fork_pod(self, host: Host, argv: list[str], spec: Path, env: dict[str, str], log: Path):
+        """A pod's program forked from a zygote inside `host` (zygote.py); None when it must start by exec."""
+        with self._lock:
+            return self.tb.start_in(host, lambda netns: ZYGOTES.fork(argv, spec, netns, env, log))
 
     def publish(self, name: str, ip: str | None) -> None:
         with self._lock:

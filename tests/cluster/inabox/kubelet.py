@@ -11,7 +11,8 @@ kubelet would.
   in order: value with $(VAR) expansion, secretKeyRef, configMapKeyRef, fieldRef (name, namespace,
   uid, labels, annotations, pod IP, node name, service account), resourceFieldRef; then
   KUBERNETES_SERVICE_HOST/PORT and HOSTNAME. `$(VAR)` in command and args too.
-- Start: podexec.py in the pod's namespace (mounts, exec); the pod's command or the image's entrypoint.
+- Start: podexec.py in the pod's namespace (mounts, exec); the pod's command or the image's entrypoint. An
+  `rlfleet <component>` container is forked from a zygote that imported the components' code once (zygote.py).
   In the runner's container mode, a pod whose image is built here is `podman run` of it instead (oci.py),
   with the same volumes and environment.
 - Restart (restartPolicy Always): back-off 10 s doubling to 300 s while the container keeps failing
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from testbed import Host
 
-from . import netns, oci
+from . import netns, oci, zygote
 from .container_config import ConfigError, ImageMissing, expand
 from .images import process_image
 
@@ -331,6 +332,9 @@ def _start_process(pod: Pod, cluster, image, env: dict[str, str], log):
     }
     spec_path = pod.dir / f"container-{pod.restarts}.json"
     spec_path.write_text(json.dumps(spec, indent=1))
+    component = zygote.component_argv(spec["argv"])
+    if component is not None and (forked := cluster.fork_pod(pod, component, spec_path, env)) is not None:
+        return forked
     argv = ["unshare", "--uts", "--", sys.executable, str(PODEXEC), str(spec_path)]
     return cluster.popen(pod, argv, stdout=log, stderr=log)
 
@@ -358,6 +362,15 @@ def signal_group(pod: Pod, sig: int) -> None:
         os.killpg(pod.proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def environment_of(pod: Pod) -> dict[str, str]:
+    """The environment the pod's program runs with: /proc/PID/environ, or for a program forked from a zygote (whose
+    /proc shows the zygote's, zygote.py) the environment it was started with."""
+    if isinstance(pod.proc, zygote.ForkedPod):
+        return json.loads((pod.dir / f"container-{pod.restarts}.json").read_text())["env"]
+    variables = open(f"/proc/{main_pid(pod)}/environ", "rb").read().decode().split("\0")
+    return dict(kv.split("=", 1) for kv in variables if "=" in kv)
 
 
 def main_pid(pod: Pod) -> int:

@@ -51,8 +51,9 @@ def _make(path: str, is_file: bool) -> None:
         os.makedirs(path, exist_ok=True)
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
+def enter(spec: dict) -> None:
+    """Steps 1-3 and the working directory of step 4: what a container runtime does before it starts the
+    container's command (the pod's network, mount and UTS namespaces already entered)."""
     socket.sethostname(spec["hostname"])
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     # Sources are opened first and bound through /proc/self/fd: a volume mounted on /tmp must not hide
@@ -105,6 +106,11 @@ def main(spec_path: str) -> None:
         if not os.path.samestat(os.stat(path), os.fstat(fd)):
             mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
     os.chdir(spec["workdir"])
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(open(spec_path).read())
+    enter(spec)
     argv = spec["argv"]
     os.execvpe(argv[0], argv, spec["env"])
 

@@ -133,6 +133,9 @@ class PodRunner:
     def popen(self, pod: Pod, argv: list[str], **kwargs):
         return self.box.popen(pod.host, argv, **kwargs)
 
+    def fork_pod(self, pod: Pod, argv: list[str], spec: Path, env: dict[str, str]):
+        return self.box.fork_pod(pod.host, argv, spec, env, pod.log)
+
     # ---- the loop ----------------------------------------------------------------------------------
 
     def start(self) -> PodRunner:
