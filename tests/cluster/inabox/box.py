@@ -185,9 +185,13 @@ class Box:
             return self.tb.popen(host, argv, **kwargs)
 
     def fork_pod(self, host: Host, argv: list[str], spec: Path, env: dict[str, str], log: Path):
-        """A pod's program forked from a zygote inside `host` (zygote.py); None when it must start by exec."""
+        """A pod's program forked from a zygote inside `host` (zygote.py); None when it must start by exec. A zygote
+        that has to start first does so outside the box's lock (the other clusters' runners go on meanwhile)."""
+        path = ZYGOTES.socket_for(env)
+        if path is None:
+            return None
         with self._lock:
-            return self.tb.start_in(host, lambda netns: ZYGOTES.fork(argv, spec, netns, env, log))
+            return self.tb.start_in(host, lambda netns: ZYGOTES.fork(path, argv, spec, netns, log))
 
     def publish(self, name: str, ip: str | None) -> None:
         with self._lock:

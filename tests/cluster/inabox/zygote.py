@@ -21,9 +21,9 @@ What a forked pod has, against one started by `ip netns exec NS unshare --uts --
 One difference shows: /proc/PID/environ is the block a process was exec'd with, so a forked pod's shows its zygote's
 (renaming it takes CAP_SYS_RESOURCE, which this machine's root lacks); `kubelet.environment_of` reads what the
 program was given instead.
-A command that is not an rlfleet component (Redis, the operator, `rlfleet join`), a pod whose zygote could not
-start (the reason said once in the test's output), and every pod when INABOX_ZYGOTE=0 (to compare, or to rule the
-zygote out) starts by exec as before.
+A command that is not an rlfleet component (Redis, the operator, `rlfleet join`), a pod with code of its own on
+PYTHONPATH (`image_python_path`), a pod whose zygote could not start (the reason said once in the test's output),
+and every pod when INABOX_ZYGOTE=0 (to compare, or to rule the zygote out) starts by exec as before.
 
 Run as `python zygote.py SOCKET`: import, listen on the Unix socket SOCKET, print `ready`, serve until the test
 process that started it ends.
@@ -63,6 +63,13 @@ MS_SLAVE, MNT_DETACH, PR_SET_PDEATHSIG = 1 << 19, 2, 1
 def import_environment(env: dict[str, str]) -> dict[str, str]:
     """The part of a pod's environment its imports may read (what selects its zygote)."""
     return {k: v for k, v in env.items() if k not in RUNTIME and not k.startswith(RUNTIME_PREFIXES)}
+
+
+def image_python_path(env: dict[str, str]) -> bool:
+    """Whether a pod's PYTHONPATH is the image's (this checkout). A pod that puts code of its own first (a
+    sitecustomize, as tests/cluster/test_wedged_worker.py does) runs it at interpreter start-up, where it may read
+    any variable, run-time ones too: only an exec'd interpreter runs it as that pod's."""
+    return env.get("PYTHONPATH", "") in ("", str(REPO))
 
 
 def component_argv(argv: list[str]) -> list[str] | None:
@@ -157,14 +164,16 @@ class Zygotes:
         self._procs: dict[tuple, subprocess.Popen] = {}
         self._sockets: dict[tuple, str | None] = {}  # None: this environment's zygote could not start
 
-    def fork(self, argv: list[str], spec_path: Path, netns: str, env: dict[str, str], log: Path) -> ForkedPod | None:
-        """Start the pod of `spec_path` (podexec's spec; argv as component_argv gives it) forked from the zygote of
-        its environment; None when there is none (the caller starts it by exec)."""
-        if os.environ.get("INABOX_ZYGOTE") == "0":
+    def socket_for(self, env: dict[str, str]) -> str | None:
+        """The socket of the zygote for a pod of environment `env`, started (and waited for) if need be; None when
+        there is none (the pod starts by exec)."""
+        if os.environ.get("INABOX_ZYGOTE") == "0" or not image_python_path(env):
             return None
-        path = self._socket(import_environment(env))
-        if path is None:
-            return None
+        return self._socket(import_environment(env))
+
+    def fork(self, path: str, argv: list[str], spec_path: Path, netns: str, log: Path) -> ForkedPod | None:
+        """Start the pod of `spec_path` (podexec's spec; argv as component_argv gives it) forked from the zygote at
+        `path`; None when that zygote fails (said once; its environment's pods start by exec from then on)."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(path)
