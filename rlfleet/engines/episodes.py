@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from rlfleet.engines.base import Engine, Generation, GroupRequest
-from rlfleet.models.sampling import completion_budget, completion_text
+from rlfleet.models.sampling import completion_budget
 from rlfleet.tasks.base import Problem, TaskSource
 from rlfleet.tasks.python_env import EnvironmentFailure
-from rlfleet.tasks.turns import TurnLimits, environment_turn
+from rlfleet.tasks.turns import TurnLimits, completion_text, environment_turn
 
 
 @dataclass

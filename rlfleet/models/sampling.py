@@ -22,7 +22,7 @@ Stopping: a completion ends at its first stop token (`stop_token_ids`: the token
 model's configured EOS ids), which is then its last token, or after `completion_budget` tokens:
 min(maxTokens, context - prompt - 1), the one position kept for vLLM's TOPLOC capture
 (rlfleet/engines/vllm_engine.py). The reward reads exactly the tokens before the
-stop token, special tokens included (`completion_text`).
+stop token, special tokens included (`completion_text`, rlfleet/tasks/turns.py).
 """
 
 from __future__ import annotations
@@ -122,9 +122,3 @@ def completion_budget(max_tokens: int, prompt_len: int, context: int) -> int:
 def context_length(model) -> int:
     """The model's context window (what vLLM derives its max_model_len from for these models)."""
     return int(model.config.max_position_embeddings)
-
-
-def completion_text(tokenizer, completion_ids: list[int], stop_ids: frozenset[int]) -> str:
-    """The text a reward reads: the tokens before the first stop token, special tokens written out."""
-    end = next((i for i, t in enumerate(completion_ids) if t in stop_ids), len(completion_ids))
-    return tokenizer.decode(completion_ids[:end], skip_special_tokens=False)

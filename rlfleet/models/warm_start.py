@@ -11,18 +11,15 @@ policy puts most of its mass on the right answer but samples plausible wrong one
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from rlfleet.tasks.base import Problem
+from rlfleet.tasks.base import Problem, noisy_answer
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.turns import environment_tokens
-
-_INTEGER = re.compile(r"-?\d+")
 
 
 def encode_pairs(
@@ -54,16 +51,6 @@ def encode_pairs(
         mask[i, : len(r)] = 1
         lab[i, : len(label)] = torch.tensor(label)
     return ids, mask, lab
-
-
-def noisy_answer(answer: str, rng: np.random.Generator) -> str:
-    """`answer` with its first integer (the numerator of a fraction) off by 1..9: a wrong answer,
-    since a fraction's value changes with its numerator."""
-    offset = int(rng.integers(1, 10)) * (1 if rng.random() < 0.5 else -1)
-    first = _INTEGER.search(answer)
-    if first is None:
-        raise ValueError(f"warm start: answer {answer!r} has no integer to make a near miss of")
-    return answer[: first.start()] + str(int(first.group(0)) + offset) + answer[first.end() :]
 
 
 def demonstrate(problem: Problem, demonstration: str, rng: np.random.Generator, label_noise: float) -> str:

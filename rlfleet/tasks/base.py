@@ -14,6 +14,7 @@ again and requires the worker's transcript to hold exactly its answers (rlfleet/
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -121,3 +122,17 @@ class WrappedTask(TaskSource):
         """The inner source's listed ids (a data set's), or none."""
         ids = getattr(self.inner, "ids", None)
         return ids() if ids else []
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def noisy_answer(answer: str, rng: np.random.Generator) -> str:
+    """`answer` with its first integer (the numerator of a fraction) off by 1..9: a wrong answer, since a fraction's
+    value changes with its numerator. The near miss of a warm start's demonstrations (rlfleet/models/warm_start.py)
+    and of a source's `demonstration_turns`."""
+    offset = int(rng.integers(1, 10)) * (1 if rng.random() < 0.5 else -1)
+    first = _INTEGER.search(answer)
+    if first is None:
+        raise ValueError(f"warm start: answer {answer!r} has no integer to make a near miss of")
+    return answer[: first.start()] + str(int(first.group(0)) + offset) + answer[first.end() :]

@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from rlfleet.tasks.base import Problem, TaskSource, WrappedTask
+from rlfleet.tasks.base import Problem, TaskSource, WrappedTask, noisy_answer
 
 TOOLS = ("calculator",)
 # a call: integers joined by + or -; a leading minus allowed; at most 12 digits a number (no huge integers)
@@ -49,8 +49,6 @@ class CalculatorTask(WrappedTask):
         return turns[-1]  # the model's answer; the calculator's outputs before it are not
 
     def demonstration_turns(self, problem: Problem, rng: np.random.Generator, label_noise: float) -> list[str]:
-        from rlfleet.models.warm_start import noisy_answer  # the warm start's own near miss
-
         call = problem.prompt.rstrip("=")
         if rng.random() < label_noise:
             call = noisy_answer(call, rng)

@@ -113,16 +113,16 @@ def model_token_mask(spans: list[int]) -> list[float]:
 def episode_text(
     task: TaskSource, problem: Problem, tokenizer, completion_ids: list[int], spans: list[int] | None, stop_ids
 ) -> str:
-    """The text a reward reads: of a single completion, sampling.completion_text; of a multi-turn transcript, what
+    """The text a reward reads: of a single completion, `completion_text`; of a multi-turn transcript, what
     `task.episode_text` makes of its turns (each model turn without its stop token, each environment turn as
     inserted), by default all of them. EnvironmentFailure when a user environment fails."""
     if spans is None:
-        return _turn_text(tokenizer, completion_ids, stop_ids)
+        return completion_text(tokenizer, completion_ids, stop_ids)
     turns = []
     for start, end, model in span_bounds(spans, len(completion_ids)):
         ids = completion_ids[start:end]
         turns.append(
-            _turn_text(tokenizer, ids, stop_ids) if model else tokenizer.decode(ids, skip_special_tokens=False)
+            completion_text(tokenizer, ids, stop_ids) if model else tokenizer.decode(ids, skip_special_tokens=False)
         )
     return task.episode_text(problem, turns)
 
@@ -144,7 +144,7 @@ def check_transcript(
     turns: list[str] = []
     for k in range(0, len(bounds), 2):  # the model spans; k + 1 is the environment's span after one
         _, end, _ = bounds[k]
-        turns.append(_turn_text(tokenizer, ids[bounds[k][0] : end], stop_ids))
+        turns.append(completion_text(tokenizer, ids[bounds[k][0] : end], stop_ids))
         want = environment_turn(task, problem, tokenizer, turns, end, limits) if task.multi_turn else None
         last = k + 1 == len(bounds)
         if last and want is not None:
@@ -165,7 +165,8 @@ def check_transcript(
     return None
 
 
-def _turn_text(tokenizer, ids: list[int], stop_ids: frozenset[int]) -> str:
-    from rlfleet.models.sampling import completion_text  # imports torch, which the launcher's task checks need not
-
-    return completion_text(tokenizer, ids, stop_ids)
+def completion_text(tokenizer, completion_ids: list[int], stop_ids: frozenset[int]) -> str:
+    """The text a reward reads of one completion (or one model turn): the tokens before the first stop token,
+    special tokens written out."""
+    end = next((i for i, t in enumerate(completion_ids) if t in stop_ids), len(completion_ids))
+    return tokenizer.decode(completion_ids[:end], skip_special_tokens=False)

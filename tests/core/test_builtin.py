@@ -16,8 +16,8 @@ from rlfleet.config import ArithmeticTaskSpec, DatasetSpec, MathTaskSpec, ModelS
 from rlfleet.models.builtin import BUILTINS, SHIPPED, build_tokenizer
 from rlfleet.models.policy import load_policy
 from rlfleet.models.sources import ModelSourceError, resolve_model_path
-from rlfleet.models.warm_start import noisy_answer
 from rlfleet.tasks import make_task
+from rlfleet.tasks.base import noisy_answer
 from rlfleet.tasks.math import answers_match
 from tests.support import REPO
 

@@ -11,10 +11,10 @@ from rlfleet.config import parse_bundle
 from rlfleet.engines.base import GroupRequest
 from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.models.policy import load_policy
-from rlfleet.models.sampling import completion_text
 from rlfleet.proofs.toploc import build_proofs_many
 from rlfleet.services.toploc.checks import Checker
 from rlfleet.tasks import make_run_task
+from rlfleet.tasks.turns import completion_text
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
 from tests.runs import bundle_yaml, rlrun
 from tests.support import redis_from_url, tiny_policy_dir

@@ -19,11 +19,11 @@ import torch
 
 from rlfleet.config import parse_bundle
 from rlfleet.models.policy import load_policy, score
-from rlfleet.models.sampling import completion_text
 from rlfleet.proofs.toploc import build_proofs
 from rlfleet.services.toploc.checks import Checker, Rejection
 from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.tasks import make_task
+from rlfleet.tasks.turns import completion_text
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
 from tests.runs import bundle_yaml, rlrun
 from tests.support import REPO, redis_from_url, tiny_policy_dir

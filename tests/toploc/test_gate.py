@@ -19,7 +19,6 @@ import yaml
 from rlfleet.config import ConfigError, parse_bundle
 from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.fleet.reputation import is_banned, one_worker_stats
-from rlfleet.models.sampling import completion_text
 from rlfleet.operator.names import TRAINER, VERIFIER
 from rlfleet.proofs.toploc import build_proofs
 from rlfleet.services.shardcast.origin import make_app
@@ -27,6 +26,7 @@ from rlfleet.services.toploc.main import Gate
 from rlfleet.services.trainer.main import Trainer
 from rlfleet.services.trainer.state import Commit
 from rlfleet.tasks import make_task
+from rlfleet.tasks.turns import completion_text
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.versions.store import open_store

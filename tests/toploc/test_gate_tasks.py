@@ -13,12 +13,12 @@ from rlfleet.engines.torch_engine import TorchEngine
 from rlfleet.fleet.reputation import is_banned
 from rlfleet.models.builtin import CHAT_TEMPLATE
 from rlfleet.models.policy import load_tokenizer
-from rlfleet.models.sampling import completion_text
 from rlfleet.proofs.toploc import build_proofs
 from rlfleet.services.shardcast.origin import make_app
 from rlfleet.tasks import make_run_task
 from rlfleet.tasks.chat import encode_prompt
 from rlfleet.tasks.python_env import EnvironmentFailure
+from rlfleet.tasks.turns import completion_text
 from rlfleet.versions.checkpoint import publish_version
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer
 from rlfleet.versions.store import open_store

@@ -6,7 +6,7 @@ A completion holds no token after its first stop token, and either ends with one
 stop token was truncated (a dropped EOS changes what the reward and the length penalty see), and
 tokens after a stop token were never sampled by the policy (`<eos> answer <eos>`). Its finish
 reason must say which (`stop` or `length`). The reward then reads exactly the tokens before the
-stop token (sampling.completion_text).
+stop token (rlfleet/tasks/turns.py completion_text).
 
 A multi-turn sample (rlfleet/tasks/turns.py) holds each model turn to the same rule with the turn's own
 budget (`TurnLimits.turn_budget` of where it starts), and its finish reason is its last turn's; its
