@@ -108,15 +108,20 @@ def run_local(
         )
     finally:
         build.close()
-    print(
-        f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)",
-        file=sys.stderr,
-    )
     # From here on a signal is counted, never raised (Interrupts): the imports and the start-up ahead
-    # must not be cut in the middle, and every path below stops what it started.
-    run = LocalRun(bundle, file, config, run_path, steps, progress, with_prometheus=prometheus)
-    previous = {sig: signal.signal(sig, run.interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # must not be cut in the middle, and every path below stops what it started. Counted from before the line
+    # that says the model is ready: a Ctrl-C just after it, raised as KeyboardInterrupt, could land in a
+    # finalizer the garbage collector runs and be dropped, and the run would go on.
+    interrupts = Interrupts()
+    previous = {sig: signal.signal(sig, interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        print(
+            f"rlfleet: model {bundle.run.spec.model.path} ready at {model_dir} ({time.monotonic() - t0:.0f}s)",
+            file=sys.stderr,
+        )
+        run = LocalRun(
+            bundle, file, config, run_path, steps, progress, with_prometheus=prometheus, interrupts=interrupts
+        )
         return run.start(model_dir)
     finally:
         for sig, handler in previous.items():
