@@ -25,13 +25,37 @@ from tests.support import REPO, scrape
 EXAMPLE = REPO / "examples" / "arithmetic" / "rlrun.yaml"
 
 
+LAUNCHED: list[subprocess.Popen] = []  # this test's `rlfleet run`s (stop_launched_runs)
+
+
 def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "rlfleet.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    LAUNCHED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def stop_launched_runs():
+    """A run its test left running (the test failed before it ended) is stopped as a user would, with two
+    Ctrl-Cs (the second kills what is still stopping), so it does not go on training beside the tests after it."""
+    yield
+    while LAUNCHED:
+        proc = LAUNCHED.pop()
+        if proc.poll() is not None:
+            continue
+        for _ in range(2):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
 
 
 def wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int, seconds: float) -> None:
