@@ -28,7 +28,7 @@ run: setup
 # the end. TEST_WORKERS pytest-xdist workers share it out file by file, the slow files first
 # (tests/conftest.py); TEST_WORKERS=0 runs it in this one process. Three workers on two cores: with two,
 # the cores stood idle 23 % of the time (tests waiting on processes, probes and deadlines). As CI runs it
-# on 2 cores (root, images built), measured 2026-12-07: 22 minutes on three workers, 25 on two.
+# on 2 cores (root, images built), measured 2026-12-07: 22-23 minutes on three workers, 25 on two.
 TEST_WORKERS ?= 3
 test: setup
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -ra --durations=30
