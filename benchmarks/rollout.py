@@ -20,14 +20,18 @@ in one process, one after the other on the same machine:
     `=123=` (5 tokens, `Relay`); the model's tokens / wall time of the calls, median over rounds, beside the
     single-turn figure at that K (`turns_ratio`: multi / single; the goal is >= 0.7). The random policy rarely
     samples EOS, so nearly every turn runs to its budget and both modes draw about as many model tokens.
+    `turns_cached`: the share of the later turns' prompt tokens vLLM read from its prefix cache (each later turn
+    reads its transcript's whole KV blocks, `--block-size` tokens each: spec.vllm.blockSize, empty for vLLM's
+    default, 128 on CPU), the rest computed again; the torch engine prefills every turn whole.
 Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 16 --group-size 8
        --max-tokens 64 --rounds 3 --in-flight 1,4,16 --turns 4 --swaps 5 --threads 0 --engines torch,vllm
-       --json PATH]
+       --block-size N --json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -40,7 +44,7 @@ from pathlib import Path
 import _paths  # noqa: F401  (the checkout's rlfleet and tests, without PYTHONPATH)
 import torch
 
-from rlfleet.config import SamplingSpec
+from rlfleet.config import SamplingSpec, VLLMSpec
 from rlfleet.engines import make_engine
 from rlfleet.engines.base import GroupRequest
 from rlfleet.engines.episodes import generate_episodes
@@ -105,27 +109,37 @@ class Relay(TaskSource):
         return "=123="
 
 
-def multi_turn_rate(engine, requests: list[GroupRequest], args) -> float:
-    """The model's tokens/s of `requests` sampled as episodes of `args.turns` turns, K groups a call (median round)."""
+def multi_turn_rate(engine, requests: list[GroupRequest], args) -> tuple[float, float | None]:
+    """The model's tokens/s of `requests` sampled as episodes of `args.turns` turns, K groups a call (median round),
+    and the share of the later turns' prompt tokens read from the prefix cache (None: the engine has none)."""
     sampling = SamplingSpec(max_tokens=args.max_tokens + 8 * args.turns, max_turns=args.turns,
                             max_tokens_per_turn=args.max_tokens // args.turns)  # fmt: skip
     task, k = Relay(), max(args.in_flight)
     problems = [task.problem(f"arith-0-{i}") for i in range(len(requests))]
     episodes = [GroupRequest(r.prompt_ids, replace(r.params, max_tokens=sampling.max_tokens), r.n) for r in requests]
-    rates = []
+    rates, later_prompts, cached_before = [], 0, getattr(engine, "prompt_tokens_cached", None)
     for _ in range(args.rounds):
         n, t0 = 0, time.monotonic()
         for at in range(0, len(episodes), k):
             made, _ = generate_episodes(engine, task, episodes[at : at + k], problems[at : at + k], sampling)
             n += sum(drawn_tokens(g.spans, len(g.completion_ids)) for gens in made if gens for g in gens)
+            later_prompts += sum(later_turn_prompts(r, g.spans) for r, gens in zip(episodes[at:], made) for g in gens)
         rates.append(n / (time.monotonic() - t0))
-    return statistics.median(rates)
+    if cached_before is None:
+        return statistics.median(rates), None
+    return statistics.median(rates), (engine.prompt_tokens_cached - cached_before) / max(later_prompts, 1)
+
+
+def later_turn_prompts(request: GroupRequest, spans: list[int]) -> int:
+    """Prompt tokens of an episode's later turns: the prompt and transcript before each model turn but the first."""
+    starts = list(itertools.accumulate(spans, initial=len(request.prompt_ids)))[2::2]  # before model turns 2, 3, ..
+    return sum(starts[: len(spans[2::2])])
 
 
 def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dict:
     t0 = time.monotonic()
     v0 = fetch_version(FetchSettings.over([relay_url], RUN, public_key=public_key), 0, work / kind)
-    engine = make_engine(kind, v0, 0)
+    engine = make_engine(kind, v0, 0, settings=VLLMSpec(block_size=args.block_size))
     start_s = time.monotonic() - t0
     params = [
         SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.max_tokens, seed=1000 + i)
@@ -147,7 +161,7 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
             tokens, gen_s = tokens + n, gen_s + elapsed
         in_flight[k] = {"tok_s": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates)}
     one = in_flight[min(args.in_flight)]
-    turns = multi_turn_rate(engine, requests, args) if args.turns > 1 else None
+    turns, turns_cached = multi_turn_rate(engine, requests, args) if args.turns > 1 else (None, None)
 
     swaps = []
     for i in range(args.swaps):  # versions 1, 0, 1, ... each downloaded afresh, as every swap pays it
@@ -177,6 +191,7 @@ def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dic
         "inflight_speedup": max(r["tok_s"] for r in in_flight.values()) / one["tok_s"],
         "turns_tok_s": turns,
         "turns_ratio": turns / in_flight[max(args.in_flight)]["tok_s"] if turns else None,
+        "turns_cached": turns_cached,
         "download_s": download_s,
         "load_s": load_s,
         "first_s": first_s,
@@ -202,6 +217,7 @@ def main() -> int:
     )
     ap.add_argument("--turns", type=int, default=4, help="model turns of the multi-turn measurement (1: skip it)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--block-size", type=int, help="vLLM's KV-cache block size (spec.vllm.blockSize; empty: vLLM's)")
     ap.add_argument("--swaps", type=int, default=5, help="weight swaps per engine (figures are medians)")
     ap.add_argument("--json", type=Path, help="write the figures to this file")
     args = ap.parse_args()
@@ -265,11 +281,13 @@ def main() -> int:
     print("goals on CPU: vllm >= 2x, torch >= 1.5x (issue 26)")
     if args.turns > 1:
         k = max(args.in_flight)
-        print(f"\n{'engine':<7} {'single-turn':>12} {f'{args.turns} turns':>12} {'ratio':>7}   (model tokens/s at {k} "
-              f"in flight, {args.max_tokens} model tokens a sample; goal >= 0.7)")  # fmt: skip
+        print(f"\n{'engine':<7} {'single-turn':>12} {f'{args.turns} turns':>12} {'ratio':>7} {'cached':>7}   (model "
+              f"tokens/s at {k} in flight, {args.max_tokens} model tokens a sample; goal >= 0.7)")  # fmt: skip
         for r in results:
+            cached = "-" if r["turns_cached"] is None else f"{r['turns_cached']:.2f}"
             print(f"{r['engine']:<7} {r['in_flight'][k]['tok_s']:>12.1f} {r['turns_tok_s']:>12.1f} "
-                  f"{r['turns_ratio']:>7.2f}")  # fmt: skip
+                  f"{r['turns_ratio']:>7.2f} {cached:>7}")  # fmt: skip
+        print("cached: the share of later turns' prompt tokens read from vLLM's prefix cache")
     if args.json:
         args.json.write_text(json.dumps({"load_average": load, "engines": results}, indent=2) + "\n")
     return 0

@@ -163,6 +163,15 @@ class VLLMSpec(Spec):
         description="Context length vLLM serves (prompt + completion); smaller leaves more KV cache for concurrent "
         "sequences. Empty: the model's own.",
     )
+    block_size: int | None = Field(
+        default=None,
+        ge=16,
+        le=256,
+        multiple_of=16,
+        description="Tokens one KV-cache block holds. The prefix cache reuses whole blocks, so a later turn of a "
+        "multi-turn episode reads its transcript from the cache up to its last whole block and computes the rest. "
+        "Empty: vLLM's default (16 on GPU, 128 on CPU).",
+    )
     enforce_eager: bool | None = Field(
         default=None,
         description="true: no CUDA graphs (every step in eager PyTorch); false: CUDA graphs. Empty: eager on CPU, "

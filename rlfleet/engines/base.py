@@ -17,7 +17,7 @@ drawn in (up to the float noise of another batch shape, which the gate's replayT
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,14 @@ class GroupRequest:
     # Where in each sample's uniform stream the first token draws: a later turn of a multi-turn episode continues
     # its sample's stream (its model tokens so far; rlfleet/tasks/turns.py), a whole completion starts at 0.
     draws_from: int = 0
+    # An engine with a KV prefix cache shares cached blocks only between requests of one salt (and between those
+    # of none): a multi-turn episode salts every turn with its own, so its later turns read what its earlier ones
+    # computed and nothing another request did. Engines without such a cache ignore it.
+    cache_salt: str | None = None
+    # (K, H) final hidden rows of the first K prompt positions, computed on this version by an earlier call of the
+    # same salt (an episode's previous turn: its Generation.hidden). An engine may then read those K positions from
+    # its prefix cache instead of recomputing them, and takes their rows from here (vllm_engine.py).
+    prefix_rows: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 class Engine(ABC):

@@ -4,10 +4,12 @@
 holding the next model turn of every episode still going (a request of one sample each: its prompt is the
 problem's prompt plus its transcript so far, `first` its index in the group and `draws_from` its model tokens so
 far, so its draws continue its own uniform stream), then asks the environment for its answer to each turn and
-appends the answer's tokens. Each round prefills every transcript again: the torch engine has no cache across
-calls, and vLLM reads no prefix cache for a request whose prompt rows it captures for the TOPLOC proofs
-(rlfleet/engines/vllm_engine.py), which a one-sample request always is (benchmarks/rollout.py `--turns` measures
-what that costs).
+appends the answer's tokens. A later turn's request brings the hidden rows of its previous turn's call
+(`GroupRequest.prefix_rows`: every position but the environment's answer) and the episode's own cache salt, so vLLM
+reads those positions' keys and values from its prefix cache and computes only the answer's and the new turn's,
+while no other episode's cached blocks can stand in for positions whose rows it would then lack
+(rlfleet/engines/vllm_engine.py). The torch engine has no cache across calls and prefills every transcript again
+(benchmarks/rollout.py `--turns` measures both).
 
 A sample's Generation holds its whole transcript (`completion_ids`, with `spans`), logprobs of the model's tokens
 and 0.0 at the environment's (the gate and the trainer read only the model's), and the final hidden states of
@@ -17,6 +19,7 @@ Invariant: every turn of every episode ran on one weights version (the worker sw
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 from rlfleet.engines.base import Engine, Generation, GroupRequest
@@ -24,6 +27,8 @@ from rlfleet.models.sampling import completion_budget
 from rlfleet.tasks.base import Problem, TaskSource
 from rlfleet.tasks.python_env import EnvironmentFailure
 from rlfleet.tasks.turns import TurnLimits, completion_text, environment_turn
+
+_SALTS = itertools.count()  # episode cache salts: unique in the process, so in each engine's cache
 
 
 @dataclass
@@ -38,11 +43,20 @@ class _Episode:
     turns: list[str] = field(default_factory=list)  # the model's turns as the environment reads them
     drawn: int = 0  # model tokens so far: where the next turn's draws start
     last: Generation | None = None  # the newest turn's generation
+    salt: str = field(default_factory=lambda: f"episode-{next(_SALTS)}")  # its requests' own prefix-cache namespace
 
     def next_request(self) -> GroupRequest:
         r = self.request
         params = replace(r.params, max_tokens=self.limits.turn_budget(len(self.ids)))
-        return GroupRequest(r.prompt_ids + self.ids, params, 1, first=r.first + self.index, draws_from=self.drawn)
+        return GroupRequest(
+            r.prompt_ids + self.ids,
+            params,
+            1,
+            first=r.first + self.index,
+            draws_from=self.drawn,
+            cache_salt=self.salt,
+            prefix_rows=None if self.last is None else self.last.hidden,
+        )
 
 
 def generate_episodes(

@@ -19,6 +19,10 @@ Batching: `generate_groups` submits every sample of every group of the call as i
 `LLM.generate` (vLLM's continuous batching schedules them together, whatever their prompts and
 parameters), then every continuation in one more; the capture is keyed by request id, so each
 group's prompt rows come from its own first request and each completion's rows from its own.
+A request that brings the rows of a prefix of its prompt (a later turn of a multi-turn episode,
+rlfleet/engines/episodes.py) is sent with its cache salt and reads the prefix cache: its prompt
+rows are those rows, then whatever vLLM computed after the cached blocks (`prompt_tokens_cached`
+counts the positions read from the cache).
 
 Sampling: one request per sample, its sample seed `rlfleet.models.sampling.sample_seed(group seed, index)`
 in `SamplingParams.extra_args` (vllm_worker.SEED_ARG), stopping at exactly the gate's stop tokens
@@ -63,6 +67,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -149,6 +154,7 @@ class VLLMEngine(Engine):
         self.stop_ids = stop_ids(model_dir, self.tokenizer)  # the gate's stop tokens, exactly
         self._names, self._adapters = tensor_names(model_dir), MergedDirs(model_dir)  # adapters.py: LoRA versions
         self.version = version
+        self.prompt_tokens_cached = 0  # prompt tokens vLLM read from its prefix cache instead of computing them
         self._lock = threading.Lock()  # one version per group: generate and load_weights never interleave
         args = engine_args(settings, on_cpu)
         self._start(model_dir, dtype, args)
@@ -224,31 +230,12 @@ class VLLMEngine(Engine):
 
     def generate_groups(self, requests: list[GroupRequest]) -> list[list[Generation]]:
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
 
         if not requests:
             return []
         limits = [self._limit(r.prompt_ids, r.params.max_tokens) for r in requests]
         rows = [(k, i) for k, r in enumerate(requests) for i in range(r.n)]  # (request, sample) of each vLLM request
-        prompts = [TokensPrompt(prompt_token_ids=list(requests[k].prompt_ids)) for k, _ in rows]
-        sampling = [
-            VSamplingParams(
-                n=1,
-                temperature=requests[k].params.temperature,
-                top_p=requests[k].params.top_p,
-                top_k=requests[k].params.top_k,
-                max_tokens=limits[k] + 1,  # the extra token's decode step feeds the last one (docstring)
-                # drawn by rlfleet's rule in the worker (vllm_worker.py); vLLM's own draw is replaced
-                extra_args={
-                    SEED_ARG: sample_seed(requests[k].params.seed, requests[k].first + i),
-                    DRAWS_FROM_ARG: requests[k].draws_from,
-                },
-                stop_token_ids=sorted(self.stop_ids),
-                detokenize=False,
-                skip_reading_prefix_cache=(i == 0),  # a group's first request computes its prompt rows
-            )
-            for k, i in rows
-        ]
+        prompts, sampling = self._vllm_requests(requests, rows, limits)
         with self._lock:  # every request of every group, and their continuations, on one version
             outs = self.llm.generate(prompts, sampling, use_tqdm=False)  # one batch: vLLM schedules them together
             sampled_ids = [list(o.outputs[0].token_ids) for o in outs]
@@ -258,7 +245,7 @@ class VLLMEngine(Engine):
             tails = (
                 self.llm.generate(
                     [
-                        TokensPrompt(prompt_token_ids=list(requests[rows[j][0]].prompt_ids) + completions[j])
+                        _tokens_prompt(requests[rows[j][0]], completions[j])  # in its request's salt
                         for j in stopped
                     ],
                     VSamplingParams(n=1, temperature=0.0, max_tokens=1, detokenize=False),
@@ -269,8 +256,9 @@ class VLLMEngine(Engine):
             )
             captured = self.llm.collective_rpc("rlfleet_drain_capture")[0]  # TP ranks hold identical rows
             version = self.version
+            self.prompt_tokens_cached += sum(o.num_cached_tokens or 0 for o in outs)
         decoded = [decode_capture(captured[out.request_id]) for out in outs]
-        prompt_rows = {k: decoded[j][0] for j, (k, i) in enumerate(rows) if i == 0}  # from each group's first
+        prompt_rows = {k: _known_rows(requests[k]) | decoded[j][0] for j, (k, i) in enumerate(rows) if i == 0}
         tail_of = {j: tail for j, tail in zip(stopped, tails)}
         result: list[list[Generation]] = [[] for _ in requests]
         for j, ((k, _), completion) in enumerate(zip(rows, completions)):
@@ -287,6 +275,51 @@ class VLLMEngine(Engine):
                 )
             )
         return result
+
+    def _vllm_requests(self, requests: list[GroupRequest], rows: list[tuple[int, int]], limits: list[int]):
+        """vLLM's prompts and sampling parameters of each (request, sample) in `rows` (module docstring)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        for r in requests:
+            if r.prefix_rows is not None and r.cache_salt is None:
+                raise ValueError("a request with prefix_rows needs a cache_salt (rlfleet/engines/base.py)")
+        prompts = [_tokens_prompt(requests[k]) for k, _ in rows]
+        sampling = [
+            VSamplingParams(
+                n=1,
+                temperature=requests[k].params.temperature,
+                top_p=requests[k].params.top_p,
+                top_k=requests[k].params.top_k,
+                max_tokens=limits[k] + 1,  # the extra token's decode step feeds the last one (docstring)
+                # drawn by rlfleet's rule in the worker (vllm_worker.py); vLLM's own draw is replaced
+                extra_args={
+                    SEED_ARG: sample_seed(requests[k].params.seed, requests[k].first + i),
+                    DRAWS_FROM_ARG: requests[k].draws_from,
+                },
+                stop_token_ids=sorted(self.stop_ids),
+                detokenize=False,
+                # a group's first request computes the prompt rows nobody gave us; with prefix_rows it reads
+                # the salt's cached blocks, whose rows those are
+                skip_reading_prefix_cache=(i == 0 and requests[k].prefix_rows is None),
+            )
+            for k, i in rows
+        ]
+        return prompts, sampling
+
+
+def _tokens_prompt(request: GroupRequest, completion: Sequence[int] = ()):
+    """vLLM's prompt of `request` (its prompt ids, then `completion`), in its cache salt's namespace."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=[*request.prompt_ids, *completion])
+    if request.cache_salt is not None:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
+
+
+def _known_rows(request: GroupRequest) -> dict[int, torch.Tensor]:
+    """position -> row of the prompt rows `request` brings (GroupRequest.prefix_rows), none without."""
+    return {} if request.prefix_rows is None else dict(enumerate(request.prefix_rows))
 
 
 def _beating_step(engine: VLLMEngine, step):

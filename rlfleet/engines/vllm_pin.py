@@ -78,6 +78,8 @@ def engine_args(settings: VLLMSpec | None, on_cpu: bool) -> dict[str, Any]:
     }
     if s.max_model_len is not None:
         args["max_model_len"] = s.max_model_len
+    if s.block_size is not None:
+        args["block_size"] = s.block_size
     if not on_cpu:
         args["gpu_memory_utilization"] = s.gpu_memory_utilization
         if not args["enforce_eager"]:

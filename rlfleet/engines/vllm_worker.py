@@ -12,7 +12,10 @@ vllm_engine.py to vLLM 0.32.0 (vllm_pin.VLLM_VERSION).
   `extract_hidden_states` with a KV connector writing them to files) is built for distillation and
   ties generation to speculative decoding, so it is not used.
   Coverage: prompt rows come from the group's first request, which skips *reading* the prefix
-  cache (`skip_reading_prefix_cache`) so all its prompt rows are computed; a completion's tokens
+  cache (`skip_reading_prefix_cache`) so all its prompt rows are computed, unless the request
+  brings the rows of a prefix (`GroupRequest.prefix_rows`, a later turn of an episode): it then
+  reads its own salt's cached blocks, which cover no position past those rows, and the rows from
+  the first uncached position on are computed here; a completion's tokens
   t_0..t_{T-2} are fed by its own decode steps. vLLM never feeds the last token t_{T-1} (it stops
   after sampling it), so each request may sample one token past the group's limit: a completion
   that runs to the limit gets t_{T-1}'s row from the decode step that samples that extra token

@@ -8,6 +8,7 @@ tiny-arithmetic has 16, see test_an_unsupported_head_size_is_refused_with_the_fi
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.config import parse_bundle
+from rlfleet.config import SamplingSpec, VLLMSpec, parse_bundle
+from rlfleet.engines.base import GroupRequest
+from rlfleet.engines.episodes import generate_episodes
 from rlfleet.models.policy import load_policy, score
 from rlfleet.proofs.toploc import build_proofs
 from rlfleet.services.toploc.checks import Checker, Rejection
@@ -25,6 +28,7 @@ from rlfleet.services.toploc.ending import ending_problem
 from rlfleet.tasks import make_task
 from rlfleet.tasks.turns import completion_text
 from rlfleet.wire.streams import RolloutGroup, RunKeys, Sample, SamplingParams, encode_json
+from tests.core.turn_envs import Counter
 from tests.runs import bundle_yaml, rlrun
 from tests.support import REPO, redis_from_url, tiny_policy_dir
 
@@ -36,6 +40,7 @@ pytestmark = [
 ]
 
 HEAD_32 = {"num_attention_heads": 2, "num_key_value_heads": 1}
+BLOCK = 32
 
 
 def vllm_run(model: Path, store: Path) -> dict:
@@ -60,7 +65,8 @@ def models(tmp_path_factory):
 def engine(models):
     from rlfleet.engines import make_engine
 
-    engine = make_engine("vllm", models[0], 0)
+    # KV blocks of 32 tokens rather than the CPU's 128, so the episodes' later turns here span whole cached blocks
+    engine = make_engine("vllm", models[0], 0, settings=VLLMSpec(block_size=BLOCK))
     yield engine
     engine.close()
 
@@ -147,14 +153,13 @@ def test_vllm_rollouts_pass_the_verifier_across_a_weight_swap(engine, models, tm
 def test_the_capture_self_check_passes_where_every_step_runs_eagerly(engine):
     """The check an engine with CUDA graphs makes at start (vllm_engine.py's docstring), here on the eager CPU
     engine, whose hooks fire on every step: a tiny group whose every position is captured."""
-    assert engine.args == {"tensor_parallel_size": 1, "enforce_eager": True}, "the CPU defaults"
+    assert engine.args == {"tensor_parallel_size": 1, "enforce_eager": True, "block_size": BLOCK}, "CPU defaults"
+    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == BLOCK, "spec.vllm.blockSize reaches vLLM"
     assert engine._capture_self_check()
 
 
 def batched_groups(engine, spec, seeds: list[int], indices: list[int]) -> list[RolloutGroup]:
     """The groups of tasks `indices` with group seeds `seeds`, generated in ONE generate_groups call."""
-    from rlfleet.engines.base import GroupRequest
-
     s, t = spec.sampling, spec.verifier.toploc
     task = make_task(spec.task)
     problems = [task.problem(f"arith-0-{i}") for i in indices]
@@ -216,8 +221,6 @@ SAMPLING_VARIANTS = [(1.0, 1.0, 0), (1.0, 0.9, 0), (1.0, 1.0, 8), (0.7, 0.85, 6)
 
 def draw_requests(engine, seed: int) -> list:
     """One group request per sampling variant, each its own prompt and group seed; the last asks for samples 2..4."""
-    from rlfleet.engines.base import GroupRequest
-
     task = make_task(parse_bundle(bundle_yaml(vllm_run(Path("unused"), Path("unused")))).run.spec.task)
     out = []
     for j, (temperature, top_p, top_k) in enumerate(SAMPLING_VARIANTS):
@@ -255,6 +258,50 @@ def test_vllm_draws_the_torch_engines_tokens_for_the_same_seeds(engine, models):
     # the seeds are what decide: other group seeds draw other completions
     other = engine.generate_groups(draw_requests(engine, seed=900))
     assert [g.completion_ids for g in other[0]] != [g.completion_ids for g in batched[0]]
+
+
+def test_later_turns_read_their_transcript_from_the_prefix_cache_and_give_the_torch_engines_episodes(engine, models):
+    """rlfleet/engines/episodes.py on vLLM: a later turn sends its previous turn's rows and its episode's cache salt,
+    so vLLM reads the transcript's whole blocks from its prefix cache; the episodes (tokens, spans, logprobs and
+    the hidden rows the proofs are built from, cached positions included) are still the torch engine's, which
+    prefills every transcript again."""
+    from rlfleet.engines.torch_engine import TorchEngine
+
+    engine.load_weights(models[0], 0)
+    reference = TorchEngine(models[0], 0)
+    task = Counter()  # answers every turn that lacks the answer, so episodes run to maxTurns
+    problems = [task.problem(f"turns-ok-{n}") for n in (3, 17, 41)]
+    sampling = SamplingSpec(max_tokens=160, max_turns=5, max_tokens_per_turn=24)
+    requests = [
+        GroupRequest(engine.tokenizer(p.prompt)["input_ids"], SamplingParams(1.0, 1.0, 0, 160, seed=60 + k), n=2)
+        for k, p in enumerate(problems)
+    ]
+    want, _ = generate_episodes(reference, task, requests, problems, sampling)
+    cached_before = engine.prompt_tokens_cached
+    got, failures = generate_episodes(engine, task, requests, problems, sampling)
+    assert not failures and all(g is not None for g in got)
+    # a later turn reads every whole block of what its previous turn's call held (prompt and transcript then)
+    whole_blocks = 0
+    for request, group in zip(requests, got):
+        for g in group:
+            ends = itertools.accumulate(g.spans, initial=len(request.prompt_ids))
+            whole_blocks += sum(end // BLOCK for end in list(ends)[1:-1:2])  # after each model turn but the last
+    assert whole_blocks >= 3, "the episodes are long enough to test the cache"
+    assert engine.prompt_tokens_cached - cached_before >= BLOCK * whole_blocks
+    for w_group, g_group in zip(want, got):
+        for w, g in zip(w_group, g_group):
+            assert (g.completion_ids, g.spans) == (w.completion_ids, w.spans)
+            assert max(abs(x - y) for x, y in zip(w.logprobs, g.logprobs)) < 1e-5
+            assert g.hidden.shape == w.hidden.shape and (g.hidden - w.hidden).abs().max().item() < 1e-4
+
+
+def test_a_request_bringing_prefix_rows_without_a_cache_salt_is_refused(engine):
+    """Without its own salt, another request's cached blocks could cover positions it has no rows for."""
+    prompt = [int(t) for t in range(1, 9) if t not in engine.stop_ids][:6]
+    rows = torch.zeros(len(prompt), 4)
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=2, seed=0)
+    with pytest.raises(ValueError, match="prefix_rows needs a cache_salt"):
+        engine.generate_groups([GroupRequest(prompt, params, 1, prefix_rows=rows)])
 
 
 def test_a_checkpoint_of_another_model_is_refused_and_the_engine_keeps_its_weights(engine, tmp_path):

@@ -26,15 +26,19 @@ def test_a_pools_gpus_are_its_tensor_parallel_size_unless_it_says_otherwise():
     pool = InferencePoolSpec(run="r", engine="vllm", gpus=4)
     assert engine_args(pool.vllm, on_cpu=False)["tensor_parallel_size"] == 4
     pool = InferencePoolSpec.model_validate(
-        {"run": "r", "gpus": 4, "vllm": {"tensorParallelSize": 2, "maxModelLen": 2048, "enforceEager": True}}
-    )
+        {"run": "r", "gpus": 4, "vllm": {"tensorParallelSize": 2, "maxModelLen": 2048, "enforceEager": True,
+                                          "blockSize": 32}}
+    )  # fmt: skip
     args = engine_args(pool.vllm, on_cpu=False)
     assert args == {
         "tensor_parallel_size": 2,
         "enforce_eager": True,
         "max_model_len": 2048,
+        "block_size": 32,
         "gpu_memory_utilization": 0.9,
     }
+    with pytest.raises(ValueError, match=r"vllm\.blockSize"):
+        InferencePoolSpec.model_validate({"run": "r", "vllm": {"blockSize": 24}})
     assert InferencePoolSpec(run="r").vllm.tensor_parallel_size == 1, "no gpus: one rank"
     with pytest.raises(ValueError, match=r"vllm\.tensorParallelSize \(8\) is more than gpus \(4\).*lower"):
         InferencePoolSpec.model_validate({"run": "r", "gpus": 4, "vllm": {"tensorParallelSize": 8}})
