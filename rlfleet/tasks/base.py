@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +32,10 @@ class Problem:
     system_prompt: str | None = None
     # A known-good completion, when the source has one (a row's `solution`); builtin models warm-start on it.
     reference: str | None = None
+    # The tools the problem offers, as function schemas (the JSON-schema form a chat template's `tools` takes):
+    # a chat template that renders tools shows them in the prompt and the model calls them in the template's own
+    # format (rlfleet/tasks/tool_calls.py), answered by `TaskSource.call_tool`.
+    tools: tuple[dict, ...] = field(default=(), hash=False)
 
 
 class TaskSource(ABC):
@@ -85,6 +89,17 @@ class TaskSource(ABC):
         takes no turns ends every episode after the first."""
         return None
 
+    def call_tool(self, problem: Problem, name: str, arguments: dict) -> str:
+        """The result of the model's call of tool `name` (one of `problem.tools`) with `arguments`, when it calls it
+        in its chat template's format (rlfleet/tasks/tool_calls.py); ToolError, whose message the model is shown,
+        for a call the tool refuses. Deterministic, as `respond`."""
+        raise ToolError(f"there is no tool named {name!r}")
+
+
+class ToolError(ValueError):
+    """A tool call the tool refuses (unknown tool, arguments it cannot take): the model is answered with the
+    message."""
+
 
 class WrappedTask(TaskSource):
     """A source that is `inner` but for what a subclass overrides (a chat template, a tool): every method, and
@@ -111,6 +126,9 @@ class WrappedTask(TaskSource):
 
     def respond(self, problem: Problem, turns: list[str]) -> str | None:
         return self.inner.respond(problem, turns)
+
+    def call_tool(self, problem: Problem, name: str, arguments: dict) -> str:
+        return self.inner.call_tool(problem, name, arguments)
 
     def episode_text(self, problem: Problem, turns: list[str]) -> str:
         return self.inner.episode_text(problem, turns)

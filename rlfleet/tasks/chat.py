@@ -1,11 +1,11 @@
 """Prompt encoding: the one function workers and the verifier use to turn a problem into prompt ids.
 
-A problem whose task spec sets `chatTemplate: true` is encoded through the tokenizer's chat template:
-messages `[system?, user: prompt]`, rendered with `add_generation_prompt=True` to text, then tokenized
-without adding special tokens (the template writes them). Any other problem is `tokenizer(prompt)`, as
-before. The verifier encodes the prompt of the problem it rebuilt from the task id and compares the ids
-with the worker's (rlfleet/services/toploc/checks.py), so a worker that skipped or changed the template
-is refused with `prompt_mismatch`.
+A problem whose task spec sets `chatTemplate: true` is encoded through the tokenizer's chat template: messages
+`[system?, user: prompt]` and the problem's tools (`Problem.tools`), rendered with `add_generation_prompt=True` to
+text, then tokenized without adding special tokens (the template writes them). Any other problem is
+`tokenizer(prompt)`, as before. The verifier encodes the prompt of the problem it rebuilt from the task id and
+compares the ids with the worker's (rlfleet/services/toploc/checks.py), so a worker that skipped or changed the
+template is refused with `prompt_mismatch`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def encode_prompt(tokenizer, problem: Problem) -> list[int]:
         raise ChatTemplateMissing(missing_template_message("spec.task", getattr(tokenizer, "name_or_path", "")))
     messages = [{"role": "system", "content": problem.system_prompt}] if problem.system_prompt else []
     messages.append({"role": "user", "content": problem.prompt})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    tools = list(problem.tools) or None  # a template that renders tools shows them (rlfleet/tasks/tool_calls.py)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

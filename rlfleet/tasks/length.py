@@ -27,6 +27,10 @@ class LengthTargetTask(TaskSource):
         base, _ = self.split(problem.task_id)
         return self.inner.respond(self.inner.problem(base), turns)
 
+    def call_tool(self, problem: Problem, name: str, arguments: dict) -> str:
+        base, _ = self.split(problem.task_id)
+        return self.inner.call_tool(self.inner.problem(base), name, arguments)
+
     def episode_text(self, problem: Problem, turns: list[str]) -> str:
         base, _ = self.split(problem.task_id)
         return self.inner.episode_text(self.inner.problem(base), turns)

@@ -37,6 +37,10 @@ class MixtureTask(TaskSource):
         _, source, inner_id = self.split(problem.task_id)
         return source.respond(replace(problem, task_id=inner_id), turns)
 
+    def call_tool(self, problem: Problem, name: str, arguments: dict) -> str:
+        _, source, inner_id = self.split(problem.task_id)
+        return source.call_tool(replace(problem, task_id=inner_id), name, arguments)
+
     def episode_text(self, problem: Problem, turns: list[str]) -> str:
         _, source, inner_id = self.split(problem.task_id)
         return source.episode_text(replace(problem, task_id=inner_id), turns)

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from rlfleet.tasks.base import Problem, TaskSource
+from rlfleet.tasks.base import Problem, TaskSource, ToolError
 
 GROUP = "rlfleet.environments"
 START_SECONDS = 120.0  # importing the user's package (and numpy, torch...) in a fresh interpreter
@@ -226,6 +226,17 @@ class PythonEnvironment(TaskSource):
                 f"respond returned a {type(text).__name__}, not a str (the turn) or None (the end)"
             )
         return text
+
+    def call_tool(self, problem: Problem, name: str, arguments: dict) -> str:
+        try:
+            result = self._call("call_tool", problem, name, dict(arguments))
+        except EnvironmentFailure as exc:
+            if str(exc).startswith("call_tool raised ToolError: "):  # the contract's "the tool refuses the call"
+                raise ToolError(str(exc).removeprefix("call_tool raised ToolError: ")) from None
+            raise
+        if not isinstance(result, str):
+            raise EnvironmentFailure(f"call_tool returned a {type(result).__name__}, not a str")
+        return result
 
     def episode_text(self, problem: Problem, turns: list[str]) -> str:
         text = self._call("episode_text", problem, list(turns))

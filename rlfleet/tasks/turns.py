@@ -2,15 +2,16 @@
 "Multi-turn environments").
 
 An episode starts from the problem's prompt. The model takes a turn: tokens drawn as every completion is
-(rlfleet/models/sampling.py), the draws numbered across the episode's model tokens only, so model token k of
-sample i draws with the k-th uniform of `sample_seed(seed, i)`. A turn ends at its first stop token, or after
-`turn_budget` tokens: min(maxTokensPerTurn, the tokens the episode has left). The environment is then asked for
-its turn (`TaskSource.respond(problem, model turns so far)`, each turn decoded without its stop token), unless the
-episode is over (`environment_turn`): maxTurns model turns taken, or the last turn used the episode's last token.
-Its text becomes tokens (`environment_tokens`) that are appended to the transcript as they are; None ends the
-episode, and so does an answer whose tokens would leave the model no token of the episode's budget
-(min(maxTokens, context - prompt - 1), what a single completion has). The transcript therefore ends with a model
-turn, and `Sample.spans` records its span lengths, model first.
+(rlfleet/models/sampling.py), the draws numbered across the episode's model tokens only, so model token k of sample
+i draws with the k-th uniform of `sample_seed(seed, i)`. A turn ends at its first stop token, or after `turn_budget`
+tokens: min(maxTokensPerTurn, the tokens the episode has left). The environment is then asked for its turn
+(`TaskSource.respond(problem, model turns so far)`, each turn decoded without its stop token; for a problem that
+offers tools in its chat template's own format, the answers to the last turn's tool calls: tool_calls.py), unless
+the episode is over (`environment_turn`): maxTurns model turns taken, or the last turn used the episode's last
+token. Its text becomes tokens (`environment_tokens`, `chat_tokens`) that are appended to the transcript as they
+are; None (no call) ends the episode, and so does an answer whose tokens would leave the model no token of the
+episode's budget (min(maxTokens, context - prompt - 1), what a single completion has). The transcript therefore ends
+with a model turn, and `Sample.spans` records its span lengths, model first.
 
 Given the weights, the prompt, the seed and the environment, every token of an episode is therefore determined;
 the verifier re-asks the environment on the claimed model turns (`check_transcript`) and replays the model's draws
@@ -23,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlfleet.tasks.base import Problem, TaskSource
+from rlfleet.tasks.tool_calls import answer_calls, call_format
 
 
 @dataclass(frozen=True)
@@ -47,36 +49,55 @@ class TurnLimits:
 
 def environment_tokens(tokenizer, problem: Problem, text: str) -> list[int]:
     """The tokens of the environment's turn `text` after a model turn. A problem prompted through the chat
-    template gets the template's own framing: what the template adds after the model's message for a user message
-    of `text` followed by the generation prompt (`_chat_continuation`), less the model's stop token the template
-    writes first; any other problem gets `text` tokenized as it is (the environment writes its own tags)."""
+    template gets the template's own framing of a user message of `text` (`chat_tokens`); any other problem gets
+    `text` tokenized as it is (the environment writes its own tags)."""
     if problem.chat_template:
-        text = _chat_continuation(tokenizer, problem, text)
+        return chat_tokens(tokenizer, problem, [{"role": "user", "content": text}])
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_tokens(tokenizer, problem: Problem, messages: list[dict]) -> list[int]:
+    """The tokens the chat template writes between the model's message and its next turn for `messages` (a user
+    message, or tool results) followed by the generation prompt, less the model's stop token the template writes
+    first (`_chat_continuation`)."""
+    return list(tokenizer(_chat_continuation(tokenizer, problem, messages), add_special_tokens=False)["input_ids"])
 
 
 _MODEL_MARK = "\x00rlfleet-model-turn\x00"  # stands for the model's turn while the template is rendered
 
 
-def _chat_continuation(tokenizer, problem: Problem, text: str) -> str:
-    """The chat template's text between the model's message and its next turn, with a user message `text`."""
+def _chat_continuation(tokenizer, problem: Problem, after: list[dict]) -> str:
+    """The chat template's text between the model's message and its next turn, with the messages `after`."""
     messages = [{"role": "system", "content": problem.system_prompt}] if problem.system_prompt else []
     messages += [{"role": "user", "content": problem.prompt}, {"role": "assistant", "content": _MODEL_MARK}]
     rendered = tokenizer.apply_chat_template(
-        [*messages, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        [*messages, *after], tools=list(problem.tools) or None, tokenize=False, add_generation_prompt=True
     )
-    after = rendered.split(_MODEL_MARK, 1)[1]
+    continuation = rendered.split(_MODEL_MARK, 1)[1]
     eos = tokenizer.eos_token or ""
-    return after[len(eos) :] if eos and after.startswith(eos) else after  # the model sampled its stop token itself
+    # the model sampled its stop token itself
+    return continuation[len(eos) :] if eos and continuation.startswith(eos) else continuation
 
 
 def environment_turn(
     task: TaskSource, problem: Problem, tokenizer, turns: list[str], used: int, limits: TurnLimits
 ) -> list[int] | None:
     """The tokens the environment inserts after the model's `turns` (the transcript holds `used` tokens), or None
-    when the episode ends there (module docstring). EnvironmentFailure (python_env.py) when the environment fails."""
+    when the episode ends there (module docstring): the answers to the last turn's tool calls where the problem
+    offers tools in its chat template's format (tool_calls.py), else the source's `respond`. EnvironmentFailure
+    (python_env.py) when the environment fails."""
     if len(turns) >= limits.max_turns or used >= limits.budget:
         return None
+    form = call_format(tokenizer) if problem.tools and problem.chat_template else None
+    if form is not None:
+        calls = form.calls(turns[-1])
+        tokens = chat_tokens(tokenizer, problem, answer_calls(task, problem, calls)) if calls else None
+    else:
+        tokens = _respond_tokens(task, problem, tokenizer, turns)
+    return tokens if tokens is not None and used + len(tokens) < limits.budget else None
+
+
+def _respond_tokens(task: TaskSource, problem: Problem, tokenizer, turns: list[str]) -> list[int] | None:
     text = task.respond(problem, turns)
     if text is None:
         return None
@@ -84,8 +105,7 @@ def environment_turn(
         from rlfleet.tasks.python_env import EnvironmentFailure
 
         raise EnvironmentFailure(f"respond returned a {type(text).__name__}, not a str (the turn) or None (the end)")
-    tokens = environment_tokens(tokenizer, problem, text)
-    return tokens if used + len(tokens) < limits.budget else None
+    return environment_tokens(tokenizer, problem, text)
 
 
 def span_bounds(spans: list[int] | None, tokens: int) -> list[tuple[int, int, bool]]:

@@ -107,7 +107,8 @@ def test_an_environment_turn_takes_the_chat_template_s_framing():
     tok = build_tokenizer()
     tok.chat_template, tok.eos_token = CHATML, "<|im_end|>"
     problem = Problem("t", "1+1=", "2", chat_template=True, system_prompt="be brief")
-    assert _chat_continuation(tok, problem, "=2=") == "\n<|im_start|>user\n=2=<|im_end|>\n<|im_start|>assistant\n"
+    user = [{"role": "user", "content": "=2="}]
+    assert _chat_continuation(tok, problem, user) == "\n<|im_start|>user\n=2=<|im_end|>\n<|im_start|>assistant\n"
     builtin = build_tokenizer()
     builtin.chat_template = CHAT_TEMPLATE
     ids = environment_tokens(builtin, Problem("t", "1+1=", "2", chat_template=True), "=2=")

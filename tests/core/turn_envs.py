@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 
 from rlfleet.tasks import Problem, TaskSource
+from rlfleet.tasks.base import ToolError
+from rlfleet.tasks.tool_calls import function_schema
 
 KINDS = ("ok", "raise", "hang", "int")
 
@@ -45,3 +47,27 @@ class Counter(TaskSource):
 
     def reward(self, problem: Problem, completion: str) -> float:
         return 1.0 if problem.answer in completion.replace(" ", "") else 0.0
+
+
+class Reverser(TaskSource):
+    """Task ids `reverse-{text}`: the model may call the tool `reverse` (a user environment's own tool, in its chat
+    template's format: rlfleet/tasks/tool_calls.py), which answers the reversed text, and is rewarded for writing
+    the reversed text."""
+
+    multi_turn = True
+    SCHEMA = function_schema("reverse", "Reverses a text.", {"text": {"type": "string"}}, ["text"])
+
+    def problem(self, task_id: str) -> Problem:
+        text = task_id.removeprefix("reverse-")
+        return Problem(task_id=task_id, prompt=f"Reverse {text}", answer=text[::-1], tools=(self.SCHEMA,))
+
+    def sample_id(self, rng) -> str:
+        return f"reverse-{''.join('abc'[int(k)] for k in rng.integers(0, 3, size=4))}"
+
+    def call_tool(self, problem: Problem, name: str, arguments: dict) -> str:
+        if not isinstance(arguments.get("text"), str):
+            raise ToolError('reverse takes a string in "text"')
+        return arguments["text"][::-1]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return float(problem.answer in completion)
