@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 from rlfleet.tasks.base import Problem, TaskSource, WrappedTask
@@ -37,9 +38,28 @@ def encode_prompt(tokenizer, problem: Problem) -> list[int]:
         raise ChatTemplateMissing(missing_template_message("spec.task", getattr(tokenizer, "name_or_path", "")))
     messages = [{"role": "system", "content": problem.system_prompt}] if problem.system_prompt else []
     messages.append({"role": "user", "content": problem.prompt})
-    tools = list(problem.tools) or None  # a template that renders tools shows them (rlfleet/tasks/tool_calls.py)
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    text = render_chat(tokenizer, messages, list(problem.tools) or None)  # tools: rlfleet/tasks/tool_calls.py
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# A template that prints today's date (Llama 3.x: transformers' `strftime_now`, the machine's local time) would
+# render another prompt on another day or in another time zone, and the verifier would refuse the worker's prompt
+# (`prompt_mismatch`); every render reads this date instead.
+TEMPLATE_DATE = datetime(2024, 7, 26)
+
+
+def render_chat(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True
+) -> str:
+    """`messages` (and `tools`) rendered to text by the tokenizer's chat template, the same on every machine and
+    day: the template's clock reads TEMPLATE_DATE."""
+    return tokenizer.apply_chat_template(
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        strftime_now=TEMPLATE_DATE.strftime,
+    )
 
 
 def has_chat_template(model_dir: str | Path) -> bool:

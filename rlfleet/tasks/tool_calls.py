@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 
 from rlfleet.tasks.base import Problem, TaskSource, ToolError
+from rlfleet.tasks.chat import render_chat
 
 MAX_CALLS = 8  # calls answered in one model turn; later ones get an error
 _SENTINEL = "rlfleet_probe_tool"
@@ -108,12 +109,12 @@ def _probe_format(tokenizer) -> CallFormat | None:
     user = [{"role": "user", "content": "q"}]
     call = {"type": "function", "function": {"name": _SENTINEL, "arguments": _SENTINEL_ARGUMENTS}}
     try:
-        asked = _render(tokenizer, user, None, generation_prompt=True)
-        offered = _render(tokenizer, user, [_SENTINEL_SCHEMA], generation_prompt=True)
-        called = _render(tokenizer, [*user, {"role": "assistant", "content": "", "tool_calls": [call]}],
-                         [_SENTINEL_SCHEMA], generation_prompt=False)  # fmt: skip
-        answered = _render(tokenizer, [*user, {"role": "assistant", "content": _TURN_MARK}],
-                           [_SENTINEL_SCHEMA], generation_prompt=False)  # fmt: skip
+        asked = render_chat(tokenizer, user, None)
+        offered = render_chat(tokenizer, user, [_SENTINEL_SCHEMA])
+        called = render_chat(tokenizer, [*user, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                             [_SENTINEL_SCHEMA], generation_prompt=False)  # fmt: skip
+        answered = render_chat(tokenizer, [*user, {"role": "assistant", "content": _TURN_MARK}],
+                               [_SENTINEL_SCHEMA], generation_prompt=False)  # fmt: skip
     except Exception:  # noqa: BLE001 (a template that cannot render these has no format we can use)
         return None
     if asked == offered or not called.startswith(offered) or _TURN_MARK not in answered:
@@ -128,10 +129,6 @@ def _probe_format(tokenizer) -> CallFormat | None:
     if end_of_turn and end_of_turn in after:
         after = after[: after.index(end_of_turn)]
     return CallFormat(open=turn[:start].strip(), close=after.strip(), arguments_key=key)
-
-
-def _render(tokenizer, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 def _sentinel_object(text: str) -> tuple[int, int, str] | None:

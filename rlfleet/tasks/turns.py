@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlfleet.tasks.base import Problem, TaskSource
+from rlfleet.tasks.chat import render_chat
 from rlfleet.tasks.tool_calls import answer_calls, call_format
 
 
@@ -70,9 +71,7 @@ def _chat_continuation(tokenizer, problem: Problem, after: list[dict]) -> str:
     """The chat template's text between the model's message and its next turn, with the messages `after`."""
     messages = [{"role": "system", "content": problem.system_prompt}] if problem.system_prompt else []
     messages += [{"role": "user", "content": problem.prompt}, {"role": "assistant", "content": _MODEL_MARK}]
-    rendered = tokenizer.apply_chat_template(
-        [*messages, *after], tools=list(problem.tools) or None, tokenize=False, add_generation_prompt=True
-    )
+    rendered = render_chat(tokenizer, [*messages, *after], list(problem.tools) or None)
     continuation = rendered.split(_MODEL_MARK, 1)[1]
     eos = tokenizer.eos_token or ""
     # the model sampled its stop token itself

@@ -148,6 +148,21 @@ def test_a_bare_json_template_s_calls_are_answered_in_its_tool_turn():
     )
 
 
+DATED = (
+    "{% if not date_string is defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
+    "<|system|>Today Date: {{ date_string }}\n{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_a_template_that_prints_today_s_date_renders_the_same_prompt_on_every_machine_and_day():
+    """Llama 3.x templates print transformers' `strftime_now` (local time): a worker in another time zone, or a group
+    verified after midnight, would otherwise fail `prompt_mismatch`."""
+    tok = tokenizer(DATED, "<eos>")
+    problem = Problem("t", "1+1=", "2", chat_template=True)
+    assert tok.decode(encode_prompt(tok, problem)) == "<|system|>Today Date: 26 Jul 2024\n<|user|>1+1=\n<|assistant|>"
+
+
 def test_a_template_without_tools_keeps_the_plain_format():
     tok = tokenizer(CHATML, "<|im_end|>")
     task, problem = calculator()
