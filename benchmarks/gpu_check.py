@@ -21,10 +21,12 @@ Steps, one after the other in this process, on the device `rlfleet.models.device
  4. weight swap: a perturbed version 1 is published and signed, served by a real origin and relay
     over 127.0.0.1; versions 1, 0, 1 are each downloaded afresh (hashes, signature), loaded in place
     and used for a 1-token group: swap / (download + load), the rollout benchmark's figure;
- 5. episodes: multi-turn episodes on the torch engine (rlfleet/engines/episodes.py; the tests' Counter
-    environment answers every turn, 3 model turns of max-tokens / 4 tokens each), all groups in one
-    round per turn: the model's tokens/s, and the gate's prefill checks of them on the device (TOPLOC
-    over every position, logprobs and the seed replay over the model's): honest rejected must be 0;
+ 5. episodes: multi-turn episodes on the torch engine, and on vLLM where step 3 runs
+    (rlfleet/engines/episodes.py; the tests' Counter environment answers every turn, 3 model turns of
+    max-tokens / 4 tokens each), all groups in one round per turn: the model's tokens/s, on vLLM the
+    share of later turns' prompt tokens read from its prefix cache, and the gate's prefill checks of
+    them on the device (TOPLOC over every position, logprobs and the seed replay over the model's):
+    honest rejected must be 0;
  6. trainer: after one untimed warm-up step, one GRPO step (`grpo_update`, as the trainer takes it)
     on batches of 1, 4 and 16 of the groups: peak device memory and tokens/s, beside the model-state
     bound (weights + gradients + AdamW's two moments); a batch that does not fit says OOM.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -374,11 +377,12 @@ def main() -> int:
         if skip is None:
             vmade = step("generation_vllm", vllm_generation, v0, dtype, spec, device, args.groups)
             if vmade:
-                report["generation_vllm"], vgroups = vmade
+                report["generation_vllm"], vgroups, vepisodes = vmade
                 vtps = max(report["generation_vllm"]["tokens_per_s"].values())
                 report["verification_vllm"] = step(
                     "verification_vllm", verification_rows, spec, v0, dtype, device, vgroups, vtps, None
                 )
+                report["episodes_vllm"] = step("episodes_vllm", check_episodes, spec, v0, dtype, device, *vepisodes)
         else:
             report["vllm_skipped"] = skip
         if groups:
@@ -389,13 +393,19 @@ def main() -> int:
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    checked = ("verification_torch", "verification_vllm", "episodes_torch")
+    checked = ("verification_torch", "verification_vllm", "episodes_torch", "episodes_vllm")
     rejected = [k for k in checked if report.get(k, {}).get("honest_rejected")]
     return 1 if rejected or errors else 0
 
 
 def episode_rows(engine, spec, model_dir: Path, dtype: str, device, groups: int) -> dict:
     """Step 5 (module docstring): multi-turn episodes drawn and checked on the device."""
+    return check_episodes(spec, model_dir, dtype, device, *draw_episodes(engine, spec, groups, device))
+
+
+def draw_episodes(engine, spec, groups: int, device) -> tuple[list[RolloutGroup], dict]:
+    """Step 5's episodes, all groups in one round per turn, and their figures: the model's tokens/s, turns a sample
+    and, on vLLM, the share of later turns' prompt tokens read from the prefix cache."""
     from rlfleet.engines.episodes import generate_episodes
     from rlfleet.tasks.turns import drawn_tokens
     from tests.core.turn_envs import Counter
@@ -406,27 +416,37 @@ def episode_rows(engine, spec, model_dir: Path, dtype: str, device, groups: int)
     prompts = [engine.tokenizer(p.prompt)["input_ids"] for p in problems]
     params = [SamplingParams(s.temperature, s.top_p, s.top_k, s.max_tokens, seed=i) for i in range(groups)]
     requests = [GroupRequest(p, q, s.group_size) for p, q in zip(prompts, params)]
+    cached_before = getattr(engine, "prompt_tokens_cached", None)
     sync(device)
     t0 = time.perf_counter()
     made, failures = generate_episodes(engine, task, requests, problems, sampling)
     sync(device)
     seconds = time.perf_counter() - t0
     assert not failures, failures
-    episodes, tokens, turns = [], 0, 0
+    episodes, tokens, turns, later_prompts = [], 0, 0, 0
     for problem, prompt, param, gens in zip(problems, prompts, params, made):
         assert gens is not None
         proofs = build_proofs_many([g.hidden for g in gens], len(prompt))
         samples = [Sample(g.completion_ids, g.logprobs, p, 0.0, g.finish_reason, g.spans) for g, p in zip(gens, proofs)]
         tokens += sum(drawn_tokens(g.spans, len(g.completion_ids)) for g in gens)
         turns += sum((len(g.spans or [0]) + 1) // 2 for g in gens)
+        # each later model turn's prompt: the prompt and the transcript before it
+        later_prompts += sum(sum(list(itertools.accumulate(g.spans or [], initial=len(prompt)))[2:-1:2]) for g in gens)
         episodes.append(RolloutGroup(problem.task_id, "gpu-check", gens[0].version, prompt, param, samples,
                                      engine=engine.name))  # fmt: skip
+    figures = {"model_tokens_per_s": tokens / seconds, "turns_per_sample": turns / (groups * s.group_size)}
+    if cached_before is not None:
+        figures["prompt_cached_share"] = (engine.prompt_tokens_cached - cached_before) / max(later_prompts, 1)
+    return episodes, figures
+
+
+def check_episodes(spec, model_dir: Path, dtype: str, device, episodes: list[RolloutGroup], figures: dict) -> dict:
+    """Step 5's gate: the prefill checks of the episodes on the device (honest rejected must be 0)."""
     model, tok = load_policy(model_dir, dtype, device)  # as the verifier loads a version (Gate.policy)
     checker = Checker(spec, None, None, policy=lambda v: (model, tok))
     reasons, verify_s = verify(checker, model, tok, episodes, device)
     return {
-        "model_tokens_per_s": tokens / seconds,
-        "turns_per_sample": turns / (groups * s.group_size),
+        **figures,
         "verify_s": verify_s,
         "honest_rejected": sum(r is not None for r in reasons),
         "reasons": sorted({r for r in reasons if r}),
@@ -441,10 +461,16 @@ def other_groups(model_dir: Path, spec, dtype: str, device) -> list[RolloutGroup
     return made
 
 
-def vllm_generation(model_dir: Path, dtype: str, spec, device, groups: int) -> tuple[dict, list[RolloutGroup]]:
+def vllm_generation(model_dir: Path, dtype: str, spec, device, groups: int):
+    """Steps 3 and 5 on the vLLM engine: (its generation figures, its groups, its episodes and their figures), all
+    drawn before the engine closes; main checks them after, when vLLM's share of the GPU memory is free. The
+    episodes' later turns read vLLM's prefix cache (rlfleet/engines/episodes.py)."""
     engine = make_engine("vllm", model_dir, 0, dtype)
     try:
-        return generation_rows(engine, spec, device, groups)
+        stops = engine.stop_ids
+        rows, groups_made = generation_rows(engine, spec, device, groups)
+        engine.stop_ids = stops  # generation_rows ignored them; episodes end turns at them
+        return rows, groups_made, draw_episodes(engine, spec, groups, device)
     finally:
         engine.close()
 
@@ -506,12 +532,18 @@ def print_table(r: dict) -> None:
             f"| weight swap ({s['checkpoint_mib']:.0f} MiB): download / load / 1st token s; swap/(dl+load) | "
             f"{s['download_s']:.2f} / {s['load_s']:.2f} / {s['first_token_s']:.3f}; {s['swap_ratio']:.2f} | - |"
         )
-    if "episodes_torch" in r:
-        e = r["episodes_torch"]
-        print(
-            f"| multi-turn episodes ({e['turns_per_sample']:.1f} turns a sample): model tok/s; honest rejected | "
-            f"{e['model_tokens_per_s']:,.0f}; {e['honest_rejected']} {e['reasons'] or ''} | - |"
-        )
+    row(
+        "multi-turn episodes: turns a sample; model tok/s; honest rejected",
+        "episodes",
+        lambda e: (
+            f"{e['turns_per_sample']:.1f}; {e['model_tokens_per_s']:,.0f}; {e['honest_rejected']} {e['reasons'] or ''}"
+        ),
+    )
+    row(
+        "multi-turn episodes: later turns' prompt tokens read from the prefix cache",
+        "episodes",
+        lambda e: f"{e['prompt_cached_share']:.2f}" if "prompt_cached_share" in e else "-",
+    )
     t = r.get("trainer", {"steps": {}})
     for k, step in t["steps"].items():
         figure = "OOM" if step.get("oom") else f"{step['tokens_per_s']:,.0f} tok/s"
