@@ -18,7 +18,7 @@ from rlfleet.tasks.arithmetic import ArithmeticTask
 from rlfleet.tasks.base import Problem, ToolError
 from rlfleet.tasks.calculator import CalculatorTask
 from rlfleet.tasks.chat import ChatPromptTask, encode_prompt
-from rlfleet.tasks.python_env import PythonEnvironment
+from rlfleet.tasks.python_env import EnvironmentFailure, PythonEnvironment
 from rlfleet.tasks.python_tool import PythonToolTask
 from rlfleet.tasks.tool_calls import MAX_CALLS, CallFormat, call_format
 from rlfleet.tasks.turns import TurnLimits, check_transcript, environment_turn
@@ -215,5 +215,11 @@ def test_a_user_environment_s_tools_are_called_across_its_process_boundary():
         assert "<tool_response>\ncba\n</tool_response>" in tok.decode(tokens)
         refused = environment_turn(env, problem, tok, [tagged_call("reverse", '{"text": 3}')], 10, LIMITS)
         assert '<tool_response>\nerror: reverse takes a string in "text"\n</tool_response>' in tok.decode(refused)
+        # a tool that fails or breaks the contract is the environment's failure: the gate rejects the group with
+        # reason `environment` (forgiven) and goes on, as for a failing `respond`
+        with pytest.raises(EnvironmentFailure, match="call_tool raised RuntimeError: the reverse service is down"):
+            environment_turn(env, problem, tok, [tagged_call("reverse", '{"text": "down"}')], 10, LIMITS)
+        with pytest.raises(EnvironmentFailure, match="call_tool returned a int, not a str"):
+            environment_turn(env, problem, tok, [tagged_call("reverse", '{"text": "int"}')], 10, LIMITS)
     finally:
         env.close()

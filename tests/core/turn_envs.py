@@ -52,7 +52,7 @@ class Counter(TaskSource):
 class Reverser(TaskSource):
     """Task ids `reverse-{text}`: the model may call the tool `reverse` (a user environment's own tool, in its chat
     template's format: rlfleet/tasks/tool_calls.py), which answers the reversed text, and is rewarded for writing
-    the reversed text."""
+    the reversed text. Called on `down` the tool raises; on `int` it answers an int."""
 
     multi_turn = True
     SCHEMA = function_schema("reverse", "Reverses a text.", {"text": {"type": "string"}}, ["text"])
@@ -67,6 +67,10 @@ class Reverser(TaskSource):
     def call_tool(self, problem: Problem, name: str, arguments: dict) -> str:
         if not isinstance(arguments.get("text"), str):
             raise ToolError('reverse takes a string in "text"')
+        if arguments["text"] == "down":  # the tool itself fails: the environment's failure, not the model's error
+            raise RuntimeError("the reverse service is down")
+        if arguments["text"] == "int":
+            return 3  # type: ignore[return-value]  (a tool that breaks the contract)
         return arguments["text"][::-1]
 
     def reward(self, problem: Problem, completion: str) -> float:
