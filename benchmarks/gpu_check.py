@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import itertools
 import json
 import os
 import platform
@@ -407,7 +406,7 @@ def draw_episodes(engine, spec, groups: int, device) -> tuple[list[RolloutGroup]
     """Step 5's episodes, all groups in one round per turn, and their figures: the model's tokens/s, turns a sample
     and, on vLLM, the share of later turns' prompt tokens read from the prefix cache."""
     from rlfleet.engines.episodes import generate_episodes
-    from rlfleet.tasks.turns import drawn_tokens
+    from rlfleet.tasks.turns import drawn_tokens, later_turn_prompt_tokens
     from tests.core.turn_envs import Counter
 
     task, s = Counter(), spec.sampling
@@ -431,7 +430,7 @@ def draw_episodes(engine, spec, groups: int, device) -> tuple[list[RolloutGroup]
         tokens += sum(drawn_tokens(g.spans, len(g.completion_ids)) for g in gens)
         turns += sum((len(g.spans or [0]) + 1) // 2 for g in gens)
         # each later model turn's prompt: the prompt and the transcript before it
-        later_prompts += sum(sum(list(itertools.accumulate(g.spans or [], initial=len(prompt)))[2:-1:2]) for g in gens)
+        later_prompts += sum(later_turn_prompt_tokens(len(prompt), g.spans) for g in gens)
         episodes.append(RolloutGroup(problem.task_id, "gpu-check", gens[0].version, prompt, param, samples,
                                      engine=engine.name))  # fmt: skip
     figures = {"model_tokens_per_s": tokens / seconds, "turns_per_sample": turns / (groups * s.group_size)}

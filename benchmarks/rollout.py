@@ -31,7 +31,6 @@ Usage: .venv/bin/python benchmarks/rollout.py [--hidden 256 --layers 4 --groups 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -53,7 +52,7 @@ from rlfleet.services.shardcast import origin, relay
 from rlfleet.services.shardcast.client import FetchSettings, fetch_version
 from rlfleet.tasks import Problem, TaskSource
 from rlfleet.tasks.arithmetic import ArithmeticTask
-from rlfleet.tasks.turns import drawn_tokens
+from rlfleet.tasks.turns import drawn_tokens, later_turn_prompt_tokens
 from rlfleet.versions.checkpoint import publish_version, save_model_dir
 from rlfleet.versions.signing import generate_keypair, load_private_key, make_signer, parse_public_key
 from rlfleet.versions.store import open_store
@@ -123,17 +122,16 @@ def multi_turn_rate(engine, requests: list[GroupRequest], args) -> tuple[float, 
         for at in range(0, len(episodes), k):
             made, _ = generate_episodes(engine, task, episodes[at : at + k], problems[at : at + k], sampling)
             n += sum(drawn_tokens(g.spans, len(g.completion_ids)) for gens in made if gens for g in gens)
-            later_prompts += sum(later_turn_prompts(r, g.spans) for r, gens in zip(episodes[at:], made) for g in gens)
+            later_prompts += sum(
+                later_turn_prompt_tokens(len(r.prompt_ids), g.spans)
+                for r, gens in zip(episodes[at:], made)
+                if gens
+                for g in gens
+            )
         rates.append(n / (time.monotonic() - t0))
     if cached_before is None:
         return statistics.median(rates), None
     return statistics.median(rates), (engine.prompt_tokens_cached - cached_before) / max(later_prompts, 1)
-
-
-def later_turn_prompts(request: GroupRequest, spans: list[int]) -> int:
-    """Prompt tokens of an episode's later turns: the prompt and transcript before each model turn but the first."""
-    starts = list(itertools.accumulate(spans, initial=len(request.prompt_ids)))[2::2]  # before model turns 2, 3, ..
-    return sum(starts[: len(spans[2::2])])
 
 
 def bench_engine(kind: str, args, relay_url: str, work: Path, public_key) -> dict:

@@ -146,6 +146,14 @@ def episode_text(
     return task.episode_text(problem, turns)
 
 
+def later_turn_prompt_tokens(prompt_tokens: int, spans: list[int] | None) -> int:
+    """The prompt tokens of an episode's model turns after its first: each such turn's prompt is the problem's
+    prompt and the transcript before it (what an engine with a prefix cache can read from it; 0 for a single
+    completion)."""
+    bounds = span_bounds(spans, sum(spans) if spans else 0)
+    return sum(prompt_tokens + start for start, _, model in bounds[1:] if model)
+
+
 def drawn_tokens(spans: list[int] | None, tokens: int) -> int:
     """The completion tokens the model sampled (what a length penalty counts)."""
     return tokens if spans is None else sum(spans[::2])
