@@ -17,7 +17,14 @@ rlfleet/tasks/chat.py encode_prompt), the task's reward, and the hyper-parameter
 - reward over the last tenth of the steps; the load average before and after the run;
 - the median step split: rlfleet's `split` parts of metrics.jsonl where its records have them (else
   wait / compute / publish), TRL's generate-and-score time (timed around GRPOTrainer's own
-  `_generate_and_score_completions`) and the rest of its step (forward, backward, optimizer).
+  `_generate_and_score_completions`) and the rest of its step (forward, backward, optimizer);
+- with `spec.eval` set, the held-out score of both sides' versions, evaluated the same way: by rlfleet's
+  Evaluator (its torch engine, the run's held-out problems, greedy or pass@k as spec.eval says) in a
+  background thread of the training process, offered the weights after steps 0, every, 2 x every, ... and
+  the last (TRL's model saved for it; a LoRA run's: the adapter), so both sides' training shares the CPU
+  with their evaluations alike. A score is placed at the time its version was made (rlfleet: the step
+  record that published it; TRL: the end of that step). Then the time each side first reached TRL's final
+  held-out score and their ratio, `time_to_trl_final_held_out_ratio`.
 
 `time_to_0_9_ratio` and `time_to_0_8_ratio` in the JSON: rlfleet's sampled time to the threshold ÷ TRL's.
 A seeded TRL run crosses a threshold at one fixed step, a single draw of where a noisy reward curve first
@@ -31,6 +38,7 @@ and adds each seed's times, their median (a seed that never got there counts as 
     python benchmarks/vs_trl.py --compute-bound              # the math example: larger model, 16 tokens
     python benchmarks/vs_trl.py --compute-bound --trl-seeds 4  # and against TRL's median over 4 seeds
     python benchmarks/vs_trl.py --config my-run.yaml --steps 60
+    python benchmarks/vs_trl.py --config examples/smollm2/rlrun.yaml --trl-threads 2   # a released model
 
 TRL is in the `bench` extra (`pip install -e '.[bench]'`). A few minutes on 2 cores for the arithmetic example.
 """
@@ -86,7 +94,16 @@ MAPPED: list[tuple[str, str, object]] = [
     ("num_iterations", "trainer.epochs", lambda s: s.trainer.epochs),
     ("loss_type", "trainer.normalization", lambda s: NORMALIZATION[s.trainer.normalization]),
     ("seed", "trainer.seed", lambda s: s.trainer.seed),
+    # TRL's GRPOConfig turns it on by default (memory for time); rlfleet's default is off
+    ("gradient_checkpointing", "trainer.activationCheckpointing", lambda s: s.trainer.activation_checkpointing),
 ]
+# peft LoraConfig option <- trainer.lora field (a LoRA run: both sides train the same adapters, dropout 0).
+LORA_MAPPED: list[tuple[str, str, object]] = [
+    ("r", "trainer.lora.rank", lambda lora: lora.rank),
+    ("lora_alpha", "trainer.lora.alpha", lambda lora: lora.alpha),
+    ("target_modules", "trainer.lora.targetModules", lambda lora: list(lora.target_modules)),
+]
+LORA_FIXED = {"lora_dropout": 0.0, "bias": "none"}  # what rlfleet's trainer sets (services/trainer/lora.py)
 # Set on the TRL side to what rlfleet does with no field for it.
 FIXED = {
     "gradient_accumulation_steps": 1,  # one optimizer step per batch of groups
@@ -113,16 +130,29 @@ NOT_MATCHED = [
 
 
 def mapping_rows(run) -> list[tuple[str, object, str]]:
-    """(TRL option, value, rlfleet field) for every mapped option of `run` (an RLRun spec), then the fixed ones."""
+    """(TRL option, value, rlfleet field) for every mapped option of `run` (an RLRun spec), then the fixed ones;
+    a LoRA run's adapter options follow as `LoraConfig.<option>`."""
     rows = [(option, convert(run), field) for option, field, convert in MAPPED]  # type: ignore[operator]
-    return rows + [(option, value, "(fixed)") for option, value in FIXED.items()]
+    rows += [(option, value, "(fixed)") for option, value in FIXED.items()]
+    lora = run.trainer.lora
+    if lora is not None:
+        rows += [(f"LoraConfig.{option}", convert(lora), field) for option, field, convert in LORA_MAPPED]  # type: ignore[operator]
+        rows += [(f"LoraConfig.{option}", value, "(fixed)") for option, value in LORA_FIXED.items()]
+    return rows
 
 
 def trl_options(run, steps: int, seed_offset: int = 0) -> dict:
     """GRPOConfig keyword arguments for `run`'s work over `steps` optimizer steps; `seed_offset` is added to
     the seed (TRL's sampling and data order; the model bytes stay the run's)."""
-    options = {option: value for option, value, _ in mapping_rows(run)}
+    options = {option: value for option, value, _ in mapping_rows(run) if not option.startswith("LoraConfig.")}
     return options | {"max_steps": steps, "seed": options["seed"] + seed_offset}
+
+
+def lora_options(run) -> dict | None:
+    """peft LoraConfig keyword arguments for a LoRA run (None otherwise)."""
+    prefix = "LoraConfig."
+    options = {option[len(prefix) :]: value for option, value, _ in mapping_rows(run) if option.startswith(prefix)}
+    return options or None
 
 
 def unmatched(run) -> list[str]:
@@ -139,7 +169,6 @@ def unmatched(run) -> list[str]:
         (t.kl_coef > 0, "trainer.klCoef: rlfleet clamps the per-token k3 estimate to [0, 10], TRL does not"),
         (run.sampling.online_filter is not None, "sampling.onlineFilter: TRL samples solved prompts again"),
         (run.length_penalty is not None, "lengthPenalty: TRL's reward is the task's alone"),
-        (t.lora is not None, "trainer.lora: TRL trains the whole model here"),
         (run.model.dtype != "float32", f"model.dtype {run.model.dtype}: TRL trains in float32 here"),
     ]
     return NOT_MATCHED + [line for applies, line in own if applies]
@@ -202,6 +231,45 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def first_reaching(curve: list[dict], target: float) -> dict:
+    """The first point of a held-out curve ([{version, score, seconds}], in version order) whose score is at
+    least `target`: its version and launch-relative seconds (None, None if none)."""
+    for point in curve:
+        if point["score"] >= target:
+            return {"version": point["version"], "seconds": point["seconds"]}
+    return {"version": None, "seconds": None}
+
+
+def held_out_summary(trl_curve: list[dict], fleet_curve: list[dict]) -> dict:
+    """Both sides' times to TRL's final held-out score (the score of TRL's last evaluated version) and rlfleet's
+    ÷ TRL's; {} when either side has no held-out curve (a run without spec.eval)."""
+    if not trl_curve or not fleet_curve:
+        return {}
+    target = trl_curve[-1]["score"]
+    trl_at, fleet_at = first_reaching(trl_curve, target), first_reaching(fleet_curve, target)
+    return {
+        "trl_final_held_out": target,
+        "rlfleet_final_held_out": fleet_curve[-1]["score"],
+        "trl_to_final_held_out": trl_at,
+        "rlfleet_to_trl_final_held_out": fleet_at,
+        "time_to_trl_final_held_out_ratio": ratio(fleet_at["seconds"], trl_at["seconds"]),
+    }
+
+
+def rlfleet_held_out(records: list[dict], times: list[float], trainer_start: float) -> list[dict]:
+    """rlfleet's held-out curve from its step records: each eval/version with its eval/score, at the time the
+    trainer published that version (step v publishes version v; version 0, the base, at the trainer's start)."""
+    published = {r["step"]: t for r, t in zip(records, times)}
+    curve = [
+        {"version": r["eval/version"], "score": r["eval/score"]}
+        for r in records
+        if "eval/score" in r and (r["eval/version"] == 0 or r["eval/version"] in published)
+    ]
+    for point in curve:
+        point["seconds"] = trainer_start if point["version"] == 0 else published[point["version"]]
+    return sorted(curve, key=lambda point: point["version"])
+
+
 def summarize(times: list[float], rewards: dict[str, list[float]], wall: float, generated: int, trained: list[int]):
     """A system's figures: `times` launch-relative per step, `rewards` per kind, `generated` completions over
     the run, `trained` completions per step."""
@@ -246,11 +314,14 @@ def run_trl(config: Path, steps: int, threads: int, work: Path, seed_offset: int
             stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None,
         ).returncode
-    wall = time.time() - launched
     if code:
         raise failed("the TRL side", code, log_path)
     child = json.loads(out.read_text())
+    wall = time.time() - launched
     times = [t - launched for t in child["step_times"]]
+    held_out = [
+        {"version": e["version"], "score": e["score"], "seconds": e["time"] - launched} for e in child["held_out"]
+    ]
     step_walls = [b - a for a, b in zip([child["train_started"], *child["step_times"]], child["step_times"])]
     generate = child["generate_seconds"]
     result = summarize(times, {"logged": child["rewards"]}, wall, sum(child["completions"]), child["completions"])
@@ -259,7 +330,12 @@ def run_trl(config: Path, steps: int, threads: int, work: Path, seed_offset: int
         "train": statistics.median(w - g for w, g in zip(step_walls, generate)),
         "step_seconds": statistics.median(step_walls),
     }
-    return result | {"load_before": load_before, "load_after": os.getloadavg(), "trl_version": child["trl_version"]}
+    return result | {
+        "held_out": held_out,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "trl_version": child["trl_version"],
+    }
 
 
 def run_rlfleet(config: Path, steps: int, spot_check_fraction: float | None, work: Path) -> dict:
@@ -300,11 +376,17 @@ def run_rlfleet(config: Path, steps: int, spot_check_fraction: float | None, wor
     generated = (last["accepted"] + last["rejected"] + held_back) * group_size
     rewards = {"sampled": [r["sampled_reward_mean"] for r in records], "trained": [r["reward_mean"] for r in records]}
     result = summarize(times, rewards, wall, generated, [r["samples"] for r in records])
-    return result | {"split": median_split(records), "load_before": load_before, "load_after": os.getloadavg()}
+    return result | {
+        "held_out": rlfleet_held_out(records, times, start),
+        "split": median_split(records),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+    }
 
 
 def trl_child(out: Path, config: Path, steps: int, threads: int, seed_offset: int) -> None:
-    """The TRL side, in its own process: writes step times (time.time()), rewards and generate seconds to `out`."""
+    """The TRL side, in its own process: writes step times (time.time()), rewards, generate seconds and the
+    held-out curve to `out`."""
     import numpy as np
     import torch
     import trl
@@ -313,7 +395,7 @@ def trl_child(out: Path, config: Path, steps: int, threads: int, seed_offset: in
 
     from rlfleet.models.sources import resolve_model_path
     from rlfleet.tasks import make_run_task
-    from rlfleet.tasks.chat import encode_prompt
+    from rlfleet.tasks.chat import encode_prompt, prompt_text
 
     if threads:
         torch.set_num_threads(threads)
@@ -326,9 +408,12 @@ def trl_child(out: Path, config: Path, steps: int, threads: int, seed_offset: in
     rng = np.random.default_rng(seed)  # drawn as a worker draws (rollout/work.py), from a seed of its own
     ids = [task.sample_id(rng) for _ in range(steps * run.trainer.batch_size)]
     problems = {i: task.problem(i) for i in ids}
+    # TRL is given each prompt as text (a chat template's rendering written out); it must encode to the ids
+    # rlfleet's workers sample from.
+    prompts = {i: prompt_text(tokenizer, problems[i]) for i in ids}
     for i in ids:
-        if tokenizer(text=problems[i].prompt)["input_ids"] != encode_prompt(tokenizer, problems[i]):
-            raise SystemExit(f"{i}: TRL would encode the prompt {problems[i].prompt!r} unlike rlfleet's workers")
+        if tokenizer(text=prompts[i])["input_ids"] != encode_prompt(tokenizer, problems[i]):
+            raise SystemExit(f"{i}: TRL would encode the prompt {prompts[i]!r} unlike rlfleet's workers")
 
     def task_reward(prompts, completions, task_id, **_):
         return [task.rewards(problems[i], [c])[0] for i, c in zip(task_id, completions)]
@@ -343,20 +428,26 @@ def trl_child(out: Path, config: Path, steps: int, threads: int, seed_offset: in
             return result
 
     record: dict = {"step_times": [], "rewards": [], "completions": [], "trl_version": trl.__version__}
+    held_out = HeldOut(run, model_dir) if run.eval is not None else None
     per_step = run.trainer.batch_size * run.sampling.group_size
 
     class Steps(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
             record["train_started"] = time.time()
+            if held_out:
+                held_out.offer(model, 0, last=False)  # the base: TRL's LoRA adapters start at B = 0
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
             record["step_times"].append(time.time())
             record["completions"].append(per_step)
+            if held_out:
+                held_out.offer(model, state.global_step, last=state.global_step == state.max_steps)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 record["rewards"].append(logs["reward"])
 
+    lora = lora_options(run)
     with tempfile.TemporaryDirectory(prefix="rlfleet-vs-trl-") as tmp:
         args = trl.GRPOConfig(
             output_dir=tmp,
@@ -371,12 +462,46 @@ def trl_child(out: Path, config: Path, steps: int, threads: int, seed_offset: in
             model=model,
             reward_funcs=task_reward,
             args=args,
-            train_dataset=Dataset.from_dict({"prompt": [problems[i].prompt for i in ids], "task_id": ids}),
+            train_dataset=Dataset.from_dict({"prompt": [prompts[i] for i in ids], "task_id": ids}),
             processing_class=tokenizer,
             callbacks=[Steps()],
+            peft_config=peft_config(lora) if lora else None,
         )
         trainer.train()
+    record["held_out"] = held_out.curve if held_out else []
     out.write_text(json.dumps(record | {"generate_seconds": generate_seconds}))
+
+
+def peft_config(options: dict):
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", **options)
+
+
+class HeldOut:
+    """TRL's held-out evaluation, run as rlfleet's trainer runs its own (rlfleet/services/trainer/evaluation.py):
+    rlfleet's Evaluator in a background thread of this process, offered the model after each due step (saved
+    for it: a peft model saves its adapter alone), one finished evaluation taken after each step and the last
+    awaited after the last step."""
+
+    def __init__(self, run, base: Path):
+        from rlfleet.services.trainer.evaluation import Evaluator
+
+        self.evaluator = Evaluator(run, base)
+        self.made: dict[int, float] = {}  # version (TRL's step) -> when its weights were made
+        self.curve: list[dict] = []
+
+    def offer(self, model, version: int, last: bool) -> None:
+        self.made[version] = time.time()
+        if version % self.evaluator.every == 0 or last:
+            with tempfile.TemporaryDirectory(prefix="rlfleet-vs-trl-eval-") as tmp:
+                model.save_pretrained(tmp)
+                self.evaluator.offer(version, Path(tmp), final=last)  # copies it
+        result = self.evaluator.take(wait=last)
+        if result:
+            version = result["eval/version"]
+            self.curve.append({"version": version, "score": result["eval/score"], "time": self.made[version]})
+            print(f"held-out score of step {version}: {result['eval/score']:.3f}", flush=True)
 
 
 # -- report ---------------------------------------------------------------------------------------------------
@@ -452,6 +577,8 @@ def report(result: dict, run, file) -> None:
     print(f"median step split, rlfleet (s): {split}", file=file)
     print(f"time_to_0_9_ratio {fmt(result['time_to_0_9_ratio'])}, time_to_0_8_ratio "
           f"{fmt(result['time_to_0_8_ratio'])} (rlfleet sampled ÷ TRL)", file=file)  # fmt: skip
+    if result.get("trl_to_final_held_out"):
+        report_held_out(result, file)
     if "trl_seeds" in result:
         for t in THRESHOLDS:
             crossings = ", ".join(
@@ -461,6 +588,19 @@ def report(result: dict, run, file) -> None:
             key = median_ratio_key(t)
             print(f"TRL to {t}: {crossings}; median {fmt(result[f'trl_median_to_{t}_seconds'])} s; {key} "
                   f"{fmt(result[key])}", file=file)  # fmt: skip
+
+
+def report_held_out(result: dict, file) -> None:
+    """Both held-out curves side by side (version: score at seconds) and the times to TRL's final score."""
+    print("\n| version | TRL held-out score (at s) | rlfleet held-out score (at s) |\n|---|---|---|", file=file)
+    by_side = [{p["version"]: p for p in result[side]["held_out"]} for side in ("trl", "rlfleet")]
+    for version in sorted(set(by_side[0]) | set(by_side[1])):
+        cells = [f"{c['score']:.2f} ({c['seconds']:.0f})" if (c := side.get(version)) else "-" for side in by_side]
+        print(f"| {version} | {cells[0]} | {cells[1]} |", file=file)
+    trl_at, fleet_at = result["trl_to_final_held_out"], result["rlfleet_to_trl_final_held_out"]
+    print(f"to TRL's final held-out score {result['trl_final_held_out']:.2f}: TRL {fmt(trl_at['seconds'])} s "
+          f"(version {trl_at['version']}), rlfleet {fmt(fleet_at['seconds'])} s (version {fleet_at['version']}); "
+          f"time_to_trl_final_held_out_ratio {fmt(result['time_to_trl_final_held_out_ratio'])}", file=file)  # fmt: skip
 
 
 def median_ratio_key(threshold: float) -> str:
@@ -539,6 +679,7 @@ def main() -> int:
         "rlfleet": fleet,
         "time_to_0_9_ratio": ratio(fleet["to_0.9_sampled"]["seconds"], trl["to_0.9_logged"]["seconds"]),
         "time_to_0_8_ratio": ratio(fleet["to_0.8_sampled"]["seconds"], trl["to_0.8_logged"]["seconds"]),
+        **held_out_summary(trl["held_out"], fleet["held_out"]),
         **(seeds_summary(run, trls, fleet) if len(trls) > 1 else {}),
         "mapping": [{"trl": o, "value": v, "rlfleet": f} for o, v, f in mapping_rows(run)],
         "not_matched": unmatched(run),

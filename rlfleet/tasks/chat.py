@@ -34,12 +34,19 @@ def encode_prompt(tokenizer, problem: Problem) -> list[int]:
     """The prompt ids of `problem` (see the module docstring)."""
     if not problem.chat_template:
         return list(tokenizer(problem.prompt)["input_ids"])
+    return list(tokenizer(prompt_text(tokenizer, problem), add_special_tokens=False)["input_ids"])
+
+
+def prompt_text(tokenizer, problem: Problem) -> str:
+    """The text `problem`'s prompt ids encode: the prompt itself, or with a chat template its rendering, special
+    tokens written out (so another trainer given this text sees the prompt rlfleet's workers sample from)."""
+    if not problem.chat_template:
+        return problem.prompt
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateMissing(missing_template_message("spec.task", getattr(tokenizer, "name_or_path", "")))
     messages = [{"role": "system", "content": problem.system_prompt}] if problem.system_prompt else []
     messages.append({"role": "user", "content": problem.prompt})
-    text = render_chat(tokenizer, messages, list(problem.tools) or None)  # tools: rlfleet/tasks/tool_calls.py
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return render_chat(tokenizer, messages, list(problem.tools) or None)  # tools: rlfleet/tasks/tool_calls.py
 
 
 # A template that prints today's date (Llama 3.x: transformers' `strftime_now`, the machine's local time) would

@@ -146,3 +146,70 @@ def test_seeds_summary_divides_rlfleet_s_time_by_the_trl_median(vs_trl):
     assert summary["trl_median_to_0.8_seconds"] == 30.0
     assert summary["time_to_0_8_ratio_vs_trl_median"] == pytest.approx(29.0 / 30.0)
     assert summary["trl_median_to_0.9_seconds"] is None and summary["time_to_0_9_ratio_vs_trl_median"] is None
+
+
+LORA = {"rank": 16, "alpha": 32, "targetModules": ["q_proj", "v_proj"]}
+
+
+def test_a_lora_run_trains_the_same_adapters_on_trl_s_side(vs_trl, tmp_path):
+    run = example_run(lora=LORA)
+    assert vs_trl.lora_options(run) == {
+        "r": 16,
+        "lora_alpha": 32.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,  # as rlfleet's trainer: it scores exactly what a merged adapter generates
+        "bias": "none",
+    }
+    assert vs_trl.lora_options(example_run()) is None
+    assert not any(option.startswith("LoraConfig.") for option in vs_trl.trl_options(run, steps=10))
+    assert not any("lora" in line.lower() for line in vs_trl.unmatched(run)), "matched, so not listed as a difference"
+    config = vs_trl.peft_config(vs_trl.lora_options(run))
+    assert (config.r, config.lora_alpha, set(config.target_modules)) == (16, 32.0, {"q_proj", "v_proj"})
+    trl = pytest.importorskip("trl")
+    options = vs_trl.trl_options(run, steps=10)
+    grpo = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **options)
+    assert {k: getattr(grpo, k) for k in options} == options
+
+
+def test_trl_s_gradient_checkpointing_follows_activation_checkpointing(vs_trl):
+    # GRPOConfig turns it on by default; rlfleet's trainer has it off unless the run asks
+    assert vs_trl.trl_options(example_run(), steps=10)["gradient_checkpointing"] is False
+    assert vs_trl.trl_options(example_run(activationCheckpointing=True), steps=10)["gradient_checkpointing"] is True
+
+
+def eval_record(step: int, **evaluation) -> dict:
+    return {"step": step, "wall_seconds": 10.0 * step} | {f"eval/{k}": v for k, v in evaluation.items()}
+
+
+def test_rlfleet_s_held_out_curve_puts_each_score_at_its_version_s_publication(vs_trl):
+    # evaluations land in later records than the step that published their version (the trainer's background)
+    records = [
+        eval_record(1, version=0, score=0.2),
+        eval_record(2),
+        eval_record(3, version=2, score=0.4),
+        eval_record(4, version=4, score=0.5),
+    ]
+    times = [5.0 + r["wall_seconds"] for r in records]  # launch-relative: the trainer started 5 s after launch
+    assert vs_trl.rlfleet_held_out(records, times, trainer_start=5.0) == [
+        {"version": 0, "score": 0.2, "seconds": 5.0},
+        {"version": 2, "score": 0.4, "seconds": 25.0},
+        {"version": 4, "score": 0.5, "seconds": 45.0},
+    ]
+
+
+def test_times_to_trl_s_final_held_out_score(vs_trl):
+    def curve(*points):
+        return [{"version": v, "score": s, "seconds": t} for v, s, t in points]
+
+    trl = curve((0, 0.2, 10.0), (5, 0.5, 100.0), (10, 0.4, 190.0), (15, 0.5, 280.0))
+    fleet = curve((0, 0.2, 30.0), (5, 0.3, 150.0), (10, 0.58, 260.0), (15, 0.5, 400.0))
+    summary = vs_trl.held_out_summary(trl, fleet)
+    assert summary["trl_final_held_out"] == 0.5 and summary["rlfleet_final_held_out"] == 0.5
+    # TRL first had its final score at version 5, not at its last; rlfleet first passed it at version 10
+    assert summary["trl_to_final_held_out"] == {"version": 5, "seconds": 100.0}
+    assert summary["rlfleet_to_trl_final_held_out"] == {"version": 10, "seconds": 260.0}
+    assert summary["time_to_trl_final_held_out_ratio"] == pytest.approx(2.6)
+    never = vs_trl.held_out_summary(trl, curve((0, 0.2, 30.0), (5, 0.3, 150.0)))
+    assert never["rlfleet_to_trl_final_held_out"] == {"version": None, "seconds": None}
+    assert never["time_to_trl_final_held_out_ratio"] is None
+    assert vs_trl.held_out_summary(trl, []) == {}, "a run without spec.eval has no held-out figures"
