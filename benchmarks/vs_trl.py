@@ -129,30 +129,37 @@ NOT_MATCHED = [
 ]
 
 
-def mapping_rows(run) -> list[tuple[str, object, str]]:
-    """(TRL option, value, rlfleet field) for every mapped option of `run` (an RLRun spec), then the fixed ones;
-    a LoRA run's adapter options follow as `LoraConfig.<option>`."""
+def grpo_rows(run) -> list[tuple[str, object, str]]:
+    """(GRPOConfig option, value, rlfleet field) for every mapped option of `run` (an RLRun spec), then the fixed
+    ones."""
     rows = [(option, convert(run), field) for option, field, convert in MAPPED]  # type: ignore[operator]
-    rows += [(option, value, "(fixed)") for option, value in FIXED.items()]
+    return rows + [(option, value, "(fixed)") for option, value in FIXED.items()]
+
+
+def lora_rows(run) -> list[tuple[str, object, str]]:
+    """(LoraConfig option, value, rlfleet field) of a LoRA run, then the fixed ones; [] without trainer.lora."""
     lora = run.trainer.lora
-    if lora is not None:
-        rows += [(f"LoraConfig.{option}", convert(lora), field) for option, field, convert in LORA_MAPPED]  # type: ignore[operator]
-        rows += [(f"LoraConfig.{option}", value, "(fixed)") for option, value in LORA_FIXED.items()]
-    return rows
+    if lora is None:
+        return []
+    rows = [(option, convert(lora), field) for option, field, convert in LORA_MAPPED]  # type: ignore[operator]
+    return rows + [(option, value, "(fixed)") for option, value in LORA_FIXED.items()]
+
+
+def mapping_rows(run) -> list[tuple[str, object, str]]:
+    """The whole mapping as printed: GRPOConfig's rows, then a LoRA run's adapter options as `LoraConfig.<option>`."""
+    return grpo_rows(run) + [(f"LoraConfig.{option}", value, field) for option, value, field in lora_rows(run)]
 
 
 def trl_options(run, steps: int, seed_offset: int = 0) -> dict:
     """GRPOConfig keyword arguments for `run`'s work over `steps` optimizer steps; `seed_offset` is added to
     the seed (TRL's sampling and data order; the model bytes stay the run's)."""
-    options = {option: value for option, value, _ in mapping_rows(run) if not option.startswith("LoraConfig.")}
+    options = {option: value for option, value, _ in grpo_rows(run)}
     return options | {"max_steps": steps, "seed": options["seed"] + seed_offset}
 
 
 def lora_options(run) -> dict | None:
     """peft LoraConfig keyword arguments for a LoRA run (None otherwise)."""
-    prefix = "LoraConfig."
-    options = {option[len(prefix) :]: value for option, value, _ in mapping_rows(run) if option.startswith(prefix)}
-    return options or None
+    return {option: value for option, value, _ in lora_rows(run)} or None
 
 
 def unmatched(run) -> list[str]:
@@ -256,18 +263,20 @@ def held_out_summary(trl_curve: list[dict], fleet_curve: list[dict]) -> dict:
     }
 
 
+def held_out_curve(scores: list[tuple[int, float]], made: dict[int, float]) -> list[dict]:
+    """A side's held-out curve: each (version, score), in version order, at `made[version]`, the launch-relative
+    time its weights were made (a version without one is left out)."""
+    return sorted(
+        ({"version": v, "score": score, "seconds": made[v]} for v, score in scores if v in made),
+        key=lambda point: point["version"],
+    )
+
+
 def rlfleet_held_out(records: list[dict], times: list[float], trainer_start: float) -> list[dict]:
     """rlfleet's held-out curve from its step records: each eval/version with its eval/score, at the time the
     trainer published that version (step v publishes version v; version 0, the base, at the trainer's start)."""
-    published = {r["step"]: t for r, t in zip(records, times)}
-    curve = [
-        {"version": r["eval/version"], "score": r["eval/score"]}
-        for r in records
-        if "eval/score" in r and (r["eval/version"] == 0 or r["eval/version"] in published)
-    ]
-    for point in curve:
-        point["seconds"] = trainer_start if point["version"] == 0 else published[point["version"]]
-    return sorted(curve, key=lambda point: point["version"])
+    scores = [(r["eval/version"], r["eval/score"]) for r in records if "eval/score" in r]
+    return held_out_curve(scores, {0: trainer_start} | {r["step"]: t for r, t in zip(records, times)})
 
 
 def summarize(times: list[float], rewards: dict[str, list[float]], wall: float, generated: int, trained: list[int]):
@@ -319,9 +328,9 @@ def run_trl(config: Path, steps: int, threads: int, work: Path, seed_offset: int
     child = json.loads(out.read_text())
     wall = time.time() - launched
     times = [t - launched for t in child["step_times"]]
-    held_out = [
-        {"version": e["version"], "score": e["score"], "seconds": e["time"] - launched} for e in child["held_out"]
-    ]
+    # TRL's version 0 is the model it started from; version v the weights after its step v
+    made = {0: child["train_started"] - launched} | {step: t for step, t in enumerate(times, start=1)}
+    held_out = held_out_curve([(version, score) for version, score in child["held_out"]], made)
     step_walls = [b - a for a, b in zip([child["train_started"], *child["step_times"]], child["step_times"])]
     generate = child["generate_seconds"]
     result = summarize(times, {"logged": child["rewards"]}, wall, sum(child["completions"]), child["completions"])
@@ -386,7 +395,7 @@ def run_rlfleet(config: Path, steps: int, spot_check_fraction: float | None, wor
 
 def trl_child(out: Path, config: Path, steps: int, threads: int, seed_offset: int) -> None:
     """The TRL side, in its own process: writes step times (time.time()), rewards, generate seconds and the
-    held-out curve to `out`."""
+    held-out scores ((version, score) pairs) to `out`."""
     import numpy as np
     import torch
     import trl
@@ -468,7 +477,7 @@ def trl_child(out: Path, config: Path, steps: int, threads: int, seed_offset: in
             peft_config=peft_config(lora) if lora else None,
         )
         trainer.train()
-    record["held_out"] = held_out.curve if held_out else []
+    record["held_out"] = held_out.scores if held_out else []
     out.write_text(json.dumps(record | {"generate_seconds": generate_seconds}))
 
 
@@ -488,20 +497,17 @@ class HeldOut:
         from rlfleet.services.trainer.evaluation import Evaluator
 
         self.evaluator = Evaluator(run, base)
-        self.made: dict[int, float] = {}  # version (TRL's step) -> when its weights were made
-        self.curve: list[dict] = []
+        self.scores: list[tuple[int, float]] = []  # (version: TRL's step, held-out score)
 
     def offer(self, model, version: int, last: bool) -> None:
-        self.made[version] = time.time()
         if version % self.evaluator.every == 0 or last:
             with tempfile.TemporaryDirectory(prefix="rlfleet-vs-trl-eval-") as tmp:
                 model.save_pretrained(tmp)
                 self.evaluator.offer(version, Path(tmp), final=last)  # copies it
         result = self.evaluator.take(wait=last)
         if result:
-            version = result["eval/version"]
-            self.curve.append({"version": version, "score": result["eval/score"], "time": self.made[version]})
-            print(f"held-out score of step {version}: {result['eval/score']:.3f}", flush=True)
+            self.scores.append((result["eval/version"], result["eval/score"]))
+            print(f"held-out score of step {result['eval/version']}: {result['eval/score']:.3f}", flush=True)
 
 
 # -- report ---------------------------------------------------------------------------------------------------
