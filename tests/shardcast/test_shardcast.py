@@ -274,7 +274,12 @@ def test_relay_keeps_only_k_versions(tmp_path):
         for v in (1, 2, 3):
             fetch_version(FetchSettings.over([relay_url], RUN, timeout=20), v, tmp_path / "worker")
         assert sorted(p.name for p in (tmp_path / "relay" / RUN).iterdir()) == ["v2", "v3"]
-        assert REGISTRY.get_sample_value("rlfleet_relay_versions_held") == 2
+
+        # set by the retention pass right after v3's rename, which may trail the fetch's last byte
+        def counted_two() -> bool:
+            return REGISTRY.get_sample_value("rlfleet_relay_versions_held") == 2
+
+        wait_for("the gauge to count two versions held", counted_two, 5, every=0.02)
         r = requests.get(relay_url + file_path(RUN, 1, MANIFEST_NAME), timeout=10)
         assert r.status_code == 410 and "older" in r.text  # dropped by retention: gone, not "not yet"
 

@@ -422,8 +422,15 @@ def test_retention_and_disk_bound_hold_over_many_versions(tmp_path, keys):
             assert disk() <= bound, (v, disk())
             held = {p.name for p in root.iterdir()}
             assert held == {f"v{u}" for u in range(max(1, v - 1), v + 1)}, held  # the bound allows two
-        metrics = requests.get(relay_url + "/metrics", timeout=10).text
-        assert "rlfleet_relay_versions_held 2.0" in metrics and "rlfleet_relay_shard_seconds_bucket" in metrics
+
+        # The gauge is set by the retention pass that follows v10's rename, a moment after the
+        # directory (and the fetch's last byte) became visible: ask until that pass has run.
+        def counted_two() -> str | None:
+            body = requests.get(relay_url + "/metrics", timeout=10).text
+            return body if "rlfleet_relay_versions_held 2.0" in body else None
+
+        metrics = wait_for("the relay's /metrics to count two versions held", counted_two, 5, every=0.02)
+        assert "rlfleet_relay_shard_seconds_bucket" in metrics
         big = make_version(tmp_path / "big", 99, size=bound)
         publish_version(store, RUN, 11, big, signer=signer, shard_size=SHARD)
         r = requests.get(relay_url + file_path(RUN, 11, MANIFEST_NAME), timeout=10)

@@ -137,7 +137,7 @@ class Relay:
         self.board = VersionBoard()  # what long-polls of `latest` are told
         self._pulls: dict[int, Pull] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._disk_lock = threading.Lock()  # retention and disk accounting run in pull threads
+        self._disk_lock = threading.RLock()  # retention and disk accounting run in pull threads
 
     def version_dir(self, version: int) -> Path:
         return self.root / version_dir_name(version)
@@ -330,9 +330,12 @@ class Relay:
         partial = self.partial_dir(pull.version)
         (partial / JOURNAL).unlink(missing_ok=True)
         (partial / COMPLETE_MARKER).write_text("all shards verified\n")
-        partial.rename(self.version_dir(pull.version))
-        pull.complete = True
-        self.prune()
+        # Under the disk lock, so a concurrent retention pass counts v{N} as held or as a pull in
+        # flight, never both (which would drop an older version the bound has room for) or neither.
+        with self._disk_lock:
+            partial.rename(self.version_dir(pull.version))
+            pull.complete = True
+            self.prune()
 
     def open_file(self, version: int, name: str):
         """`name` of v{N} opened for reading, wherever it lies now (the partial dir is renamed to
