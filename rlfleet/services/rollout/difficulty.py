@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rlfleet.config import ConfigError, DatasetTaskFields, load_bundle
 from rlfleet.tasks import make_task
+from rlfleet.tasks.base import WrappedTask
 from rlfleet.tasks.datasets import DatasetError, DatasetTask, load_rows
 from rlfleet.wire.streams import SamplingParams
 
@@ -82,7 +83,9 @@ def rate_rows(o: FilterOptions, progress=None) -> dict:
         task = make_task(task_spec.model_copy(update={"solve_rate_min": None, "solve_rate_max": None}))
     except DatasetError as exc:
         raise ConfigError(o.file, [f"spec.{exc}"]) from None
-    assert isinstance(task, DatasetTask)  # a task with a dataset; without a band every row is kept, in file order
+    # A dataset task, or one wrapped for its chat template or tools: either lists the rows' ids, every row (the band
+    # is off here), in file order.
+    assert isinstance(task, DatasetTask | WrappedTask)
     rows = rows[: o.max_rows] if o.max_rows else rows
     from rlfleet.engines import make_engine
     from rlfleet.engines.solve import score_problems
