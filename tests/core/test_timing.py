@@ -118,14 +118,17 @@ def test_on_lap_gets_every_closed_part_and_timed_without_laps_counts_nothing():
 def test_steps_tile_the_run_and_the_coarse_fields_are_sums_of_parts():
     clock = Clock()
     split = StepSplit(clock=clock)
-    with split.laps.part("publish_store"):  # before the first step (resuming): no step's
+    with split.laps.part("publish_save"):  # before the first step (resuming): no step's
         clock.tick(7.0)
+    with split.background.part("publish_store"):  # nor is the background publish of the version resumed at
+        clock.tick(3.0)
     split.begin()
     with split.laps.part("wait"):
         clock.tick(1.0)
     with split.laps.part("forward_backward"):
         clock.tick(2.0)
-    with split.laps.part("announce"):
+    split.background.add("publish_hash", 1.5)  # the publishing thread's, overlapping the step: outside its split
+    with split.laps.part("publish_wait"):
         clock.tick(0.5)
     with split.laps.part("eval"):
         clock.tick(0.25)
@@ -135,6 +138,7 @@ def test_steps_tile_the_run_and_the_coarse_fields_are_sums_of_parts():
     assert set(first["split"]) == set(SPLIT_PARTS)
     assert sum(first["split"].values()) == 3.75
     assert (first["wait_seconds"], first["compute_seconds"], first["publish_seconds"]) == (1.0, 2.0, 0.5)
+    assert first["background_split"]["publish_hash"] == 1.5 and sum(first["background_split"].values()) == 1.5
     with split.laps.part("record_write"):  # after the first step ended: the second one's
         clock.tick(0.5)
     split.begin()  # a later begin() does not move the start: the steps tile
@@ -142,7 +146,7 @@ def test_steps_tile_the_run_and_the_coarse_fields_are_sums_of_parts():
         clock.tick(1.0)
     second = split.end()
     assert second["step_seconds"] == 1.5 and second["split"]["record_write"] == 0.5
-    assert second["split"]["publish_store"] == 0.0
+    assert second["split"]["publish_wait"] == 0.0 and not any(second["background_split"].values())
 
 
 def test_every_part_is_in_exactly_one_coarse_field_or_named_outside_them():

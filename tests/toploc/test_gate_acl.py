@@ -64,5 +64,6 @@ def test_each_component_works_with_its_own_redis_user(tmp_path):
         commit.add([g.rollout_id for g in groups], [group_digest(g) for g in groups], trainer.version, ack)
         trainer.commit(commit)
         trainer.publish(full_model_state(trainer.model))
+        trainer.publishing.wait()  # stored and announced beside the caller (publishing.py)
         assert [g.rollout_id for g in groups] == [good.rollout_id]
         assert as_role["reader"].xrevrange(ctx.keys.policy, count=1)  # the announcement workers read

@@ -239,6 +239,7 @@ def test_a_bf16_run_trains_fp32_masters_and_publishes_bf16(tmp_path, redis_url):
     trainer.step([group("a", [1.0, 0.0]), group("b", [0.0, 1.0])])
     assert changed_fraction(before, trainer.model) > 0.5  # the fp32 masters took the 1e-6 step
     trainer.publish(full_model_state(trainer.model))
+    trainer.publishing.wait()  # stored beside the caller (publishing.py)
     published = list((tmp_path / "store").rglob("*.safetensors"))
     assert published
     for path in published:

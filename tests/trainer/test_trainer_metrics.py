@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rlfleet.services.trainer.split import SPLIT_PARTS
+from rlfleet.services.trainer.split import BACKGROUND_PARTS, SPLIT_PARTS
 from rlfleet.wire.ports import free_port
 from rlfleet.wire.streams import RunKeys
 from tests.support import scrape, start_trainer, tiny_policy_dir, trainer_run_config
@@ -99,6 +99,7 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
         - set(SERIES)
         - COARSE
         - {"rejected", "rejected_by_reason", "rollout_ids", "worker_ids", "dropped_rollout_ids", "split"}
+        - {"background_split"}
     )
     assert not unmapped, f"metrics.jsonl fields without a Prometheus series in this test: {sorted(unmapped)}"
     for field, (name, labels) in SERIES.items():
@@ -109,6 +110,11 @@ def test_every_metrics_jsonl_field_is_on_the_trainers_metrics_endpoint(tmp_path,
     assert set(record["split"]) == set(SPLIT_PARTS)
     for part, seconds in record["split"].items():
         key = ("rlfleet_trainer_step_seconds_sum", frozenset({"phase": part}.items()))
+        assert samples[key] == pytest.approx(seconds, rel=1e-6, abs=1e-9), part
+    # And every part of the background publish's (a counter: one record so far, so its seconds).
+    assert set(record["background_split"]) == set(BACKGROUND_PARTS)
+    for part, seconds in record["background_split"].items():
+        key = ("rlfleet_trainer_publish_background_seconds_total", frozenset({"part": part}.items()))
         assert samples[key] == pytest.approx(seconds, rel=1e-6, abs=1e-9), part
     rejected = {
         dict(labels)["reason"]: v

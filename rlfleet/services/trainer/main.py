@@ -7,8 +7,9 @@ One step:
      prompt, sampling, completions, whatever ids the worker gave it) is acknowledged and skipped
      (at-least-once delivery made exactly-once);
   2. group-normalized advantages, GRPO loss with two-sided clipping (loss.py), grad-norm clip, AdamW;
-  3. publish version v+1 to the store (manifest last; whole or as a delta against v, rlfleet/versions/publish.py),
-     announce it on the `policy` stream;
+  3. write version v+1's files, then publish them to the store (manifest last; whole or as a delta against v,
+     rlfleet/versions/publish.py) and announce it on the `policy` stream in a thread beside the next step
+     (publishing.py);
   4. every `checkpointEvery` steps (and at the last step, or when stopped) save the resume state,
      sharded (state.py), then record the digests of the steps since the previous save as trained and
      XACK their messages; until then they stay pending, so a crash redelivers them and they are trained
@@ -40,8 +41,9 @@ from rlfleet.models.sources import ModelSourceError, resolve_model_path
 from rlfleet.services.trainer.batches import Batch, BatchReader
 from rlfleet.services.trainer.distributed import await_lead, broadcast, init_distributed, lead_at, leave_distributed
 from rlfleet.services.trainer.evaluation import Evaluator
-from rlfleet.services.trainer.metrics import VERSION, MetricsLog, withdraw
+from rlfleet.services.trainer.metrics import MetricsLog, withdraw
 from rlfleet.services.trainer.models import load_rank_models
+from rlfleet.services.trainer.publishing import VersionPublishing
 from rlfleet.services.trainer.ranks import become_rank, is_group_parent, run_group
 from rlfleet.services.trainer.records import StepRecorder
 from rlfleet.services.trainer.sharding import full_model_state, publishable_weights
@@ -56,13 +58,11 @@ from rlfleet.services.trainer.state import (
 )
 from rlfleet.services.trainer.tracking import open_trackers
 from rlfleet.services.trainer.update import UpdateSettings, grpo_update
-from rlfleet.versions.checkpoint import prune_versions, save_model_dir
-from rlfleet.versions.publish import PolicyPublisher
-from rlfleet.versions.signing import run_signer
+from rlfleet.versions.checkpoint import save_model_dir
 from rlfleet.versions.store import open_run_store
 from rlfleet.wire import components, env
 from rlfleet.wire.runtime import ComponentOptions, Context, component_context, fail_run
-from rlfleet.wire.streams import RolloutGroup, encode_json, group_digest
+from rlfleet.wire.streams import RolloutGroup, group_digest
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -149,7 +149,7 @@ class Trainer:
         self.last_reward: float | None = None
         self.split = StepSplit()  # each step's record says where its seconds went (split.py)
         self.laps = self.split.laps
-        self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that publish)
+        self.publishing = VersionPublishing(ctx, self.store, self.window, self.split)  # rank 0 alone uses it
 
         self.reader = BatchReader(ctx, self.window, self.laps, record_outcomes=self.ranks.is_lead)
         self.recorder = StepRecorder(self.spec.task.type == "mixture", self.reader.outcomes)
@@ -196,7 +196,8 @@ class Trainer:
         """Take the steps after the saved state's up to step `steps` (every rank), or stop early when told to."""
         for step in range(self.resume(), steps + 1):
             if not self.take_step(step, last=step == steps):
-                return
+                break
+        self.publishing.wait()  # a stopped run's last version too
 
     def take_step(self, step: int, last: bool) -> bool:
         """Step `step` (every rank; `last`: the run's last): read and share the batch, update, then rank 0 records,
@@ -327,8 +328,9 @@ class Trainer:
             pipe.execute()
 
     def publish(self, model_state: dict, final: bool = False) -> None:
-        """Write `model_state` (version_state) as `self.version` to the store: the whole weights (whole or as a
-        delta against the previous version), or with LoRA the adapter alone (lora.py); then announce it."""
+        """Write `model_state` (version_state) as `self.version`'s files: the whole weights, or with LoRA the adapter
+        alone (lora.py); hand them to the background publish (publishing.py), and at the run's last version wait
+        until it is stored and announced."""
         laps = self.laps
         tmp = Path(tempfile.mkdtemp(prefix="rlfleet-publish-"))
         try:
@@ -345,32 +347,17 @@ class Trainer:
                             for k, v in publishable_weights(self.model, model_state).items()
                         },
                     )
-
-            shardcast = self.spec.shardcast
-            self._publisher = self._publisher or PolicyPublisher(
-                self.store,
-                self.ctx.run_name,
-                shardcast.deltas,
-                run_signer(shardcast),
-                shardcast.shard_size_bytes,
-                laps=laps,
-            )
             if self.evaluator:  # evaluates the version when due, on a copy (publishing moves the files), in a thread
                 with laps.part("eval"):
                     self.evaluator.offer(self.version, tmp, final)
-            self._publisher.publish(self.version, tmp, self.lora.section if self.lora else None)
-        finally:  # timed: removing what the publisher left took 2-18 ms a step here, 5 % of a short step
-            with laps.part("publish_store"):
-                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
-        # Versions older than any consumer may still ask for are deleted, so the store stays bounded.
-        keep = max(self.spec.shardcast.keep_versions, self.window.versions_to_keep())
-        with laps.part("prune"):
-            prune_versions(self.store, self.ctx.run_name, keep)
-
-        announcement = {"version": self.version, "time": time.time(), "step": self.step_done}
+        announcement: dict[str, float] = {"version": self.version, "step": self.step_done}
         if self.last_reward is not None:  # shown by the operator's status and printer columns
             announcement["reward"] = self.last_reward
-        with laps.part("announce"):  # redis-py asks for Dict[FieldT, EncodableT], invariant (Mapping would pass)
-            self.ctx.client.xadd(self.ctx.keys.policy, encode_json(announcement), maxlen=1000, approximate=True)  # type: ignore[arg-type]
-        VERSION.set(self.version)
+        self.publishing.hand_off(self.version, tmp, self.lora.section if self.lora else None, announcement)
+        if final:
+            with laps.part("publish_wait"):
+                self.publishing.wait()

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from rlfleet.config import RejectionReason
 from rlfleet.fleet.repeats import Tally
-from rlfleet.services.trainer.split import SPLIT_PARTS
+from rlfleet.services.trainer.split import BACKGROUND_PARTS, SPLIT_PARTS
 from rlfleet.tasks.mixture import source_of
 from rlfleet.wire.streams import RolloutGroup
 
@@ -44,6 +44,11 @@ STEP_SECONDS = Histogram(
 )
 STEP_WALL = Histogram(
     "rlfleet_trainer_step_wall_seconds", "Wall time of each step (step_seconds; its split adds up to it)"
+)
+BACKGROUND_SECONDS = Counter(
+    "rlfleet_trainer_publish_background_seconds",
+    "Seconds the background publish of versions worked, by part, beside the steps (background_split, split.py)",
+    ["part"],
 )
 # Every per-step statistic of metrics.jsonl, by name (loss, grad_norm, accuracy, learning_rate, ...).
 BATCH_STATS = (
@@ -98,6 +103,8 @@ for _reason in DROP_REASONS:
     DROPPED.labels(_reason)
 for _phase in SPLIT_PARTS:
     STEP_SECONDS.labels(_phase)
+for _part in BACKGROUND_PARTS:
+    BACKGROUND_SECONDS.labels(_part)
 EXPORTED = (
     STEP,
     VERSION,
@@ -112,6 +119,7 @@ EXPORTED = (
     DROPPED,
     STEP_SECONDS,
     STEP_WALL,
+    BACKGROUND_SECONDS,
     STAT,
     GROUPS,
     RETIRED,
@@ -138,7 +146,8 @@ def export_step(record: dict) -> None:
     Mapping: step, policy_version, reward_mean, sampled_reward_mean, staleness_mean/max -> their gauges; the GRPO
     statistics -> rlfleet_trainer_batch_stat{stat}; samples -> the samples counter; repeated_groups and
     flat_groups_held_back -> their gauges; dropped_* -> the dropped counter by reason; each part of split -> the
-    step-time histogram by phase (the part's name); step_seconds -> the step wall-time histogram; wall_seconds ->
+    step-time histogram by phase (the part's name); each part of background_split -> the background publish's
+    seconds counter by part; step_seconds -> the step wall-time histogram; wall_seconds ->
     elapsed; accepted and rejected_by_reason -> rlfleet_trainer_verifier_groups (rejected is their sum over reasons,
     every known reason present); prompts_retired_* (online filter) -> rlfleet_trainer_prompts_retired{outcome};
     eval/* (held-out evaluation, in the record of the step it finished in) -> rlfleet_trainer_eval{stat}; sources (a
@@ -165,6 +174,8 @@ def export_step(record: dict) -> None:
         STEP_SECONDS.labels(phase).observe(seconds)
     if "step_seconds" in record:
         STEP_WALL.observe(record["step_seconds"])
+    for part, seconds in record.get("background_split", {}).items():
+        BACKGROUND_SECONDS.labels(part).inc(seconds)
     for outcome in ("solved", "failed"):
         if f"prompts_retired_{outcome}" in record:
             RETIRED.labels(outcome).set(record[f"prompts_retired_{outcome}"])

@@ -8,9 +8,13 @@ the previous record, the log line) is in the next one. Its parts are timed at th
 covers (a few lines of loop and arithmetic) is the gap between step_seconds and the parts' sum.
 
 The three coarse fields older readers use are sums of parts: wait_seconds (getting the batch),
-compute_seconds (the GRPO update), publish_seconds (everything from the update to the announcement, as
-it always was: the resume-state save and the bookkeeping included); `record_write` and `eval` are in
-none of them.
+compute_seconds (the GRPO update), publish_seconds (what the step spends after the update to hand its
+version off: gathering the weights, the bookkeeping, the resume-state save, writing the version's files,
+and waiting for the previous version's publish); `record_write` and `eval` are in none of them.
+
+The rest of a publish (delta, hashes, signature, store writes, prune, announcement) runs in a thread
+beside the next step (publishing.py): its parts are `background_split`, the seconds that thread worked
+during the step, outside `split` and `step_seconds` (they overlap the step's own parts).
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ SPLIT_PARTS = {
     "ack": "with a save: recording the trained digests and acknowledging the groups (ZADD, XACK)",
     "publish_save": "writing the new version's files (safetensors, tokenizer; with LoRA the adapter)",
     "eval": "spec.eval: copying a due version for the evaluator; at the last step, waiting for its score",
+    "publish_wait": (
+        "waiting for the previous version's background publish before handing this one off (publishing slower than"
+        " a step), and at the last step for this version's"
+    ),
+}
+# Part -> what it times, of the publishes that run beside the steps (publishing.py), in the order one runs them:
+# each record's `background_split` holds their seconds during that step, which overlap its `split`.
+BACKGROUND_PARTS = {
     "publish_delta": "encoding the version as a delta against the previous one (hashes included)",
     "publish_hash": "the manifest's file entries (sha256 of each file and shard)",
     "publish_sign": "signing the manifest",
@@ -50,20 +62,7 @@ SPLIT_PARTS = {
 }
 WAIT_PARTS = ("demand", "wait", "decode", "dedup", "outcomes", "broadcast")
 COMPUTE_PARTS = ("prepare", "forward_backward", "optimizer")
-PUBLISH_PARTS = (
-    "gather",
-    "stats",
-    "record",
-    "resume_save",
-    "ack",
-    "publish_save",
-    "publish_delta",
-    "publish_hash",
-    "publish_sign",
-    "publish_store",
-    "prune",
-    "announce",
-)
+PUBLISH_PARTS = ("gather", "stats", "record", "resume_save", "ack", "publish_save", "publish_wait")
 
 
 class StepSplit:
@@ -72,6 +71,7 @@ class StepSplit:
     def __init__(self, clock=time.monotonic):
         self.clock = clock
         self.laps = Laps(tuple(SPLIT_PARTS), clock=clock)
+        self.background = Laps(tuple(BACKGROUND_PARTS), clock=clock)  # publishing.py's thread
         self.started: float | None = None
 
     def begin(self) -> None:
@@ -79,6 +79,7 @@ class StepSplit:
         if self.started is None:
             self.started = self.clock()
             self.laps.take()
+            self.background.take()
 
     def end(self) -> dict:
         """The step's timing fields (its record is complete); the next step starts now."""
@@ -89,6 +90,7 @@ class StepSplit:
         return {
             "step_seconds": step_seconds,
             "split": split,
+            "background_split": self.background.take(),
             "wait_seconds": sum(split[p] for p in WAIT_PARTS),
             "compute_seconds": sum(split[p] for p in COMPUTE_PARTS),
             "publish_seconds": sum(split[p] for p in PUBLISH_PARTS),
