@@ -238,7 +238,12 @@ def test_a_bf16_run_trains_fp32_masters_and_publishes_bf16(tmp_path, redis_url):
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.step([group("a", [1.0, 0.0]), group("b", [0.0, 1.0])])
     assert changed_fraction(before, trainer.model) > 0.5  # the fp32 masters took the 1e-6 step
-    trainer.publish(full_model_state(trainer.model))
+    # The version is gathered tensor by tensor in the published dtype: no fp32 copy of the model on the way.
+    state = trainer.version_state()
+    masters = trainer.model.state_dict()
+    assert state.keys() == masters.keys() and {t.dtype for t in state.values()} == {torch.bfloat16}
+    assert all(state[k].equal(masters[k].to(torch.bfloat16)) for k in masters)
+    trainer.publish(full_model_state(trainer.model))  # fp32 handed in: still published as bf16
     trainer.publishing.wait()  # stored beside the caller (publishing.py)
     published = list((tmp_path / "store").rglob("*.safetensors"))
     assert published

@@ -101,7 +101,8 @@ def _rank_main(rank: int, world: int, port: int, policy_dir: str, out: str) -> N
     )
     weights = full_model_state(model)
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in weights.items()}, f"{out}/resumed.safetensors")
+        # tied names share one gathered tensor, which safetensors will not write twice: a copy per name
+        save_file({k: v.clone() for k, v in weights.items()}, f"{out}/resumed.safetensors")
         torch.save({"grad_norm": stats["grad_norm"]}, f"{out}/stats.pt")
     dist.destroy_process_group()
 
@@ -152,7 +153,8 @@ def _sharded_load_main(rank: int, world: int, port: int, policy_dir: str, out: s
     local = {name: p.to_local().numel() for name, p in model.named_parameters()}
     weights = full_model_state(model)
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in weights.items()}, f"{out}/gathered.safetensors")
+        # tied names share one gathered tensor, which safetensors will not write twice: a copy per name
+        save_file({k: v.clone() for k, v in weights.items()}, f"{out}/gathered.safetensors")
     torch.save(local, f"{out}/local{rank}.pt")
     # the sharded model scores like the whole one: a forward through FSDP's gathers
     with torch.no_grad():

@@ -242,7 +242,9 @@ class Trainer:
     def version_state(self) -> dict:
         """What a version publishes, on rank 0's CPU: the whole weights, or with LoRA the adapters alone (the base
         is frozen and every worker holds it). Every rank calls it."""
-        return full_model_state(self.model, trainable_only=self.lora is not None)
+        if self.lora is not None:
+            return full_model_state(self.model, trainable_only=True)
+        return full_model_state(self.model, dtype=self.precision.publish_dtype)  # no fp32 copy of bf16 masters
 
     def read_batch(self) -> Batch:
         """Rank 0: the batch of the step taken while holding `self.version` (batches.py)."""

@@ -15,11 +15,11 @@ weight (update.py).
 
 State in and out: the resume state is not gathered; every rank saves its shards with
 torch.distributed.checkpoint and any world size reads them back (state.py). `full_model_state`
-gathers the whole weights, keyed by parameter name (torch.distributed.checkpoint.state_dict's full
-state dicts), onto rank 0's CPU for publishing; it is a collective under FSDP, so every rank calls
-it. The published checkpoint is whole HF safetensors written by rank 0 (`publishable_weights`: a
-tied parameter is saved once, under its first name, as `save_pretrained` does), so rollout workers
-and the verifier never see shards.
+gathers the whole weights, keyed by parameter name, onto rank 0's CPU for publishing, one tensor at a
+time and already in the published dtype; it is a collective under FSDP, so every rank calls it. The
+published checkpoint is whole HF safetensors written by rank 0 (`publishable_weights`: a tied parameter
+is saved once, under its first name, as `save_pretrained` does), so rollout workers and the verifier never
+see shards.
 Reference: torchtitan `parallelize` (per-block fully_shard, then the root) and its HF export.
 """
 
@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -130,28 +129,32 @@ def is_sharded(model) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _full_options(**extra) -> StateDictOptions:
-    # Outside a process group there is nothing to gather: the plain state dicts are already whole.
-    if dist.is_initialized():
-        return StateDictOptions(full_state_dict=True, cpu_offload=True, **extra)
-    return StateDictOptions(**extra)
-
-
-def full_model_state(lm, trainable_only: bool = False) -> dict:
+def full_model_state(lm, trainable_only: bool = False, dtype: torch.dtype | None = None) -> dict:
     """The whole model state dict on rank 0's CPU ({} elsewhere under FSDP). Every rank calls it.
     `trainable_only`: only the parameters that train (a LoRA run's adapters: a few MB), so a LoRA version
-    gathers no part of its frozen base, on every rank."""
-    if not trainable_only:
-        return get_model_state_dict(lm, options=_full_options())
-    # Gathered here rather than with get_model_state_dict's ignore_frozen_params, which keeps the second name
-    # of a tied frozen parameter (lm_head.weight: the whole embedding).
+    gathers no part of its frozen base, on every rank. `dtype`: floating tensors are cast to it on their device
+    one at a time, before they are copied to the CPU, so publishing bf16 from fp32 masters never holds an fp32
+    copy of the model (a 32B model's would be 128 GB of host memory).
+
+    Tensor by tensor, in the module's order on every rank: a sharded parameter is all-gathered (DTensor
+    full_tensor, a collective) and the names of a tied parameter (lm_head.weight, the embedding) share one
+    gathered tensor."""
     lead = not dist.is_initialized() or dist.get_rank() == 0
-    state = {}
-    for name, param in lm.named_parameters():
-        if param.requires_grad:
-            whole = param.full_tensor() if isinstance(param, DTensor) else param  # under FSDP an all-gather
-            if lead:
-                state[name] = whole.detach().cpu().contiguous()
+    if trainable_only:
+        # Not get_model_state_dict's ignore_frozen_params, which keeps the second name of a tied frozen parameter
+        # (lm_head.weight: the whole embedding).
+        entries = [(name, p) for name, p in lm.named_parameters() if p.requires_grad]
+    else:
+        entries = list(lm.state_dict(keep_vars=True).items())
+    state, gathered = {}, {}
+    for name, value in entries:
+        if id(value) not in gathered:
+            whole = value.full_tensor() if isinstance(value, DTensor) else value  # under FSDP an all-gather
+            if dtype is not None and whole.is_floating_point():
+                whole = whole.to(dtype)
+            gathered[id(value)] = whole.detach().cpu().contiguous() if lead else None
+        if lead:
+            state[name] = gathered[id(value)]
     return state
 
 
