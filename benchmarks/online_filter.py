@@ -52,6 +52,7 @@ from _paths import ROOT
 from rlfleet.wire.run_summary import read_metrics
 
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
+REJECTIONS_KEPT = 10
 DROPS = ("dropped_stale", "dropped_duplicate", "dropped_malformed", "dropped_zero_advantage")
 
 
@@ -142,7 +143,9 @@ def measure(records: list[dict]) -> dict:
     }
 
 
-def run(config_text: str, workdir: Path, name: str, steps: int | None) -> list[dict]:
+def run(config_text: str, workdir: Path, name: str, steps: int | None) -> dict:
+    """One run's figures (`measure`), and the verifier's log line of each of its first rejections for another
+    reason than a ban (the run's directory is deleted at the end: this keeps what an honest worker was refused for)."""
     config, run_dir = workdir / f"{name}.yaml", workdir / name
     config.write_text(config_text)
     cmd = [sys.executable, "-m", "rlfleet.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
@@ -150,7 +153,9 @@ def run(config_text: str, workdir: Path, name: str, steps: int | None) -> list[d
         cmd += ["--steps", str(steps)]
     print(f"running {name}: {' '.join(cmd)}", file=sys.stderr)
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr)
-    return read_metrics(run_dir / "metrics.jsonl")
+    lines = (line for log in sorted((run_dir / "logs").glob("verifier*.log")) for line in log.read_text().splitlines())
+    logged = [line for line in lines if " rejected " in line and ": banned: " not in line]
+    return {**measure(read_metrics(run_dir / "metrics.jsonl")), "rejections_logged": logged[:REJECTIONS_KEPT]}
 
 
 def main() -> int:
@@ -187,9 +192,9 @@ def main() -> int:
                 rating = rate(config, args.rate_rows, rated)
             low, high = args.offline_band
             band = {"path": str(rated.resolve()), "min": low, "max": high, "rows": band_rows(rated, low, high)}
-        without = measure(run(variant(docs, eval_spec), Path(tmp), "without", args.steps))
+        without = run(variant(docs, eval_spec), Path(tmp), "without", args.steps)
         filtered = variant(docs, eval_spec, online_filter=None if band else online_filter, band=band)
-        with_filter = measure(run(filtered, Path(tmp), "with", args.steps))
+        with_filter = run(filtered, Path(tmp), "with", args.steps)
     ratio = with_filter["dropped_share_last_third"] / max(without["dropped_share_last_third"], 1e-9)
     wasted_ratio = with_filter["wasted_share"] / max(without["wasted_share"], 1e-9)
     key = "eval_score_last_third"
@@ -210,12 +215,15 @@ def main() -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{'':28}{'without':>12}{'with':>12}")
-    for name in without:
+    for name in (n for n in without if n != "rejections_logged"):
         a, b = without[name], with_filter[name]
         fmt = lambda v: f"{v:12.3f}" if isinstance(v, float) else f"{v!s:>12}"  # noqa: E731
         print(f"{name:28}{fmt(a)}{fmt(b)}")
     print(f"dropped share with / without: {ratio:.3f} (goal <= 0.5); wasted share with / without: {wasted_ratio:.3f}")
     print(f"{key} no worse: {no_worse}")
+    for name, figures in (("without", without), ("with", with_filter)):
+        for line in figures["rejections_logged"]:
+            print(f"{name}: {line}")
     if rating:
         print(f"rating: {rating['rows']} rows x {rating['k']} completions in {rating['seconds']:.0f} s")
     return 0
