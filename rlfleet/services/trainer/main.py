@@ -334,7 +334,8 @@ class Trainer:
         alone (lora.py); hand them to the background publish (publishing.py), and at the run's last version wait
         until it is stored and announced."""
         laps = self.laps
-        tmp = Path(tempfile.mkdtemp(prefix="rlfleet-publish-"))
+        with laps.part("publish_save"):
+            tmp = Path(tempfile.mkdtemp(prefix="rlfleet-publish-"))
         try:
             with laps.part("publish_save"):
                 if self.lora:

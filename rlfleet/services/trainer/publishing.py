@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import queue
 import shutil
 import threading
 import time
@@ -58,38 +59,46 @@ class VersionPublishing:
         self.shardcast = ctx.bundle.run.spec.shardcast
         self.step_laps, self.laps = split.laps, split.background  # the step's parts; the publishes' (split.py)
         self._publisher: PolicyPublisher | None = None  # made at the first publish (a missing key fails that one)
-        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[tuple[int, Path, AdapterSection | None, dict]] = queue.SimpleQueue()
+        self._idle = threading.Event()  # no publish in flight
+        self._idle.set()
+        self._thread: threading.Thread | None = None  # started at the first hand-off, lives as long as the process
         self._failure: tuple[int, BaseException] | None = None
 
     def hand_off(self, version: int, files: Path, adapter: AdapterSection | None, announcement: dict) -> None:
         """Publish `files` (a directory this object now owns and deletes) as `version`, then announce
         `announcement`, in the background once the previous publish is done."""
-        try:
-            with self.step_laps.part("publish_wait"):
+        with self.step_laps.part("publish_wait"):
+            try:
                 self.wait()
-        except BaseException:
-            shutil.rmtree(files, ignore_errors=True)
-            raise
-        self._thread = threading.Thread(
-            target=self._run, args=(version, files, adapter, announcement), name=f"publish-v{version}", daemon=True
-        )
-        self._thread.start()
+            except BaseException:
+                shutil.rmtree(files, ignore_errors=True)
+                raise
+            # One thread for every version, not one each: starting a thread waits for it to run, and on a loaded
+            # machine that wait is a step's to pay.
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="publish", daemon=True)
+                self._thread.start()
+            self._idle.clear()
+            self._jobs.put((version, files, adapter, announcement))
 
     def wait(self) -> None:
         """Until the publish in flight is done; PublishFailed if it (or one before it) failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._idle.wait()
         if self._failure is not None:
             version, cause = self._failure
             raise PublishFailed(f"publishing version {version} failed: {cause}") from cause
 
-    def _run(self, version: int, files: Path, adapter: AdapterSection | None, announcement: dict) -> None:
-        try:
-            self._publish(version, files, adapter, announcement)
-        except BaseException as exc:  # raised in the trainer's thread by the next hand_off or wait
-            log.exception("publishing version %d failed", version)
-            self._failure = (version, exc)
+    def _serve(self) -> None:
+        while True:
+            version, files, adapter, announcement = self._jobs.get()
+            try:
+                self._publish(version, files, adapter, announcement)
+            except BaseException as exc:  # raised in the trainer's thread by the next hand_off or wait
+                log.exception("publishing version %d failed", version)
+                self._failure = (version, exc)
+            finally:
+                self._idle.set()
 
     def _publish(self, version: int, files: Path, adapter: AdapterSection | None, announcement: dict) -> None:
         laps = self.laps

@@ -43,8 +43,8 @@ SPLIT_PARTS = {
     "publish_save": "writing the new version's files (safetensors, tokenizer; with LoRA the adapter)",
     "eval": "spec.eval: copying a due version for the evaluator; at the last step, waiting for its score",
     "publish_wait": (
-        "waiting for the previous version's background publish before handing this one off (publishing slower than"
-        " a step), and at the last step for this version's"
+        "handing the version to the publishing thread, after waiting for the previous version's publish (publishing"
+        " slower than a step); at the last step, waiting for this version's"
     ),
 }
 # Part -> what it times, of the publishes that run beside the steps (publishing.py), in the order one runs them:
