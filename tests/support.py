@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import subprocess
 import sys
@@ -23,6 +24,13 @@ from rlfleet.wire.ports import free_port
 from tests.runs import bundle_yaml, rlrun
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root
+
+
+def benchmark_module(monkeypatch, name: str):
+    """benchmarks/`name`.py imported as a module, its folder on sys.path for this test (the scripts import their
+    neighbours by file name: `_paths`, `delta`)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    return importlib.import_module(name)
 
 
 def wait_for(what: str, fn, timeout: float = 10.0, every: float = 0.1):

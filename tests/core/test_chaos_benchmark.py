@@ -4,23 +4,19 @@ nothing but Redis must not pass."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 from rlfleet.local.supervisor import RECORD, Component, Supervisor
 from tests.core.test_supervisor import FAST, python
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import benchmark_module
 
 
 @pytest.fixture
 def chaos(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("chaos")
+    return benchmark_module(monkeypatch, "chaos")
 
 
 def test_the_benchmark_finds_each_kind_in_the_record_and_stops_naming_a_kind_it_cannot_find(tmp_path, chaos):

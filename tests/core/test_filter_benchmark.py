@@ -3,23 +3,20 @@ variant of a config it writes (the runs themselves, minutes each, are the benchm
 
 from __future__ import annotations
 
-import importlib
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 
 from rlfleet.config import parse_bundle
+from tests.support import REPO, benchmark_module
 
-ROOT = Path(__file__).resolve().parents[2]
-SMOLLM2 = ROOT / "examples" / "smollm2" / "rlrun.yaml"
+SMOLLM2 = REPO / "examples" / "smollm2" / "rlrun.yaml"
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("online_filter")
+    return benchmark_module(monkeypatch, "online_filter")
 
 
 def record(step: int, trained: int, flat: int, repeated: int = 0, **drops) -> dict:
@@ -53,7 +50,7 @@ def test_wasted_share_counts_held_back_groups_once_and_every_drop_of_the_run(ben
 
 
 def test_the_offline_band_variant_trains_on_the_rated_rows_within_the_band(bench, tmp_path):
-    rows = [json.loads(line) for line in (ROOT / "examples" / "smollm2" / "train.jsonl").read_text().splitlines()[:6]]
+    rows = [json.loads(line) for line in (REPO / "examples" / "smollm2" / "train.jsonl").read_text().splitlines()[:6]]
     rates = [0.0, 0.125, 0.5, 1.0, 0.875, 0.0]
     rated = tmp_path / "rated.jsonl"
     rated.write_text("".join(json.dumps({**row, "solve_rate": rate}) + "\n" for row, rate in zip(rows, rates)))

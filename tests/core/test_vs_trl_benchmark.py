@@ -5,13 +5,13 @@ these check what turns their records into the reported figures, on synthetic rec
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
 import yaml
 
 from rlfleet.config import parse_bundle
+from tests.support import benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
@@ -19,8 +19,7 @@ EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
 
 @pytest.fixture
 def vs_trl(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return importlib.import_module("vs_trl")
+    return benchmark_module(monkeypatch, "vs_trl")
 
 
 def example_run(**trainer):
