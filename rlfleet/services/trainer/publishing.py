@@ -9,8 +9,9 @@ A version is published in two halves:
                        the previous version, every file's and shard's sha256, the signature, the store
                        writes, manifest last), deletes versions no consumer can still ask for, and
                        announces the version on the `policy` stream.
-At 7B the second half is minutes of hashing and uploading a step would otherwise wait for (issue "Real
-sizes I"); its seconds are `background_split` of each step's record (split.py), never in `split`.
+At 7B the second half is tens of seconds to minutes of hashing and uploading that a step would otherwise
+wait for (issue "Real sizes I"); its seconds are `background_split` of each step's record (split.py), never
+in `split`.
 
 Invariants:
   - versions reach the store and the stream in order, one publish in flight at most: handing off version N
