@@ -49,6 +49,7 @@ from pathlib import Path
 import yaml
 from _paths import ROOT
 
+from rlfleet.tasks.datasets import filter_by_solve_rate, read_rows
 from rlfleet.wire.run_summary import read_metrics
 
 EXAMPLE = ROOT / "examples" / "arithmetic" / "rlrun.yaml"
@@ -84,9 +85,9 @@ def rate(config: Path, rows: int, out: Path) -> dict:
 
 
 def band_rows(rated: Path, low: float, high: float) -> int:
-    """Rows of a rated file within the band (the training set the filtered run draws from)."""
-    rates = [json.loads(line).get("solve_rate") for line in rated.read_text().splitlines() if line.strip()]
-    return sum(r is not None and low <= r <= high for r in rates)
+    """Rows of a rated file within the band (the training set the filtered run draws from), as the task counts them."""
+    kept, _ = filter_by_solve_rate(read_rows(str(rated)), low, high)
+    return len(kept)
 
 
 def copy_of_rows(path: str, workdir: Path) -> Path:
